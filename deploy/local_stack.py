@@ -1,0 +1,68 @@
+"""The services that ``fleet up`` starts, in start order, with what each may ask the token service for.
+
+Entries name the service's entry point as ``module:function`` so that the supervisor (and
+``fleet serve``) can start it without importing it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ServiceKind = Literal["registry", "coordinator", "specialist", "mcp_server"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """One service process of the local stack."""
+
+    id: str
+    kind: ServiceKind
+    entry: str
+    scopes: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ("*",)
+    mcp_path: str = ""
+
+
+REGISTRY = ServiceSpec("registry", "registry", "registry.server:main")
+
+SERVICES: tuple[ServiceSpec, ...] = (
+    REGISTRY,
+    ServiceSpec(
+        "mcp-sql",
+        "mcp_server",
+        "mcp_servers.sql.server:main",
+        scopes=("registry:read", "registry:write"),
+        mcp_path="/mcp",
+    ),
+    ServiceSpec(
+        "sql-analyst",
+        "specialist",
+        "specialists.sql_analyst.agent:main",
+        scopes=("registry:read", "registry:write", "sql:query"),
+    ),
+    ServiceSpec(
+        "stats",
+        "specialist",
+        "specialists.stats.agent:main",
+        scopes=("registry:read", "registry:write"),
+    ),
+    ServiceSpec(
+        "coordinator",
+        "coordinator",
+        "coordinator.server:main",
+        scopes=("registry:read", "registry:write", "agent:invoke"),
+    ),
+)
+
+# The operator (``fleet token``, ``fleet status``, the demo acting as an outside agent) is enrolled
+# from its public key when the registry starts; it may ask for any scope and any tenant.
+OPERATOR_ID = "operator"
+OPERATOR_SCOPES: tuple[str, ...] = ("*",)
+
+
+def service(service_id: str) -> ServiceSpec:
+    for spec in SERVICES:
+        if spec.id == service_id:
+            return spec
+    raise KeyError(service_id)

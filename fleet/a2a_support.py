@@ -1,0 +1,169 @@
+"""What every A2A server of the fleet shares: the bearer-JWT gate (the SDK enforces no auth), the call
+context carrying the verified claims, and signed agent cards."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from a2a.server.context import ServerCallContext
+from a2a.server.routes import DefaultServerCallContextBuilder
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    HTTPAuthSecurityScheme,
+    SecurityRequirement,
+    SecurityScheme,
+    StringList,
+)
+from a2a.utils.signing import create_agent_card_signer
+from jwt import PyJWK
+from jwt.algorithms import ECAlgorithm
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fleet.errors import FleetError
+from fleet.keys import ALGORITHM, SigningKey
+from fleet.tokens import Claims, TokenVerifier, bearer_token
+
+RPC_PATH = "/a2a/jsonrpc"
+
+
+class BearerAuthMiddleware:
+    """Requires a valid access token for this service on every A2A call (the card stays public).
+
+    A request without one gets 401 and ``WWW-Authenticate``; a verified request carries its
+    :class:`Claims` in ``scope["state"]["claims"]`` and a user named after the token subject.
+    """
+
+    def __init__(self, app: ASGIApp, verifier: TokenVerifier, required_scope: str) -> None:
+        self._app = app
+        self._verifier = verifier
+        self._scope = required_scope
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(RPC_PATH):
+            await self._app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        try:
+            claims = await self._verifier.verify(
+                bearer_token(authorization), required_scopes=[self._scope]
+            )
+        except FleetError as exc:
+            await _deny(send, exc)
+            return
+        scope["user"] = _TokenUser(claims)
+        scope.setdefault("state", {})["claims"] = claims
+        await self._app(scope, receive, send)
+
+
+async def _deny(send: Send, exc: FleetError) -> None:
+    body = json.dumps({"error": exc.to_dict()}).encode()
+    challenge = f'Bearer error="invalid_token", error_description="{exc.message}"'
+    if exc.http_status == 403:
+        challenge = f'Bearer error="insufficient_scope", error_description="{exc.message}"'
+    await send(
+        {
+            "type": "http.response.start",
+            "status": exc.http_status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"www-authenticate", challenge.encode("latin-1")),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TokenUser:
+    """The Starlette user of a verified request; the SDK scopes tasks by ``display_name``.
+
+    Tasks belong to ``tenant/subject`` so that one tenant never sees another's tasks.
+    """
+
+    def __init__(self, claims: Claims) -> None:
+        self.claims = claims
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return f"{self.claims.tenant}/{self.claims.sub}"
+
+
+class ClaimsContextBuilder(DefaultServerCallContextBuilder):
+    """Puts the verified claims into the SDK's call context (``state["claims"]``)."""
+
+    def build(self, request: Request) -> ServerCallContext:
+        context = super().build(request)
+        context.state["claims"] = request.scope.get("state", {}).get("claims")
+        return context
+
+
+def claims_of(context: ServerCallContext | None) -> Claims:
+    """The verified claims of the current A2A call (the auth middleware guarantees them)."""
+    claims = context.state.get("claims") if context is not None else None
+    if not isinstance(claims, Claims):
+        raise RuntimeError("A2A call reached an executor without verified claims")
+    return claims
+
+
+def build_card(
+    *,
+    name: str,
+    description: str,
+    version: str,
+    base_url: str,
+    skills: list[AgentSkill],
+    streaming: bool = True,
+) -> AgentCard:
+    """An unsigned card for an agent served at ``base_url`` behind bearer-JWT auth."""
+    return AgentCard(
+        name=name,
+        description=description,
+        version=version,
+        supported_interfaces=[
+            AgentInterface(url=base_url + RPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0")
+        ],
+        capabilities=AgentCapabilities(streaming=streaming),
+        default_input_modes=["text/plain", "application/json"],
+        default_output_modes=["text/plain", "application/json"],
+        security_schemes={
+            "bearer": SecurityScheme(
+                http_auth_security_scheme=HTTPAuthSecurityScheme(
+                    scheme="Bearer",
+                    bearer_format="JWT",
+                    description="An access token from the fleet registry's token service "
+                    "(audience: this agent's id)",
+                )
+            )
+        },
+        security_requirements=[SecurityRequirement(schemes={"bearer": StringList(list=[])})],
+        skills=skills,
+    )
+
+
+def sign_card(card: AgentCard, key: SigningKey, jku: str | None = None) -> AgentCard:
+    """Sign ``card`` (JWS over its RFC 8785 canonical form, as A2A 1.0 specifies)."""
+    private_jwk: dict[str, Any] = ECAlgorithm.to_jwk(key.private_key, as_dict=True)
+    header: dict[str, Any] = {"alg": ALGORITHM, "kid": key.kid, "typ": "JOSE"}
+    if jku:
+        header["jku"] = jku
+    signer = create_agent_card_signer(PyJWK(private_jwk, algorithm=ALGORITHM), header)  # type: ignore[arg-type]
+    return signer(card)
+
+
+__all__ = [
+    "RPC_PATH",
+    "BearerAuthMiddleware",
+    "ClaimsContextBuilder",
+    "build_card",
+    "claims_of",
+    "sign_card",
+]

@@ -1,0 +1,196 @@
+"""The ``fleet`` command.
+
+Exit codes scripts can rely on: 0 success; 1 the operation failed; 2 bad usage; 3 no stack is running
+on the data dir (for commands that need one); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fleet.errors import FleetError
+from fleet.layout import StackLayout
+from fleet.settings import FleetSettings
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fleet", description="agent-fleet: run and operate a fleet")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--data-dir", type=Path, default=None, help="default: $FLEET_HOME or .fleet")
+        return p
+
+    up = with_dir(sub.add_parser("up", help="start the local stack"))
+    up.add_argument("--detach", action="store_true", help="return once healthy; keep running")
+    up.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    with_dir(sub.add_parser("down", help="stop the local stack"))
+    status = with_dir(sub.add_parser("status", help="health and what the registry knows"))
+    status.add_argument("--json", action="store_true")
+    token = with_dir(sub.add_parser("token", help="print a short-lived access token"))
+    token.add_argument("--audience", required=True, help="the service the token is for")
+    token.add_argument("--tenant", default="default")
+    token.add_argument("--scope", action="append", default=[], help="repeat for several scopes")
+    demo = with_dir(sub.add_parser("demo", help="run the end-to-end demo as an outside agent"))
+    demo.add_argument("--tenant", default="acme")
+    demo.add_argument("--keep-running", action="store_true", help="leave a stack it started up")
+    serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
+    serve.add_argument("service_id")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = FleetSettings()
+    data_dir = getattr(args, "data_dir", None) or settings.home
+    layout = StackLayout.at(data_dir)
+    try:
+        return _dispatch(args, settings, layout)
+    except FleetError as exc:
+        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleet import operator_cli
+
+    command: str = args.command
+    if command == "up":
+        if args.detach:
+            return up_detached(layout)
+        return asyncio.run(up_foreground(settings, layout, args.ready_fd))
+    if command == "down":
+        return operator_cli.down(layout)
+    if command == "status":
+        return asyncio.run(operator_cli.status(layout, as_json=args.json))
+    if command == "token":
+        return asyncio.run(operator_cli.token(layout, args.audience, args.tenant, args.scope))
+    if command == "demo":
+        from fleet import demo
+
+        return demo.run(layout, tenant=args.tenant, keep_running=args.keep_running)
+    if command == "serve":
+        return serve(args.service_id)
+    return EXIT_USAGE
+
+
+def serve(service_id: str) -> int:
+    """Run one service of the local stack definition in this process."""
+    from deploy.local_stack import service
+    from fleet.settings import ServiceSettings
+
+    try:
+        spec = service(service_id)
+    except KeyError:
+        print(f"fleet: unknown service {service_id!r}", file=sys.stderr)
+        return EXIT_USAGE
+    module_name, _, function_name = spec.entry.partition(":")
+    entry = getattr(importlib.import_module(module_name), function_name)
+    settings = ServiceSettings(service_id=service_id)
+    asyncio.run(entry(settings))
+    return EXIT_OK
+
+
+async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: int | None) -> int:
+    from fleet.supervisor import Supervisor
+
+    supervisor = Supervisor(settings, layout)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(supervisor.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        _notify(ready_fd, {"ok": False, "error": "interrupted while starting"})
+        return EXIT_INTERRUPTED
+    stopping.cancel()
+    try:
+        endpoints = starting.result()
+    except FleetError as exc:
+        _notify(ready_fd, {"ok": False, "error": f"[{exc.code}] {exc.message}"})
+        raise
+    _print_endpoints(endpoints)
+    _notify(ready_fd, {"ok": True, "endpoints": endpoints})
+    print("fleet: stack is up; Ctrl-C stops it", flush=True)
+    reason = await supervisor.wait(stop)
+    print(f"fleet: stopping ({reason})", flush=True)
+    await supervisor.stop()
+    print("fleet: stopped", flush=True)
+    return EXIT_OK if reason == "stop requested" else EXIT_FAILED
+
+
+def up_detached(layout: StackLayout) -> int:
+    """Start a supervisor in the background and return once it reports the stack healthy."""
+    layout.prepare()
+    read_fd, write_fd = os.pipe()
+    with layout.log_file("supervisor").open("a") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "fleet", "up", "--data-dir", str(layout.home), "--ready-fd", str(write_fd)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+        )
+    os.close(write_fd)
+    with os.fdopen(read_fd) as ready:
+        line = ready.readline()
+    if not line:
+        code = process.wait()
+        print(
+            f"fleet: the supervisor exited ({code}) before the stack was up; see "
+            f"{layout.log_file('supervisor')}:\n{layout.log_tail('supervisor')}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    report: dict[str, Any] = json.loads(line)
+    if not report.get("ok"):
+        print(f"fleet: error: {report.get('error')}", file=sys.stderr)
+        return EXIT_FAILED
+    _print_endpoints(report["endpoints"])
+    print(f"fleet: stack is up in the background (pid {process.pid}); `fleet down` stops it")
+    return EXIT_OK
+
+
+def _notify(ready_fd: int | None, report: dict[str, Any]) -> None:
+    if ready_fd is None:
+        return
+    try:
+        os.write(ready_fd, (json.dumps(report) + "\n").encode())
+        os.close(ready_fd)
+    except OSError:
+        pass
+
+
+def _print_endpoints(endpoints: dict[str, Any]) -> None:
+    print(f"data dir     {endpoints['data_dir']}")
+    print(f"nats         {endpoints['nats']}")
+    print(f"registry     {endpoints['registry']}")
+    print(f"coordinator  {endpoints['coordinator']}")
+    for name, url in endpoints["specialists"].items():
+        print(f"specialist   {name:<14} {url}")
+    for name, url in endpoints["mcp_servers"].items():
+        print(f"mcp server   {name:<14} {url}")
+    print(f"endpoints    {Path(endpoints['data_dir']) / 'endpoints.json'}", flush=True)

@@ -1,0 +1,78 @@
+"""One root error type with a stable code; each package subclasses it.
+
+The table :data:`HTTP_STATUS` is the single place where error codes meet HTTP status codes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Stable, documented error codes. Never rename one; add new ones."""
+
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
+    INVALID_REQUEST = "invalid_request"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    NO_SPECIALIST = "no_specialist_for_skill"
+    SPECIALIST_UNAVAILABLE = "specialist_unavailable"
+    SPECIALIST_FAILED = "specialist_failed"
+    TOOL_FAILED = "tool_failed"
+    POLICY_DENIED = "policy_denied"
+    POLICY_UNAVAILABLE = "policy_unavailable"
+    CARD_INVALID = "card_invalid"
+    DEPENDENCY_UNAVAILABLE = "dependency_unavailable"
+    STACK_FAILED = "stack_failed"
+    INTERNAL = "internal"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.POLICY_DENIED: 403,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.CARD_INVALID: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.NO_SPECIALIST: 404,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.SPECIALIST_UNAVAILABLE: 502,
+    ErrorCode.SPECIALIST_FAILED: 502,
+    ErrorCode.TOOL_FAILED: 502,
+    ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
+    ErrorCode.POLICY_UNAVAILABLE: 503,
+    ErrorCode.STACK_FAILED: 500,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class FleetError(Exception):
+    """Root of every error the platform raises on purpose.
+
+    ``code`` is stable and safe to show a caller; ``message`` must never carry secrets or another
+    tenant's data; ``retryable`` tells a caller whether the same request may succeed later.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": str(self.code), "message": self.message, "retryable": self.retryable}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!s}: {self.message})"
+
+
+class AuthError(FleetError):
+    """A token is missing, malformed, expired, or not meant for this service."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.UNAUTHENTICATED, message)

@@ -1,0 +1,102 @@
+"""Where a local stack keeps its state inside its data dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayout:
+    """The files and folders of one data dir (``.fleet/`` by default)."""
+
+    home: Path
+
+    @classmethod
+    def at(cls, home: Path) -> StackLayout:
+        return cls(home.expanduser().resolve())
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.home / "keys"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def nats_dir(self) -> Path:
+        return self.home / "nats"
+
+    @property
+    def pg_dir(self) -> Path:
+        return self.home / "postgres"
+
+    @property
+    def endpoints_file(self) -> Path:
+        return self.home / "endpoints.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.run_dir / "supervisor.lock"
+
+    @property
+    def operator_jwk_file(self) -> Path:
+        return self.keys_dir / "operator.jwk.json"
+
+    def prepare(self) -> None:
+        for folder in (self.home, self.logs_dir, self.run_dir, self.nats_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def key_file(self, identity: str) -> Path:
+        return self.keys_dir / f"{identity}.pem"
+
+    def log_file(self, name: str) -> Path:
+        return self.logs_dir / f"{name}.log"
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            text = self.log_file(name).read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def secret(self, name: str) -> str:
+        """A random secret kept in the data dir (created on first use, mode 0600)."""
+        path = self.keys_dir / f"{name}.secret"
+        if path.exists():
+            return path.read_text().strip()
+        value = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(value)
+        return value
+
+    def read_endpoints(self) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(self.endpoints_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return data
+
+    def write_endpoints(self, endpoints: dict[str, Any]) -> None:
+        tmp = self.endpoints_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
+        tmp.replace(self.endpoints_file)
+
+    def clear_endpoints(self) -> None:
+        """Keep last run's ports as a hint for the next start, but mark the stack as stopped."""
+        data = self.read_endpoints()
+        if data is None:
+            return
+        data["stopped"] = True
+        self.write_endpoints(data)

@@ -1,0 +1,151 @@
+"""Operator commands that talk to a running stack: ``down``, ``status``, ``token``."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from deploy.local_stack import OPERATOR_ID
+from fleet.errors import ErrorCode, FleetError
+from fleet.keys import SigningKey
+from fleet.layout import StackLayout
+from fleet.settings import DEFAULT_ISSUER
+from fleet.tokens import TokenClient
+
+EXIT_OK, EXIT_FAILED, EXIT_NOT_RUNNING = 0, 1, 3
+DOWN_TIMEOUT_S = 60.0
+
+
+def stack_running(layout: StackLayout) -> bool:
+    """True while a supervisor holds the data dir's lock."""
+    try:
+        fd = os.open(layout.lock_file, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def running_endpoints(layout: StackLayout) -> dict[str, Any]:
+    endpoints = layout.read_endpoints()
+    if endpoints is None or not stack_running(layout) or endpoints.get("stopped"):
+        raise FleetError(ErrorCode.NOT_FOUND, f"no stack is running on {layout.home} (fleet up)")
+    return endpoints
+
+
+def down(layout: StackLayout) -> int:
+    endpoints = layout.read_endpoints()
+    if endpoints is None or not stack_running(layout):
+        print(f"fleet: no stack is running on {layout.home}")
+        return EXIT_OK
+    pid = int(endpoints["supervisor_pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + DOWN_TIMEOUT_S
+    while stack_running(layout):
+        if time.monotonic() > deadline:
+            print(f"fleet: the supervisor (pid {pid}) did not stop in time", file=sys.stderr)
+            return EXIT_FAILED
+        time.sleep(0.1)
+    print(f"fleet: stopped the stack on {layout.home}")
+    return EXIT_OK
+
+
+def operator_token_client(layout: StackLayout, registry_url: str, http: httpx.AsyncClient) -> TokenClient:
+    key_file = layout.key_file(OPERATOR_ID)
+    if not key_file.exists():
+        raise FleetError(ErrorCode.NOT_FOUND, f"no operator key in {layout.keys_dir}")
+    return TokenClient(
+        token_url=registry_url + "/oauth/token",
+        issuer=DEFAULT_ISSUER,
+        client_id=OPERATOR_ID,
+        key=SigningKey.load_or_create(key_file),
+        http=http,
+    )
+
+
+async def token(layout: StackLayout, audience: str, tenant: str, scopes: list[str]) -> int:
+    try:
+        endpoints = running_endpoints(layout)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    async with httpx.AsyncClient() as http:
+        client = operator_token_client(layout, endpoints["registry"], http)
+        print(await client.token(audience, tenant, scopes))
+    return EXIT_OK
+
+
+async def status(layout: StackLayout, *, as_json: bool) -> int:
+    endpoints = layout.read_endpoints()
+    running = endpoints is not None and stack_running(layout)
+    report: dict[str, Any] = {"data_dir": str(layout.home), "running": running, "services": {}}
+    if not running or endpoints is None:
+        _print_status(report, as_json)
+        return EXIT_NOT_RUNNING
+    async with httpx.AsyncClient(timeout=3.0) as http:
+        checks = await asyncio.gather(*(_health(http, url) for url in endpoints["services"].values()))
+        report["services"] = dict(zip(endpoints["services"], checks, strict=True))
+        report["endpoints"] = endpoints
+        report["registry"] = await _registry_view(layout, endpoints["registry"], http)
+    healthy = all(check["healthy"] for check in report["services"].values())
+    report["healthy"] = healthy
+    _print_status(report, as_json)
+    return EXIT_OK if healthy else EXIT_FAILED
+
+
+async def _health(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    try:
+        response = await http.get(url + "/healthz")
+    except httpx.HTTPError as exc:
+        return {"url": url, "healthy": False, "detail": type(exc).__name__}
+    return {"url": url, "healthy": response.status_code == 200, "detail": response.json().get("status")}
+
+
+async def _registry_view(layout: StackLayout, registry_url: str, http: httpx.AsyncClient) -> dict[str, Any]:
+    try:
+        client = operator_token_client(layout, registry_url, http)
+        bearer = await client.token("registry", "default", ["registry:read"])
+        response = await http.get(registry_url + "/v1/records", headers={"Authorization": f"Bearer {bearer}"})
+        response.raise_for_status()
+    except (httpx.HTTPError, FleetError) as exc:
+        return {"error": str(exc)}
+    view: dict[str, Any] = response.json()
+    return view
+
+
+def _print_status(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    if not report["running"]:
+        print(f"no stack is running on {report['data_dir']}")
+        return
+    print(f"stack on {report['data_dir']}: {'healthy' if report['healthy'] else 'DEGRADED'}")
+    for name, check in report["services"].items():
+        mark = "up  " if check["healthy"] else "DOWN"
+        print(f"  {mark} {name:<14} {check['url']}")
+    registry = report.get("registry", {})
+    if "error" in registry:
+        print(f"  registry: {registry['error']}")
+        return
+    for agent in registry.get("agents", []):
+        skills = ", ".join(s["id"] for s in agent.get("skills", []))
+        print(f"  agent {agent['id']:<14} {agent.get('kind', ''):<12} {agent.get('status', '')} {skills}")
+    for server in registry.get("mcp_servers", []):
+        print(f"  mcp   {server['id']:<14} {server['url']}")

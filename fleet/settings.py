@@ -1,0 +1,46 @@
+"""Settings, built once at each entry point from ``FLEET_*`` environment variables and passed down.
+
+Library code never reads the environment; it takes a settings object or plain arguments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_ISSUER = "fleet-registry"
+
+
+class FleetSettings(BaseSettings):
+    """What an operator or a CLI invocation needs to know about a stack."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore")
+
+    home: Path = Field(default=Path(".fleet"), description="the data dir of the local stack")
+    nats_url: str | None = Field(default=None, description="use this NATS instead of starting one")
+    pg_dsn: str | None = Field(default=None, description="use this Postgres instead of starting one")
+    log_level: str = "info"
+
+
+class ServiceSettings(BaseSettings):
+    """What one service process needs: who it is, where it listens, where the others are."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore")
+
+    service_id: str
+    home: Path = Path(".fleet")
+    key_file: Path
+    listen_fd: int | None = Field(default=None, description="an inherited, bound, listening socket")
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_url: str = Field(description="the base URL others reach this service at")
+    registry_url: str = ""
+    issuer: str = DEFAULT_ISSUER
+    nats_url: str = ""
+    pg_dsn: str = ""
+    enrollment_token: str = ""
+    operator_jwk_file: Path | None = None
+    policy_dir: Path | None = None
+    log_level: str = "info"

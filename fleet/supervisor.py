@@ -1,0 +1,362 @@
+"""The local stack supervisor behind ``fleet up``/``fleet down``.
+
+It starts NATS and Postgres (unless the settings point at existing ones), then every service of
+:mod:`deploy.local_stack` as its own process on a loopback socket that the supervisor binds and hands
+down (so there is no port race), waits until each reports healthy, and writes ``endpoints.json``.
+
+Children run in their own session (a terminal's Ctrl-C reaches only the supervisor, which stops them in
+reverse order) and receive SIGTERM from the kernel if the supervisor itself dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+import psycopg
+from psycopg import sql
+
+from deploy.local_stack import OPERATOR_ID, SERVICES, ServiceSpec
+from fleet.errors import ErrorCode, FleetError
+from fleet.infra import nats_command, prepare_postgres
+from fleet.keys import SigningKey
+from fleet.layout import StackLayout
+from fleet.settings import FleetSettings
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+ENROLLMENT_TTL_S = 600
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM us when the supervisor dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _bind_loopback(preferred_port: int | None) -> socket.socket:
+    """A listening loopback socket, on the port used last time if it is still free."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", preferred_port or 0))
+    except OSError:
+        sock.bind(("127.0.0.1", 0))
+    sock.listen(512)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _free_port(preferred_port: int | None) -> int:
+    with _bind_loopback(preferred_port) as sock:
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass(slots=True)
+class _Child:
+    name: str
+    process: asyncio.subprocess.Process
+    log_file: TextIO
+    stop_signal: int = signal.SIGTERM
+
+
+@dataclass(slots=True)
+class Supervisor:
+    """Owns the processes of one local stack (one data dir)."""
+
+    settings: FleetSettings
+    layout: StackLayout
+    children: list[_Child] = field(default_factory=list)
+    endpoints: dict[str, Any] = field(default_factory=dict)
+    _lock_fd: int | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> dict[str, Any]:
+        """Start everything and return the endpoints; on any failure stop what was started."""
+        self._take_lock()
+        try:
+            return await self._start_all()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_all(self) -> dict[str, Any]:
+        self.layout.prepare()
+        previous = self.layout.read_endpoints() or {}
+        operator = SigningKey.load_or_create(self.layout.key_file(OPERATOR_ID))
+        self.layout.operator_jwk_file.write_text(json.dumps(operator.public_jwk()))
+        nats_url = self.settings.nats_url or await self._start_nats(previous)
+        pg_port: int | None = None
+        if self.settings.pg_dsn:
+            pg_dsn = self.settings.pg_dsn
+        else:
+            pg_port, pg_dsn = await self._start_postgres(previous)
+        endpoints: dict[str, Any] = {
+            "data_dir": str(self.layout.home),
+            "nats": nats_url,
+            "postgres_port": pg_port,
+            "specialists": {},
+            "mcp_servers": {},
+            "services": {},
+            "supervisor_pid": os.getpid(),
+            "stack_id": uuid.uuid4().hex,
+            "started_at": time.time(),
+        }
+        env_common = {
+            "FLEET_HOME": str(self.layout.home),
+            "FLEET_NATS_URL": nats_url,
+            "FLEET_PG_DSN": pg_dsn,
+            "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
+            "FLEET_POLICY_DIR": "",
+            "FLEET_LOG_LEVEL": self.settings.log_level,
+        }
+        for spec in SERVICES:
+            url = await self._start_service(spec, operator, env_common, previous)
+            self._record(endpoints, spec, url)
+            if spec.kind == "registry":
+                env_common["FLEET_REGISTRY_URL"] = url
+        self.endpoints = endpoints
+        self.layout.write_endpoints(endpoints)
+        return endpoints
+
+    @staticmethod
+    def _record(endpoints: dict[str, Any], spec: ServiceSpec, url: str) -> None:
+        endpoints["services"][spec.id] = url
+        if spec.kind in ("registry", "coordinator"):
+            endpoints[spec.kind] = url
+        elif spec.kind == "specialist":
+            endpoints["specialists"][spec.id] = url
+        elif spec.kind == "mcp_server":
+            endpoints["mcp_servers"][spec.id] = url + spec.mcp_path
+
+    async def wait(self, stop: asyncio.Event) -> str:
+        """Block until ``stop`` is set or a child exits; return why."""
+        stop_task = asyncio.create_task(stop.wait())
+        exits = {asyncio.create_task(c.process.wait()): c for c in self.children}
+        try:
+            done, _ = await asyncio.wait({stop_task, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stop_task, *exits):
+                task.cancel()
+        for task in done:
+            if task in exits:
+                child = exits[task]
+                return f"{child.name} exited with code {child.process.returncode}"
+        return "stop requested"
+
+    async def stop(self) -> None:
+        """Stop the children in reverse start order: services first, then Postgres, then NATS."""
+        for child in reversed(self.children):
+            await self._stop_child(child)
+        self.children.clear()
+        self.layout.clear_endpoints()
+        self._release_lock()
+
+    async def _stop_child(self, child: _Child) -> None:
+        if child.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(child.stop_signal)
+            try:
+                await asyncio.wait_for(child.process.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("%s did not stop in %ss; killing it", child.name, STOP_TIMEOUT_S)
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+                await child.process.wait()
+        child.log_file.close()
+
+    # ----------------------------------------------------------------- the lock
+    def _take_lock(self) -> None:
+        self.layout.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.layout.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FleetError(
+                ErrorCode.CONFLICT, f"a stack is already running on {self.layout.home}"
+            ) from None
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ----------------------------------------------------------------- processes
+    async def _spawn(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+        user: str | None = None,
+        stop_signal: int = signal.SIGTERM,
+    ) -> _Child:
+        log_file = self.layout.log_file(name).open("a", buffering=1)
+        log_file.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {name}\n")
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            pass_fds=pass_fds,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            user=user,
+        )
+        child = _Child(name, process, log_file, stop_signal)
+        self.children.append(child)
+        return child
+
+    async def _start_nats(self, previous: dict[str, Any]) -> str:
+        port = _free_port(_port_of(previous.get("nats")))
+        child = await self._spawn("nats", nats_command(self.layout.nats_dir, port))
+        url = f"nats://127.0.0.1:{port}"
+        await _wait_until(child, self.layout, lambda: _tcp_open(port), f"NATS on {url}")
+        return url
+
+    async def _start_postgres(self, previous: dict[str, Any]) -> tuple[int, str]:
+        port = _free_port(previous.get("postgres_port"))
+        password = self.layout.secret("postgres-password")
+        launch = prepare_postgres(self.layout.pg_dir, port, password)
+        child = await self._spawn("postgres", launch.argv, user=launch.user, stop_signal=signal.SIGINT)
+        await _wait_until(child, self.layout, lambda: _pg_ready(launch.dsn), f"Postgres on {port}")
+        return port, await _ensure_database(launch.dsn, "fleet")
+
+    async def _start_service(
+        self,
+        spec: ServiceSpec,
+        operator: SigningKey,
+        env_common: dict[str, str],
+        previous: dict[str, Any],
+    ) -> str:
+        sock = _bind_loopback(_port_of(previous.get("services", {}).get(spec.id)))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        env = {
+            **env_common,
+            "FLEET_SERVICE_ID": spec.id,
+            "FLEET_KEY_FILE": str(self.layout.key_file(spec.id)),
+            "FLEET_LISTEN_FD": str(sock.fileno()),
+            "FLEET_PUBLIC_URL": url,
+            "FLEET_ENROLLMENT_TOKEN": enrollment_token(operator, spec),
+        }
+        argv = [sys.executable, "-m", "fleet", "serve", spec.id]
+        try:
+            child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
+        finally:
+            sock.close()
+        await _wait_until(child, self.layout, lambda: _healthy(url), f"{spec.id} at {url}")
+        return url
+
+
+def enrollment_token(operator: SigningKey, spec: ServiceSpec) -> str:
+    """A one-time enrollment token: the operator vouches that ``spec.id`` may enroll a key."""
+    now = int(time.time())
+    return operator.sign(
+        {
+            "iss": OPERATOR_ID,
+            "sub": spec.id,
+            "aud": "fleet-enrollment",
+            "iat": now,
+            "exp": now + ENROLLMENT_TTL_S,
+            "jti": secrets.token_hex(16),
+            "kind": spec.kind,
+            "scopes": list(spec.scopes),
+            "tenants": list(spec.tenants),
+        },
+        typ="enrollment+jwt",
+    )
+
+
+def _port_of(url: object) -> int | None:
+    if not isinstance(url, str) or ":" not in url:
+        return None
+    tail = url.rsplit(":", 1)[1].split("/", 1)[0]
+    return int(tail) if tail.isdigit() else None
+
+
+async def _tcp_open(port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def _pg_ready(dsn: str) -> bool:
+    try:
+        conn = await psycopg.AsyncConnection.connect(dsn, connect_timeout=2)
+    except psycopg.Error:
+        return False
+    await conn.close()
+    return True
+
+
+async def _ensure_database(dsn: str, name: str) -> str:
+    """Create database ``name`` on the server of ``dsn`` if missing; return its DSN."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        found = await (await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))).fetchone()
+        if found is None:
+            await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return dsn.rsplit("/", 1)[0] + "/" + name
+
+
+async def _healthy(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            response = await http.get(url + "/healthz")
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+async def _wait_until(
+    child: _Child,
+    layout: StackLayout,
+    probe: Callable[[], Any],
+    what: str,
+) -> None:
+    """Poll ``probe`` until it is true; fail fast (with the log's tail) if the child exits."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if child.process.returncode is not None:
+            break
+        if await probe():
+            return
+        await asyncio.sleep(0.05)
+    reason = (
+        f"exited with code {child.process.returncode}"
+        if child.process.returncode is not None
+        else f"not healthy after {START_TIMEOUT_S:.0f}s"
+    )
+    raise FleetError(
+        ErrorCode.STACK_FAILED,
+        f"{what} {reason}; last log lines:\n{layout.log_tail(child.name)}",
+    )

@@ -1,0 +1,37 @@
+package fleet.tools_test
+
+import data.fleet.tools
+
+good := {
+	"server": "mcp-sql",
+	"tool": "query",
+	"tenant": "acme",
+	"subject": "sql-analyst",
+	"scopes": ["sql:query"],
+	"arguments": {"sql_length": 40},
+}
+
+test_query_with_scope_is_allowed if {
+	tools.decision.allow with input as good
+}
+
+test_query_without_scope_is_denied if {
+	d := tools.decision with input as object.union(good, {"scopes": []})
+	not d.allow
+	d.reasons == ["the token lacks scope sql:query"]
+}
+
+test_unknown_tool_is_denied if {
+	d := tools.decision with input as object.union(good, {"tool": "drop_everything"})
+	not d.allow
+}
+
+test_missing_tenant_is_denied if {
+	d := tools.decision with input as object.remove(good, ["tenant"])
+	not d.allow
+}
+
+test_overlong_sql_is_denied if {
+	d := tools.decision with input as object.union(good, {"arguments": {"sql_length": 5000}})
+	not d.allow
+}

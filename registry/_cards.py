@@ -1,0 +1,90 @@
+"""Fetching and checking A2A agent cards: schema, JWS signature by the agent's enrolled key, and
+that the card describes the host it was registered at."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import jwt
+from a2a.types import AgentCard
+from a2a.utils.signing import SignatureVerificationError, create_signature_verifier
+from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.keys import ALGORITHM
+from registry._records import AgentRecord, IdentityRecord, SkillRecord
+
+CARD_PATH = "/.well-known/agent-card.json"
+
+
+def _invalid(message: str) -> FleetError:
+    return FleetError(ErrorCode.CARD_INVALID, message)
+
+
+async def fetch_verified_card(
+    http: httpx.AsyncClient, identity: IdentityRecord, base_url: str
+) -> AgentRecord:
+    """Fetch ``base_url``'s card and return the record to store, or raise ``card_invalid``."""
+    card_url = base_url.rstrip("/") + CARD_PATH
+    try:
+        response = await http.get(card_url, timeout=5.0)
+        response.raise_for_status()
+        document = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot fetch the card at {card_url}", retryable=True
+        ) from exc
+    card = parse_card(document)
+    verify_card_signature(card, identity)
+    url = _check_interfaces(card, base_url)
+    return AgentRecord(
+        id=identity.id,
+        kind=identity.kind,
+        card_url=card_url,
+        url=url,
+        version=card.version,
+        skills=[
+            SkillRecord(id=s.id, name=s.name, description=s.description, tags=list(s.tags))
+            for s in card.skills
+        ],
+        card=MessageToDict(card),
+        registered_at=time.time(),
+    )
+
+
+def parse_card(document: Any) -> AgentCard:
+    if not isinstance(document, dict):
+        raise _invalid("card is not a JSON object")
+    try:
+        card = ParseDict(document, AgentCard())
+    except ParseError as exc:
+        raise _invalid(f"card does not match the A2A schema: {exc}") from exc
+    if not card.name or not card.supported_interfaces:
+        raise _invalid("card needs a name and at least one interface")
+    return card
+
+
+def verify_card_signature(card: AgentCard, identity: IdentityRecord) -> None:
+    """At least one signature must verify with a key enrolled by ``identity``."""
+
+    def key_provider(kid: str | None, jku: str | None) -> jwt.PyJWK:
+        jwk = identity.keys.get(kid or "")
+        if jwk is None:
+            raise jwt.InvalidKeyError("card signed by a key that is not enrolled")
+        return jwt.PyJWK(jwk, algorithm=ALGORITHM)
+
+    try:
+        create_signature_verifier(key_provider, [ALGORITHM])(card)
+    except SignatureVerificationError as exc:
+        raise _invalid(f"card signature does not verify: {exc}") from exc
+
+
+def _check_interfaces(card: AgentCard, base_url: str) -> str:
+    expected = urlsplit(base_url).netloc
+    for interface in card.supported_interfaces:
+        if urlsplit(interface.url).netloc != expected:
+            raise _invalid(f"card interface {interface.url} is not on the registered host {expected}")
+    return str(card.supported_interfaces[0].url)

@@ -1,0 +1,72 @@
+"""Enrollment: an identity registers its public key, vouched for by a one-time token that the
+operator signed (``fleet up`` mints one per service it starts)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.keys import ALGORITHM, public_key_from_jwk
+from registry._records import IdentityRecord
+from registry._store import RegistryStore
+
+ENROLLMENT_AUDIENCE = "fleet-enrollment"
+OPERATOR_ISSUER = "operator"
+ENROLLABLE_KINDS = ("coordinator", "specialist", "mcp_server")
+
+
+def _refuse(message: str) -> FleetError:
+    return FleetError(ErrorCode.UNAUTHENTICATED, message)
+
+
+class Enrollment:
+    """Checks enrollment requests against the operator's public key."""
+
+    def __init__(self, store: RegistryStore, operator_key: ec.EllipticCurvePublicKey) -> None:
+        self._store = store
+        self._operator_key = operator_key
+
+    async def enroll(self, body: dict[str, Any]) -> IdentityRecord:
+        identity_id = body.get("id")
+        jwk = body.get("public_jwk")
+        if not isinstance(identity_id, str) or not isinstance(jwk, dict):
+            raise FleetError(ErrorCode.INVALID_REQUEST, "id and public_jwk are required")
+        claims = self._verify(str(body.get("enrollment_token", "")), identity_id)
+        try:
+            public_key_from_jwk(jwk)
+        except (KeyError, ValueError) as exc:
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"unusable public key: {exc}") from exc
+        if not await self._store.use_nonce("enroll", str(claims["jti"])):
+            raise _refuse("enrollment token was already used")
+        record = IdentityRecord(
+            id=identity_id,
+            kind=claims["kind"],
+            keys={str(jwk["kid"]): jwk},
+            scopes=[str(s) for s in claims.get("scopes", [])],
+            tenants=[str(t) for t in claims.get("tenants", [])],
+            enrolled_at=time.time(),
+        )
+        await self._store.put_identity(record)
+        return record
+
+    def _verify(self, token: str, identity_id: str) -> dict[str, Any]:
+        try:
+            claims: dict[str, Any] = jwt.decode(
+                token,
+                self._operator_key,
+                algorithms=[ALGORITHM],
+                audience=ENROLLMENT_AUDIENCE,
+                issuer=OPERATOR_ISSUER,
+                options={"require": ["exp", "iat", "jti", "sub", "kind"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise _refuse(f"enrollment token rejected: {type(exc).__name__}") from exc
+        if claims["sub"] != identity_id:
+            raise _refuse("enrollment token was issued for another identity")
+        if claims["kind"] not in ENROLLABLE_KINDS:
+            raise _refuse("enrollment token names an unknown kind")
+        return claims

@@ -1,0 +1,89 @@
+"""The registry's records in NATS KV, so that any process can read or watch them."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel
+
+from fleet.natsconn import key_value
+from registry._records import AgentRecord, IdentityRecord, McpServerRecord
+
+RECORDS_BUCKET = "fleet-registry"
+NONCES_BUCKET = "fleet-nonces"
+NONCE_TTL_S = 900.0
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class RegistryStore:
+    """Typed access to the registry bucket (``identity.<id>``, ``agent.<id>``, ``mcp.<id>``) and to
+    the single-use nonce bucket (assertion and enrollment ``jti``s)."""
+
+    def __init__(self, records: KeyValue, nonces: KeyValue) -> None:
+        self._records = records
+        self._nonces = nonces
+
+    @classmethod
+    async def open(cls, client: NATS) -> RegistryStore:
+        records = await key_value(client, RECORDS_BUCKET, history=5)
+        nonces = await key_value(client, NONCES_BUCKET, history=1, ttl_s=NONCE_TTL_S)
+        return cls(records, nonces)
+
+    async def _get(self, key: str, model: type[M]) -> M | None:
+        try:
+            entry = await self._records.get(key)
+        except KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return model.model_validate_json(entry.value)
+
+    async def _put(self, key: str, record: BaseModel) -> None:
+        await self._records.put(key, record.model_dump_json().encode())
+
+    async def _list(self, prefix: str, model: type[M]) -> list[M]:
+        try:
+            keys = await self._records.keys(filters=[f"{prefix}.>"])
+        except NoKeysError:
+            return []
+        found = [await self._get(key, model) for key in sorted(keys)]
+        return [record for record in found if record is not None]
+
+    async def identity(self, identity_id: str) -> IdentityRecord | None:
+        return await self._get(f"identity.{identity_id}", IdentityRecord)
+
+    async def put_identity(self, record: IdentityRecord) -> None:
+        await self._put(f"identity.{record.id}", record)
+
+    async def identities(self) -> list[IdentityRecord]:
+        return await self._list("identity", IdentityRecord)
+
+    async def agent(self, agent_id: str) -> AgentRecord | None:
+        return await self._get(f"agent.{agent_id}", AgentRecord)
+
+    async def put_agent(self, record: AgentRecord) -> None:
+        await self._put(f"agent.{record.id}", record)
+
+    async def agents(self) -> list[AgentRecord]:
+        return await self._list("agent", AgentRecord)
+
+    async def mcp_server(self, server_id: str) -> McpServerRecord | None:
+        return await self._get(f"mcp.{server_id}", McpServerRecord)
+
+    async def put_mcp_server(self, record: McpServerRecord) -> None:
+        await self._put(f"mcp.{record.id}", record)
+
+    async def mcp_servers(self) -> list[McpServerRecord]:
+        return await self._list("mcp", McpServerRecord)
+
+    async def use_nonce(self, namespace: str, nonce: str) -> bool:
+        """Record a single-use value; False if it was seen before (within the nonce TTL)."""
+        try:
+            await self._nonces.create(f"{namespace}.{nonce}", b"1")
+        except KeyWrongLastSequenceError:
+            return False
+        return True

@@ -1,0 +1,125 @@
+"""What other services use to talk to the registry: enroll their key, get tokens, register
+themselves, discover agents and MCP servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.keys import SigningKey
+from fleet.settings import ServiceSettings
+from fleet.tokens import JwksCache, TokenClient, TokenVerifier
+from registry._records import AgentRecord, McpServerRecord
+
+log = logging.getLogger(__name__)
+
+
+def _raise_for(response: httpx.Response, what: str) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        error = response.json().get("error", {})
+        code = ErrorCode(error.get("code", "internal"))
+        message = str(error.get("message", ""))
+    except (ValueError, AttributeError):
+        code, message = ErrorCode.INTERNAL, response.text[:200]
+    raise FleetError(code, f"{what}: {message}", retryable=response.status_code >= 500)
+
+
+class RegistryClient:
+    """A service's identity towards the registry, and its discovery client."""
+
+    def __init__(self, settings: ServiceSettings, http: httpx.AsyncClient) -> None:
+        self._settings = settings
+        self._http = http
+        self._url = settings.registry_url.rstrip("/")
+        self.key = SigningKey.load_or_create(settings.key_file)
+        self.tokens = TokenClient(
+            token_url=self._url + "/oauth/token",
+            issuer=settings.issuer,
+            client_id=settings.service_id,
+            key=self.key,
+            http=http,
+        )
+        self.jwks = JwksCache(self._url + "/.well-known/jwks.json", http)
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def verifier(self, audience: str | None = None) -> TokenVerifier:
+        """A verifier for tokens addressed to this service (or to ``audience``)."""
+        return TokenVerifier(
+            self.jwks.get, issuer=self._settings.issuer, audience=audience or self._settings.service_id
+        )
+
+    async def enroll(self) -> None:
+        response = await self._http.post(
+            self._url + "/v1/enroll",
+            json={
+                "id": self._settings.service_id,
+                "public_jwk": self.key.public_jwk(),
+                "enrollment_token": self._settings.enrollment_token,
+            },
+        )
+        _raise_for(response, "enrollment refused")
+
+    async def _headers(self, scope: str) -> dict[str, str]:
+        token = await self.tokens.token("registry", "default", [scope])
+        return {"Authorization": f"Bearer {token}"}
+
+    async def register_agent(self, base_url: str) -> AgentRecord:
+        response = await self._http.put(
+            f"{self._url}/v1/agents/{self._settings.service_id}",
+            json={"url": base_url},
+            headers=await self._headers("registry:write"),
+        )
+        _raise_for(response, "registration refused")
+        return AgentRecord.model_validate(response.json())
+
+    async def register_mcp_server(self, url: str, tools: list[str]) -> McpServerRecord:
+        response = await self._http.put(
+            f"{self._url}/v1/mcp-servers/{self._settings.service_id}",
+            json={"url": url, "tools": tools},
+            headers=await self._headers("registry:write"),
+        )
+        _raise_for(response, "registration refused")
+        return McpServerRecord.model_validate(response.json())
+
+    async def agents_with_skill(self, skill: str) -> list[AgentRecord]:
+        response = await self._http.get(
+            self._url + "/v1/agents", params={"skill": skill}, headers=await self._headers("registry:read")
+        )
+        _raise_for(response, "discovery failed")
+        return [AgentRecord.model_validate(a) for a in response.json()["agents"]]
+
+    async def mcp_server(self, server_id: str) -> McpServerRecord:
+        response = await self._http.get(
+            f"{self._url}/v1/mcp-servers/{server_id}", headers=await self._headers("registry:read")
+        )
+        _raise_for(response, f"MCP server {server_id}")
+        return McpServerRecord.model_validate(response.json())
+
+    async def agent_keys(self, agent_id: str) -> list[dict[str, Any]]:
+        response = await self._http.get(f"{self._url}/v1/agents/{agent_id}/jwks.json")
+        _raise_for(response, f"keys of {agent_id}")
+        keys: list[dict[str, Any]] = response.json()["keys"]
+        return keys
+
+
+async def retry_until_done(what: str, action: Any, *, attempts: int = 50, delay_s: float = 0.1) -> Any:
+    """Retry a start-up call (enroll, register) while the registry is still coming up."""
+    for attempt in range(attempts):
+        try:
+            return await action()
+        except (httpx.HTTPError, FleetError) as exc:
+            retryable = isinstance(exc, httpx.HTTPError) or exc.retryable
+            if not retryable or attempt == attempts - 1:
+                raise
+            log.info("%s failed (%s); retrying", what, exc)
+            await asyncio.sleep(delay_s)
+    raise AssertionError("unreachable")

@@ -1,0 +1,274 @@
+"""The registry service: enrollment, the token service and JWKS, agent and MCP-server records,
+discovery by skill. Every record lives in NATS KV; this process holds no state of its own beyond its
+signing key."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric import ec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.keys import SigningKey, public_key_from_jwk
+from fleet.natsconn import connect
+from fleet.service import configure_logging, health_endpoint, serve_app
+from fleet.settings import ServiceSettings
+from fleet.tokens import Claims, TokenVerifier, bearer_token
+from registry._cards import fetch_verified_card
+from registry._enrollment import OPERATOR_ISSUER, Enrollment
+from registry._records import IdentityRecord, McpServerRecord
+from registry._store import RegistryStore
+from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RegistryState:
+    store: RegistryStore
+    tokens: TokenService
+    enrollment: Enrollment
+    verifier: TokenVerifier
+    key: SigningKey
+    http: httpx.AsyncClient
+
+
+def error_response(exc: FleetError) -> JSONResponse:
+    headers = {}
+    if exc.code == ErrorCode.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = 'Bearer error="invalid_token"'
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+
+
+Handler = Callable[[Request, RegistryState], Awaitable[Response]]
+
+
+def _route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Adapts a handler that takes the registry state and maps FleetErrors to responses."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request, request.app.state.registry)
+        except FleetError as exc:
+            return error_response(exc)
+
+    return endpoint
+
+
+async def _authorize(request: Request, state: RegistryState, scope: str) -> Claims:
+    token = bearer_token(request.headers.get("authorization"))
+    return await state.verifier.verify(token, required_scopes=[scope])
+
+
+async def _json_body(request: Request) -> dict[str, object]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "body must be JSON") from exc
+    if not isinstance(body, dict):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "body must be a JSON object")
+    return body
+
+
+# ------------------------------------------------------------------------------------ handlers
+async def jwks(request: Request, state: RegistryState) -> Response:
+    return JSONResponse({"keys": [state.key.public_jwk()]}, headers={"Cache-Control": "max-age=60"})
+
+
+async def token(request: Request, state: RegistryState) -> Response:
+    form = {k: str(v) for k, v in (await request.form()).items()}
+    try:
+        issued = await state.tokens.client_credentials(form)
+    except OAuthError as exc:
+        return JSONResponse(
+            {"error": exc.error, "error_description": exc.description}, status_code=exc.status
+        )
+    return JSONResponse(
+        {
+            "access_token": issued.access_token,
+            "token_type": "Bearer",
+            "expires_in": issued.expires_in,
+            "scope": issued.scope,
+        },
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def enroll(request: Request, state: RegistryState) -> Response:
+    record = await state.enrollment.enroll(await _json_body(request))
+    log.info("enrolled %s (%s)", record.id, record.kind)
+    return JSONResponse({"id": record.id, "kids": list(record.keys)}, status_code=201)
+
+
+async def register_agent(request: Request, state: RegistryState) -> Response:
+    claims = await _authorize(request, state, "registry:write")
+    agent_id = request.path_params["agent_id"]
+    if claims.sub != agent_id:
+        raise FleetError(ErrorCode.FORBIDDEN, "an agent may register only itself")
+    body = await _json_body(request)
+    identity = await _identity(state, agent_id)
+    record = await fetch_verified_card(state.http, identity, str(body.get("url", "")))
+    await state.store.put_agent(record)
+    log.info("registered agent %s with skills %s", agent_id, [s.id for s in record.skills])
+    return JSONResponse(record.model_dump(mode="json"))
+
+
+async def register_mcp_server(request: Request, state: RegistryState) -> Response:
+    claims = await _authorize(request, state, "registry:write")
+    server_id = request.path_params["server_id"]
+    if claims.sub != server_id:
+        raise FleetError(ErrorCode.FORBIDDEN, "a server may register only itself")
+    body = await _json_body(request)
+    identity = await _identity(state, server_id)
+    if identity.kind != "mcp_server":
+        raise FleetError(ErrorCode.FORBIDDEN, f"{server_id} is not enrolled as an MCP server")
+    tools = body.get("tools", [])
+    record = McpServerRecord(
+        id=server_id,
+        url=str(body.get("url", "")),
+        audience=server_id,
+        tools=[str(t) for t in tools] if isinstance(tools, list) else [],
+        registered_at=time.time(),
+    )
+    await state.store.put_mcp_server(record)
+    log.info("registered MCP server %s at %s", server_id, record.url)
+    return JSONResponse(record.model_dump(mode="json"))
+
+
+async def _identity(state: RegistryState, identity_id: str) -> IdentityRecord:
+    identity = await state.store.identity(identity_id)
+    if identity is None:
+        raise FleetError(ErrorCode.NOT_FOUND, f"{identity_id} is not enrolled")
+    return identity
+
+
+async def list_agents(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, "registry:read")
+    skill = request.query_params.get("skill")
+    agents = await state.store.agents()
+    if skill:
+        agents = [a for a in agents if any(s.id == skill for s in a.skills)]
+    return JSONResponse({"agents": [a.model_dump(mode="json") for a in agents]})
+
+
+async def get_agent(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, "registry:read")
+    record = await state.store.agent(request.path_params["agent_id"])
+    if record is None:
+        raise FleetError(ErrorCode.NOT_FOUND, "no such agent")
+    return JSONResponse(record.model_dump(mode="json"))
+
+
+async def agent_keys(request: Request, state: RegistryState) -> Response:
+    """The public keys an agent signs its card with (public, like any JWKS)."""
+    identity = await state.store.identity(request.path_params["agent_id"])
+    if identity is None:
+        raise FleetError(ErrorCode.NOT_FOUND, "no such identity")
+    return JSONResponse({"keys": list(identity.keys.values())})
+
+
+async def get_mcp_server(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, "registry:read")
+    record = await state.store.mcp_server(request.path_params["server_id"])
+    if record is None:
+        raise FleetError(ErrorCode.NOT_FOUND, "no such MCP server")
+    return JSONResponse(record.model_dump(mode="json"))
+
+
+async def records(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, "registry:read")
+    return JSONResponse(
+        {
+            "identities": [
+                {"id": i.id, "kind": i.kind, "kids": list(i.keys)} for i in await state.store.identities()
+            ],
+            "agents": [
+                {
+                    "id": a.id,
+                    "kind": a.kind,
+                    "url": a.url,
+                    "version": a.version,
+                    "status": a.status,
+                    "skills": [s.model_dump() for s in a.skills],
+                }
+                for a in await state.store.agents()
+            ],
+            "mcp_servers": [m.model_dump(mode="json") for m in await state.store.mcp_servers()],
+        }
+    )
+
+
+# ------------------------------------------------------------------------------------ app
+def build_app(settings: ServiceSettings) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        key = SigningKey.load_or_create(settings.key_file)
+        nc = await connect(settings.nats_url, settings.service_id)
+        try:
+            async with httpx.AsyncClient() as http:
+                store = await RegistryStore.open(nc)
+                operator_key = await _enroll_operator(store, settings)
+                public = key.private_key.public_key()
+
+                async def own_key(kid: str) -> ec.EllipticCurvePublicKey | None:
+                    return public if kid == key.kid else None
+
+                app.state.registry = RegistryState(
+                    store=store,
+                    tokens=TokenService(store, key, settings.issuer),
+                    enrollment=Enrollment(store, operator_key),
+                    verifier=TokenVerifier(own_key, issuer=settings.issuer, audience=REGISTRY_AUDIENCE),
+                    key=key,
+                    http=http,
+                )
+                yield
+        finally:
+            await nc.drain()
+
+    routes = [
+        Route("/healthz", health_endpoint(settings.service_id, "registry")),  # type: ignore[arg-type]
+        Route("/.well-known/jwks.json", _route(jwks)),
+        Route("/oauth/token", _route(token), methods=["POST"]),
+        Route("/v1/enroll", _route(enroll), methods=["POST"]),
+        Route("/v1/records", _route(records)),
+        Route("/v1/agents", _route(list_agents)),
+        Route("/v1/agents/{agent_id}", _route(get_agent)),
+        Route("/v1/agents/{agent_id}", _route(register_agent), methods=["PUT"]),
+        Route("/v1/agents/{agent_id}/jwks.json", _route(agent_keys)),
+        Route("/v1/mcp-servers/{server_id}", _route(get_mcp_server)),
+        Route("/v1/mcp-servers/{server_id}", _route(register_mcp_server), methods=["PUT"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _enroll_operator(store: RegistryStore, settings: ServiceSettings) -> ec.EllipticCurvePublicKey:
+    """The operator's key is the registry's root of trust: it is enrolled from the data dir."""
+    if settings.operator_jwk_file is None:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "FLEET_OPERATOR_JWK_FILE is required")
+    jwk = json.loads(settings.operator_jwk_file.read_text())
+    await store.put_identity(
+        IdentityRecord(
+            id=OPERATOR_ISSUER,
+            kind="operator",
+            keys={jwk["kid"]: jwk},
+            scopes=["*"],
+            tenants=["*"],
+            enrolled_at=time.time(),
+        )
+    )
+    return public_key_from_jwk(jwk)
+
+
+async def main(settings: ServiceSettings) -> None:
+    configure_logging(settings.service_id, settings.log_level)
+    await serve_app(build_app(settings), settings)
