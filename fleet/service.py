@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from starlette.requests import Request
@@ -49,10 +54,63 @@ async def serve_app(app: ASGIApp, settings: ServiceSettings) -> None:
     await server.serve(sockets=[listening_socket(settings)])
 
 
-def health_endpoint(service_id: str, kind: str) -> object:
-    """A Starlette endpoint for ``GET /healthz`` (unauthenticated; reveals nothing but liveness)."""
+class Readiness:
+    """Liveness plus readiness: ``GET /healthz`` answers 503 until the service finished starting
+    (enrolled and registered), 200 after. It is unauthenticated and reveals nothing else."""
 
-    async def healthz(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "service": service_id, "kind": kind})
+    def __init__(self, service_id: str, kind: str) -> None:
+        self._service_id = service_id
+        self._kind = kind
+        self._status = "starting"
 
-    return healthz
+    @property
+    def ready(self) -> bool:
+        return self._status == "ok"
+
+    def set_ready(self) -> None:
+        self._status = "ok"
+
+    def set_failed(self, reason: str) -> None:
+        self._status = f"failed: {reason}"
+
+    async def endpoint(self, request: Request) -> JSONResponse:
+        body = {"status": self._status, "service": self._service_id, "kind": self._kind}
+        return JSONResponse(body, status_code=200 if self.ready else 503)
+
+
+def health_endpoint(service_id: str, kind: str) -> Readiness:
+    """A readiness that is ready from the start (for services with nothing to wait for)."""
+    readiness = Readiness(service_id, kind)
+    readiness.set_ready()
+    return readiness
+
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def start_in_background(
+    readiness: Readiness, start: Callable[[], Awaitable[None]]
+) -> AsyncIterator[None]:
+    """Run ``start`` (enroll, register) once the server is accepting; mark ready when it is done.
+
+    Registration must wait for the server to serve: the registry fetches our card while we register.
+    If ``start`` fails for good, the process stops itself so that its supervisor sees the failure.
+    """
+
+    async def run() -> None:
+        try:
+            await start()
+        except Exception as exc:  # any failure to start is fatal for this process
+            log.exception("start-up failed")
+            readiness.set_failed(type(exc).__name__)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        readiness.set_ready()
+
+    task = asyncio.create_task(run(), name="start-up")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

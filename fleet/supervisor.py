@@ -127,7 +127,6 @@ class Supervisor:
             "FLEET_NATS_URL": nats_url,
             "FLEET_PG_DSN": pg_dsn,
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
-            "FLEET_POLICY_DIR": "",
             "FLEET_LOG_LEVEL": self.settings.log_level,
         }
         for spec in SERVICES:

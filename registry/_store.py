@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
@@ -46,12 +46,18 @@ class RegistryStore:
         await self._records.put(key, record.model_dump_json().encode())
 
     async def _list(self, prefix: str, model: type[M]) -> list[M]:
+        """Current records under ``prefix`` (one subject-filtered watch: values, then end marker)."""
+        watcher = await self._records.watch(f"{prefix}.>", ignore_deletes=True)
+        found: list[M] = []
         try:
-            keys = await self._records.keys(filters=[f"{prefix}.>"])
-        except NoKeysError:
-            return []
-        found = [await self._get(key, model) for key in sorted(keys)]
-        return [record for record in found if record is not None]
+            async for entry in watcher:
+                if entry is None:
+                    break
+                if entry.value:
+                    found.append(model.model_validate_json(entry.value))
+        finally:
+            await watcher.stop()
+        return sorted(found, key=lambda record: str(getattr(record, "id", "")))
 
     async def identity(self, identity_id: str) -> IdentityRecord | None:
         return await self._get(f"identity.{identity_id}", IdentityRecord)

@@ -236,7 +236,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
             await nc.drain()
 
     routes = [
-        Route("/healthz", health_endpoint(settings.service_id, "registry")),  # type: ignore[arg-type]
+        Route("/healthz", health_endpoint(settings.service_id, "registry").endpoint),
         Route("/.well-known/jwks.json", _route(jwks)),
         Route("/oauth/token", _route(token), methods=["POST"]),
         Route("/v1/enroll", _route(enroll), methods=["POST"]),

@@ -1,0 +1,96 @@
+"""Plans: a request's steps, either given by the caller (an A2A data part ``{"steps": [...]}``) or
+chosen by the routing policy from the request's text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.errors import ErrorCode, FleetError
+from policy import PolicyEngine
+
+MAX_STEPS = 20
+
+
+class PlanError(FleetError):
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.INVALID_REQUEST, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    id: str
+    skill: str
+    input: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "skill": self.skill, "input": self.input}
+
+
+def parse_steps(raw: Any) -> list[Step]:
+    """Validate a caller's steps: unique ids, a skill each, object inputs, references backwards."""
+    if not isinstance(raw, list) or not raw:
+        raise PlanError('"steps" must be a non-empty list')
+    if len(raw) > MAX_STEPS:
+        raise PlanError(f"a plan has at most {MAX_STEPS} steps")
+    steps: list[Step] = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("skill"), str) or not item["skill"]:
+            raise PlanError(f"step {index} needs a skill")
+        step_id = item.get("id", f"step{index + 1}")
+        if not isinstance(step_id, str) or any(s.id == step_id for s in steps):
+            raise PlanError(f"step {index} needs a unique string id")
+        payload = item.get("input", {})
+        if not isinstance(payload, dict):
+            raise PlanError(f"step {step_id}: input must be an object")
+        _check_references(payload, {s.id for s in steps}, step_id)
+        steps.append(Step(step_id, item["skill"], payload))
+    return steps
+
+
+def _check_references(value: Any, earlier: set[str], step_id: str) -> None:
+    if isinstance(value, dict):
+        if "$from" in value:
+            source = str(value["$from"]).split(".", 1)[0]
+            if source not in earlier:
+                raise PlanError(f"step {step_id} refers to {source!r}, which is not an earlier step")
+            return
+        for item in value.values():
+            _check_references(item, earlier, step_id)
+    elif isinstance(value, list):
+        for item in value:
+            _check_references(item, earlier, step_id)
+
+
+def resolve_input(value: Any, results: dict[str, Any]) -> Any:
+    """Replace every ``{"$from": "step.path.to.field"}`` with that part of an earlier result."""
+    if isinstance(value, dict):
+        if "$from" in value:
+            step_id, _, path = str(value["$from"]).partition(".")
+            current: Any = results.get(step_id)
+            for key in path.split(".") if path else []:
+                if not isinstance(current, dict) or key not in current:
+                    raise PlanError(f"{value['$from']} is not in the result of step {step_id}")
+                current = current[key]
+            return current
+        return {key: resolve_input(item, results) for key, item in value.items()}
+    if isinstance(value, list):
+        return [resolve_input(item, results) for item in value]
+    return value
+
+
+def plan_request(data: list[Any], text: str, engine: PolicyEngine, tenant: str) -> list[Step]:
+    """The plan for a request: explicit steps win; otherwise the routing policy decides."""
+    for part in data:
+        if isinstance(part, dict) and "steps" in part:
+            return parse_steps(part["steps"])
+    if not text.strip():
+        raise PlanError('send text or a data part {"steps": [{"skill": ..., "input": {...}}]}')
+    decision = engine.decide("fleet.routing.decision", {"text": text, "tenant": tenant})
+    if not decision.allow:
+        raise FleetError(
+            ErrorCode.NO_SPECIALIST,
+            "no routing rule matches this request; send explicit steps "
+            f"({'; '.join(decision.reasons)})",
+        )
+    return parse_steps(decision.result.get("steps"))

@@ -1,0 +1,99 @@
+"""The coordinator service process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.tasks import InMemoryTaskStore
+from a2a.types import AgentSkill
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from coordinator.delegation import INVOKE_SCOPE, Delegator
+from coordinator.executor import CoordinatorExecutor
+from coordinator.graph import build_graph
+from fleet.a2a_support import RPC_PATH, BearerAuthMiddleware, ClaimsContextBuilder, build_card, sign_card
+from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.settings import ServiceSettings
+from policy import RegorusEngine
+from registry import RegistryClient, retry_until_done
+
+VERSION = "0.1.0"
+
+SKILLS = [
+    AgentSkill(
+        id="orchestrate",
+        name="Plan and delegate",
+        description=(
+            'Runs a plan over the fleet\'s specialists. Send a data part {"steps": [{"id", "skill", '
+            '"input"}]} (an input value {"$from": "step.field"} takes an earlier step\'s result), or '
+            "text that a routing rule in policy recognises."
+        ),
+        tags=["orchestration"],
+        examples=["Find outliers in this month's invoices"],
+    )
+]
+
+
+def build_app(settings: ServiceSettings) -> Starlette:
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
+    registry = RegistryClient(settings, http)
+    engine = RegorusEngine.from_dir(settings.policy_dir)
+    delegator = Delegator(registry, http)
+    card = build_card(
+        name="Fleet coordinator",
+        description="Plans work and delegates each step to a specialist agent of the fleet.",
+        version=VERSION,
+        base_url=settings.public_url,
+        skills=SKILLS,
+    )
+    card = sign_card(card, registry.key, jku=f"{registry.url}/v1/agents/{settings.service_id}/jwks.json")
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.pg_dsn,
+        max_size=10,
+        open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
+    saver = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
+    handler = DefaultRequestHandler(
+        agent_executor=CoordinatorExecutor(build_graph(delegator, saver), delegator, engine),
+        task_store=InMemoryTaskStore(),
+        agent_card=card,
+    )
+    readiness = Readiness(settings.service_id, "coordinator")
+
+    async def start() -> None:
+        await retry_until_done("enroll", registry.enroll)
+        await retry_until_done("register", lambda: registry.register_agent(settings.public_url))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with http, pool:
+            await saver.setup()
+            async with start_in_background(readiness, start):
+                yield
+            await handler.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", readiness.endpoint),
+            *create_agent_card_routes(card),
+            *create_jsonrpc_routes(handler, rpc_url=RPC_PATH, context_builder=ClaimsContextBuilder()),
+        ],
+        lifespan=lifespan,
+    )
+    app.add_middleware(BearerAuthMiddleware, verifier=registry.verifier(), required_scope=INVOKE_SCOPE)
+    return app
+
+
+async def main(settings: ServiceSettings) -> None:
+    configure_logging(settings.service_id, settings.log_level)
+    await serve_app(build_app(settings), settings)

@@ -1,0 +1,1 @@
+"""The statistician: robust statistics over records that other agents produced."""
