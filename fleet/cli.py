@@ -134,11 +134,11 @@ async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: 
     _print_endpoints(endpoints)
     _notify(ready_fd, {"ok": True, "endpoints": endpoints})
     print("fleet: stack is up; Ctrl-C stops it", flush=True)
-    reason = await supervisor.wait(stop)
-    print(f"fleet: stopping ({reason})", flush=True)
+    await supervisor.wait(stop)
+    print("fleet: stopping", flush=True)
     await supervisor.stop()
     print("fleet: stopped", flush=True)
-    return EXIT_OK if reason == "stop requested" else EXIT_FAILED
+    return EXIT_OK
 
 
 def up_detached(layout: StackLayout) -> int:

@@ -32,7 +32,7 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_command(store_dir: Path, port: int) -> list[str]:
+def nats_command(store_dir: Path, port: int, monitor_port: int) -> list[str]:
     return [
         nats_server_binary(),
         "--jetstream",
@@ -43,7 +43,7 @@ def nats_command(store_dir: Path, port: int) -> list[str]:
         "--port",
         str(port),
         "--http_port",
-        "0",
+        str(monitor_port),
         "--server_name",
         "fleet-local",
     ]

@@ -134,6 +134,7 @@ class Supervisor:
             self._record(endpoints, spec, url)
             if spec.kind == "registry":
                 env_common["FLEET_REGISTRY_URL"] = url
+        endpoints["processes"] = {c.name: c.process.pid for c in self.children}
         self.endpoints = endpoints
         self.layout.write_endpoints(endpoints)
         return endpoints
@@ -148,20 +149,22 @@ class Supervisor:
         elif spec.kind == "mcp_server":
             endpoints["mcp_servers"][spec.id] = url + spec.mcp_path
 
-    async def wait(self, stop: asyncio.Event) -> str:
-        """Block until ``stop`` is set or a child exits; return why."""
-        stop_task = asyncio.create_task(stop.wait())
-        exits = {asyncio.create_task(c.process.wait()): c for c in self.children}
+    async def wait(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set. A service that exits stays down (``fleet status`` shows it)
+        and the rest carry on: one crashed agent must not take the fleet down with it."""
+
+        async def watch(child: _Child) -> None:
+            code = await child.process.wait()
+            log.warning("%s exited with code %s; the rest of the stack keeps running", child.name, code)
+            print(f"fleet: {child.name} exited with code {code}", flush=True)
+
+        watchers = [asyncio.create_task(watch(c), name=f"watch-{c.name}") for c in self.children]
         try:
-            done, _ = await asyncio.wait({stop_task, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            await stop.wait()
         finally:
-            for task in (stop_task, *exits):
+            for task in watchers:
                 task.cancel()
-        for task in done:
-            if task in exits:
-                child = exits[task]
-                return f"{child.name} exited with code {child.process.returncode}"
-        return "stop requested"
+            await asyncio.gather(*watchers, return_exceptions=True)
 
     async def stop(self) -> None:
         """Stop the children in reverse start order: services first, then Postgres, then NATS."""
@@ -233,9 +236,11 @@ class Supervisor:
 
     async def _start_nats(self, previous: dict[str, Any]) -> str:
         port = _free_port(_port_of(previous.get("nats")))
-        child = await self._spawn("nats", nats_command(self.layout.nats_dir, port))
+        monitor = _free_port(None)
+        child = await self._spawn("nats", nats_command(self.layout.nats_dir, port, monitor))
         url = f"nats://127.0.0.1:{port}"
-        await _wait_until(child, self.layout, lambda: _tcp_open(port), f"NATS on {url}")
+        health = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
+        await _wait_until(child, self.layout, lambda: _http_ok(health), f"NATS on {url}")
         return url
 
     async def _start_postgres(self, previous: dict[str, Any]) -> tuple[int, str]:
@@ -268,7 +273,7 @@ class Supervisor:
             child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
         finally:
             sock.close()
-        await _wait_until(child, self.layout, lambda: _healthy(url), f"{spec.id} at {url}")
+        await _wait_until(child, self.layout, lambda: _http_ok(url + "/healthz"), f"{spec.id} at {url}")
         return url
 
 
@@ -298,17 +303,6 @@ def _port_of(url: object) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-async def _tcp_open(port: int) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
-
-
 async def _pg_ready(dsn: str) -> bool:
     try:
         conn = await psycopg.AsyncConnection.connect(dsn, connect_timeout=2)
@@ -327,10 +321,10 @@ async def _ensure_database(dsn: str, name: str) -> str:
     return dsn.rsplit("/", 1)[0] + "/" + name
 
 
-async def _healthy(url: str) -> bool:
+async def _http_ok(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=2.0) as http:
-            response = await http.get(url + "/healthz")
+            response = await http.get(url)
     except httpx.HTTPError:
         return False
     return response.status_code == 200

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
@@ -23,7 +24,8 @@ class RegistryStore:
     """Typed access to the registry bucket (``identity.<id>``, ``agent.<id>``, ``mcp.<id>``) and to
     the single-use nonce bucket (assertion and enrollment ``jti``s)."""
 
-    def __init__(self, records: KeyValue, nonces: KeyValue) -> None:
+    def __init__(self, js: JetStreamContext, records: KeyValue, nonces: KeyValue) -> None:
+        self._js = js
         self._records = records
         self._nonces = nonces
 
@@ -31,12 +33,12 @@ class RegistryStore:
     async def open(cls, client: NATS) -> RegistryStore:
         records = await key_value(client, RECORDS_BUCKET, history=5)
         nonces = await key_value(client, NONCES_BUCKET, history=1, ttl_s=NONCE_TTL_S)
-        return cls(records, nonces)
+        return cls(client.jetstream(), records, nonces)
 
     async def _get(self, key: str, model: type[M]) -> M | None:
         try:
             entry = await self._records.get(key)
-        except KeyNotFoundError:
+        except (KeyNotFoundError, KeyDeletedError):
             return None
         if entry.value is None:
             return None
@@ -46,18 +48,16 @@ class RegistryStore:
         await self._records.put(key, record.model_dump_json().encode())
 
     async def _list(self, prefix: str, model: type[M]) -> list[M]:
-        """Current records under ``prefix`` (one subject-filtered watch: values, then end marker)."""
-        watcher = await self._records.watch(f"{prefix}.>", ignore_deletes=True)
-        found: list[M] = []
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                if entry.value:
-                    found.append(model.model_validate_json(entry.value))
-        finally:
-            await watcher.stop()
-        return sorted(found, key=lambda record: str(getattr(record, "id", "")))
+        """Current records under ``prefix``: the stream's subject index, then one get per key.
+
+        (A KV watch or ``keys()`` can report "no more entries" before the first one arrives.)
+        """
+        stream = f"KV_{RECORDS_BUCKET}"
+        subject_prefix = f"$KV.{RECORDS_BUCKET}."
+        info = await self._js.stream_info(stream, subjects_filter=f"{subject_prefix}{prefix}.>")
+        keys = sorted(s.removeprefix(subject_prefix) for s in (info.state.subjects or {}))
+        found = [await self._get(key, model) for key in keys]
+        return [record for record in found if record is not None]
 
     async def identity(self, identity_id: str) -> IdentityRecord | None:
         return await self._get(f"identity.{identity_id}", IdentityRecord)

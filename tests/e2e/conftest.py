@@ -1,0 +1,171 @@
+"""End-to-end fixtures: the real stack, started as subprocesses by ``fleet up`` in a temporary data dir,
+and driven only through its public surfaces (A2A with the a2a-sdk client, MCP over HTTP, the CLI)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+from a2a.helpers import get_data_parts, get_text_parts, new_data_part, new_text_part
+from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
+from google.protobuf.json_format import ParseDict
+
+from fleet.keys import SigningKey
+from fleet.layout import StackLayout
+
+STACK_START_TIMEOUT_S = 180
+
+
+def fleet(*args: str, timeout: float = STACK_START_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run the ``fleet`` CLI as a user would (a new process)."""
+    return subprocess.run(
+        [sys.executable, "-m", "fleet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@dataclass
+class Stack:
+    """A running stack and what a test may use: its endpoints and the keys in its data dir."""
+
+    layout: StackLayout
+    endpoints: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def data_dir(self) -> str:
+        return str(self.layout.home)
+
+    def reload(self) -> None:
+        self.endpoints = json.loads(self.layout.endpoints_file.read_text())
+
+    def token(self, audience: str, tenant: str = "acme", scopes: tuple[str, ...] = ("agent:invoke",)) -> str:
+        args = ["token", "--data-dir", self.data_dir, "--audience", audience, "--tenant", tenant]
+        for scope in scopes:
+            args += ["--scope", scope]
+        result = fleet(*args, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    def forge(self, **overrides: Any) -> str:
+        """A token signed with the registry's real key but with claims the test chooses."""
+        key = SigningKey.load_or_create(self.layout.key_file("registry"))
+        now = int(time.time())
+        claims: dict[str, Any] = {
+            "iss": "fleet-registry",
+            "sub": "operator",
+            "aud": "coordinator",
+            "tenant": "acme",
+            "scope": "agent:invoke",
+            "iat": now,
+            "exp": now + 300,
+            "jti": uuid.uuid4().hex,
+        }
+        claims.update(overrides)
+        return key.sign(claims)
+
+
+def start_stack(data_dir: Path) -> Stack:
+    stack = Stack(StackLayout.at(data_dir))
+    result = fleet("up", "--data-dir", str(data_dir), "--detach")
+    assert result.returncode == 0, f"fleet up failed:\n{result.stdout}\n{result.stderr}"
+    stack.reload()
+    return stack
+
+
+def stop_stack(stack: Stack) -> None:
+    result = fleet("down", "--data-dir", stack.data_dir, timeout=90)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One stack shared by the tests that do not break it."""
+    running = start_stack(tmp_path_factory.mktemp("stack"))
+    yield running
+    stop_stack(running)
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of the test's own, for tests that kill or restart parts of it."""
+    running = start_stack(tmp_path / "fleet")
+    yield running
+    stop_stack(running)
+
+
+@dataclass
+class RunOutcome:
+    state: int
+    task_id: str
+    progress: list[str]
+    final_text: str
+    result: dict[str, Any]
+
+    @property
+    def state_name(self) -> str:
+        return TaskState.Name(self.state)
+
+
+def user_message(text: str = "", data: dict[str, Any] | None = None) -> Message:
+    parts = []
+    if text:
+        parts.append(new_text_part(text))
+    if data is not None:
+        parts.append(new_data_part(data))
+    return Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=parts)
+
+
+async def fetch_card(http: httpx.AsyncClient, base_url: str) -> AgentCard:
+    response = await http.get(base_url + "/.well-known/agent-card.json")
+    response.raise_for_status()
+    return ParseDict(response.json(), AgentCard(), ignore_unknown_fields=True)
+
+
+async def send(
+    stack: Stack, message: Message, *, token: str | None, agent: str = "coordinator"
+) -> RunOutcome:
+    """Send ``message`` with the a2a-sdk streaming client and collect what comes back."""
+    base = stack.endpoints["coordinator"] if agent == "coordinator" else stack.endpoints["specialists"][agent]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
+        card = await fetch_card(http, base)
+        client = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(card)
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        context = ClientCallContext(service_parameters=headers)
+        outcome = RunOutcome(TaskState.TASK_STATE_UNSPECIFIED, "", [], "", {})
+        try:
+            async for event in client.send_message(SendMessageRequest(message=message), context=context):
+                _record(outcome, event)
+        finally:
+            await client.close()
+    return outcome
+
+
+def _record(outcome: RunOutcome, event: Any) -> None:
+    kind = event.WhichOneof("payload")
+    if kind == "task":
+        outcome.task_id = event.task.id
+        outcome.state = event.task.status.state
+    elif kind == "status_update":
+        outcome.state = event.status_update.status.state
+        text = " ".join(get_text_parts(event.status_update.status.message.parts))
+        if text:
+            outcome.final_text = text
+            outcome.progress.append(text)
+    elif kind == "artifact_update":
+        for data in get_data_parts(event.artifact_update.artifact.parts):
+            if isinstance(data, dict):
+                outcome.result.update(data)

@@ -1,0 +1,103 @@
+"""Token verification: the checks every service relies on."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fleet.errors import AuthError, ErrorCode, FleetError
+from fleet.keys import SigningKey
+from fleet.tokens import TokenVerifier, bearer_token
+
+ISSUER = "fleet-registry"
+
+
+@pytest.fixture
+def key() -> SigningKey:
+    return SigningKey.generate()
+
+
+@pytest.fixture
+def verifier(key: SigningKey) -> TokenVerifier:
+    public = key.private_key.public_key()
+
+    async def lookup(kid: str) -> ec.EllipticCurvePublicKey | None:
+        return public if kid == key.kid else None
+
+    return TokenVerifier(lookup, issuer=ISSUER, audience="coordinator")
+
+
+def claims(**overrides: Any) -> dict[str, Any]:
+    now = int(time.time())
+    base: dict[str, Any] = {
+        "iss": ISSUER,
+        "sub": "operator",
+        "aud": "coordinator",
+        "tenant": "acme",
+        "scope": "agent:invoke",
+        "iat": now,
+        "exp": now + 300,
+        "jti": uuid.uuid4().hex,
+    }
+    base.update(overrides)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+async def test_valid_token_yields_its_claims(key: SigningKey, verifier: TokenVerifier) -> None:
+    verified = await verifier.verify(key.sign(claims()), required_scopes=["agent:invoke"])
+    assert (verified.sub, verified.tenant, verified.scopes) == ("operator", "acme", {"agent:invoke"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"exp": int(time.time()) - 60}, "token expired"),
+        ({"aud": "stats"}, "token is not meant for this service"),
+        ({"iss": "someone-else"}, "invalid token: InvalidIssuerError"),
+        ({"tenant": None}, "invalid token: MissingRequiredClaimError"),
+        ({"jti": None}, "invalid token: MissingRequiredClaimError"),
+    ],
+)
+async def test_bad_claims_are_rejected(
+    key: SigningKey, verifier: TokenVerifier, overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(AuthError) as caught:
+        await verifier.verify(key.sign(claims(**overrides)))
+    assert caught.value.message == message
+    assert caught.value.code == ErrorCode.UNAUTHENTICATED
+
+
+async def test_token_signed_by_an_unknown_key_is_rejected(verifier: TokenVerifier) -> None:
+    with pytest.raises(AuthError, match="unknown key"):
+        await verifier.verify(SigningKey.generate().sign(claims()))
+
+
+async def test_symmetric_algorithm_confusion_is_rejected(verifier: TokenVerifier) -> None:
+    forged = jwt.encode(claims(), "s" * 32, algorithm="HS256", headers={"kid": "x"})
+    with pytest.raises(AuthError, match="algorithm not allowed"):
+        await verifier.verify(forged)
+
+
+async def test_unsigned_token_is_rejected(verifier: TokenVerifier) -> None:
+    forged = jwt.encode(claims(), None, algorithm="none")  # type: ignore[arg-type]
+    with pytest.raises(AuthError):
+        await verifier.verify(forged)
+
+
+async def test_missing_scope_is_forbidden_not_unauthenticated(
+    key: SigningKey, verifier: TokenVerifier
+) -> None:
+    with pytest.raises(FleetError) as caught:
+        await verifier.verify(key.sign(claims(scope="registry:read")), required_scopes=["agent:invoke"])
+    assert caught.value.code == ErrorCode.FORBIDDEN
+
+
+@pytest.mark.parametrize("header", [None, "", "Basic abc", "Bearer ", "token"])
+def test_authorization_header_must_be_a_bearer_token(header: str | None) -> None:
+    with pytest.raises(AuthError):
+        bearer_token(header)
