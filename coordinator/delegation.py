@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from a2a.client import A2AClientError, ClientCallContext, ClientConfig, ClientFactory
+from a2a.client import A2AClientError, A2AClientTimeoutError, ClientCallContext, ClientConfig, ClientFactory
 from a2a.helpers import get_data_parts, get_text_parts, new_data_part
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError
@@ -77,12 +77,14 @@ class Delegator:
         client = self._factory.create(card)
         try:
             return await _collect(client.send_message(request, context=context), agent.id, progress)
+        except A2AClientError as exc:
+            if isinstance(exc.__cause__, httpx.TransportError) or isinstance(exc, A2AClientTimeoutError):
+                raise FleetError(
+                    ErrorCode.SPECIALIST_UNAVAILABLE, f"cannot reach {agent.id} at {agent.url}", retryable=True
+                ) from exc
+            raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
         except A2AError as exc:
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
-        except A2AClientError as exc:
-            raise FleetError(
-                ErrorCode.SPECIALIST_UNAVAILABLE, f"cannot reach {agent.id} at {agent.url}", retryable=True
-            ) from exc
         finally:
             await client.close()
 

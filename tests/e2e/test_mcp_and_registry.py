@@ -1,0 +1,228 @@
+"""The SQL MCP server's token gate and the registry's enrollment, token service and card checks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import httpx2
+import jwt
+import pytest
+import uvicorn
+from a2a.server.routes import create_agent_card_routes
+from a2a.types import AgentSkill
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from starlette.applications import Starlette
+
+from deploy.local_stack import ServiceSpec
+from fleet.a2a_support import build_card, sign_card
+from fleet.keys import SigningKey
+from fleet.supervisor import enrollment_token
+from fleet.tokens import client_assertion
+from tests.e2e.conftest import Stack
+
+pytestmark = pytest.mark.e2e
+
+MCP_LIST = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+
+
+async def post_mcp(stack: Stack, token: str | None) -> httpx.Response:
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    async with httpx.AsyncClient() as http:
+        return await http.post(stack.endpoints["mcp_servers"]["mcp-sql"], json=MCP_LIST, headers=headers)
+
+
+@pytest.mark.parametrize("case", ["missing", "expired", "wrong_audience", "foreign_signer"])
+async def test_mcp_server_rejects_bad_tokens_with_401(stack: Stack, case: str) -> None:
+    token = {
+        "missing": None,
+        "expired": stack.forge(aud="mcp-sql", iat=1_700_000_000, exp=1_700_000_300),
+        "wrong_audience": stack.forge(aud="coordinator", scope="sql:query"),
+        "foreign_signer": SigningKey.generate().sign({"aud": "mcp-sql", "tenant": "acme"}),
+    }[case]
+    response = await post_mcp(stack, token)
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"].startswith("Bearer")
+
+
+async def call_query(stack: Stack, token: str, sql: str) -> Any:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
+        url = stack.endpoints["mcp_servers"]["mcp-sql"]
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            return await client.call_tool("query", {"sql": sql})
+
+
+async def test_mcp_query_sees_only_the_token_tenant_even_when_sql_sets_another(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="globex", scopes=("sql:query",))
+    hostile = "SELECT DISTINCT tenant_id FROM tenant_data.invoices WHERE tenant_id IN ('acme', 'globex')"
+    result = await call_query(stack, token, hostile)
+    assert not result.is_error
+    assert result.structured_content["rows"] == [["globex"]]
+
+
+async def test_mcp_query_cannot_escalate_to_another_role(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="globex", scopes=("sql:query",))
+    result = await call_query(stack, token, "SELECT set_config('role', 'postgres', true)")
+    assert result.is_error
+    assert "permission denied" in result.content[0].text
+
+
+async def test_mcp_call_without_the_tool_scope_is_denied_by_policy(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=())
+    result = await call_query(stack, token, "SELECT 1")
+    assert result.is_error
+    assert "[policy_denied] the token lacks scope sql:query" in result.content[0].text
+
+
+# ----------------------------------------------------------------------------- registry
+@contextlib.asynccontextmanager
+async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -> AsyncIterator[str]:
+    """A throwaway agent that serves only a card (signed with ``card_key``)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    card = build_card(
+        name="Impostor",
+        description="test agent",
+        version="1",
+        base_url=host_in_card or base,
+        skills=[AgentSkill(id="impersonate", name="impersonate", description="x")],
+    )
+    app = Starlette(routes=create_agent_card_routes(sign_card(card, card_key)))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                await asyncio.sleep(0.01)
+        yield base
+    finally:
+        server.should_exit = True
+        await task
+
+
+class Impostor:
+    """An identity enrolled with the operator's consent, used to probe the registry."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.id = f"impostor-{uuid.uuid4().hex[:8]}"
+        self.key = SigningKey.generate()
+        self.registry = stack.endpoints["registry"]
+
+    def enrollment_token(self) -> str:
+        operator = SigningKey.load_or_create(self.stack.layout.key_file("operator"))
+        spec = ServiceSpec(self.id, "specialist", "x:y", scopes=("registry:write", "registry:read"))
+        return enrollment_token(operator, spec)
+
+    async def enroll(self, http: httpx.AsyncClient, token: str) -> httpx.Response:
+        body = {"id": self.id, "public_jwk": self.key.public_jwk(), "enrollment_token": token}
+        return await http.post(self.registry + "/v1/enroll", json=body)
+
+    async def request_token(
+        self, http: httpx.AsyncClient, scope: str = "registry:write", assertion: str | None = None
+    ) -> httpx.Response:
+        form = {
+            "grant_type": "client_credentials",
+            "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
+            "client_assertion": assertion or client_assertion(self.key, self.id, "fleet-registry"),
+            "audience": "registry",
+            "tenant": "acme",
+            "scope": scope,
+        }
+        return await http.post(self.registry + "/oauth/token", data=form)
+
+    async def register(self, http: httpx.AsyncClient, url: str) -> httpx.Response:
+        token = (await self.request_token(http)).json()["access_token"]
+        return await http.put(
+            f"{self.registry}/v1/agents/{self.id}",
+            json={"url": url},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+
+
+@pytest.fixture
+async def impostor(stack: Stack) -> Impostor:
+    identity = Impostor(stack)
+    async with httpx.AsyncClient() as http:
+        response = await identity.enroll(http, identity.enrollment_token())
+    assert response.status_code == 201, response.text
+    return identity
+
+
+async def test_card_signed_by_a_key_that_is_not_enrolled_is_refused(impostor: Impostor) -> None:
+    async with httpx.AsyncClient() as http, serve_card(SigningKey.generate()) as url:
+        response = await impostor.register(http, url)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "card_invalid"
+    assert "signature does not verify" in response.json()["error"]["message"]
+
+
+async def test_card_signed_by_the_enrolled_key_is_accepted_and_discoverable(impostor: Impostor) -> None:
+    async with httpx.AsyncClient() as http, serve_card(impostor.key) as url:
+        response = await impostor.register(http, url)
+        assert response.status_code == 200, response.text
+        token = impostor.stack.token("registry", scopes=("registry:read",))
+        found = await http.get(
+            impostor.registry + "/v1/agents",
+            params={"skill": "impersonate"},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    assert [a["id"] for a in found.json()["agents"]] == [impostor.id]
+
+
+async def test_card_that_names_another_host_is_refused(impostor: Impostor) -> None:
+    async with httpx.AsyncClient() as http, serve_card(impostor.key, host_in_card="http://evil.example") as url:
+        response = await impostor.register(http, url)
+    assert response.status_code == 400
+    assert "not on the registered host" in response.json()["error"]["message"]
+
+
+async def test_enrollment_token_works_once(stack: Stack) -> None:
+    identity = Impostor(stack)
+    token = identity.enrollment_token()
+    async with httpx.AsyncClient() as http:
+        assert (await identity.enroll(http, token)).status_code == 201
+        again = await identity.enroll(http, token)
+    assert again.status_code == 401
+    assert again.json()["error"]["message"] == "enrollment token was already used"
+
+
+async def test_client_assertion_cannot_be_replayed(impostor: Impostor) -> None:
+    assertion = client_assertion(impostor.key, impostor.id, "fleet-registry")
+    async with httpx.AsyncClient() as http:
+        first = await impostor.request_token(http, assertion=assertion)
+        second = await impostor.request_token(http, assertion=assertion)
+    assert first.status_code == 200
+    assert second.status_code == 401
+    assert second.json()["error"] == "invalid_client"
+
+
+async def test_scope_outside_the_enrollment_is_refused(impostor: Impostor) -> None:
+    async with httpx.AsyncClient() as http:
+        response = await impostor.request_token(http, scope="sql:query")
+    assert response.status_code == 400
+    assert response.json()["error"] == "invalid_scope"
+
+
+async def test_access_tokens_are_short_lived_and_bound_to_one_audience_and_tenant(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="globex", scopes=("sql:query",))
+    async with httpx.AsyncClient() as http:
+        jwks = (await http.get(stack.endpoints["registry"] + "/.well-known/jwks.json")).json()
+    key = jwt.PyJWK(jwks["keys"][0], algorithm="ES256")
+    claims = jwt.decode(token, key, algorithms=["ES256"], audience="mcp-sql")
+    assert claims["aud"] == "mcp-sql"
+    assert claims["tenant"] == "globex"
+    assert claims["scope"] == "sql:query"
+    assert claims["exp"] - claims["iat"] <= 300
+    assert claims["exp"] > time.time()

@@ -1,0 +1,153 @@
+"""``fleet up`` / ``status`` / ``down``: processes, endpoints, durable state, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from fleet.layout import StackLayout
+from tests.e2e.conftest import Stack, fleet, send, start_stack, stop_stack, user_message
+
+pytestmark = pytest.mark.e2e
+
+ONE_STEP = {"steps": [{"id": "totals", "skill": "invoice-totals"}]}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        remaining = [p for p in pids if alive(p)]
+        if not remaining:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path / "fleet")
+    endpoints = stack.endpoints
+    assert endpoints["nats"].startswith("nats://127.0.0.1:")
+    assert endpoints["registry"].startswith("http://127.0.0.1:")
+    assert endpoints["coordinator"].startswith("http://127.0.0.1:")
+    assert set(endpoints["specialists"]) == {"sql-analyst", "stats"}
+    assert endpoints["mcp_servers"]["mcp-sql"].endswith("/mcp")
+    status = fleet("status", "--data-dir", stack.data_dir, "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    report = json.loads(status.stdout)
+    assert report["healthy"] is True
+    assert all(check["healthy"] for check in report["services"].values())
+    assert {a["id"] for a in report["registry"]["agents"]} == {"coordinator", "sql-analyst", "stats"}
+    assert [m["id"] for m in report["registry"]["mcp_servers"]] == ["mcp-sql"]
+    pids = [endpoints["supervisor_pid"], *endpoints["processes"].values()]
+    down = fleet("down", "--data-dir", stack.data_dir)
+    assert down.returncode == 0, down.stderr
+    assert wait_gone(pids) == []
+    after = fleet("status", "--data-dir", stack.data_dir, "--json")
+    assert after.returncode == 3
+    assert json.loads(after.stdout)["running"] is False
+
+
+def test_second_up_on_a_running_dir_is_refused(own_stack: Stack) -> None:
+    again = fleet("up", "--data-dir", own_stack.data_dir, "--detach")
+    assert again.returncode == 1
+    assert "already running" in again.stderr
+
+
+def checkpoints_of(stack: Stack, thread_id: str) -> int:
+    password = (stack.layout.keys_dir / "postgres-password.secret").read_text().strip()
+    port = stack.endpoints["postgres_port"]
+    dsn = f"postgresql://postgres:{password}@127.0.0.1:{port}/fleet"
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM checkpoints WHERE thread_id = %s", (thread_id,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_second_up_on_the_same_dir_keeps_the_durable_state(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path / "fleet")
+    try:
+        outcome = await send(stack, user_message(data=ONE_STEP), token=stack.token("coordinator"))
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        before = checkpoints_of(stack, outcome.task_id)
+        assert before > 0
+    finally:
+        stop_stack(stack)
+    restarted = start_stack(tmp_path / "fleet")
+    try:
+        assert checkpoints_of(restarted, outcome.task_id) == before
+        again = await send(restarted, user_message(data=ONE_STEP), token=restarted.token("coordinator"))
+        assert again.state_name == "TASK_STATE_COMPLETED", again.final_text
+    finally:
+        stop_stack(restarted)
+
+
+def test_ctrl_c_in_the_foreground_stops_the_stack_cleanly(tmp_path: Path) -> None:
+    layout = StackLayout.at(tmp_path / "fleet")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fleet", "up", "--data-dir", str(layout.home)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    output: list[str] = []
+    for line in process.stdout:
+        output.append(line)
+        if "stack is up" in line:
+            break
+    assert any("stack is up" in line for line in output), "".join(output)
+    endpoints = json.loads(layout.endpoints_file.read_text())
+    pids = list(endpoints["processes"].values())
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, "".join(output) + rest
+    assert "fleet: stopped" in rest
+    assert wait_gone(pids) == []
+
+
+async def test_a_specialist_that_is_down_fails_its_step_with_a_reason(own_stack: Stack) -> None:
+    stats_pid = own_stack.endpoints["processes"]["stats"]
+    os.kill(stats_pid, signal.SIGKILL)
+    assert wait_gone([stats_pid]) == []
+    steps = {
+        "steps": [
+            {"id": "totals", "skill": "invoice-totals"},
+            {
+                "id": "outliers",
+                "skill": "outliers",
+                "input": {"records": {"$from": "totals.records"}, "field": "largest"},
+            },
+        ]
+    }
+    outcome = await send(own_stack, user_message(data=steps), token=own_stack.token("coordinator"))
+    assert outcome.state_name == "TASK_STATE_FAILED"
+    assert outcome.final_text.startswith("[specialist_unavailable] step outliers (outliers) failed")
+    assert "cannot reach stats" in outcome.final_text
+    # The rest of the fleet carries on, and status names the service that is down.
+    alone = await send(own_stack, user_message(data=ONE_STEP), token=own_stack.token("coordinator"))
+    assert alone.state_name == "TASK_STATE_COMPLETED", alone.final_text
+    status = fleet("status", "--data-dir", own_stack.data_dir, "--json")
+    assert status.returncode == 1
+    services = json.loads(status.stdout)["services"]
+    assert [name for name, check in services.items() if not check["healthy"]] == ["stats"]
