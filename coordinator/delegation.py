@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from a2a.client import A2AClientError, A2AClientTimeoutError, ClientCallContext, ClientConfig, ClientFactory
+from a2a.client import (
+    A2AClientError,
+    A2AClientTimeoutError,
+    ClientCallContext,
+    ClientConfig,
+    ClientFactory,
+)
 from a2a.helpers import get_data_parts, get_text_parts, new_data_part
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError
@@ -80,7 +86,9 @@ class Delegator:
         except A2AClientError as exc:
             if isinstance(exc.__cause__, httpx.TransportError) or isinstance(exc, A2AClientTimeoutError):
                 raise FleetError(
-                    ErrorCode.SPECIALIST_UNAVAILABLE, f"cannot reach {agent.id} at {agent.url}", retryable=True
+                    ErrorCode.SPECIALIST_UNAVAILABLE,
+                    f"cannot reach {agent.id} at {agent.url}",
+                    retryable=True,
                 ) from exc
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
         except A2AError as exc:

@@ -6,11 +6,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from a2a.helpers import get_data_parts, get_text_parts, new_data_part, new_task_from_user_message, new_text_part
+from a2a.helpers import (
+    get_data_parts,
+    get_text_parts,
+    new_data_part,
+    new_task_from_user_message,
+    new_text_part,
+)
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.tasks import TaskUpdater
 from a2a.types import InvalidParamsError, TaskState
+from langchain_core.runnables import RunnableConfig
 from langgraph.graph.state import CompiledStateGraph
 
 from coordinator.delegation import Delegator
@@ -40,7 +47,9 @@ class CoordinatorExecutor(AgentExecutor):
                 if not await self._delegator.discover(step.skill):
                     raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {step.skill!r}")
         except FleetError as exc:
-            raise InvalidParamsError(message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}) from exc
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
         return steps
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
@@ -52,20 +61,22 @@ class CoordinatorExecutor(AgentExecutor):
             await event_queue.enqueue_event(task)
         updater = TaskUpdater(event_queue, task.id, task.context_id)
         await updater.start_work(
-            updater.new_agent_message(
-                [new_text_part(f"plan: {' -> '.join(s.skill for s in steps)}")]
-            )
+            updater.new_agent_message([new_text_part(f"plan: {' -> '.join(s.skill for s in steps)}")])
         )
         try:
             final = await self._run(task.id, claims.tenant, steps, updater)
         except Exception:
             log.exception("run %s crashed", task.id)
-            await updater.failed(updater.new_agent_message([new_text_part(f"[{ErrorCode.INTERNAL}] the run crashed")]))
+            await updater.failed(
+                updater.new_agent_message([new_text_part(f"[{ErrorCode.INTERNAL}] the run crashed")])
+            )
             return
         failure = final.get("failure")
         if failure:
             text = f"[{failure['code']}] step {failure['step']} ({failure['skill']}) failed: {failure['message']}"
-            await updater.failed(updater.new_agent_message([new_text_part(text), new_data_part({"failure": failure})]))
+            await updater.failed(
+                updater.new_agent_message([new_text_part(text), new_data_part({"failure": failure})])
+            )
             return
         results = final.get("results", {})
         summary = "; ".join(f"{o['step']} by {o['agent']}" for o in final.get("outcomes", []))
@@ -77,7 +88,7 @@ class CoordinatorExecutor(AgentExecutor):
         await updater.complete()
 
     async def _run(self, run_id: str, tenant: str, steps: list[Step], updater: TaskUpdater) -> dict[str, Any]:
-        config = {"configurable": {"thread_id": run_id}}
+        config: RunnableConfig = {"configurable": {"thread_id": run_id}}
         initial = {
             "run_id": run_id,
             "tenant": tenant,
@@ -88,14 +99,15 @@ class CoordinatorExecutor(AgentExecutor):
             "failure": None,
         }
         final: dict[str, Any] = {}
-        async for mode, chunk in self._graph.astream(initial, config, stream_mode=["custom", "values"]):
-            if mode == "custom":
+        stream = self._graph.astream(initial, config, stream_mode=["custom", "values"], version="v2")
+        async for part in stream:
+            if part["type"] == "custom":
                 await updater.update_status(
                     TaskState.TASK_STATE_WORKING,
-                    message=updater.new_agent_message([new_text_part(str(chunk["text"]))]),
+                    message=updater.new_agent_message([new_text_part(str(part["data"]["text"]))]),
                 )
-            else:
-                final = chunk
+            elif part["type"] == "values":
+                final = dict(part["data"])
         return final
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:

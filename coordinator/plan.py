@@ -90,7 +90,6 @@ def plan_request(data: list[Any], text: str, engine: PolicyEngine, tenant: str) 
     if not decision.allow:
         raise FleetError(
             ErrorCode.NO_SPECIALIST,
-            "no routing rule matches this request; send explicit steps "
-            f"({'; '.join(decision.reasons)})",
+            f"no routing rule matches this request; send explicit steps ({'; '.join(decision.reasons)})",
         )
     return parse_steps(decision.result.get("steps"))

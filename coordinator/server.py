@@ -20,7 +20,13 @@ from starlette.routing import Route
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import build_graph
-from fleet.a2a_support import RPC_PATH, BearerAuthMiddleware, ClaimsContextBuilder, build_card, sign_card
+from fleet.a2a_support import (
+    RPC_PATH,
+    BearerAuthMiddleware,
+    ClaimsContextBuilder,
+    build_card,
+    sign_card,
+)
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import RegorusEngine
@@ -62,7 +68,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         open=False,
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
     )
-    saver = AsyncPostgresSaver(pool)  # type: ignore[arg-type]
+    saver = AsyncPostgresSaver(pool)
     handler = DefaultRequestHandler(
         agent_executor=CoordinatorExecutor(build_graph(delegator, saver), delegator, engine),
         task_store=InMemoryTaskStore(),

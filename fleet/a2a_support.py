@@ -50,9 +50,7 @@ class BearerAuthMiddleware:
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
         try:
-            claims = await self._verifier.verify(
-                bearer_token(authorization), required_scopes=[self._scope]
-            )
+            claims = await self._verifier.verify(bearer_token(authorization), required_scopes=[self._scope])
         except FleetError as exc:
             await _deny(send, exc)
             return

@@ -104,7 +104,7 @@ def serve(service_id: str) -> int:
         return EXIT_USAGE
     module_name, _, function_name = spec.entry.partition(":")
     entry = getattr(importlib.import_module(module_name), function_name)
-    settings = ServiceSettings(service_id=service_id)
+    settings = ServiceSettings.from_env(service_id)
     asyncio.run(entry(settings))
     return EXIT_OK
 
@@ -147,7 +147,16 @@ def up_detached(layout: StackLayout) -> int:
     read_fd, write_fd = os.pipe()
     with layout.log_file("supervisor").open("a") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "fleet", "up", "--data-dir", str(layout.home), "--ready-fd", str(write_fd)],
+            [
+                sys.executable,
+                "-m",
+                "fleet",
+                "up",
+                "--data-dir",
+                str(layout.home),
+                "--ready-fd",
+                str(write_fd),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

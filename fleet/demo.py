@@ -12,7 +12,13 @@ from typing import Any
 
 import httpx
 import jwt
-from a2a.client import A2ACardResolver, A2AClientError, ClientCallContext, ClientConfig, ClientFactory
+from a2a.client import (
+    A2ACardResolver,
+    A2AClientError,
+    ClientCallContext,
+    ClientConfig,
+    ClientFactory,
+)
 from a2a.helpers import get_data_parts, get_text_parts, new_data_part, new_text_part
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError

@@ -87,4 +87,6 @@ class SigningKey:
 
     def sign(self, claims: dict[str, Any], *, typ: str = "JWT") -> str:
         """A compact JWS over ``claims`` with this key's ``kid``."""
-        return jwt.encode(claims, self.private_key, algorithm=ALGORITHM, headers={"kid": self.kid, "typ": typ})
+        return jwt.encode(
+            claims, self.private_key, algorithm=ALGORITHM, headers={"kid": self.kid, "typ": typ}
+        )

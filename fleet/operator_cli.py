@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -52,10 +53,8 @@ def down(layout: StackLayout) -> int:
         print(f"fleet: no stack is running on {layout.home}")
         return EXIT_OK
     pid = int(endpoints["supervisor_pid"])
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + DOWN_TIMEOUT_S
     while stack_running(layout):
         if time.monotonic() > deadline:

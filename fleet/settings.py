@@ -6,6 +6,7 @@ Library code never reads the environment; it takes a settings object or plain ar
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,3 +45,8 @@ class ServiceSettings(BaseSettings):
     operator_jwk_file: Path | None = None
     policy_dir: Path | None = None
     log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, service_id: str) -> Self:
+        """Settings for ``service_id``; everything else comes from ``FLEET_*`` variables."""
+        return cls(service_id=service_id)  # type: ignore[call-arg]  # required fields come from the env

@@ -249,5 +249,7 @@ def _token_error(response: httpx.Response) -> FleetError:
         detail = f"{body.get('error')}: {body.get('error_description', '')}"
     except ValueError:
         detail = response.text[:200]
-    code = ErrorCode.FORBIDDEN if response.status_code in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE
+    code = (
+        ErrorCode.FORBIDDEN if response.status_code in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE
+    )
     return FleetError(code, f"token request refused ({response.status_code}) {detail}")

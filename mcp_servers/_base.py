@@ -14,6 +14,7 @@ from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
@@ -61,9 +62,7 @@ def current_claims() -> Claims:
     return claims
 
 
-def authorize_call(
-    engine: PolicyEngine, server_id: str, tool: str, arguments: dict[str, Any]
-) -> Claims:
+def authorize_call(engine: PolicyEngine, server_id: str, tool: str, arguments: dict[str, Any]) -> Claims:
     """Ask policy whether the current caller may run ``tool``; raise a tool error if not."""
     claims = current_claims()
     try:
@@ -104,9 +103,7 @@ def build_app(
 
     ``lifespan`` must enter ``mcp.session_manager.run()`` (mounted apps get no lifespan of their own).
     """
-    mcp_app = mcp.streamable_http_app(
-        streamable_http_path=MCP_PATH, stateless_http=True, json_response=True
-    )
+    mcp_app = mcp.streamable_http_app(streamable_http_path=MCP_PATH, stateless_http=True, json_response=True)
     return Starlette(
         routes=[Route("/healthz", readiness.endpoint), Mount("/", app=mcp_app)],
         lifespan=lifespan,
@@ -115,7 +112,7 @@ def build_app(
 
 def auth_settings(settings: ServiceSettings) -> AuthSettings:
     return AuthSettings(
-        issuer_url=settings.registry_url,
+        issuer_url=AnyHttpUrl(settings.registry_url),
         resource_server_url=None,
         validate_token_resource=False,  # the verifier checks the audience itself
     )

@@ -59,7 +59,7 @@ def parse_card(document: Any) -> AgentCard:
     if not isinstance(document, dict):
         raise _invalid("card is not a JSON object")
     try:
-        card = ParseDict(document, AgentCard())
+        card: AgentCard = ParseDict(document, AgentCard())
     except ParseError as exc:
         raise _invalid(f"card does not match the A2A schema: {exc}") from exc
     if not card.name or not card.supported_interfaces:

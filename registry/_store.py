@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.client import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 

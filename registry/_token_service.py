@@ -87,7 +87,9 @@ class TokenService:
                 options={"require": ["exp", "iat", "jti", "iss", "sub", "aud"]},
             )
         except jwt.PyJWTError as exc:
-            raise OAuthError("invalid_client", f"client assertion rejected: {type(exc).__name__}", 401) from exc
+            raise OAuthError(
+                "invalid_client", f"client assertion rejected: {type(exc).__name__}", 401
+            ) from exc
         if int(claims["exp"]) - int(claims["iat"]) > MAX_ASSERTION_LIFETIME_S:
             raise OAuthError("invalid_client", "client assertion lives too long", 401)
         if not all(c.isalnum() or c in "-_" for c in str(claims["jti"])):

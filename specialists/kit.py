@@ -224,9 +224,7 @@ def build_specialist_app(
         ],
         lifespan=lifespan,
     )
-    app.add_middleware(
-        BearerAuthMiddleware, verifier=registry.verifier(), required_scope=INVOKE_SCOPE
-    )
+    app.add_middleware(BearerAuthMiddleware, verifier=registry.verifier(), required_scope=INVOKE_SCOPE)
     return app
 
 

@@ -65,7 +65,7 @@ async def ensure_schema(conn: AsyncConnection[object]) -> None:
     # Several servers may start at once; serialise the DDL with an advisory lock.
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
-        await conn.execute(SCHEMA_SQL)  # type: ignore[arg-type]
+        await conn.execute(SCHEMA_SQL)
 
 
 async def seed_demo_data(conn: AsyncConnection[object]) -> None:
@@ -74,7 +74,9 @@ async def seed_demo_data(conn: AsyncConnection[object]) -> None:
     async with conn.transaction():
         for tenant, rows in DEMO_INVOICES.items():
             found = await (
-                await conn.execute("SELECT 1 FROM tenant_data.invoices WHERE tenant_id = %s LIMIT 1", (tenant,))
+                await conn.execute(
+                    "SELECT 1 FROM tenant_data.invoices WHERE tenant_id = %s LIMIT 1", (tenant,)
+                )
             ).fetchone()
             if found is not None:
                 continue

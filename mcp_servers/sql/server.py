@@ -80,9 +80,11 @@ class SqlTools:
                 (str(self._settings.statement_timeout_ms), TENANT_SETTING, tenant),
             )
             try:
-                cursor = await conn.execute(statement)  # type: ignore[arg-type]
+                cursor = await conn.execute(statement)
             except psycopg.Error as exc:
-                raise ToolError(f"[invalid_request] the database refused the query: {_pg_message(exc)}") from exc
+                raise ToolError(
+                    f"[invalid_request] the database refused the query: {_pg_message(exc)}"
+                ) from exc
             if cursor.description is None:
                 raise ToolError("[invalid_request] the statement returned no rows (only SELECT is allowed)")
             rows = await cursor.fetchmany(self._settings.max_rows + 1)
@@ -126,7 +128,9 @@ async def _prepare_database(settings: SqlServerSettings, password: str) -> None:
     async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
         await ensure_schema(admin)
         await admin.execute(
-            sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(READER_ROLE), sql.Literal(password))
+            sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(READER_ROLE), sql.Literal(password)
+            )
         )
         if settings.seed_demo:
             await seed_demo_data(admin)
@@ -163,6 +167,6 @@ def build_app_for(settings: SqlServerSettings) -> Starlette:
 
 
 async def main(settings: ServiceSettings) -> None:
-    sql_settings = SqlServerSettings(service_id=settings.service_id)
+    sql_settings = SqlServerSettings.from_env(settings.service_id)
     configure_logging(sql_settings.service_id, sql_settings.log_level)
     await serve_app(build_app_for(sql_settings), sql_settings)

@@ -73,7 +73,9 @@ async def test_a_write_through_the_sql_tool_is_refused_and_changes_nothing(stack
 
 
 async def test_free_text_is_routed_by_policy(stack: Stack) -> None:
-    outcome = await send(stack, user_message("Any outliers in our invoices?"), token=stack.token("coordinator"))
+    outcome = await send(
+        stack, user_message("Any outliers in our invoices?"), token=stack.token("coordinator")
+    )
     assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
     assert set(outcome.result["steps"]) == {"totals", "outliers"}
 

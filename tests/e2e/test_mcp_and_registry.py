@@ -102,10 +102,7 @@ async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        async with asyncio.timeout(10):
-            while not server.started:
-                await asyncio.sleep(0.01)
-        yield base
+        yield base  # the socket already listens: requests wait in its backlog until uvicorn serves
     finally:
         server.should_exit = True
         await task
@@ -182,7 +179,10 @@ async def test_card_signed_by_the_enrolled_key_is_accepted_and_discoverable(impo
 
 
 async def test_card_that_names_another_host_is_refused(impostor: Impostor) -> None:
-    async with httpx.AsyncClient() as http, serve_card(impostor.key, host_in_card="http://evil.example") as url:
+    async with (
+        httpx.AsyncClient() as http,
+        serve_card(impostor.key, host_in_card="http://evil.example") as url,
+    ):
         response = await impostor.register(http, url)
     assert response.status_code == 400
     assert "not on the registered host" in response.json()["error"]["message"]
