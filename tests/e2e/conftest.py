@@ -4,6 +4,7 @@ and driven only through its public surfaces (A2A with the a2a-sdk client, MCP ov
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,16 @@ from fleet.layout import StackLayout
 STACK_START_TIMEOUT_S = 180
 
 
-def fleet(*args: str, timeout: float = STACK_START_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without any ``FLEET_*`` setting of the developer's shell, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(extra)
+    return env
+
+
+def fleet(
+    *args: str, timeout: float = STACK_START_TIMEOUT_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the ``fleet`` CLI as a user would (a new process)."""
     return subprocess.run(
         [sys.executable, "-m", "fleet", *args],
@@ -35,6 +45,7 @@ def fleet(*args: str, timeout: float = STACK_START_TIMEOUT_S) -> subprocess.Comp
         timeout=timeout,
         check=False,
         stdin=subprocess.DEVNULL,
+        env=env if env is not None else clean_env(),
     )
 
 
@@ -78,9 +89,9 @@ class Stack:
         return key.sign(claims)
 
 
-def start_stack(data_dir: Path) -> Stack:
+def start_stack(data_dir: Path, env: dict[str, str] | None = None) -> Stack:
     stack = Stack(StackLayout.at(data_dir))
-    result = fleet("up", "--data-dir", str(data_dir), "--detach")
+    result = fleet("up", "--data-dir", str(data_dir), "--detach", env=env)
     assert result.returncode == 0, f"fleet up failed:\n{result.stdout}\n{result.stderr}"
     stack.reload()
     return stack

@@ -5,16 +5,28 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from fleet.infra import nats_command, prepare_postgres
 from fleet.layout import StackLayout
-from tests.e2e.conftest import Stack, fleet, send, start_stack, stop_stack, user_message
+from tests.e2e.conftest import (
+    Stack,
+    clean_env,
+    fleet,
+    send,
+    start_stack,
+    stop_stack,
+    user_message,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -109,6 +121,7 @@ def test_ctrl_c_in_the_foreground_stops_the_stack_cleanly(tmp_path: Path) -> Non
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=clean_env(),
     )
     assert process.stdout is not None
     output: list[str] = []
@@ -151,3 +164,65 @@ async def test_a_specialist_that_is_down_fails_its_step_with_a_reason(own_stack:
     assert status.returncode == 1
     services = json.loads(status.stdout)["services"]
     assert [name for name, check in services.items() if not check["healthy"]] == ["stats"]
+
+
+@dataclass(frozen=True)
+class GivenInfra:
+    nats_url: str
+    pg_dsn: str
+
+
+@pytest.fixture
+def given_infra(tmp_path: Path) -> Iterator[GivenInfra]:
+    """A NATS and a Postgres that the stack did not start (as in production)."""
+    nats_port, monitor_port, pg_port = (free_port() for _ in range(3))
+    (tmp_path / "nats").mkdir()
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    nats_server = subprocess.Popen(nats_command(tmp_path / "nats", nats_port, monitor_port), **quiet)
+    launch = prepare_postgres(tmp_path / "pg", pg_port, "given-password")
+    postgres = subprocess.Popen(launch.argv, user=launch.user, **quiet)
+    try:
+        wait_for_postgres(launch.dsn)
+        yield GivenInfra(f"nats://127.0.0.1:{nats_port}", launch.dsn)
+    finally:
+        postgres.send_signal(signal.SIGINT)
+        nats_server.terminate()
+        postgres.wait(timeout=30)
+        nats_server.wait(timeout=30)
+
+
+async def test_stack_uses_the_broker_and_database_it_is_given(
+    tmp_path: Path, given_infra: GivenInfra
+) -> None:
+    """With FLEET_NATS_URL and FLEET_PG_DSN the stack starts neither NATS nor Postgres itself."""
+    env = clean_env(FLEET_NATS_URL=given_infra.nats_url, FLEET_PG_DSN=given_infra.pg_dsn)
+    stack = start_stack(tmp_path / "fleet", env=env)
+    try:
+        assert stack.endpoints["nats"] == given_infra.nats_url
+        assert "nats" not in stack.endpoints["processes"]
+        assert "postgres" not in stack.endpoints["processes"]
+        outcome = await send(stack, user_message(data=ONE_STEP), token=stack.token("coordinator"))
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        with psycopg.connect(given_infra.pg_dsn) as conn:
+            row = conn.execute("SELECT count(*) FROM checkpoints WHERE thread_id = %s", (outcome.task_id,))
+            assert (row.fetchone() or [0])[0] > 0
+    finally:
+        stop_stack(stack)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_postgres(dsn: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            psycopg.connect(dsn).close()
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
