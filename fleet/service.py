@@ -78,7 +78,7 @@ class Readiness:
         return JSONResponse(body, status_code=200 if self.ready else 503)
 
 
-def health_endpoint(service_id: str, kind: str) -> Readiness:
+def always_ready(service_id: str, kind: str) -> Readiness:
     """A readiness that is ready from the start (for services with nothing to wait for)."""
     readiness = Readiness(service_id, kind)
     readiness.set_ready()

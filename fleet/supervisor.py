@@ -127,6 +127,8 @@ class Supervisor:
             "FLEET_PG_DSN": pg_dsn,
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
+            # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
+            "RUST_BACKTRACE": "0",
         }
         for spec in SERVICES:
             url = await self._start_service(spec, operator, env_common, previous)

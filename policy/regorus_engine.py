@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -19,10 +18,6 @@ from policy.engine import Decision
 from policy.errors import PolicyError
 
 log = logging.getLogger(__name__)
-
-# regorus appends a Rust backtrace to every error when this is set, which makes errors slow and
-# unreadable; it is read when the engine is created.
-os.environ.setdefault("RUST_BACKTRACE", "0")
 
 
 def _new_engine(bundle: Bundle) -> Any:
@@ -62,6 +57,11 @@ class RegorusEngine:
     @property
     def bundle(self) -> Bundle:
         return self._bundle
+
+    def ast_json(self) -> str:
+        """The parsed modules of the bundle, as regorus reports them (used to discover tests)."""
+        result: str = self._engine().get_ast_as_json()
+        return result
 
     def _engine(self) -> Any:
         engine = getattr(self._local, "engine", None)

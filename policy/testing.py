@@ -28,10 +28,10 @@ def _ref_path(ref: dict[str, Any]) -> list[str]:
     raise ValueError(f"unsupported reference {ref}")
 
 
-def discover(engine: Any) -> list[tuple[str, str, str]]:
+def discover(engine: RegorusEngine) -> list[tuple[str, str, str]]:
     """(package, rule, file) of every non-function rule named ``test_*``."""
     found: list[tuple[str, str, str]] = []
-    for module in json.loads(engine.get_ast_as_json()):
+    for module in json.loads(engine.ast_json()):
         package = ".".join(_ref_path(module["ast"]["package"]["refr"]))
         for rule in module["ast"]["rules"]:
             spec = rule.get("Spec")
@@ -50,8 +50,7 @@ def run_tests(root: Path | None = None) -> list[RegoTestResult]:
     """Evaluate every test rule of the bundle at ``root``; a rule passes only if it is true."""
     engine = RegorusEngine(Bundle.load(root) if root else Bundle.load())
     results: list[RegoTestResult] = []
-    raw = engine._engine()
-    for package, name, file in discover(raw):
+    for package, name, file in discover(engine):
         try:
             value = engine.evaluate(f"{package}.{name}", {})
         except Exception as exc:  # a PolicyError: reported as the test's error, run continues

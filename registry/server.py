@@ -21,7 +21,7 @@ from starlette.routing import Route
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import connect
-from fleet.service import configure_logging, health_endpoint, serve_app
+from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims, TokenVerifier, bearer_token
 from registry._cards import fetch_verified_card
@@ -236,7 +236,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
             await nc.drain()
 
     routes = [
-        Route("/healthz", health_endpoint(settings.service_id, "registry").endpoint),
+        Route("/healthz", always_ready(settings.service_id, "registry").endpoint),
         Route("/.well-known/jwks.json", _route(jwks)),
         Route("/oauth/token", _route(token), methods=["POST"]),
         Route("/v1/enroll", _route(enroll), methods=["POST"]),
