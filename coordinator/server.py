@@ -60,6 +60,8 @@ def build_app(settings: ServiceSettings) -> Starlette:
         version=VERSION,
         base_url=settings.public_url,
         skills=SKILLS,
+        token_url=registry.token_url,
+        required_scope=INVOKE_SCOPE,
     )
     card = sign_card(card, registry.key, jku=f"{registry.url}/v1/agents/{settings.service_id}/jwks.json")
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(

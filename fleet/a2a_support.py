@@ -13,7 +13,10 @@ from a2a.types import (
     AgentCard,
     AgentInterface,
     AgentSkill,
+    ClientCredentialsOAuthFlow,
     HTTPAuthSecurityScheme,
+    OAuth2SecurityScheme,
+    OAuthFlows,
     SecurityRequirement,
     SecurityScheme,
     StringList,
@@ -119,9 +122,14 @@ def build_card(
     version: str,
     base_url: str,
     skills: list[AgentSkill],
+    token_url: str,
+    required_scope: str,
     streaming: bool = True,
 ) -> AgentCard:
-    """An unsigned card for an agent served at ``base_url`` behind bearer-JWT auth."""
+    """An unsigned card for an agent served at ``base_url`` behind bearer-JWT auth.
+
+    The card says how to get a token: an OAuth 2 client-credentials flow at the registry's token
+    endpoint (``private_key_jwt``, an ``audience`` of this agent's id, a ``tenant``)."""
     return AgentCard(
         name=name,
         description=description,
@@ -140,9 +148,23 @@ def build_card(
                     description="An access token from the fleet registry's token service "
                     "(audience: this agent's id)",
                 )
-            )
+            ),
+            "fleet_oauth": SecurityScheme(
+                oauth2_security_scheme=OAuth2SecurityScheme(
+                    description="Client credentials with private_key_jwt (RFC 7523); send "
+                    "audience=<this agent's id> and tenant=<your tenant> with the token request.",
+                    flows=OAuthFlows(
+                        client_credentials=ClientCredentialsOAuthFlow(
+                            token_url=token_url, scopes={required_scope: "call this agent"}
+                        )
+                    ),
+                )
+            ),
         },
-        security_requirements=[SecurityRequirement(schemes={"bearer": StringList(list=[])})],
+        security_requirements=[
+            SecurityRequirement(schemes={"bearer": StringList(list=[])}),
+            SecurityRequirement(schemes={"fleet_oauth": StringList(list=[required_scope])}),
+        ],
         skills=skills,
     )
 

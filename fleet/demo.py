@@ -67,11 +67,12 @@ async def _demo(layout: StackLayout, tenant: str) -> int:
     endpoints = running_endpoints(layout)
     timeout = httpx.Timeout(10.0, read=None)
     async with httpx.AsyncClient(timeout=timeout) as http:
-        tokens = operator_token_client(layout, endpoints["registry"], http)
-        token = await tokens.token("coordinator", tenant, ["agent:invoke"])
-        print(f"demo: got a 5-minute token for audience 'coordinator', tenant '{tenant}'")
         card = await _verified_card(http, endpoints["registry"], endpoints["coordinator"])
         print(f"demo: coordinator card '{card.name}' v{card.version}: signature verified")
+        flow = card.security_schemes["fleet_oauth"].oauth2_security_scheme.flows.client_credentials
+        tokens = operator_token_client(layout, flow.token_url, http)
+        token = await tokens.token("coordinator", tenant, list(flow.scopes))
+        print(f"demo: got a 5-minute token from the card's token endpoint for tenant '{tenant}'")
         client = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(card)
         request = SendMessageRequest(
             message=Message(

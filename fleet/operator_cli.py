@@ -65,12 +65,13 @@ def down(layout: StackLayout) -> int:
     return EXIT_OK
 
 
-def operator_token_client(layout: StackLayout, registry_url: str, http: httpx.AsyncClient) -> TokenClient:
+def operator_token_client(layout: StackLayout, token_url: str, http: httpx.AsyncClient) -> TokenClient:
+    """Tokens for the operator identity of the data dir, from the token endpoint at ``token_url``."""
     key_file = layout.key_file(OPERATOR_ID)
     if not key_file.exists():
         raise FleetError(ErrorCode.NOT_FOUND, f"no operator key in {layout.keys_dir}")
     return TokenClient(
-        token_url=registry_url + "/oauth/token",
+        token_url=token_url,
         issuer=DEFAULT_ISSUER,
         client_id=OPERATOR_ID,
         key=SigningKey.load_or_create(key_file),
@@ -85,7 +86,7 @@ async def token(layout: StackLayout, audience: str, tenant: str, scopes: list[st
         print(f"fleet: {exc.message}", file=sys.stderr)
         return EXIT_NOT_RUNNING
     async with httpx.AsyncClient() as http:
-        client = operator_token_client(layout, endpoints["registry"], http)
+        client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         print(await client.token(audience, tenant, scopes))
     return EXIT_OK
 
@@ -118,7 +119,7 @@ async def _health(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
 
 async def _registry_view(layout: StackLayout, registry_url: str, http: httpx.AsyncClient) -> dict[str, Any]:
     try:
-        client = operator_token_client(layout, registry_url, http)
+        client = operator_token_client(layout, registry_url + "/oauth/token", http)
         bearer = await client.token("registry", "default", ["registry:read"])
         response = await http.get(registry_url + "/v1/records", headers={"Authorization": f"Bearer {bearer}"})
         response.raise_for_status()

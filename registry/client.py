@@ -39,7 +39,7 @@ class RegistryClient:
         self._url = settings.registry_url.rstrip("/")
         self.key = SigningKey.load_or_create(settings.key_file)
         self.tokens = TokenClient(
-            token_url=self._url + "/oauth/token",
+            token_url=self.token_url,
             issuer=settings.issuer,
             client_id=settings.service_id,
             key=self.key,
@@ -50,6 +50,10 @@ class RegistryClient:
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def token_url(self) -> str:
+        return self._url + "/oauth/token"
 
     def verifier(self, audience: str | None = None) -> TokenVerifier:
         """A verifier for tokens addressed to this service (or to ``audience``)."""

@@ -196,6 +196,8 @@ def build_specialist_app(
         version=version,
         base_url=settings.public_url,
         skills=[s.card_skill() for s in skills],
+        token_url=registry.token_url,
+        required_scope=INVOKE_SCOPE,
     )
     jku = f"{settings.registry_url}/v1/agents/{settings.service_id}/jwks.json"
     card = sign_card(card, registry.key, jku=jku)

@@ -163,4 +163,7 @@ async def test_coordinator_card_is_signed_and_advertises_bearer_auth(stack: Stac
         card = await fetch_card(http, stack.endpoints["coordinator"])
     assert len(card.signatures) == 1
     assert card.security_schemes["bearer"].http_auth_security_scheme.scheme == "Bearer"
+    flow = card.security_schemes["fleet_oauth"].oauth2_security_scheme.flows.client_credentials
+    assert flow.token_url == stack.endpoints["registry"] + "/oauth/token"
+    assert list(flow.scopes) == ["agent:invoke"]
     assert card.supported_interfaces[0].url.startswith(stack.endpoints["coordinator"])

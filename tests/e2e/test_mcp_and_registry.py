@@ -97,6 +97,8 @@ async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -
         version="1",
         base_url=host_in_card or base,
         skills=[AgentSkill(id="impersonate", name="impersonate", description="x")],
+        token_url="http://127.0.0.1:1/oauth/token",
+        required_scope="agent:invoke",
     )
     app = Starlette(routes=create_agent_card_routes(sign_card(card, card_key)))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
