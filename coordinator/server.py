@@ -8,29 +8,25 @@ from typing import Any
 
 import httpx
 from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
 from a2a.server.tasks import InMemoryTaskStore
 from a2a.types import AgentSkill
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import build_graph
 from fleet.a2a_support import (
-    RPC_PATH,
-    BearerAuthMiddleware,
-    ClaimsContextBuilder,
+    a2a_app,
     build_card,
     sign_card,
 )
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import RegorusEngine
-from registry import RegistryClient, retry_until_done
+from registry import RegistryClient
 
 VERSION = "0.1.0"
 
@@ -63,7 +59,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
     )
-    card = sign_card(card, registry.key, jku=f"{registry.url}/v1/agents/{settings.service_id}/jwks.json")
+    card = sign_card(card, registry.key, jku=registry.own_keys_url)
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         settings.pg_dsn,
         max_size=10,
@@ -79,8 +75,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
     readiness = Readiness(settings.service_id, "coordinator")
 
     async def start() -> None:
-        await retry_until_done("enroll", registry.enroll)
-        await retry_until_done("register", lambda: registry.register_agent(settings.public_url))
+        await registry.join_as_agent(settings.public_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -90,16 +85,14 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 yield
             await handler.aclose()
 
-    app = Starlette(
-        routes=[
-            Route("/healthz", readiness.endpoint),
-            *create_agent_card_routes(card),
-            *create_jsonrpc_routes(handler, rpc_url=RPC_PATH, context_builder=ClaimsContextBuilder()),
-        ],
+    return a2a_app(
+        card=card,
+        handler=handler,
+        readiness=readiness,
+        verifier=registry.verifier(),
+        required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
     )
-    app.add_middleware(BearerAuthMiddleware, verifier=registry.verifier(), required_scope=INVOKE_SCOPE)
-    return app
 
 
 async def main(settings: ServiceSettings) -> None:

@@ -4,10 +4,17 @@ context carrying the verified claims, and signed agent cards."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from a2a.server.context import ServerCallContext
-from a2a.server.routes import DefaultServerCallContextBuilder
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import (
+    DefaultServerCallContextBuilder,
+    create_agent_card_routes,
+    create_jsonrpc_routes,
+)
 from a2a.types import (
     AgentCapabilities,
     AgentCard,
@@ -24,11 +31,14 @@ from a2a.types import (
 from a2a.utils.signing import create_agent_card_signer
 from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm
+from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleet.errors import FleetError
 from fleet.keys import ALGORITHM, SigningKey
+from fleet.service import Readiness
 from fleet.tokens import Claims, TokenVerifier, bearer_token
 
 RPC_PATH = "/a2a/jsonrpc"
@@ -169,6 +179,28 @@ def build_card(
     )
 
 
+def a2a_app(
+    *,
+    card: AgentCard,
+    handler: DefaultRequestHandler,
+    readiness: Readiness,
+    verifier: TokenVerifier,
+    required_scope: str,
+    lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]],
+) -> Starlette:
+    """An A2A agent's app: ``/healthz`` and the card are public, JSON-RPC needs a token for it."""
+    app = Starlette(
+        routes=[
+            Route("/healthz", readiness.endpoint),
+            *create_agent_card_routes(card),
+            *create_jsonrpc_routes(handler, rpc_url=RPC_PATH, context_builder=ClaimsContextBuilder()),
+        ],
+        lifespan=lifespan,
+    )
+    app.add_middleware(BearerAuthMiddleware, verifier=verifier, required_scope=required_scope)
+    return app
+
+
 def sign_card(card: AgentCard, key: SigningKey, jku: str | None = None) -> AgentCard:
     """Sign ``card`` (JWS over its RFC 8785 canonical form, as A2A 1.0 specifies)."""
     private_jwk: dict[str, Any] = ECAlgorithm.to_jwk(key.private_key, as_dict=True)
@@ -183,6 +215,7 @@ __all__ = [
     "RPC_PATH",
     "BearerAuthMiddleware",
     "ClaimsContextBuilder",
+    "a2a_app",
     "build_card",
     "claims_of",
     "sign_card",

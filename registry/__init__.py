@@ -5,7 +5,7 @@ Other services use :class:`RegistryClient`; the service itself is :func:`registr
 """
 
 from registry._records import AgentRecord, IdentityRecord, McpServerRecord, SkillRecord
-from registry.client import RegistryClient, retry_until_done
+from registry.client import RegistryClient
 
 __all__ = [
     "AgentRecord",
@@ -13,5 +13,4 @@ __all__ = [
     "McpServerRecord",
     "RegistryClient",
     "SkillRecord",
-    "retry_until_done",
 ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 
@@ -16,6 +17,8 @@ from fleet.tokens import JwksCache, TokenClient, TokenVerifier
 from registry._records import AgentRecord, McpServerRecord
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _raise_for(response: httpx.Response, what: str) -> None:
@@ -94,6 +97,21 @@ class RegistryClient:
         _raise_for(response, "registration refused")
         return McpServerRecord.model_validate(response.json())
 
+    @property
+    def own_keys_url(self) -> str:
+        """Where the registry publishes this identity's public keys (the ``jku`` of its card)."""
+        return f"{self._url}/v1/agents/{self._settings.service_id}/jwks.json"
+
+    async def join_as_agent(self, base_url: str) -> AgentRecord:
+        """Enroll this identity's key, then register the agent card served at ``base_url``."""
+        await _retry("enroll", self.enroll)
+        return await _retry("register", lambda: self.register_agent(base_url))
+
+    async def join_as_mcp_server(self, url: str, tools: list[str]) -> McpServerRecord:
+        """Enroll this identity's key, then register the MCP endpoint at ``url``."""
+        await _retry("enroll", self.enroll)
+        return await _retry("register", lambda: self.register_mcp_server(url, tools))
+
     async def agents_with_skill(self, skill: str) -> list[AgentRecord]:
         response = await self._http.get(
             self._url + "/v1/agents", params={"skill": skill}, headers=await self._headers("registry:read")
@@ -115,7 +133,9 @@ class RegistryClient:
         return keys
 
 
-async def retry_until_done(what: str, action: Any, *, attempts: int = 50, delay_s: float = 0.1) -> Any:
+async def _retry(
+    what: str, action: Callable[[], Awaitable[T]], *, attempts: int = 50, delay_s: float = 0.1
+) -> T:
     """Retry a start-up call (enroll, register) while the registry is still coming up."""
     for attempt in range(attempts):
         try:

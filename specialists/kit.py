@@ -25,18 +25,14 @@ from a2a.helpers import get_data_parts, new_data_part, new_task_from_user_messag
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
 from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types import AgentSkill, InvalidParamsError, TaskState
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from fleet.a2a_support import (
-    RPC_PATH,
-    BearerAuthMiddleware,
-    ClaimsContextBuilder,
+    a2a_app,
     build_card,
     claims_of,
     sign_card,
@@ -45,7 +41,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
-from registry import RegistryClient, retry_until_done
+from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +195,7 @@ def build_specialist_app(
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
     )
-    jku = f"{settings.registry_url}/v1/agents/{settings.service_id}/jwks.json"
-    card = sign_card(card, registry.key, jku=jku)
+    card = sign_card(card, registry.key, jku=registry.own_keys_url)
     handler = DefaultRequestHandler(
         agent_executor=SkillExecutor(skills, Toolbox(registry, mcp_http)),
         task_store=InMemoryTaskStore(),
@@ -209,8 +204,7 @@ def build_specialist_app(
     readiness = Readiness(settings.service_id, "specialist")
 
     async def start() -> None:
-        await retry_until_done("enroll", registry.enroll)
-        await retry_until_done("register", lambda: registry.register_agent(settings.public_url))
+        await registry.join_as_agent(settings.public_url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -218,16 +212,14 @@ def build_specialist_app(
             yield
         await handler.aclose()
 
-    app = Starlette(
-        routes=[
-            Route("/healthz", readiness.endpoint),
-            *create_agent_card_routes(card),
-            *create_jsonrpc_routes(handler, rpc_url=RPC_PATH, context_builder=ClaimsContextBuilder()),
-        ],
+    return a2a_app(
+        card=card,
+        handler=handler,
+        readiness=readiness,
+        verifier=registry.verifier(),
+        required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
     )
-    app.add_middleware(BearerAuthMiddleware, verifier=registry.verifier(), required_scope=INVOKE_SCOPE)
-    return app
 
 
 async def serve_specialist(

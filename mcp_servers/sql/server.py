@@ -35,7 +35,7 @@ from mcp_servers._base import (
 )
 from mcp_servers.sql._schema import READER_ROLE, TENANT_SETTING, ensure_schema, seed_demo_data
 from policy import RegorusEngine
-from registry import RegistryClient, retry_until_done
+from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,7 @@ def build_app_for(settings: SqlServerSettings) -> Starlette:
     readiness = Readiness(settings.service_id, "mcp_server")
 
     async def start() -> None:
-        await retry_until_done("enroll", registry.enroll)
-        await retry_until_done(
-            "register", lambda: registry.register_mcp_server(settings.public_url + MCP_PATH, TOOLS)
-        )
+        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, TOOLS)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
