@@ -36,6 +36,11 @@ BEGIN
             USING (tenant_id = current_setting('{TENANT_SETTING}', true));
     END IF;
 END $$;
+-- No temporary tables: a statement must not leave objects that shadow tenant_data for later calls.
+DO $$
+BEGIN
+    EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+END $$;
 GRANT USAGE ON SCHEMA tenant_data TO {READER_ROLE};
 GRANT SELECT ON ALL TABLES IN SCHEMA tenant_data TO {READER_ROLE};
 """

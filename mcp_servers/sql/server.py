@@ -73,29 +73,42 @@ class SqlTools:
         self._settings = settings
 
     async def query(self, tenant: str, statement: str) -> QueryResult:
+        """Run one SELECT for ``tenant``.
+
+        The statement runs through a server-side cursor (``DECLARE ... CURSOR FOR``), which accepts
+        exactly one SELECT or VALUES: no second statement, no COMMIT, no SET, no write. Only
+        ``max_rows + 1`` rows ever leave the server. The transaction is read-only and time-limited,
+        and the pool discards any session state a statement managed to set before the connection
+        serves anyone else.
+        """
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute("SET TRANSACTION READ ONLY")
             await conn.execute(
                 "SELECT set_config('statement_timeout', %s, true), set_config(%s, %s, true)",
                 (str(self._settings.statement_timeout_ms), TENANT_SETTING, tenant),
             )
-            try:
-                cursor = await conn.execute(statement)
-            except psycopg.Error as exc:
-                raise ToolError(
-                    f"[invalid_request] the database refused the query: {_pg_message(exc)}"
-                ) from exc
-            if cursor.description is None:
-                raise ToolError("[invalid_request] the statement returned no rows (only SELECT is allowed)")
-            rows = await cursor.fetchmany(self._settings.max_rows + 1)
+            async with conn.cursor(name="fleet_query") as cursor:
+                try:
+                    await cursor.execute(statement)
+                    rows = await cursor.fetchmany(self._settings.max_rows + 1)
+                except psycopg.Error as exc:
+                    raise ToolError(
+                        f"[invalid_request] the database refused the query: {_pg_message(exc)}"
+                    ) from exc
+                columns = [column.name for column in cursor.description or []]
         truncated = len(rows) > self._settings.max_rows
         rows = rows[: self._settings.max_rows]
         return QueryResult(
-            columns=[column.name for column in cursor.description],
+            columns=columns,
             rows=[[_jsonable(v) for v in row] for row in rows],
             row_count=len(rows),
             truncated=truncated,
         )
+
+
+async def _discard_session_state(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Runs whenever a connection returns to the pool: nothing one call set survives it."""
+    await conn.execute("DISCARD ALL")
 
 
 def _pg_message(exc: psycopg.Error) -> str:
@@ -147,6 +160,7 @@ def build_app_for(settings: SqlServerSettings) -> Starlette:
         max_size=10,
         open=False,
         kwargs={"prepare_threshold": None},
+        reset=_discard_session_state,
     )
     mcp = build_server(settings, registry, engine, SqlTools(pool, settings))
     readiness = Readiness(settings.service_id, "mcp_server")

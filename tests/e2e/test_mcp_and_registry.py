@@ -228,3 +228,38 @@ async def test_access_tokens_are_short_lived_and_bound_to_one_audience_and_tenan
     assert claims["scope"] == "sql:query"
     assert claims["exp"] - claims["iat"] <= 300
     assert claims["exp"] > time.time()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "SELECT 1; COMMIT; DELETE FROM tenant_data.invoices",
+        "SET statement_timeout = 0",
+        "DELETE FROM tenant_data.invoices",
+        "WITH gone AS (DELETE FROM tenant_data.invoices RETURNING 1) SELECT * FROM gone",
+        "CREATE TEMP TABLE invoices (x int)",
+    ],
+)
+async def test_mcp_query_refuses_anything_but_one_select(stack: Stack, statement: str) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
+    result = await call_query(stack, token, statement)
+    assert result.is_error
+    assert "[invalid_request] the database refused the query" in result.content[0].text
+    after = await call_query(stack, token, "SELECT count(*) AS n FROM tenant_data.invoices")
+    assert after.structured_content["rows"] == [[7]]
+
+
+async def test_mcp_session_state_set_by_one_call_does_not_reach_the_next(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
+    for _ in range(12):  # more calls than the pool has connections
+        result = await call_query(stack, token, "SELECT set_config('search_path', 'pg_catalog', false)")
+        assert not result.is_error
+    after = await call_query(stack, token, "SELECT current_setting('search_path') AS p")
+    assert after.structured_content["rows"] == [['"$user", public']]
+
+
+async def test_mcp_query_returns_at_most_the_row_limit(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
+    result = await call_query(stack, token, "SELECT g FROM generate_series(1, 100000) AS g")
+    assert result.structured_content["row_count"] == 500
+    assert result.structured_content["truncated"] is True
