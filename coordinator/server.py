@@ -79,11 +79,13 @@ def build_app(settings: ServiceSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with http, pool:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(http)
+            await stack.enter_async_context(pool)
             await saver.setup()
-            async with start_in_background(readiness, start):
-                yield
-            await handler.aclose()
+            stack.push_async_callback(handler.aclose)  # runs before the pool and client close
+            await stack.enter_async_context(start_in_background(readiness, start))
+            yield
 
     return a2a_app(
         card=card,

@@ -22,6 +22,7 @@ class ServiceSpec:
     scopes: tuple[str, ...] = ()
     tenants: tuple[str, ...] = ("*",)
     mcp_path: str = ""
+    database: str = ""  # the Postgres database this service owns; no database access if empty
 
 
 REGISTRY = ServiceSpec("registry", "registry", "registry.server:main")
@@ -34,6 +35,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "mcp_servers.sql.server:main",
         scopes=("registry:read", "registry:write"),
         mcp_path="/mcp",
+        database="fleet_data",
     ),
     ServiceSpec(
         "sql-analyst",
@@ -52,8 +54,13 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "coordinator",
         "coordinator.server:main",
         scopes=("registry:read", "registry:write", "agent:invoke"),
+        database="fleet",
     ),
 )
+
+# Databases of the embedded Postgres: each is owned by a login role of the same name, which only its
+# service gets. The SQL server's role may create roles (it creates its own read-only tool role).
+DATABASES: dict[str, bool] = {"fleet": False, "fleet_data": True}
 
 # The operator (``fleet token``, ``fleet status``, the demo acting as an outside agent) is enrolled
 # from its public key when the registry starts; it may ask for any scope and any tenant.

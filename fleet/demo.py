@@ -70,6 +70,11 @@ async def _demo(layout: StackLayout, tenant: str) -> int:
         card = await _verified_card(http, endpoints["registry"], endpoints["coordinator"])
         print(f"demo: coordinator card '{card.name}' v{card.version}: signature verified")
         flow = card.security_schemes["fleet_oauth"].oauth2_security_scheme.flows.client_credentials
+        if flow.token_url != endpoints["registry"] + "/oauth/token":
+            # Never hand our credentials to a token endpoint we do not already trust.
+            raise FleetError(
+                ErrorCode.CARD_INVALID, f"the card names an unknown token endpoint {flow.token_url}"
+            )
         tokens = operator_token_client(layout, flow.token_url, http)
         token = await tokens.token("coordinator", tenant, list(flow.scopes))
         print(f"demo: got a 5-minute token from the card's token endpoint for tenant '{tenant}'")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fleet.errors import ErrorCode, FleetError
 
@@ -67,7 +68,13 @@ def _pg_bin() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
-_READ_EXEC = stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH
+def as_user(user: str | None) -> dict[str, Any]:
+    """``subprocess`` arguments that run a child as ``user`` with that user's group and no other
+    (``user=`` alone would keep our groups, root's included)."""
+    if user is None:
+        return {}
+    entry = pwd.getpwnam(user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
 
 def _ensure_system_user(name: str) -> pwd.struct_passwd:
@@ -84,11 +91,12 @@ def _ensure_system_user(name: str) -> pwd.struct_passwd:
 
 
 def _open_prefix(path: Path) -> None:
-    """Let other users traverse every folder above ``path`` (Postgres runs as another user)."""
+    """Let other users pass through (not list) every folder above ``path``: Postgres runs as
+    another user."""
     for folder in path.parents:
         mode = folder.stat().st_mode
-        if mode & _READ_EXEC != _READ_EXEC:
-            folder.chmod(mode | _READ_EXEC)
+        if not mode & stat.S_IXOTH:
+            folder.chmod(mode | stat.S_IXOTH)
 
 
 def _open_tree(root: Path) -> None:
@@ -160,7 +168,7 @@ def _initdb(data_dir: Path, user: str | None, password: str) -> None:
                 "-U",
                 "postgres",
             ],
-            user=user,
+            **as_user(user),
             capture_output=True,
             text=True,
             timeout=120,

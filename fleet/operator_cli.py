@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -15,10 +14,10 @@ from typing import Any
 import httpx
 
 from deploy.local_stack import OPERATOR_ID
+from fleet import stacklock
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
-from fleet.settings import DEFAULT_ISSUER
 from fleet.tokens import TokenClient
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_RUNNING = 0, 1, 3
@@ -26,18 +25,8 @@ DOWN_TIMEOUT_S = 60.0
 
 
 def stack_running(layout: StackLayout) -> bool:
-    """True while a supervisor holds the data dir's lock."""
-    try:
-        fd = os.open(layout.lock_file, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    """True while a supervisor holds the data dir's lock (asked without taking it)."""
+    return stacklock.holder(layout.lock_file) is not None
 
 
 def running_endpoints(layout: StackLayout) -> dict[str, Any]:
@@ -48,11 +37,11 @@ def running_endpoints(layout: StackLayout) -> dict[str, Any]:
 
 
 def down(layout: StackLayout) -> int:
-    endpoints = layout.read_endpoints()
-    if endpoints is None or not stack_running(layout):
+    """Ask the supervisor holding the data dir's lock to stop, and wait until it has."""
+    pid = stacklock.holder(layout.lock_file)
+    if pid is None:
         print(f"fleet: no stack is running on {layout.home}")
         return EXIT_OK
-    pid = int(endpoints["supervisor_pid"])
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + DOWN_TIMEOUT_S
@@ -72,7 +61,6 @@ def operator_token_client(layout: StackLayout, token_url: str, http: httpx.Async
         raise FleetError(ErrorCode.NOT_FOUND, f"no operator key in {layout.keys_dir}")
     return TokenClient(
         token_url=token_url,
-        issuer=DEFAULT_ISSUER,
         client_id=OPERATOR_ID,
         key=SigningKey.load_or_create(key_file),
         http=http,

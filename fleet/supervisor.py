@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import json
 import logging
 import os
@@ -23,33 +22,40 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import httpx
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
-from deploy.local_stack import OPERATOR_ID, SERVICES, ServiceSpec
+from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec
+from fleet import stacklock
 from fleet.errors import ErrorCode, FleetError
-from fleet.infra import nats_command, prepare_postgres
+from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.settings import FleetSettings
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 START_TIMEOUT_S = 60.0
+PORT_ATTEMPTS = 3
 STOP_TIMEOUT_S = 10.0
 ENROLLMENT_TTL_S = 600
+INFRASTRUCTURE = ("nats", "postgres")
 _PR_SET_PDEATHSIG = 1
+# Looked up once, here: loading a library between fork and exec is not safe.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGTERM us when the supervisor dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _bind_loopback(preferred_port: int | None) -> socket.socket:
@@ -107,9 +113,10 @@ class Supervisor:
         nats_url = self.settings.nats_url or await self._start_nats(previous)
         pg_port: int | None = None
         if self.settings.pg_dsn:
-            pg_dsn = self.settings.pg_dsn
+            dsns = dict.fromkeys(DATABASES, self.settings.pg_dsn)
         else:
-            pg_port, pg_dsn = await self._start_postgres(previous)
+            pg_port, admin_dsn = await self._start_postgres(previous)
+            dsns = await self._provision_databases(admin_dsn)
         endpoints: dict[str, Any] = {
             "data_dir": str(self.layout.home),
             "nats": nats_url,
@@ -124,14 +131,14 @@ class Supervisor:
         env_common = {
             "FLEET_HOME": str(self.layout.home),
             "FLEET_NATS_URL": nats_url,
-            "FLEET_PG_DSN": pg_dsn,
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
         }
         for spec in SERVICES:
-            url = await self._start_service(spec, operator, env_common, previous)
+            env = {**env_common, "FLEET_PG_DSN": dsns[spec.database]} if spec.database else env_common
+            url = await self._start_service(spec, operator, env, previous)
             self._record(endpoints, spec, url)
             if spec.kind == "registry":
                 env_common["FLEET_REGISTRY_URL"] = url
@@ -168,8 +175,11 @@ class Supervisor:
             await asyncio.gather(*watchers, return_exceptions=True)
 
     async def stop(self) -> None:
-        """Stop the children in reverse start order: services first, then Postgres, then NATS."""
-        for child in reversed(self.children):
+        """Stop the services (all at once), then Postgres, then NATS."""
+        infrastructure = [c for c in self.children if c.name in INFRASTRUCTURE]
+        services = [c for c in self.children if c.name not in INFRASTRUCTURE]
+        await asyncio.gather(*(self._stop_child(c) for c in services))
+        for child in reversed(infrastructure):
             await self._stop_child(child)
         self.children.clear()
         self.layout.clear_endpoints()
@@ -191,20 +201,16 @@ class Supervisor:
     # ----------------------------------------------------------------- the lock
     def _take_lock(self) -> None:
         self.layout.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.layout.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_fd = stacklock.acquire(self.layout.lock_file)
         except BlockingIOError:
-            os.close(fd)
             raise FleetError(
                 ErrorCode.CONFLICT, f"a stack is already running on {self.layout.home}"
             ) from None
-        self._lock_fd = fd
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            stacklock.release(self._lock_fd)
             self._lock_fd = None
 
     # ----------------------------------------------------------------- processes
@@ -229,28 +235,62 @@ class Supervisor:
             pass_fds=pass_fds,
             start_new_session=True,
             preexec_fn=_die_with_parent,
-            user=user,
+            **as_user(user),
         )
         child = _Child(name, process, log_file, stop_signal)
         self.children.append(child)
         return child
 
     async def _start_nats(self, previous: dict[str, Any]) -> str:
-        port = _free_port(_port_of(previous.get("nats")))
-        monitor = _free_port(None)
-        child = await self._spawn("nats", nats_command(self.layout.nats_dir, port, monitor))
-        url = f"nats://127.0.0.1:{port}"
-        health = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
-        await _wait_until(child, self.layout, lambda: _http_ok(health), f"NATS on {url}")
-        return url
+        async def attempt(port: int) -> str:
+            monitor = _free_port(None)
+            child = await self._spawn("nats", nats_command(self.layout.nats_dir, port, monitor))
+            health = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
+            await self._wait_until(child, lambda: _http_ok(health), f"NATS on port {port}")
+            return f"nats://127.0.0.1:{port}"
+
+        return await _with_port_retry(attempt, _port_of(previous.get("nats")))
 
     async def _start_postgres(self, previous: dict[str, Any]) -> tuple[int, str]:
-        port = _free_port(previous.get("postgres_port"))
         password = self.layout.secret("postgres-password")
-        launch = prepare_postgres(self.layout.pg_dir, port, password)
-        child = await self._spawn("postgres", launch.argv, user=launch.user, stop_signal=signal.SIGINT)
-        await _wait_until(child, self.layout, lambda: _pg_ready(launch.dsn), f"Postgres on {port}")
-        return port, await _ensure_database(launch.dsn, "fleet")
+
+        async def attempt(port: int) -> tuple[int, str]:
+            launch = await asyncio.to_thread(prepare_postgres, self.layout.pg_dir, port, password)
+            child = await self._spawn("postgres", launch.argv, user=launch.user, stop_signal=signal.SIGINT)
+            await self._wait_until(child, lambda: _pg_ready(launch.dsn), f"Postgres on port {port}")
+            return port, launch.dsn
+
+        return await _with_port_retry(attempt, previous.get("postgres_port"))
+
+    async def _provision_databases(self, admin_dsn: str) -> dict[str, str]:
+        """One database per owning service, each owned by a login role only that service gets."""
+        dsns: dict[str, str] = {}
+        async with await psycopg.AsyncConnection.connect(admin_dsn, autocommit=True) as conn:
+            for name, may_create_roles in DATABASES.items():
+                password = self.layout.secret(f"postgres-{name}-password")
+                await _ensure_owner_role(conn, name, password, may_create_roles)
+                await _ensure_database(conn, name)
+                dsns[name] = make_conninfo(admin_dsn, user=name, password=password, dbname=name)
+        return dsns
+
+    async def _wait_until(self, child: _Child, probe: Callable[[], Awaitable[bool]], what: str) -> None:
+        """Poll ``probe`` until it is true; fail fast (with the log's tail) if the child exits."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and child.process.returncode is None:
+            if await probe():
+                return
+            await asyncio.sleep(0.05)
+        if child.process.returncode is not None:
+            self.children.remove(child)
+            child.log_file.close()
+            raise ChildExited(
+                f"{what} exited with code {child.process.returncode}:\n{self.layout.log_tail(child.name)}"
+            )
+        raise FleetError(
+            ErrorCode.STACK_FAILED,
+            f"{what} not healthy after {START_TIMEOUT_S:.0f}s; last log lines:\n"
+            f"{self.layout.log_tail(child.name)}",
+        )
 
     async def _start_service(
         self,
@@ -274,7 +314,7 @@ class Supervisor:
             child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
         finally:
             sock.close()
-        await _wait_until(child, self.layout, lambda: _http_ok(url + "/healthz"), f"{spec.id} at {url}")
+        await self._wait_until(child, lambda: _http_ok(url + "/healthz"), f"{spec.id} at {url}")
         return url
 
 
@@ -313,13 +353,46 @@ async def _pg_ready(dsn: str) -> bool:
     return True
 
 
-async def _ensure_database(dsn: str, name: str) -> str:
-    """Create database ``name`` on the server of ``dsn`` if missing; return its DSN."""
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        found = await (await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))).fetchone()
-        if found is None:
-            await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return dsn.rsplit("/", 1)[0] + "/" + name
+async def _ensure_owner_role(
+    conn: psycopg.AsyncConnection[Any], name: str, password: str, may_create_roles: bool
+) -> None:
+    found = await (await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,))).fetchone()
+    verb = "ALTER" if found else "CREATE"
+    options = "LOGIN NOSUPERUSER NOBYPASSRLS " + ("CREATEROLE" if may_create_roles else "NOCREATEROLE")
+    await conn.execute(
+        sql.SQL(verb + " ROLE {} " + options + " PASSWORD {}").format(
+            sql.Identifier(name), sql.Literal(password)
+        )
+    )
+
+
+async def _ensure_database(conn: psycopg.AsyncConnection[Any], name: str) -> None:
+    """Create database ``name`` owned by the role of the same name, if it does not exist."""
+    found = await (await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))).fetchone()
+    if found is None:
+        await conn.execute(
+            sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(name), sql.Identifier(name))
+        )
+
+
+class ChildExited(FleetError):
+    """A child process exited while it was starting (for example: its port was taken)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.STACK_FAILED, message)
+
+
+async def _with_port_retry(attempt: Callable[[int], Awaitable[T]], preferred: int | None) -> T:
+    """Start something on a free port; if it exits at once (the port was taken in the meantime),
+    try again on another port."""
+    for tries_left in range(PORT_ATTEMPTS - 1, -1, -1):
+        try:
+            return await attempt(_free_port(preferred))
+        except ChildExited:
+            if tries_left == 0:
+                raise
+            preferred = None
+    raise AssertionError("unreachable")
 
 
 async def _http_ok(url: str) -> bool:
@@ -329,28 +402,3 @@ async def _http_ok(url: str) -> bool:
     except httpx.HTTPError:
         return False
     return response.status_code == 200
-
-
-async def _wait_until(
-    child: _Child,
-    layout: StackLayout,
-    probe: Callable[[], Any],
-    what: str,
-) -> None:
-    """Poll ``probe`` until it is true; fail fast (with the log's tail) if the child exits."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if child.process.returncode is not None:
-            break
-        if await probe():
-            return
-        await asyncio.sleep(0.05)
-    reason = (
-        f"exited with code {child.process.returncode}"
-        if child.process.returncode is not None
-        else f"not healthy after {START_TIMEOUT_S:.0f}s"
-    )
-    raise FleetError(
-        ErrorCode.STACK_FAILED,
-        f"{what} {reason}; last log lines:\n{layout.log_tail(child.name)}",
-    )

@@ -176,14 +176,17 @@ def bearer_token(authorization: str | None) -> str:
     return token.strip()
 
 
-def client_assertion(key: SigningKey, client_id: str, token_audience: str) -> str:
-    """An RFC 7523 client assertion: a one-minute, single-use JWT signed by the client's own key."""
+def client_assertion(key: SigningKey, client_id: str, token_url: str) -> str:
+    """An RFC 7523 client assertion: a one-minute, single-use JWT signed by the client's own key.
+
+    Its audience is the token endpoint's URL, so an assertion sent to a lookalike endpoint cannot be
+    redeemed at the real one."""
     now = int(time.time())
     return key.sign(
         {
             "iss": client_id,
             "sub": client_id,
-            "aud": token_audience,
+            "aud": token_url,
             "iat": now,
             "exp": now + 60,
             "jti": uuid.uuid4().hex,
@@ -205,13 +208,11 @@ class TokenClient:
         self,
         *,
         token_url: str,
-        issuer: str,
         client_id: str,
         key: SigningKey,
         http: httpx.AsyncClient,
     ) -> None:
         self._token_url = token_url
-        self._issuer = issuer
         self._client_id = client_id
         self._key = key
         self._http = http
@@ -228,7 +229,7 @@ class TokenClient:
             data={
                 "grant_type": "client_credentials",
                 "client_assertion_type": CLIENT_ASSERTION_TYPE,
-                "client_assertion": client_assertion(self._key, self._client_id, self._issuer),
+                "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
                 "audience": audience,
                 "tenant": tenant,
                 "scope": scope,

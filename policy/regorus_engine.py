@@ -20,12 +20,12 @@ from policy.errors import PolicyError
 log = logging.getLogger(__name__)
 
 
-def _new_engine(bundle: Bundle) -> Any:
+def _new_engine(bundle: Bundle, with_tests: bool) -> Any:
     import regorus
 
     engine = regorus.Engine()
     try:
-        for name, source in bundle.modules:
+        for name, source in bundle.modules if with_tests else bundle.policies:
             engine.add_policy(name, source)
         engine.add_data(bundle.data)
     except RuntimeError as exc:
@@ -41,8 +41,10 @@ def _first_line(exc: BaseException) -> str:
 class RegorusEngine:
     """An in-process :class:`~policy.engine.PolicyEngine` over one bundle."""
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, *, with_tests: bool = False) -> None:
+        """``with_tests`` also loads the ``*_test.rego`` modules (only the test runner wants them)."""
         self._bundle = bundle
+        self._with_tests = with_tests
         self._local = threading.local()
         self._engine()  # compile now so a broken bundle fails at start-up, not at first call
 
@@ -66,7 +68,7 @@ class RegorusEngine:
     def _engine(self) -> Any:
         engine = getattr(self._local, "engine", None)
         if engine is None:
-            engine = _new_engine(self._bundle)
+            engine = _new_engine(self._bundle, self._with_tests)
             self._local.engine = engine
         return engine
 

@@ -48,7 +48,7 @@ def discover(engine: RegorusEngine) -> list[tuple[str, str, str]]:
 
 def run_tests(root: Path | None = None) -> list[RegoTestResult]:
     """Evaluate every test rule of the bundle at ``root``; a rule passes only if it is true."""
-    engine = RegorusEngine(Bundle.load(root) if root else Bundle.load())
+    engine = RegorusEngine(Bundle.load(root) if root else Bundle.load(), with_tests=True)
     results: list[RegoTestResult] = []
     for package, name, file in discover(engine):
         try:

@@ -30,13 +30,18 @@ async def fetch_verified_card(
     """Fetch ``base_url``'s card and return the record to store, or raise ``card_invalid``."""
     card_url = base_url.rstrip("/") + CARD_PATH
     try:
-        response = await http.get(card_url, timeout=5.0)
-        response.raise_for_status()
-        document = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
+        response = await http.get(card_url, timeout=5.0, follow_redirects=False)
+    except httpx.TransportError as exc:
+        # The agent may still be starting: worth another try.
         raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot fetch the card at {card_url}", retryable=True
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach {card_url}", retryable=True
         ) from exc
+    if response.status_code != 200:
+        raise _invalid(f"{card_url} answered {response.status_code}, not a card")
+    try:
+        document = response.json()
+    except ValueError as exc:
+        raise _invalid(f"{card_url} did not return JSON") from exc
     card = parse_card(document)
     verify_card_signature(card, identity)
     url = _check_interfaces(card, base_url)
@@ -83,8 +88,12 @@ def verify_card_signature(card: AgentCard, identity: IdentityRecord) -> None:
 
 
 def _check_interfaces(card: AgentCard, base_url: str) -> str:
-    expected = urlsplit(base_url).netloc
+    registered = urlsplit(base_url)
     for interface in card.supported_interfaces:
-        if urlsplit(interface.url).netloc != expected:
-            raise _invalid(f"card interface {interface.url} is not on the registered host {expected}")
+        url = urlsplit(interface.url)
+        if (url.scheme, url.netloc) != (registered.scheme, registered.netloc):
+            raise _invalid(
+                f"card interface {interface.url} is not on the registered host "
+                f"{registered.scheme}://{registered.netloc}"
+            )
     return str(card.supported_interfaces[0].url)

@@ -10,7 +10,7 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fleet.errors import ErrorCode, FleetError
-from fleet.keys import ALGORITHM, public_key_from_jwk
+from fleet.keys import ALGORITHM, public_jwk_of, public_key_from_jwk
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
 
@@ -37,15 +37,16 @@ class Enrollment:
             raise FleetError(ErrorCode.INVALID_REQUEST, "id and public_jwk are required")
         claims = self._verify(str(body.get("enrollment_token", "")), identity_id)
         try:
-            public_key_from_jwk(jwk)
-        except (KeyError, ValueError) as exc:
-            raise FleetError(ErrorCode.INVALID_REQUEST, f"unusable public key: {exc}") from exc
+            # Store only the public members, with the key id we compute (never the caller's).
+            public = public_jwk_of(public_key_from_jwk(jwk))
+        except (KeyError, ValueError, jwt.PyJWTError) as exc:
+            raise FleetError(ErrorCode.INVALID_REQUEST, "public_jwk is not an EC P-256 public key") from exc
         if not await self._store.use_nonce("enroll", str(claims["jti"])):
             raise _refuse("enrollment token was already used")
         record = IdentityRecord(
             id=identity_id,
             kind=claims["kind"],
-            keys={str(jwk["kid"]): jwk},
+            keys={public["kid"]: public},
             scopes=[str(s) for s in claims.get("scopes", [])],
             tenants=[str(t) for t in claims.get("tenants", [])],
             enrolled_at=time.time(),

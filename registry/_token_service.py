@@ -41,10 +41,11 @@ class IssuedToken:
 class TokenService:
     """Verifies client assertions against enrolled keys and mints access tokens."""
 
-    def __init__(self, store: RegistryStore, key: SigningKey, issuer: str) -> None:
+    def __init__(self, store: RegistryStore, key: SigningKey, issuer: str, token_url: str) -> None:
         self._store = store
         self._key = key
         self._issuer = issuer
+        self._token_url = token_url
 
     async def client_credentials(self, form: Mapping[str, str]) -> IssuedToken:
         if form.get("grant_type") != "client_credentials":
@@ -82,7 +83,7 @@ class TokenService:
                 assertion,
                 public_key_from_jwk(jwk),
                 algorithms=[ALGORITHM],
-                audience=self._issuer,
+                audience=self._token_url,
                 leeway=LEEWAY_S,
                 options={"require": ["exp", "iat", "jti", "iss", "sub", "aud"]},
             )

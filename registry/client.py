@@ -43,7 +43,6 @@ class RegistryClient:
         self.key = SigningKey.load_or_create(settings.key_file)
         self.tokens = TokenClient(
             token_url=self.token_url,
-            issuer=settings.issuer,
             client_id=settings.service_id,
             key=self.key,
             http=http,

@@ -225,7 +225,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
 
                 app.state.registry = RegistryState(
                     store=store,
-                    tokens=TokenService(store, key, settings.issuer),
+                    tokens=TokenService(store, key, settings.issuer, settings.public_url + "/oauth/token"),
                     enrollment=Enrollment(store, operator_key),
                     verifier=TokenVerifier(own_key, issuer=settings.issuer, audience=REGISTRY_AUDIENCE),
                     key=key,

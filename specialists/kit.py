@@ -208,9 +208,12 @@ def build_specialist_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with http, mcp_http, start_in_background(readiness, start):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(http)
+            await stack.enter_async_context(mcp_http)
+            stack.push_async_callback(handler.aclose)  # runs before the clients close
+            await stack.enter_async_context(start_in_background(readiness, start))
             yield
-        await handler.aclose()
 
     return a2a_app(
         card=card,

@@ -78,6 +78,8 @@ async def seed_demo_data(conn: AsyncConnection[object]) -> None:
     today = date.today()
     async with conn.transaction():
         for tenant, rows in DEMO_INVOICES.items():
+            # Row-level security is forced on the owner too: act as the tenant being seeded.
+            await conn.execute("SELECT set_config(%s, %s, true)", (TENANT_SETTING, tenant))
             found = await (
                 await conn.execute(
                     "SELECT 1 FROM tenant_data.invoices WHERE tenant_id = %s LIMIT 1", (tenant,)

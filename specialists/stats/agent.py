@@ -38,20 +38,22 @@ async def outliers(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]
     records = payload.get("records")
     field = payload.get("field")
     label = payload.get("label")
-    threshold = float(payload.get("threshold", DEFAULT_THRESHOLD))
+    threshold = payload.get("threshold", DEFAULT_THRESHOLD)
+    if not isinstance(threshold, int | float) or isinstance(threshold, bool) or threshold <= 0:
+        raise SkillError(ErrorCode.INVALID_REQUEST, '"threshold" must be a positive number')
     if not isinstance(records, list) or not isinstance(field, str):
         raise SkillError(ErrorCode.INVALID_REQUEST, 'input needs "records" (a list) and "field"')
     values = _numbers(records, field)
     if len(values) < 3:
         raise SkillError(ErrorCode.INVALID_REQUEST, "need at least three records")
     await ctx.progress(f"scoring {len(values)} values of {field!r}")
-    flagged = robust_outliers(values, threshold)
+    flagged = robust_outliers(values, float(threshold))
     return {
         "field": field,
         "count": len(values),
         "median": statistics.median(values),
         "mean": statistics.fmean(values),
-        "threshold": threshold,
+        "threshold": float(threshold),
         "outliers": [
             {
                 "label": records[i].get(label) if isinstance(label, str) else i,

@@ -134,7 +134,8 @@ class Impostor:
         form = {
             "grant_type": "client_credentials",
             "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
-            "client_assertion": assertion or client_assertion(self.key, self.id, "fleet-registry"),
+            "client_assertion": assertion
+            or client_assertion(self.key, self.id, self.registry + "/oauth/token"),
             "audience": "registry",
             "tenant": "acme",
             "scope": scope,
@@ -201,7 +202,7 @@ async def test_enrollment_token_works_once(stack: Stack) -> None:
 
 
 async def test_client_assertion_cannot_be_replayed(impostor: Impostor) -> None:
-    assertion = client_assertion(impostor.key, impostor.id, "fleet-registry")
+    assertion = client_assertion(impostor.key, impostor.id, impostor.registry + "/oauth/token")
     async with httpx.AsyncClient() as http:
         first = await impostor.request_token(http, assertion=assertion)
         second = await impostor.request_token(http, assertion=assertion)
@@ -263,3 +264,35 @@ async def test_mcp_query_returns_at_most_the_row_limit(stack: Stack) -> None:
     result = await call_query(stack, token, "SELECT g FROM generate_series(1, 100000) AS g")
     assert result.structured_content["row_count"] == 500
     assert result.structured_content["truncated"] is True
+
+
+async def test_client_assertion_for_another_token_endpoint_is_refused(impostor: Impostor) -> None:
+    lookalike = client_assertion(impostor.key, impostor.id, "http://lookalike.example/oauth/token")
+    async with httpx.AsyncClient() as http:
+        response = await impostor.request_token(http, assertion=lookalike)
+    assert response.status_code == 401
+    assert response.json()["error_description"] == "client assertion rejected: InvalidAudienceError"
+
+
+async def test_enrollment_publishes_only_the_public_key_under_its_thumbprint(stack: Stack) -> None:
+    identity = Impostor(stack)
+    leaky = {**identity.key.public_jwk(), "kid": "chosen-by-caller", "d": "c2VjcmV0"}
+    body = {"id": identity.id, "public_jwk": leaky, "enrollment_token": identity.enrollment_token()}
+    async with httpx.AsyncClient() as http:
+        assert (await http.post(identity.registry + "/v1/enroll", json=body)).status_code == 201
+        published = (await http.get(f"{identity.registry}/v1/agents/{identity.id}/jwks.json")).json()
+    assert published["keys"] == [identity.key.public_jwk()]
+
+
+async def test_enrollment_with_an_unusable_key_keeps_the_token_usable(stack: Stack) -> None:
+    identity = Impostor(stack)
+    token = identity.enrollment_token()
+    broken = {"kty": "EC", "crv": "P-256", "x": "AAAA", "y": "AAAA"}
+    async with httpx.AsyncClient() as http:
+        refused = await http.post(
+            identity.registry + "/v1/enroll",
+            json={"id": identity.id, "public_jwk": broken, "enrollment_token": token},
+        )
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "invalid_request"
+        assert (await identity.enroll(http, token)).status_code == 201

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from fleet.infra import nats_command, prepare_postgres
+from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.layout import StackLayout
 from tests.e2e.conftest import (
     Stack,
@@ -180,7 +180,7 @@ def given_infra(tmp_path: Path) -> Iterator[GivenInfra]:
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     nats_server = subprocess.Popen(nats_command(tmp_path / "nats", nats_port, monitor_port), **quiet)
     launch = prepare_postgres(tmp_path / "pg", pg_port, "given-password")
-    postgres = subprocess.Popen(launch.argv, user=launch.user, **quiet)
+    postgres = subprocess.Popen(launch.argv, **as_user(launch.user), **quiet)
     try:
         wait_for_postgres(launch.dsn)
         yield GivenInfra(f"nats://127.0.0.1:{nats_port}", launch.dsn)
