@@ -1,0 +1,327 @@
+"""Runs and their event log, in Postgres.
+
+A run is created (with its id) before any work starts. Its event log is append-only with gap-free
+sequence numbers: the next number is taken from the run's row under its lock, in the same transaction
+as the insert. Writes that advance a run are fenced by the lease epoch: a worker whose lease was taken
+over gets :class:`StaleLease` and can write nothing more.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from fleet.errors import ErrorCode, FleetError
+
+NOTIFY_CHANNEL = "fleet_run_events"
+
+
+class RunState(StrEnum):
+    SUBMITTED = "submitted"
+    WORKING = "working"
+    WAITING = "waiting"
+    INPUT_REQUIRED = "input_required"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    REJECTED = "rejected"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELED, RunState.REJECTED})
+
+
+class StaleLease(FleetError):
+    """The caller's lease on a run is no longer current: another worker owns the run now."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(ErrorCode.CONFLICT, f"lease on run {run_id} is no longer held")
+
+
+class RunNotFound(FleetError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(ErrorCode.NOT_FOUND, f"no run {run_id}")
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    run_id: str
+    tenant: str
+    owner: str
+    state: RunState
+    reason: str | None
+    request: dict[str, Any]
+    last_seq: int
+    lease_epoch: int
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunEvent:
+    run_id: str
+    seq: int
+    type: str
+    ts: dt.datetime
+    actor: str
+    payload: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "seq": self.seq,
+            "type": self.type,
+            "ts": self.ts.isoformat(),
+            "actor": self.actor,
+            "payload": self.payload,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    run_id: str
+    owner: str
+    epoch: int
+
+
+class RunStore(Protocol):
+    """Where runs and their events live."""
+
+    async def create_run(self, run_id: str, tenant: str, owner: str, request: dict[str, Any]) -> Run: ...
+    async def get_run(self, run_id: str, tenant: str) -> Run: ...
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None: ...
+    async def append(self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any]) -> int: ...
+    async def transition(
+        self, lease: Lease, state: RunState, actor: str, payload: Mapping[str, Any], reason: str | None = None
+    ) -> int: ...
+    async def events_after(
+        self, run_id: str, tenant: str, after_seq: int, limit: int = 500
+    ) -> list[RunEvent]: ...
+
+
+SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS fleet_runs;
+CREATE TABLE IF NOT EXISTS fleet_runs.runs (
+    run_id           text PRIMARY KEY,
+    tenant           text NOT NULL,
+    owner            text NOT NULL,
+    state            text NOT NULL,
+    reason           text,
+    request          jsonb NOT NULL,
+    last_seq         bigint NOT NULL DEFAULT 0,
+    lease_owner      text,
+    lease_epoch      bigint NOT NULL DEFAULT 0,
+    lease_expires_at timestamptz,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    updated_at       timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS runs_by_tenant ON fleet_runs.runs (tenant, created_at DESC);
+CREATE TABLE IF NOT EXISTS fleet_runs.events (
+    run_id  text NOT NULL REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE,
+    seq     bigint NOT NULL,
+    type    text NOT NULL,
+    ts      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    actor   text NOT NULL,
+    payload jsonb NOT NULL DEFAULT '{}',
+    PRIMARY KEY (run_id, seq)
+);
+"""
+
+_RUN_COLUMNS = "run_id, tenant, owner, state, reason, request, last_seq, lease_epoch, created_at, updated_at"
+
+
+def _run(row: Mapping[str, Any]) -> Run:
+    return Run(
+        run_id=row["run_id"],
+        tenant=row["tenant"],
+        owner=row["owner"],
+        state=RunState(row["state"]),
+        reason=row["reason"],
+        request=row["request"],
+        last_seq=row["last_seq"],
+        lease_epoch=row["lease_epoch"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+class PostgresRunStore:
+    """:class:`RunStore` on Postgres. Every read takes the caller's tenant: a run of another tenant
+    is indistinguishable from a run that does not exist."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self._pool = pool
+
+    async def setup(self) -> None:
+        """Create the schema (idempotent; several processes may call it at once)."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.runs.schema'))")
+            await conn.execute(SCHEMA)
+
+    async def create_run(self, run_id: str, tenant: str, owner: str, request: dict[str, Any]) -> Run:
+        """Create the run in state ``submitted`` with its first event; idempotent for one run id."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, last_seq)"
+                " VALUES (%s, %s, %s, %s, %s, 1) ON CONFLICT (run_id) DO NOTHING"
+                f" RETURNING {_RUN_COLUMNS}",
+                (run_id, tenant, owner, RunState.SUBMITTED.value, Jsonb(request)),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                return await self.get_run(run_id, tenant)
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
+                " VALUES (%s, 1, 'run.submitted', %s, %s)",
+                (run_id, owner, Jsonb({"state": RunState.SUBMITTED.value})),
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+        return _run(row)
+
+    async def get_run(self, run_id: str, tenant: str) -> Run:
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s",
+                (run_id, tenant),
+            )
+            row = await cursor.fetchone()
+        if row is None:
+            raise RunNotFound(run_id)
+        return _run(row)
+
+    async def list_runs(self, tenant: str, limit: int = 50) -> list[Run]:
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE tenant = %s"
+                " ORDER BY created_at DESC LIMIT %s",
+                (tenant, limit),
+            )
+            return [_run(row) for row in await cursor.fetchall()]
+
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None:
+        """Take the run's lease if it is free or expired; each grant bumps the fencing epoch."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.runs SET lease_owner = %s, lease_epoch = lease_epoch + 1,"
+                " lease_expires_at = now() + make_interval(secs => %s)"
+                " WHERE run_id = %s AND (lease_owner IS NULL OR lease_expires_at < now())"
+                " RETURNING lease_epoch",
+                (owner, ttl_s, run_id),
+            )
+            row = await cursor.fetchone()
+        return Lease(run_id, owner, int(row[0])) if row else None
+
+    async def renew_lease(self, lease: Lease, ttl_s: float) -> None:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.runs SET lease_expires_at = now() + make_interval(secs => %s)"
+                " WHERE run_id = %s AND lease_epoch = %s",
+                (ttl_s, lease.run_id, lease.epoch),
+            )
+            if cursor.rowcount != 1:
+                raise StaleLease(lease.run_id)
+
+    async def release_lease(self, lease: Lease) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET lease_owner = NULL, lease_expires_at = NULL"
+                " WHERE run_id = %s AND lease_epoch = %s",
+                (lease.run_id, lease.epoch),
+            )
+
+    async def append(self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any]) -> int:
+        """Append one event under ``lease``; return its sequence number."""
+        return await self._write(lease, type_, actor, payload, None, None)
+
+    async def transition(
+        self,
+        lease: Lease,
+        state: RunState,
+        actor: str,
+        payload: Mapping[str, Any],
+        reason: str | None = None,
+    ) -> int:
+        """Move the run to ``state`` and record it as an event, atomically."""
+        event = {"state": state.value, **({"reason": reason} if reason else {}), **payload}
+        return await self._write(lease, f"run.{state.value}", actor, event, state, reason)
+
+    async def _write(
+        self,
+        lease: Lease,
+        type_: str,
+        actor: str,
+        payload: Mapping[str, Any],
+        state: RunState | None,
+        reason: str | None,
+    ) -> int:
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.runs SET last_seq = last_seq + 1, updated_at = now(),"
+                " state = COALESCE(%s, state), reason = COALESCE(%s, reason)"
+                " WHERE run_id = %s AND lease_epoch = %s RETURNING last_seq",
+                (state.value if state else None, reason, lease.run_id, lease.epoch),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                raise StaleLease(lease.run_id)
+            seq = int(row[0])
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+                (lease.run_id, seq, type_, actor, Jsonb(dict(payload))),
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, lease.run_id))
+        return seq
+
+    async def events_after(
+        self, run_id: str, tenant: str, after_seq: int, limit: int = 500
+    ) -> list[RunEvent]:
+        """Events of the run with ``seq > after_seq``, in order (tenant-checked)."""
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                "SELECT e.run_id, e.seq, e.type, e.ts, e.actor, e.payload FROM fleet_runs.events e"
+                " JOIN fleet_runs.runs r USING (run_id)"
+                " WHERE e.run_id = %s AND r.tenant = %s AND e.seq > %s ORDER BY e.seq LIMIT %s",
+                (run_id, tenant, after_seq, limit),
+            )
+            rows = await cursor.fetchall()
+        return [RunEvent(**row) for row in rows]
+
+    async def follow(self, run_id: str, tenant: str, after_seq: int, dsn: str) -> AsyncIterator[RunEvent]:
+        """Every event after ``after_seq``, then new ones as they are committed, until the run ends.
+
+        Notifications only wake the reader; the events always come from the table, so a missed or
+        duplicated notification never loses or repeats an event.
+        """
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as listener:
+            await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            cursor = after_seq
+            while True:
+                for event in await self.events_after(run_id, tenant, cursor):
+                    cursor = event.seq
+                    yield event
+                run = await self.get_run(run_id, tenant)
+                if run.state.terminal and cursor >= run.last_seq:
+                    return
+                async for notify in listener.notifies(timeout=5.0):
+                    if notify.payload == run_id:
+                        break
+
+
+def event_json(event: RunEvent) -> str:
+    return json.dumps(event.to_json(), separators=(",", ":"))

@@ -1,0 +1,111 @@
+"""The run store on a real Postgres: ids before work, gap-free event log, fenced writes, tenancy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from coordinator.runs import PostgresRunStore, RunNotFound, RunState, StaleLease
+
+
+@pytest.fixture
+async def store(pg_dsn: str) -> AsyncIterator[PostgresRunStore]:
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(pg_dsn, min_size=1, max_size=8, open=False)
+    async with pool:
+        store = PostgresRunStore(pool)
+        await store.setup()
+        await store.setup()  # idempotent
+        yield store
+
+
+async def test_run_exists_with_its_first_event_before_any_work(store: PostgresRunStore) -> None:
+    run = await store.create_run("r1", "acme", "operator", {"text": "hi"})
+    assert (run.state, run.last_seq) == (RunState.SUBMITTED, 1)
+    events = await store.events_after("r1", "acme", 0)
+    assert [(e.seq, e.type) for e in events] == [(1, "run.submitted")]
+
+
+async def test_creating_the_same_run_twice_creates_it_once(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    again = await store.create_run("r1", "acme", "operator", {})
+    assert again.last_seq == 1
+    assert len(await store.events_after("r1", "acme", 0)) == 1
+
+
+async def test_concurrent_appends_get_gap_free_sequence_numbers(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    lease = await store.acquire_lease("r1", "worker-a", ttl_s=30)
+    assert lease is not None
+    seqs = await asyncio.gather(*(store.append(lease, "step.progress", "w", {"i": i}) for i in range(40)))
+    assert sorted(seqs) == list(range(2, 42))
+    assert [e.seq for e in await store.events_after("r1", "acme", 0)] == list(range(1, 42))
+
+
+async def test_only_one_worker_holds_a_live_lease(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    first = await store.acquire_lease("r1", "worker-a", ttl_s=30)
+    assert first is not None
+    assert await store.acquire_lease("r1", "worker-b", ttl_s=30) is None
+
+
+async def test_a_stale_worker_cannot_write_after_its_lease_is_taken_over(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    stale = await store.acquire_lease("r1", "worker-a", ttl_s=0)
+    assert stale is not None
+    fresh = await store.acquire_lease("r1", "worker-b", ttl_s=30)
+    assert fresh is not None and fresh.epoch == stale.epoch + 1
+    with pytest.raises(StaleLease):
+        await store.append(stale, "step.started", "worker-a", {})
+    with pytest.raises(StaleLease):
+        await store.transition(stale, RunState.COMPLETED, "worker-a", {})
+    with pytest.raises(StaleLease):
+        await store.renew_lease(stale, ttl_s=30)
+    assert await store.append(fresh, "step.started", "worker-b", {}) == 2
+    assert (await store.get_run("r1", "acme")).state == RunState.SUBMITTED
+
+
+async def test_transition_changes_state_and_records_it(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    lease = await store.acquire_lease("r1", "w", ttl_s=30)
+    assert lease is not None
+    await store.transition(lease, RunState.FAILED, "w", {"message": "boom"}, reason="specialist_failed")
+    run = await store.get_run("r1", "acme")
+    assert (run.state, run.reason) == (RunState.FAILED, "specialist_failed")
+    last = (await store.events_after("r1", "acme", 1))[-1]
+    assert last.type == "run.failed"
+    assert last.payload == {"state": "failed", "reason": "specialist_failed", "message": "boom"}
+
+
+async def test_another_tenant_cannot_see_a_run_or_its_events(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    with pytest.raises(RunNotFound):
+        await store.get_run("r1", "globex")
+    assert await store.events_after("r1", "globex", 0) == []
+    assert [r.run_id for r in await store.list_runs("acme")] == ["r1"]
+    assert await store.list_runs("globex") == []
+
+
+async def test_follow_replays_then_tails_until_the_run_ends(store: PostgresRunStore, pg_dsn: str) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    lease = await store.acquire_lease("r1", "w", ttl_s=30)
+    assert lease is not None
+    await store.append(lease, "plan", "w", {})
+    seen: list[int] = []
+    caught_up = asyncio.Event()
+
+    async def read() -> None:
+        async for event in store.follow("r1", "acme", after_seq=1, dsn=pg_dsn):
+            seen.append(event.seq)
+            caught_up.set()
+
+    reader = asyncio.create_task(read())
+    async with asyncio.timeout(10):
+        await caught_up.wait()
+        await store.append(lease, "step.started", "w", {})
+        await store.transition(lease, RunState.COMPLETED, "w", {})
+        await reader
+    assert seen == [2, 3, 4]
