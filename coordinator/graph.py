@@ -19,7 +19,7 @@ from fleet.errors import FleetError
 from registry import AgentRecord
 
 
-class RunState(TypedDict, total=False):
+class GraphState(TypedDict, total=False):
     run_id: str
     tenant: str
     steps: list[dict[str, Any]]
@@ -30,8 +30,9 @@ class RunState(TypedDict, total=False):
     failure: dict[str, Any] | None
 
 
-def _emit(text: str) -> None:
-    get_stream_writer()({"text": text})
+def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
+    """Report progress to whoever runs the graph: it records the event and shows the text."""
+    get_stream_writer()({"event": event, "payload": payload, "text": text})
 
 
 def _failure(step: dict[str, Any], exc: FleetError) -> dict[str, Any]:
@@ -41,32 +42,37 @@ def _failure(step: dict[str, Any], exc: FleetError) -> dict[str, Any]:
 def build_graph(
     delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
-    async def route(state: RunState) -> dict[str, Any]:
+    async def route(state: GraphState) -> dict[str, Any]:
         step = state["steps"][state["cursor"]]
         try:
             agent = await delegator.assign(step["skill"])
         except FleetError as exc:
+            _emit("step.failed", _failure(step, exc))
             return {"failure": _failure(step, exc)}
-        _emit(f"step {step['id']}: {step['skill']} -> {agent.id}")
+        routed = {"step": step["id"], "skill": step["skill"], "agent": agent.id}
+        _emit("step.routed", routed, f"step {step['id']}: {step['skill']} -> {agent.id}")
         return {"assignment": agent.model_dump(mode="json")}
 
-    async def delegate(state: RunState) -> dict[str, Any]:
+    async def delegate(state: GraphState) -> dict[str, Any]:
         step = state["steps"][state["cursor"]]
         agent = AgentRecord.model_validate(state["assignment"])
 
         async def progress(text: str) -> None:
-            _emit(text)
+            _emit("step.progress", {"step": step["id"], "agent": agent.id, "text": text}, text)
 
+        _emit("step.started", {"step": step["id"], "skill": step["skill"], "agent": agent.id})
         try:
             payload = resolve_input(step["input"], state.get("results", {}))
             result = await delegator.call(
                 agent, step["skill"], payload, tenant=state["tenant"], progress=progress
             )
         except FleetError as exc:
+            _emit("step.failed", {**_failure(step, exc), "agent": agent.id})
             return {
                 "failure": _failure(step, exc),
                 "outcomes": [{"step": step["id"], "agent": agent.id, "status": "failed"}],
             }
+        _emit("step.completed", {"step": step["id"], "agent": agent.id})
         return {
             "results": {**state.get("results", {}), step["id"]: result},
             "cursor": state["cursor"] + 1,
@@ -74,18 +80,18 @@ def build_graph(
             "outcomes": [{"step": step["id"], "agent": agent.id, "status": "completed"}],
         }
 
-    def after_route(state: RunState) -> str:
+    def after_route(state: GraphState) -> str:
         return "finish" if state.get("failure") else "delegate"
 
-    def after_delegate(state: RunState) -> str:
+    def after_delegate(state: GraphState) -> str:
         if state.get("failure") or state["cursor"] >= len(state["steps"]):
             return "finish"
         return "route"
 
-    async def finish(state: RunState) -> dict[str, Any]:
+    async def finish(state: GraphState) -> dict[str, Any]:
         return {}
 
-    builder: StateGraph[RunState, Any, Any, Any] = StateGraph(RunState)
+    builder: StateGraph[GraphState, Any, Any, Any] = StateGraph(GraphState)
     builder.add_node("route", route)
     builder.add_node("delegate", delegate)
     builder.add_node("finish", finish)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,10 @@ from starlette.applications import Starlette
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import build_graph
+from coordinator.run_api import RUNS_PREFIX, run_routes
+from coordinator.runs import PostgresRunStore
 from fleet.a2a_support import (
+    RPC_PATH,
     a2a_app,
     build_card,
     sign_card,
@@ -66,9 +70,17 @@ def build_app(settings: ServiceSettings) -> Starlette:
         open=False,
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
     )
+    run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(settings.pg_dsn, max_size=10, open=False)
+    runs = PostgresRunStore(run_pool)
     saver = AsyncPostgresSaver(pool)
     handler = DefaultRequestHandler(
-        agent_executor=CoordinatorExecutor(build_graph(delegator, saver), delegator, engine),
+        agent_executor=CoordinatorExecutor(
+            build_graph(delegator, saver),
+            delegator,
+            engine,
+            runs,
+            worker_id=f"{settings.service_id}:{os.getpid()}",
+        ),
         task_store=InMemoryTaskStore(),
         agent_card=card,
     )
@@ -82,7 +94,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
             await stack.enter_async_context(pool)
+            await stack.enter_async_context(run_pool)
             await saver.setup()
+            await runs.setup()
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
             await stack.enter_async_context(start_in_background(readiness, start))
             yield
@@ -94,6 +108,8 @@ def build_app(settings: ServiceSettings) -> Starlette:
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
+        extra_routes=run_routes(runs, settings.pg_dsn),
+        protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )
 
 

@@ -4,7 +4,7 @@ context carrying the verified claims, and signed agent cards."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -33,7 +33,7 @@ from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleet.errors import FleetError
@@ -51,13 +51,20 @@ class BearerAuthMiddleware:
     :class:`Claims` in ``scope["state"]["claims"]`` and a user named after the token subject.
     """
 
-    def __init__(self, app: ASGIApp, verifier: TokenVerifier, required_scope: str) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        verifier: TokenVerifier,
+        required_scope: str,
+        protected_prefixes: tuple[str, ...] = (RPC_PATH,),
+    ) -> None:
         self._app = app
         self._verifier = verifier
         self._scope = required_scope
+        self._prefixes = protected_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(RPC_PATH):
+        if scope["type"] != "http" or not scope["path"].startswith(self._prefixes):
             await self._app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -187,17 +194,26 @@ def a2a_app(
     verifier: TokenVerifier,
     required_scope: str,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]],
+    extra_routes: Sequence[BaseRoute] = (),
+    protected_prefixes: tuple[str, ...] = (RPC_PATH,),
 ) -> Starlette:
-    """An A2A agent's app: ``/healthz`` and the card are public, JSON-RPC needs a token for it."""
+    """An A2A agent's app: ``/healthz`` and the card are public; JSON-RPC (and any other
+    ``protected_prefixes``) need a token for this agent."""
     app = Starlette(
         routes=[
             Route("/healthz", readiness.endpoint),
             *create_agent_card_routes(card),
             *create_jsonrpc_routes(handler, rpc_url=RPC_PATH, context_builder=ClaimsContextBuilder()),
+            *extra_routes,
         ],
         lifespan=lifespan,
     )
-    app.add_middleware(BearerAuthMiddleware, verifier=verifier, required_scope=required_scope)
+    app.add_middleware(
+        BearerAuthMiddleware,
+        verifier=verifier,
+        required_scope=required_scope,
+        protected_prefixes=protected_prefixes,
+    )
     return app
 
 

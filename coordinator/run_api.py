@@ -1,0 +1,89 @@
+"""The run API for people and scripts: list and read runs, and follow a run's events over SSE.
+
+``GET /v1/runs/{id}/events`` replays the event log after the client's cursor (``Last-Event-ID`` or
+``?after=``) and then streams new events as they are committed, until the run ends. Every event
+carries its sequence number as the SSE id, so a client that reconnects with the last id it saw gets
+exactly the events it missed, with no duplicates. Closing the stream never affects the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
+from fleet.errors import ErrorCode, FleetError
+from fleet.tokens import Claims
+
+RUNS_PREFIX = "/v1/"
+
+
+def _claims(request: Request) -> Claims:
+    claims = request.scope.get("state", {}).get("claims")
+    if not isinstance(claims, Claims):
+        raise RuntimeError("run API reached without verified claims")
+    return claims
+
+
+def _run_json(run: Run) -> dict[str, Any]:
+    return {
+        "run_id": run.run_id,
+        "tenant": run.tenant,
+        "owner": run.owner,
+        "state": run.state.value,
+        "reason": run.reason,
+        "last_seq": run.last_seq,
+        "created_at": run.created_at.isoformat(),
+        "updated_at": run.updated_at.isoformat(),
+    }
+
+
+def _error(exc: FleetError) -> JSONResponse:
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
+
+
+def _cursor(request: Request) -> int:
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not raw.isdigit():
+        raise FleetError(ErrorCode.INVALID_REQUEST, "Last-Event-ID must be an event sequence number")
+    return int(raw)
+
+
+def run_routes(store: PostgresRunStore, listen_dsn: str) -> list[Route]:
+    async def list_runs(request: Request) -> Response:
+        runs = await store.list_runs(_claims(request).tenant)
+        return JSONResponse({"runs": [_run_json(r) for r in runs]})
+
+    async def get_run(request: Request) -> Response:
+        try:
+            run = await store.get_run(request.path_params["run_id"], _claims(request).tenant)
+        except RunNotFound as exc:
+            return _error(exc)
+        return JSONResponse(_run_json(run))
+
+    async def events(request: Request) -> Response:
+        tenant = _claims(request).tenant
+        run_id = request.path_params["run_id"]
+        try:
+            after = _cursor(request)
+            await store.get_run(run_id, tenant)
+        except FleetError as exc:
+            return _error(exc)
+
+        async def stream() -> AsyncIterator[str]:
+            async for event in store.follow(run_id, tenant, after, listen_dsn):
+                yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+        )
+
+    return [
+        Route("/v1/runs", list_runs),
+        Route("/v1/runs/{run_id}", get_run),
+        Route("/v1/runs/{run_id}/events", events),
+    ]

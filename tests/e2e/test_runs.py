@@ -1,0 +1,120 @@
+"""Runs seen through the run API: the event log of a real run, resumable SSE, tenancy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack, send, user_message
+
+pytestmark = pytest.mark.e2e
+
+TWO_STEPS = {
+    "steps": [
+        {"id": "totals", "skill": "invoice-totals"},
+        {
+            "id": "outliers",
+            "skill": "outliers",
+            "input": {"records": {"$from": "totals.records"}, "field": "largest", "label": "customer"},
+        },
+    ]
+}
+
+
+def parse_sse(text: str) -> list[dict[str, Any]]:
+    import json
+
+    events = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        events.append({"id": int(fields["id"]), "event": fields["event"], **json.loads(fields["data"])})
+    return events
+
+
+async def read_events(
+    stack: Stack, run_id: str, token: str, last_event_id: int | None = None
+) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"}
+    if last_event_id is not None:
+        headers["Last-Event-ID"] = str(last_event_id)
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.get(f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events", headers=headers)
+
+
+async def test_a_run_records_every_transition_and_step_in_a_gap_free_log(stack: Stack) -> None:
+    token = stack.token("coordinator")
+    outcome = await send(stack, user_message(data=TWO_STEPS), token=token)
+    response = await read_events(stack, outcome.task_id, token)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(response.text)
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["id"] for e in events] == [e["seq"] for e in events]
+    types = [e["type"] for e in events]
+    assert types[:3] == ["run.submitted", "plan", "run.working"]
+    assert types[-2:] == ["artifact", "run.completed"]
+    steps = [
+        (e["type"], e["payload"]["step"]) for e in events if e["type"] in ("step.started", "step.completed")
+    ]
+    assert steps == [
+        ("step.started", "totals"),
+        ("step.completed", "totals"),
+        ("step.started", "outliers"),
+        ("step.completed", "outliers"),
+    ]
+    assert all(e["run_id"] == outcome.task_id for e in events)
+
+
+async def test_reconnecting_with_the_last_event_id_gives_exactly_the_missed_events(stack: Stack) -> None:
+    token = stack.token("coordinator")
+    outcome = await send(stack, user_message(data=TWO_STEPS), token=token)
+    everything = parse_sse((await read_events(stack, outcome.task_id, token)).text)
+    resumed = parse_sse((await read_events(stack, outcome.task_id, token, last_event_id=4)).text)
+    assert resumed == everything[4:]
+
+
+async def test_a_failed_run_ends_failed_with_its_reason(stack: Stack) -> None:
+    token = stack.token("coordinator")
+    steps = {"steps": [{"skill": "sql-query", "input": {"sql": "DELETE FROM tenant_data.invoices"}}]}
+    outcome = await send(stack, user_message(data=steps), token=token)
+    events = parse_sse((await read_events(stack, outcome.task_id, token)).text)
+    assert events[-1]["type"] == "run.failed"
+    assert events[-1]["payload"]["reason"] == "specialist_failed"
+    async with httpx.AsyncClient() as http:
+        run = await http.get(
+            f"{stack.endpoints['coordinator']}/v1/runs/{outcome.task_id}",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    assert (run.json()["state"], run.json()["reason"]) == ("failed", "specialist_failed")
+
+
+async def test_runs_are_visible_only_to_their_tenant(stack: Stack) -> None:
+    outcome = await send(stack, user_message(data=TWO_STEPS), token=stack.token("coordinator"))
+    other = stack.token("coordinator", tenant="globex")
+    assert (await read_events(stack, outcome.task_id, other)).status_code == 404
+    async with httpx.AsyncClient() as http:
+        listing = await http.get(
+            f"{stack.endpoints['coordinator']}/v1/runs", headers={"Authorization": f"Bearer {other}"}
+        )
+    assert outcome.task_id not in {r["run_id"] for r in listing.json()["runs"]}
+
+
+async def test_the_run_api_requires_a_token(stack: Stack) -> None:
+    async with httpx.AsyncClient() as http:
+        response = await http.get(f"{stack.endpoints['coordinator']}/v1/runs")
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"].startswith("Bearer")
+
+
+async def test_a_malformed_cursor_is_a_clear_error(stack: Stack) -> None:
+    token = stack.token("coordinator")
+    outcome = await send(stack, user_message(data=TWO_STEPS), token=token)
+    async with httpx.AsyncClient() as http:
+        response = await http.get(
+            f"{stack.endpoints['coordinator']}/v1/runs/{outcome.task_id}/events",
+            headers={"Authorization": f"Bearer {token}", "Last-Event-ID": "yesterday"},
+        )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"
