@@ -63,6 +63,7 @@ class Run:
     state: RunState
     reason: str | None
     request: dict[str, Any]
+    plan: list[dict[str, Any]]
     last_seq: int
     lease_epoch: int
     created_at: dt.datetime
@@ -99,7 +100,14 @@ class Lease:
 class RunStore(Protocol):
     """Where runs and their events live."""
 
-    async def create_run(self, run_id: str, tenant: str, owner: str, request: dict[str, Any]) -> Run: ...
+    async def create_run(
+        self,
+        run_id: str,
+        tenant: str,
+        owner: str,
+        request: dict[str, Any],
+        plan: list[dict[str, Any]] | None = None,
+    ) -> Run: ...
     async def get_run(self, run_id: str, tenant: str) -> Run: ...
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None: ...
     async def append(self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any]) -> int: ...
@@ -120,6 +128,7 @@ CREATE TABLE IF NOT EXISTS fleet_runs.runs (
     state            text NOT NULL,
     reason           text,
     request          jsonb NOT NULL,
+    plan             jsonb NOT NULL DEFAULT '[]',
     last_seq         bigint NOT NULL DEFAULT 0,
     lease_owner      text,
     lease_epoch      bigint NOT NULL DEFAULT 0,
@@ -139,7 +148,9 @@ CREATE TABLE IF NOT EXISTS fleet_runs.events (
 );
 """
 
-_RUN_COLUMNS = "run_id, tenant, owner, state, reason, request, last_seq, lease_epoch, created_at, updated_at"
+_RUN_COLUMNS = (
+    "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, created_at, updated_at"
+)
 
 
 def _run(row: Mapping[str, Any]) -> Run:
@@ -150,6 +161,7 @@ def _run(row: Mapping[str, Any]) -> Run:
         state=RunState(row["state"]),
         reason=row["reason"],
         request=row["request"],
+        plan=row["plan"],
         last_seq=row["last_seq"],
         lease_epoch=row["lease_epoch"],
         created_at=row["created_at"],
@@ -170,24 +182,44 @@ class PostgresRunStore:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.runs.schema'))")
             await conn.execute(SCHEMA)
 
-    async def create_run(self, run_id: str, tenant: str, owner: str, request: dict[str, Any]) -> Run:
-        """Create the run in state ``submitted`` with its first event; idempotent for one run id."""
+    async def create_run(
+        self,
+        run_id: str,
+        tenant: str,
+        owner: str,
+        request: dict[str, Any],
+        plan: list[dict[str, Any]] | None = None,
+    ) -> Run:
+        """Create the run in state ``submitted`` with its first events (submitted, and the plan if
+        there is one); idempotent for one run id."""
+        events: list[tuple[str, dict[str, Any]]] = [("run.submitted", {"state": RunState.SUBMITTED.value})]
+        if plan is not None:
+            events.append(("plan", {"steps": plan}))
         async with self._pool.connection() as conn, conn.transaction():
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
-                "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, last_seq)"
-                " VALUES (%s, %s, %s, %s, %s, 1) ON CONFLICT (run_id) DO NOTHING"
+                "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, plan, last_seq)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING"
                 f" RETURNING {_RUN_COLUMNS}",
-                (run_id, tenant, owner, RunState.SUBMITTED.value, Jsonb(request)),
+                (
+                    run_id,
+                    tenant,
+                    owner,
+                    RunState.SUBMITTED.value,
+                    Jsonb(request),
+                    Jsonb(plan or []),
+                    len(events),
+                ),
             )
             row = await cursor.fetchone()
             if row is None:
                 return await self.get_run(run_id, tenant)
-            await conn.execute(
-                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
-                " VALUES (%s, 1, 'run.submitted', %s, %s)",
-                (run_id, owner, Jsonb({"state": RunState.SUBMITTED.value})),
-            )
+            for seq, (type_, payload) in enumerate(events, start=1):
+                await conn.execute(
+                    "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
+                    " VALUES (%s, %s, %s, %s, %s)",
+                    (run_id, seq, type_, owner, Jsonb(payload)),
+                )
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return _run(row)
 
@@ -198,6 +230,16 @@ class PostgresRunStore:
                 f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s",
                 (run_id, tenant),
             )
+            row = await cursor.fetchone()
+        if row is None:
+            raise RunNotFound(run_id)
+        return _run(row)
+
+    async def get_run_for_worker(self, run_id: str) -> Run:
+        """A run whatever its tenant: for workers, which take run ids from the work queue only."""
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE run_id = %s", (run_id,))
             row = await cursor.fetchone()
         if row is None:
             raise RunNotFound(run_id)

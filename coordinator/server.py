@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,14 +10,12 @@ import httpx
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.tasks import InMemoryTaskStore
 from a2a.types import AgentSkill
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
+from coordinator import work
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
-from coordinator.graph import build_graph
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
 from fleet.a2a_support import (
@@ -64,22 +61,12 @@ def build_app(settings: ServiceSettings) -> Starlette:
         required_scope=INVOKE_SCOPE,
     )
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn,
-        max_size=10,
-        open=False,
-        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
-    )
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(settings.pg_dsn, max_size=10, open=False)
     runs = PostgresRunStore(run_pool)
-    saver = AsyncPostgresSaver(pool)
+    submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
     handler = DefaultRequestHandler(
         agent_executor=CoordinatorExecutor(
-            build_graph(delegator, saver),
-            delegator,
-            engine,
-            runs,
-            worker_id=f"{settings.service_id}:{os.getpid()}",
+            delegator, engine, runs, submitter.submit, listen_dsn=settings.pg_dsn
         ),
         task_store=InMemoryTaskStore(),
         agent_card=card,
@@ -93,10 +80,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
-            await stack.enter_async_context(pool)
             await stack.enter_async_context(run_pool)
-            await saver.setup()
             await runs.setup()
+            await stack.enter_async_context(submitter)
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
             await stack.enter_async_context(start_in_background(readiness, start))
             yield

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ServiceKind = Literal["registry", "coordinator", "specialist", "mcp_server"]
+ServiceKind = Literal["registry", "coordinator", "worker", "specialist", "mcp_server"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,16 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "coordinator.server:main",
         scopes=("registry:read", "registry:write", "agent:invoke"),
         database="fleet",
+    ),
+    *(
+        ServiceSpec(
+            f"worker-{n}",
+            "worker",
+            "coordinator.worker:main",
+            scopes=("registry:read", "agent:invoke"),
+            database="fleet",
+        )
+        for n in (1, 2)
     ),
 )
 

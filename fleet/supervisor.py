@@ -123,6 +123,7 @@ class Supervisor:
             "postgres_port": pg_port,
             "specialists": {},
             "mcp_servers": {},
+            "workers": {},
             "services": {},
             "supervisor_pid": os.getpid(),
             "stack_id": uuid.uuid4().hex,
@@ -156,6 +157,8 @@ class Supervisor:
             endpoints["specialists"][spec.id] = url
         elif spec.kind == "mcp_server":
             endpoints["mcp_servers"][spec.id] = url + spec.mcp_path
+        elif spec.kind == "worker":
+            endpoints["workers"][spec.id] = url
 
     async def wait(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set. A service that exits stays down (``fleet status`` shows it)

@@ -16,7 +16,7 @@ from registry._store import RegistryStore
 
 ENROLLMENT_AUDIENCE = "fleet-enrollment"
 OPERATOR_ISSUER = "operator"
-ENROLLABLE_KINDS = ("coordinator", "specialist", "mcp_server")
+ENROLLABLE_KINDS = ("coordinator", "worker", "specialist", "mcp_server")
 
 
 def _refuse(message: str) -> FleetError:

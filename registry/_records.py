@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-RecordKind = Literal["operator", "registry", "coordinator", "specialist", "mcp_server"]
+RecordKind = Literal["operator", "registry", "coordinator", "worker", "specialist", "mcp_server"]
 
 
 class IdentityRecord(BaseModel):

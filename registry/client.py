@@ -106,6 +106,10 @@ class RegistryClient:
         await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_agent(base_url))
 
+    async def join_as_worker(self) -> None:
+        """Enroll this identity's key (a worker registers nothing: it only calls others)."""
+        await _retry("enroll", self.enroll)
+
     async def join_as_mcp_server(self, url: str, tools: list[str]) -> McpServerRecord:
         """Enroll this identity's key, then register the MCP endpoint at ``url``."""
         await _retry("enroll", self.enroll)

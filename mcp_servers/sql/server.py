@@ -108,7 +108,9 @@ class SqlTools:
 
 async def _discard_session_state(conn: psycopg.AsyncConnection[Any]) -> None:
     """Runs whenever a connection returns to the pool: nothing one call set survives it."""
+    await conn.set_autocommit(True)  # DISCARD ALL cannot run inside a transaction
     await conn.execute("DISCARD ALL")
+    await conn.set_autocommit(False)
 
 
 def _pg_message(exc: psycopg.Error) -> str:

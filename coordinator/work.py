@@ -1,0 +1,75 @@
+"""The work queue that workers share: one JetStream work-queue stream, one message per run to advance.
+
+A message is published when a run is submitted (de-duplicated by the run id, so a retried submit never
+makes a second job) and is acked only once the run has reached a durable stopping point. A worker that
+dies leaves its message unacked; JetStream redelivers it after ``ack_wait`` to another worker, which
+resumes the run from its checkpoint once the dead worker's lease has expired.
+"""
+
+from __future__ import annotations
+
+from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from fleet.natsconn import connect
+
+STREAM = "FLEET_WORK"
+RUN_SUBJECT = "fleet.work.run"
+CONSUMER = "run-workers"
+DUPLICATE_WINDOW_S = 600.0
+
+
+async def ensure_stream(js: JetStreamContext) -> None:
+    try:
+        await js.stream_info(STREAM)
+    except NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=STREAM,
+                subjects=["fleet.work.>"],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                duplicate_window=DUPLICATE_WINDOW_S,
+            )
+        )
+
+
+async def submit_run(client: NATS, run_id: str) -> None:
+    """Ask a worker to advance ``run_id`` (idempotent within the de-duplication window)."""
+    js = client.jetstream()
+    await ensure_stream(js)
+    await js.publish(RUN_SUBJECT, run_id.encode(), headers={"Nats-Msg-Id": f"run-{run_id}"})
+
+
+class RunSubmitter:
+    """The API process's handle on the work queue (an async context manager owning a connection)."""
+
+    def __init__(self, nats_url: str, name: str) -> None:
+        self._url = nats_url
+        self._name = name
+        self._client: NATS | None = None
+
+    async def __aenter__(self) -> RunSubmitter:
+        self._client = await connect(self._url, self._name)
+        await ensure_stream(self._client.jetstream())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._client is not None:
+            await self._client.drain()
+
+    async def submit(self, run_id: str) -> None:
+        if self._client is None:
+            raise RuntimeError("RunSubmitter used outside its context")
+        await submit_run(self._client, run_id)
+
+
+async def subscribe(client: NATS, ack_wait_s: float) -> JetStreamContext.PullSubscription:
+    js = client.jetstream()
+    await ensure_stream(js)
+    config = ConsumerConfig(
+        durable_name=CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_deliver=-1
+    )
+    return await js.pull_subscribe(RUN_SUBJECT, durable=CONSUMER, config=config)

@@ -1,0 +1,252 @@
+"""Coordinator workers: processes that advance runs taken from the work queue.
+
+Any number of workers can run. For each message a worker takes the run's lease (so one worker at a
+time advances a run, and a stale one cannot write), runs or resumes the run's graph from its Postgres
+checkpoint, records every step in the event log, and acks the message only once the run has reached a
+terminal state. A worker that dies holds no message for long: JetStream redelivers it after
+``ack_wait`` and the next worker resumes the run once the dead worker's lease has expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.graph.state import CompiledStateGraph
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.client import JetStreamContext
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from coordinator import work
+from coordinator.delegation import Delegator
+from coordinator.graph import build_graph
+from coordinator.runs import Lease, PostgresRunStore, Run, RunNotFound, RunState, StaleLease
+from fleet.errors import ErrorCode
+from fleet.natsconn import connect
+from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.settings import ServiceSettings
+from registry import RegistryClient
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSettings(ServiceSettings):
+    lease_ttl_s: float = 15.0
+    ack_wait_s: float = 30.0
+    concurrency: int = 4
+
+
+def failure_text(failure: dict[str, Any]) -> str:
+    return f"[{failure['code']}] step {failure['step']} ({failure['skill']}) failed: {failure['message']}"
+
+
+class RunWorker:
+    """Advances runs: one message, one run, under the run's lease."""
+
+    def __init__(
+        self,
+        graph: CompiledStateGraph[Any, Any, Any, Any],
+        store: PostgresRunStore,
+        worker_id: str,
+        lease_ttl_s: float,
+    ) -> None:
+        self._graph = graph
+        self._store = store
+        self._id = worker_id
+        self._ttl = lease_ttl_s
+
+    async def consume(self, subscription: JetStreamContext.PullSubscription, ready: asyncio.Event) -> None:
+        """Take messages one at a time until cancelled."""
+        await ready.wait()
+        while True:
+            try:
+                messages = await subscription.fetch(1, timeout=5)
+            except NatsTimeout:
+                continue
+            for message in messages:
+                await self.handle(message)
+
+    async def handle(self, message: Msg) -> None:
+        run_id = message.data.decode()
+        try:
+            run = await self._store.get_run_for_worker(run_id)
+        except RunNotFound:
+            log.warning("work for unknown run %s dropped", run_id)
+            await message.ack()
+            return
+        if run.state.terminal:
+            await message.ack()
+            return
+        lease = await self._store.acquire_lease(run_id, self._id, self._ttl)
+        if lease is None:
+            # Another worker holds a live lease: look again once it could have expired.
+            await message.nak(delay=self._ttl)
+            return
+        try:
+            async with self._heartbeat(lease, message):
+                await self.advance(run, lease)
+        except StaleLease:
+            log.warning("lost the lease on run %s; leaving it to its new owner", run_id)
+            return
+        finally:
+            await self._store.release_lease(lease)
+        await message.ack()
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, lease: Lease, message: Msg) -> AsyncIterator[None]:
+        """Keep the lease and the message alive while the run advances."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(self._ttl / 3)
+                await self._store.renew_lease(lease, self._ttl)
+                await message.in_progress()
+
+        task = asyncio.create_task(beat(), name=f"heartbeat-{lease.run_id}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def advance(self, run: Run, lease: Lease) -> None:
+        """Run or resume the run's graph to its end and record the outcome."""
+        config: RunnableConfig = {"configurable": {"thread_id": run.run_id}}
+        snapshot = await self._graph.aget_state(config)
+        graph_input: dict[str, Any] | None = _initial_state(run)
+        if snapshot.next:
+            graph_input = None  # resume from the checkpoint: finished nodes are not redone
+            await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
+        if run.state == RunState.SUBMITTED:
+            await self._store.transition(lease, RunState.WORKING, self._id, {})
+        try:
+            if snapshot.values and not snapshot.next:
+                final = dict(snapshot.values)  # the graph finished before the outcome was recorded
+            else:
+                final = await self._stream(graph_input, config, lease)
+        except StaleLease:
+            raise
+        except Exception:
+            log.exception("run %s crashed", run.run_id)
+            await self._store.transition(
+                lease,
+                RunState.FAILED,
+                self._id,
+                {"text": f"[{ErrorCode.INTERNAL}] the run crashed"},
+                reason=ErrorCode.INTERNAL,
+            )
+            return
+        await self._record_outcome(final, lease)
+
+    async def _stream(
+        self, graph_input: dict[str, Any] | None, config: RunnableConfig, lease: Lease
+    ) -> dict[str, Any]:
+        final: dict[str, Any] = {}
+        stream = self._graph.astream(graph_input, config, stream_mode=["custom", "values"], version="v2")
+        async for part in stream:
+            if part["type"] == "custom":
+                report = part["data"]
+                payload = {**report["payload"], **({"text": report["text"]} if report["text"] else {})}
+                await self._store.append(lease, report["event"], self._id, payload)
+            elif part["type"] == "values":
+                final = dict(part["data"])
+        return final
+
+    async def _record_outcome(self, final: dict[str, Any], lease: Lease) -> None:
+        failure = final.get("failure")
+        if failure:
+            payload = {"failure": failure, "text": failure_text(failure)}
+            await self._store.transition(lease, RunState.FAILED, self._id, payload, reason=failure["code"])
+            return
+        results = final.get("results", {})
+        summary = "; ".join(f"{o['step']} by {o['agent']}" for o in final.get("outcomes", []))
+        text = f"completed {len(results)} steps: {summary}"
+        await self._store.append(
+            lease, "artifact", self._id, {"name": "result", "text": text, "steps": results}
+        )
+        await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary})
+
+
+def _initial_state(run: Run) -> dict[str, Any]:
+    return {
+        "run_id": run.run_id,
+        "tenant": run.tenant,
+        "steps": run.plan,
+        "cursor": 0,
+        "results": {},
+        "assignment": None,
+        "failure": None,
+    }
+
+
+def build_worker_app(settings: WorkerSettings) -> Starlette:
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
+    registry = RegistryClient(settings, http)
+    checkpoint_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.pg_dsn,
+        max_size=settings.concurrency + 2,
+        open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
+    run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.pg_dsn, max_size=settings.concurrency + 2, open=False
+    )
+    saver = AsyncPostgresSaver(checkpoint_pool)
+    store = PostgresRunStore(run_pool)
+    worker = RunWorker(
+        build_graph(Delegator(registry, http), saver),
+        store,
+        worker_id=f"{settings.service_id}:{os.getpid()}",
+        lease_ttl_s=settings.lease_ttl_s,
+    )
+    readiness = Readiness(settings.service_id, "worker")
+    enrolled = asyncio.Event()
+
+    async def start() -> None:
+        await registry.join_as_worker()
+        enrolled.set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(http)
+            await stack.enter_async_context(checkpoint_pool)
+            await stack.enter_async_context(run_pool)
+            await saver.setup()
+            await store.setup()
+            nc = await connect(settings.nats_url, settings.service_id)
+            stack.push_async_callback(nc.drain)
+            subscription = await work.subscribe(nc, settings.ack_wait_s)
+            consumers = [
+                asyncio.create_task(worker.consume(subscription, enrolled), name=f"consumer-{i}")
+                for i in range(settings.concurrency)
+            ]
+
+            async def stop_consumers() -> None:
+                # Runs in flight stop here; their messages are redelivered and resumed elsewhere.
+                for task in consumers:
+                    task.cancel()
+                await asyncio.gather(*consumers, return_exceptions=True)
+
+            stack.push_async_callback(stop_consumers)
+            await stack.enter_async_context(start_in_background(readiness, start))
+            yield
+
+    return Starlette(routes=[Route("/healthz", readiness.endpoint)], lifespan=lifespan)
+
+
+async def main(settings: ServiceSettings) -> None:
+    worker_settings = WorkerSettings.from_env(settings.service_id)
+    configure_logging(worker_settings.service_id, worker_settings.log_level)
+    await serve_app(build_worker_app(worker_settings), worker_settings)
