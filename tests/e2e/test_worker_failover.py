@@ -1,0 +1,103 @@
+"""Runs survive the death of the worker advancing them: SIGKILL it mid-step, another resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack, clean_env, send, start_stack, stop_stack, user_message
+
+pytestmark = pytest.mark.e2e
+
+# Short clocks so that failover happens in seconds: the lease expires 3 s after the last heartbeat,
+# and JetStream redelivers the work 6 s after the last sign of progress.
+FAST_FAILOVER = {"FLEET_LEASE_TTL_S": "3", "FLEET_ACK_WAIT_S": "6"}
+
+
+@pytest.fixture
+def failover_stack(tmp_path: Path) -> Iterator[Stack]:
+    stack = start_stack(tmp_path / "fleet", env=clean_env(**FAST_FAILOVER))
+    yield stack
+    stop_stack(stack)
+
+
+async def first_event(stack: Stack, run_id: str, token: str, type_: str) -> dict[str, Any]:
+    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
+    async with (
+        httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
+        http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                event: dict[str, Any] = json.loads(line.removeprefix("data: "))
+                if event["type"] == type_:
+                    return event
+    raise AssertionError(f"the run ended without a {type_} event")
+
+
+async def all_events(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.get(
+            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_finishes(
+    failover_stack: Stack,
+) -> None:
+    stack = failover_stack
+    token = stack.token("coordinator")
+    slow = {
+        "steps": [
+            {"id": "slow", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(2) IS NULL AS slept"}},
+            {"id": "totals", "skill": "invoice-totals"},
+        ]
+    }
+    message = user_message(data=slow)
+    sending = asyncio.create_task(send(stack, message, token=token))
+    run_id = ""
+    async with asyncio.timeout(30):
+        while not run_id:  # the server assigns the task id; find the run through the run list
+            async with httpx.AsyncClient() as http:
+                runs = (
+                    await http.get(
+                        f"{stack.endpoints['coordinator']}/v1/runs",
+                        headers={"Authorization": f"Bearer {token}"},
+                    )
+                ).json()["runs"]
+            if runs:
+                run_id = runs[0]["run_id"]
+            else:
+                await asyncio.sleep(0.05)
+        started = await first_event(stack, run_id, token, "step.started")
+    victim = started["actor"].split(":")[0]
+    victim_pid = stack.endpoints["processes"][victim]
+    assert int(started["actor"].split(":")[1]) == victim_pid
+    os.kill(victim_pid, signal.SIGKILL)
+
+    async with asyncio.timeout(90):
+        outcome = await sending
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert set(outcome.result["steps"]) == {"slow", "totals"}
+
+    events = await all_events(stack, run_id, token)
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    resumed = [e for e in events if e["type"] == "run.resumed"]
+    assert len(resumed) == 1
+    assert not resumed[0]["actor"].startswith(victim + ":")
+    assert resumed[0]["payload"]["at"] == ["delegate"]
+    assert [e["type"] for e in events].count("run.completed") == 1
+    # The interrupted step ran again on the new worker (node execution is at-least-once); the finished
+    # checkpoints before it were not redone.
+    starts = [e["payload"]["step"] for e in events if e["type"] == "step.started"]
+    assert starts == ["slow", "slow", "totals"]
