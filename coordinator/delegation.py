@@ -47,9 +47,20 @@ class Delegator:
         self._registry = registry
         self._http = http
         self._factory = ClientFactory(ClientConfig(streaming=True, httpx_client=http))
+        self._known: dict[str, AgentRecord] = {}
 
     async def discover(self, skill: str) -> list[AgentRecord]:
-        return [a for a in await self._registry.agents_with_skill(skill) if a.kind == "specialist"]
+        found = [a for a in await self._registry.agents_with_skill(skill) if a.kind == "specialist"]
+        self._known.update((a.id, a) for a in found)
+        return found
+
+    async def agent(self, agent_id: str) -> AgentRecord:
+        """The record of an agent chosen earlier (checkpoints keep only its id)."""
+        known = self._known.get(agent_id)
+        if known is None:
+            known = await self._registry.agent(agent_id)
+            self._known[agent_id] = known
+        return known
 
     async def assign(self, skill: str) -> AgentRecord:
         candidates = await self.discover(skill)

@@ -16,7 +16,6 @@ from langgraph.graph.state import CompiledStateGraph
 from coordinator.delegation import Delegator
 from coordinator.plan import resolve_input
 from fleet.errors import FleetError
-from registry import AgentRecord
 
 
 class GraphState(TypedDict, total=False):
@@ -24,7 +23,7 @@ class GraphState(TypedDict, total=False):
     tenant: str
     steps: list[dict[str, Any]]
     cursor: int
-    assignment: dict[str, Any] | None
+    assignment: str | None  # the id of the agent chosen for the current step
     results: dict[str, Any]
     outcomes: Annotated[list[dict[str, Any]], operator.add]
     failure: dict[str, Any] | None
@@ -51,11 +50,17 @@ def build_graph(
             return {"failure": _failure(step, exc)}
         routed = {"step": step["id"], "skill": step["skill"], "agent": agent.id}
         _emit("step.routed", routed, f"step {step['id']}: {step['skill']} -> {agent.id}")
-        return {"assignment": agent.model_dump(mode="json")}
+        return {"assignment": agent.id}
 
     async def delegate(state: GraphState) -> dict[str, Any]:
         step = state["steps"][state["cursor"]]
-        agent = AgentRecord.model_validate(state["assignment"])
+        agent_id = state["assignment"]
+        assert agent_id is not None
+        try:
+            agent = await delegator.agent(agent_id)
+        except FleetError as exc:
+            _emit("step.failed", _failure(step, exc))
+            return {"failure": _failure(step, exc)}
 
         async def progress(text: str) -> None:
             _emit("step.progress", {"step": step["id"], "agent": agent.id, "text": text}, text)

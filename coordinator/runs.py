@@ -110,7 +110,9 @@ class RunStore(Protocol):
     ) -> Run: ...
     async def get_run(self, run_id: str, tenant: str) -> Run: ...
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None: ...
-    async def append(self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any]) -> int: ...
+    async def append(
+        self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any], *, durable: bool = True
+    ) -> int: ...
     async def transition(
         self, lease: Lease, state: RunState, actor: str, payload: Mapping[str, Any], reason: str | None = None
     ) -> int: ...
@@ -148,6 +150,22 @@ CREATE TABLE IF NOT EXISTS fleet_runs.events (
 );
 """
 
+_FENCED_APPEND = """
+WITH commit_mode AS (
+    SELECT set_config('synchronous_commit', %(synchronous_commit)s, true) AS mode
+),
+bump AS (
+    UPDATE fleet_runs.runs
+    SET last_seq = last_seq + 1, updated_at = now(),
+        state = COALESCE(%(state)s, state), reason = COALESCE(%(reason)s, reason)
+    WHERE run_id = %(run_id)s AND lease_epoch = %(epoch)s
+    RETURNING run_id, last_seq
+)
+INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)
+SELECT run_id, last_seq, %(type)s, %(actor)s, %(payload)s FROM bump, commit_mode
+RETURNING seq, pg_notify(%(channel)s, run_id)
+"""
+
 _RUN_COLUMNS = (
     "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, created_at, updated_at"
 )
@@ -171,7 +189,10 @@ def _run(row: Mapping[str, Any]) -> Run:
 
 class PostgresRunStore:
     """:class:`RunStore` on Postgres. Every read takes the caller's tenant: a run of another tenant
-    is indistinguishable from a run that does not exist."""
+    is indistinguishable from a run that does not exist.
+
+    The pool's connections should be in autocommit mode: every write is then one statement and one
+    commit (multi-statement writes open their own transaction)."""
 
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool
@@ -286,9 +307,22 @@ class PostgresRunStore:
                 (lease.run_id, lease.epoch),
             )
 
-    async def append(self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any]) -> int:
-        """Append one event under ``lease``; return its sequence number."""
-        return await self._write(lease, type_, actor, payload, None, None)
+    async def append(
+        self,
+        lease: Lease,
+        type_: str,
+        actor: str,
+        payload: Mapping[str, Any],
+        *,
+        durable: bool = True,
+    ) -> int:
+        """Append one event under ``lease``; return its sequence number.
+
+        ``durable=False`` is for progress events: the commit returns before the WAL is flushed
+        (Postgres flushes it within ~200 ms, and any later durable write flushes it first). A crash
+        of Postgres itself can lose the last such events, never a gap and never a transition.
+        """
+        return await self._write(lease, type_, actor, payload, None, None, durable)
 
     async def transition(
         self,
@@ -300,7 +334,7 @@ class PostgresRunStore:
     ) -> int:
         """Move the run to ``state`` and record it as an event, atomically."""
         event = {"state": state.value, **({"reason": reason} if reason else {}), **payload}
-        return await self._write(lease, f"run.{state.value}", actor, event, state, reason)
+        return await self._write(lease, f"run.{state.value}", actor, event, state, reason, True)
 
     async def _write(
         self,
@@ -310,24 +344,29 @@ class PostgresRunStore:
         payload: Mapping[str, Any],
         state: RunState | None,
         reason: str | None,
+        durable: bool,
     ) -> int:
-        async with self._pool.connection() as conn, conn.transaction():
+        # One statement, so one round trip and one commit: the fenced bump of the run's sequence, the
+        # insert at that number, and the wake-up for followers all happen atomically.
+        async with self._pool.connection() as conn:
             cursor = await conn.execute(
-                "UPDATE fleet_runs.runs SET last_seq = last_seq + 1, updated_at = now(),"
-                " state = COALESCE(%s, state), reason = COALESCE(%s, reason)"
-                " WHERE run_id = %s AND lease_epoch = %s RETURNING last_seq",
-                (state.value if state else None, reason, lease.run_id, lease.epoch),
+                _FENCED_APPEND,
+                {
+                    "state": state.value if state else None,
+                    "reason": reason,
+                    "run_id": lease.run_id,
+                    "epoch": lease.epoch,
+                    "type": type_,
+                    "actor": actor,
+                    "payload": Jsonb(dict(payload)),
+                    "channel": NOTIFY_CHANNEL,
+                    "synchronous_commit": "on" if durable else "off",
+                },
             )
             row = await cursor.fetchone()
-            if row is None:
-                raise StaleLease(lease.run_id)
-            seq = int(row[0])
-            await conn.execute(
-                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
-                (lease.run_id, seq, type_, actor, Jsonb(dict(payload))),
-            )
-            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, lease.run_id))
-        return seq
+        if row is None:
+            raise StaleLease(lease.run_id)
+        return int(row[0])
 
     async def events_after(
         self, run_id: str, tenant: str, after_seq: int, limit: int = 500

@@ -61,7 +61,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
         required_scope=INVOKE_SCOPE,
     )
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
-    run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(settings.pg_dsn, max_size=10, open=False)
+    run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
+    )
     runs = PostgresRunStore(run_pool)
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
     handler = DefaultRequestHandler(

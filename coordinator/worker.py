@@ -152,16 +152,14 @@ class RunWorker:
     async def _stream(
         self, graph_input: dict[str, Any] | None, config: RunnableConfig, lease: Lease
     ) -> dict[str, Any]:
-        final: dict[str, Any] = {}
-        stream = self._graph.astream(graph_input, config, stream_mode=["custom", "values"], version="v2")
+        stream = self._graph.astream(graph_input, config, stream_mode="custom", version="v2")
         async for part in stream:
-            if part["type"] == "custom":
-                report = part["data"]
-                payload = {**report["payload"], **({"text": report["text"]} if report["text"] else {})}
-                await self._store.append(lease, report["event"], self._id, payload)
-            elif part["type"] == "values":
-                final = dict(part["data"])
-        return final
+            if part["type"] != "custom":
+                continue
+            report = part["data"]
+            payload = {**report["payload"], **({"text": report["text"]} if report["text"] else {})}
+            await self._store.append(lease, report["event"], self._id, payload, durable=False)
+        return dict((await self._graph.aget_state(config)).values)
 
     async def _record_outcome(self, final: dict[str, Any], lease: Lease) -> None:
         failure = final.get("failure")
@@ -200,7 +198,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
     )
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn, max_size=settings.concurrency + 2, open=False
+        settings.pg_dsn, max_size=settings.concurrency + 2, open=False, kwargs={"autocommit": True}
     )
     saver = AsyncPostgresSaver(checkpoint_pool)
     store = PostgresRunStore(run_pool)

@@ -122,6 +122,13 @@ class RegistryClient:
         _raise_for(response, "discovery failed")
         return [AgentRecord.model_validate(a) for a in response.json()["agents"]]
 
+    async def agent(self, agent_id: str) -> AgentRecord:
+        response = await self._http.get(
+            f"{self._url}/v1/agents/{agent_id}", headers=await self._headers("registry:read")
+        )
+        _raise_for(response, f"agent {agent_id}")
+        return AgentRecord.model_validate(response.json())
+
     async def mcp_server(self, server_id: str) -> McpServerRecord:
         response = await self._http.get(
             f"{self._url}/v1/mcp-servers/{server_id}", headers=await self._headers("registry:read")

@@ -14,7 +14,9 @@ from coordinator.runs import PostgresRunStore, RunNotFound, RunState, StaleLease
 
 @pytest.fixture
 async def store(pg_dsn: str) -> AsyncIterator[PostgresRunStore]:
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(pg_dsn, min_size=1, max_size=8, open=False)
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        pg_dsn, min_size=1, max_size=8, open=False, kwargs={"autocommit": True}
+    )
     async with pool:
         store = PostgresRunStore(pool)
         await store.setup()
