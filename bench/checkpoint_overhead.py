@@ -5,7 +5,8 @@ All sides run on the same Postgres checkpointer (``AsyncPostgresSaver``), interl
 * baseline: the coordinator's graph (``coordinator.graph.build_graph``) run by LangGraph alone
   (``ainvoke``): checkpoints, no platform around it;
 * fleet: the same graph driven by the real worker (``RunWorker.advance``: lease, a fenced event-log
-  append per progress event, the terminal transition and artifact);
+  append per progress event, the terminal transition and artifact; then pruning the run's
+  checkpoints to the latest one);
 * for context, a minimal two-node graph with the same shape (route -> delegate per step) whose
   state is a single counter.
 
@@ -117,18 +118,22 @@ async def time_graph_alone(graph: Any) -> float:
     return (time.perf_counter() - started) / STEPS
 
 
-async def time_fleet(worker: RunWorker, store: PostgresRunStore) -> float:
+async def time_fleet(worker: RunWorker, store: PostgresRunStore) -> tuple[float, float]:
+    """(seconds per step including retention, seconds of retention for the run)."""
     run_id = uuid.uuid4().hex
     run = await store.create_run(run_id, "bench", "bench", {}, _plan())
     lease = await store.acquire_lease(run_id, "bench-worker", ttl_s=60)
     assert lease is not None
     started = time.perf_counter()
     await worker.advance(run, lease)
+    advanced = time.perf_counter()
+    await worker.prune(run_id)  # part of the worker's cost per run, though after the client sees the end
     elapsed = time.perf_counter() - started
+    pruning = time.perf_counter() - advanced
     await store.release_lease(lease)
     final = await store.get_run(run_id, "bench")
     assert final.state.value == "completed", final
-    return elapsed / STEPS
+    return elapsed / STEPS, pruning
 
 
 async def measure(dsn: str) -> dict[str, Any]:
@@ -152,12 +157,16 @@ async def measure(dsn: str) -> dict[str, Any]:
         await time_bare(bare)  # warm up every path once
         await time_graph_alone(fleet_graph)
         await time_fleet(worker, store)
-        minimal, alone, ours = [], [], []
+        minimal, alone, ours, prunes = [], [], [], []
         for _ in range(ROUNDS):  # interleaved, so drift on a noisy machine hits all alike
             minimal.append(await time_bare(bare))
             alone.append(await time_graph_alone(fleet_graph))
-            ours.append(await time_fleet(worker, store))
-    minimal_ms, base_ms, fleet_ms = (statistics.median(x) * 1000 for x in (minimal, alone, ours))
+            per_step, pruning = await time_fleet(worker, store)
+            ours.append(per_step)
+            prunes.append(pruning)
+    minimal_ms, base_ms, fleet_ms, prune_ms = (
+        statistics.median(x) * 1000 for x in (minimal, alone, ours, prunes)
+    )
     return {
         "benchmark": "checkpoint_overhead",
         "steps_per_run": STEPS,
@@ -167,6 +176,8 @@ async def measure(dsn: str) -> dict[str, Any]:
         "fleet_ms_per_step": round(fleet_ms, 3),
         "ratio": round(fleet_ms / base_ms, 2),
         "target_ratio": TARGET_RATIO,
+        "prune_ms_per_run": round(prune_ms, 3),
+        "ratio_without_pruning": round((fleet_ms - prune_ms / STEPS) / base_ms, 2),
         "minimal_graph_ms_per_step": round(minimal_ms, 3),
         "ratio_vs_minimal_graph": round(fleet_ms / minimal_ms, 2),
     }

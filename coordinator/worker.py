@@ -86,6 +86,7 @@ class RunWorker:
             await message.ack()
             return
         if run.state.terminal:
+            await self.prune(run_id)
             await message.ack()
             return
         lease = await self._store.acquire_lease(run_id, self._id, self._ttl)
@@ -101,6 +102,7 @@ class RunWorker:
             return
         finally:
             await self._store.release_lease(lease)
+        await self.prune(run_id)
         await message.ack()
 
     @contextlib.asynccontextmanager
@@ -148,6 +150,18 @@ class RunWorker:
             )
             return
         await self._record_outcome(final, lease)
+
+    async def prune(self, run_id: str) -> None:
+        """Keep only a finished run's latest checkpoint: storage stays bounded, the final state stays
+        readable, and the event log keeps the history an audit needs. Called before the work message
+        is acked, so a crash in between leads to a redelivery that prunes again (it is idempotent)."""
+        checkpointer = self._graph.checkpointer
+        if not isinstance(checkpointer, AsyncPostgresSaver):
+            return
+        try:
+            await checkpointer.aprune([run_id], strategy="keep_latest")
+        except Exception:  # pruning is housekeeping: never fail a finished run over it
+            log.warning("could not prune the checkpoints of run %s", run_id, exc_info=True)
 
     async def _stream(
         self, graph_input: dict[str, Any] | None, config: RunnableConfig, lease: Lease

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,8 +101,9 @@ async def test_second_up_on_the_same_dir_keeps_the_durable_state(tmp_path: Path)
     try:
         outcome = await send(stack, user_message(data=ONE_STEP), token=stack.token("coordinator"))
         assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
-        before = checkpoints_of(stack, outcome.task_id)
-        assert before > 0
+        # A finished run keeps only its latest checkpoint (pruned right after the caller sees the end).
+        before = wait_for_value(lambda: checkpoints_of(stack, outcome.task_id), 1)
+        assert before == 1
     finally:
         stop_stack(stack)
     restarted = start_stack(tmp_path / "fleet")
@@ -208,6 +209,16 @@ async def test_stack_uses_the_broker_and_database_it_is_given(
             assert (row.fetchone() or [0])[0] > 0
     finally:
         stop_stack(stack)
+
+
+def wait_for_value(read: Callable[[], int], wanted: int, timeout_s: float = 10.0) -> int:
+    """Read until the value is ``wanted`` or the time is up; return the last value read."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while value != wanted and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = read()
+    return value
 
 
 def free_port() -> int:
