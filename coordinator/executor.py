@@ -3,6 +3,7 @@ to the workers, and relay the run's progress and result to the caller."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,16 +18,19 @@ from a2a.helpers import (
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.tasks import TaskUpdater
-from a2a.types import InvalidParamsError, TaskState
+from a2a.types import InvalidParamsError, TaskNotCancelableError, TaskNotFoundError, TaskState
 
 from coordinator.delegation import Delegator
 from coordinator.plan import Step, plan_request
-from coordinator.runs import PostgresRunStore
+from coordinator.runs import TERMINAL_STATES, PostgresRunStore, RunState
 from fleet.a2a_support import claims_of
 from fleet.errors import ErrorCode, FleetError
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
+
+CANCEL_TIMEOUT_S = 60.0
+TERMINAL_NAMES = {state.value for state in TERMINAL_STATES}
 
 
 def _request_of(context: RequestContext) -> dict[str, Any]:
@@ -114,6 +118,18 @@ class CoordinatorExecutor(AgentExecutor):
                 await updater.failed(updater.new_agent_message(parts))
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
-        if context.current_task is not None:
-            updater = TaskUpdater(event_queue, context.current_task.id, context.current_task.context_id)
-            await updater.cancel()
+        """Ask the run to cancel and wait until it has stopped: the task then ends ``canceled``, or,
+        if the run finished first, keeps the one terminal state it reached."""
+        task = context.current_task
+        if task is None:
+            raise TaskNotFoundError
+        claims = claims_of(context.call_context)
+        await self._runs.request_cancel(task.id, claims.tenant, claims.sub)
+        state = RunState.CANCELED
+        async with asyncio.timeout(CANCEL_TIMEOUT_S):
+            async for event in self._runs.follow(task.id, claims.tenant, 0, self._listen_dsn):
+                if event.type.startswith("run.") and event.type.removeprefix("run.") in TERMINAL_NAMES:
+                    state = RunState(event.type.removeprefix("run."))
+        if state != RunState.CANCELED:
+            raise TaskNotCancelableError(message=f"the run already ended {state.value}")
+        await TaskUpdater(event_queue, task.id, task.context_id).cancel()

@@ -50,6 +50,13 @@ class StaleLease(FleetError):
         super().__init__(ErrorCode.CONFLICT, f"lease on run {run_id} is no longer held")
 
 
+class CancelRequested(FleetError):
+    """Someone asked for the run to be canceled; the worker stops at its next write."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(ErrorCode.CONFLICT, f"run {run_id} was asked to cancel")
+
+
 class RunNotFound(FleetError):
     def __init__(self, run_id: str) -> None:
         super().__init__(ErrorCode.NOT_FOUND, f"no run {run_id}")
@@ -66,6 +73,7 @@ class Run:
     plan: list[dict[str, Any]]
     last_seq: int
     lease_epoch: int
+    cancel_requested: bool
     created_at: dt.datetime
     updated_at: dt.datetime
 
@@ -135,6 +143,7 @@ CREATE TABLE IF NOT EXISTS fleet_runs.runs (
     lease_owner      text,
     lease_epoch      bigint NOT NULL DEFAULT 0,
     lease_expires_at timestamptz,
+    cancel_requested boolean NOT NULL DEFAULT false,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now()
 );
@@ -159,15 +168,20 @@ bump AS (
     SET last_seq = last_seq + 1, updated_at = now(),
         state = COALESCE(%(state)s, state), reason = COALESCE(%(reason)s, reason)
     WHERE run_id = %(run_id)s AND lease_epoch = %(epoch)s
-    RETURNING run_id, last_seq
+    RETURNING run_id, last_seq, cancel_requested
+),
+inserted AS (
+    INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)
+    SELECT run_id, last_seq, %(type)s, %(actor)s, %(payload)s FROM bump, commit_mode
+    RETURNING run_id, seq
 )
-INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)
-SELECT run_id, last_seq, %(type)s, %(actor)s, %(payload)s FROM bump, commit_mode
-RETURNING seq, pg_notify(%(channel)s, run_id)
+SELECT inserted.seq, bump.cancel_requested, pg_notify(%(channel)s, inserted.run_id)
+FROM inserted, bump
 """
 
 _RUN_COLUMNS = (
-    "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, created_at, updated_at"
+    "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, cancel_requested,"
+    " created_at, updated_at"
 )
 
 
@@ -182,6 +196,7 @@ def _run(row: Mapping[str, Any]) -> Run:
         plan=row["plan"],
         last_seq=row["last_seq"],
         lease_epoch=row["lease_epoch"],
+        cancel_requested=row["cancel_requested"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
     )
@@ -289,15 +304,38 @@ class PostgresRunStore:
             row = await cursor.fetchone()
         return Lease(run_id, owner, int(row[0])) if row else None
 
-    async def renew_lease(self, lease: Lease, ttl_s: float) -> None:
+    async def renew_lease(self, lease: Lease, ttl_s: float) -> bool:
+        """Extend the lease; return whether the run has been asked to cancel."""
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
                 "UPDATE fleet_runs.runs SET lease_expires_at = now() + make_interval(secs => %s)"
-                " WHERE run_id = %s AND lease_epoch = %s",
+                " WHERE run_id = %s AND lease_epoch = %s RETURNING cancel_requested",
                 (ttl_s, lease.run_id, lease.epoch),
             )
-            if cursor.rowcount != 1:
-                raise StaleLease(lease.run_id)
+            row = await cursor.fetchone()
+        if row is None:
+            raise StaleLease(lease.run_id)
+        return bool(row[0])
+
+    async def request_cancel(self, run_id: str, tenant: str, actor: str) -> Run:
+        """Ask for the run to be canceled (idempotent; a finished run is left as it is). The event
+        is recorded at once; the worker advancing the run stops at its next write or heartbeat."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.runs SET cancel_requested = true, last_seq = last_seq + 1,"
+                " updated_at = now() WHERE run_id = %s AND tenant = %s AND NOT cancel_requested"
+                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') RETURNING last_seq",
+                (run_id, tenant),
+            )
+            row = await cursor.fetchone()
+            if row is not None:
+                await conn.execute(
+                    "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
+                    " VALUES (%s, %s, 'run.cancel_requested', %s, '{}')",
+                    (run_id, row[0], actor),
+                )
+                await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+        return await self.get_run(run_id, tenant)
 
     async def release_lease(self, lease: Lease) -> None:
         async with self._pool.connection() as conn:
@@ -322,7 +360,10 @@ class PostgresRunStore:
         (Postgres flushes it within ~200 ms, and any later durable write flushes it first). A crash
         of Postgres itself can lose the last such events, never a gap and never a transition.
         """
-        return await self._write(lease, type_, actor, payload, None, None, durable)
+        seq, cancel_requested = await self._write(lease, type_, actor, payload, None, None, durable)
+        if cancel_requested:
+            raise CancelRequested(lease.run_id)
+        return seq
 
     async def transition(
         self,
@@ -334,7 +375,8 @@ class PostgresRunStore:
     ) -> int:
         """Move the run to ``state`` and record it as an event, atomically."""
         event = {"state": state.value, **({"reason": reason} if reason else {}), **payload}
-        return await self._write(lease, f"run.{state.value}", actor, event, state, reason, True)
+        seq, _ = await self._write(lease, f"run.{state.value}", actor, event, state, reason, True)
+        return seq
 
     async def _write(
         self,
@@ -345,7 +387,7 @@ class PostgresRunStore:
         state: RunState | None,
         reason: str | None,
         durable: bool,
-    ) -> int:
+    ) -> tuple[int, bool]:
         # One statement, so one round trip and one commit: the fenced bump of the run's sequence, the
         # insert at that number, and the wake-up for followers all happen atomically.
         async with self._pool.connection() as conn:
@@ -366,7 +408,7 @@ class PostgresRunStore:
             row = await cursor.fetchone()
         if row is None:
             raise StaleLease(lease.run_id)
-        return int(row[0])
+        return int(row[0]), bool(row[1])
 
     async def events_after(
         self, run_id: str, tenant: str, after_seq: int, limit: int = 500

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.tasks import InMemoryTaskStore
 from a2a.types import AgentSkill
 from psycopg_pool import AsyncConnectionPool
@@ -16,6 +15,7 @@ from starlette.applications import Starlette
 from coordinator import work
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
+from coordinator.handler import CoordinatorRequestHandler
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
 from fleet.a2a_support import (
@@ -66,7 +66,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
     )
     runs = PostgresRunStore(run_pool)
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
-    handler = DefaultRequestHandler(
+    handler = CoordinatorRequestHandler(
         agent_executor=CoordinatorExecutor(
             delegator, engine, runs, submitter.submit, listen_dsn=settings.pg_dsn
         ),

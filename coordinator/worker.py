@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import httpx
 from langchain_core.runnables import RunnableConfig
@@ -31,7 +31,15 @@ from starlette.routing import Route
 from coordinator import work
 from coordinator.delegation import Delegator
 from coordinator.graph import build_graph
-from coordinator.runs import Lease, PostgresRunStore, Run, RunNotFound, RunState, StaleLease
+from coordinator.runs import (
+    CancelRequested,
+    Lease,
+    PostgresRunStore,
+    Run,
+    RunNotFound,
+    RunState,
+    StaleLease,
+)
 from fleet.errors import ErrorCode
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
@@ -39,6 +47,8 @@ from fleet.settings import ServiceSettings
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WorkerSettings(ServiceSettings):
@@ -95,8 +105,8 @@ class RunWorker:
             await message.nak(delay=self._ttl)
             return
         try:
-            async with self._heartbeat(lease, message):
-                await self.advance(run, lease)
+            async with self._heartbeat(lease, message) as cancel_seen:
+                await self.advance(run, lease, cancel_seen)
         except StaleLease:
             log.warning("lost the lease on run %s; leaving it to its new owner", run_id)
             return
@@ -106,24 +116,38 @@ class RunWorker:
         await message.ack()
 
     @contextlib.asynccontextmanager
-    async def _heartbeat(self, lease: Lease, message: Msg) -> AsyncIterator[None]:
-        """Keep the lease and the message alive while the run advances."""
+    async def _heartbeat(self, lease: Lease, message: Msg) -> AsyncIterator[asyncio.Event]:
+        """Keep the lease and the message alive while the run advances; the event it yields is set
+        when a cancel request is seen."""
+        cancel_seen = asyncio.Event()
 
         async def beat() -> None:
             while True:
                 await asyncio.sleep(self._ttl / 3)
-                await self._store.renew_lease(lease, self._ttl)
+                if await self._store.renew_lease(lease, self._ttl):
+                    cancel_seen.set()
                 await message.in_progress()
 
         task = asyncio.create_task(beat(), name=f"heartbeat-{lease.run_id}")
         try:
-            yield
+            yield cancel_seen
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def advance(self, run: Run, lease: Lease) -> None:
-        """Run or resume the run's graph to its end and record the outcome."""
+    async def advance(self, run: Run, lease: Lease, cancel_seen: asyncio.Event | None = None) -> None:
+        """Run or resume the run's graph to its end and record the outcome; stop at a cancel request
+        (seen at the next event the run writes, or by the heartbeat)."""
+        try:
+            if run.cancel_requested:
+                raise CancelRequested(run.run_id)
+            await self._advance(run, lease, cancel_seen or asyncio.Event())
+        except CancelRequested:
+            await self._store.transition(
+                lease, RunState.CANCELED, self._id, {"text": "canceled on request"}, reason="canceled"
+            )
+
+    async def _advance(self, run: Run, lease: Lease, cancel_seen: asyncio.Event) -> None:
         config: RunnableConfig = {"configurable": {"thread_id": run.run_id}}
         snapshot = await self._graph.aget_state(config)
         graph_input: dict[str, Any] | None = _initial_state(run)
@@ -136,8 +160,8 @@ class RunWorker:
             if snapshot.values and not snapshot.next:
                 final = dict(snapshot.values)  # the graph finished before the outcome was recorded
             else:
-                final = await self._stream(graph_input, config, lease)
-        except StaleLease:
+                final = await _unless(cancel_seen, self._stream(graph_input, config, lease), run.run_id)
+        except (StaleLease, CancelRequested):
             raise
         except Exception:
             log.exception("run %s crashed", run.run_id)
@@ -188,6 +212,25 @@ class RunWorker:
             lease, "artifact", self._id, {"name": "result", "text": text, "steps": results}
         )
         await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary})
+
+
+async def _unless(cancel_seen: asyncio.Event, work: Awaitable[T], run_id: str) -> T:
+    """Await ``work`` unless ``cancel_seen`` is set first; then stop it and raise CancelRequested."""
+    job = asyncio.ensure_future(work)
+    cancel = asyncio.create_task(cancel_seen.wait())
+    try:
+        await asyncio.wait({job, cancel}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we are being cancelled ourselves (shutdown): stop both, re-raise
+        job.cancel()
+        cancel.cancel()
+        await asyncio.gather(job, cancel, return_exceptions=True)
+        raise
+    cancel.cancel()
+    if not job.done():
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        raise CancelRequested(run_id)
+    return job.result()
 
 
 def _initial_state(run: Run) -> dict[str, Any]:

@@ -111,3 +111,30 @@ async def test_follow_replays_then_tails_until_the_run_ends(store: PostgresRunSt
         await store.transition(lease, RunState.COMPLETED, "w", {})
         await reader
     assert seen == [2, 3, 4]
+
+
+async def test_cancel_request_is_recorded_once_and_stops_the_next_write(store: PostgresRunStore) -> None:
+    from coordinator.runs import CancelRequested
+
+    await store.create_run("r1", "acme", "operator", {})
+    lease = await store.acquire_lease("r1", "w", ttl_s=30)
+    assert lease is not None
+    assert (await store.request_cancel("r1", "acme", "operator")).cancel_requested
+    await store.request_cancel("r1", "acme", "operator")  # idempotent
+    assert await store.renew_lease(lease, ttl_s=30) is True
+    with pytest.raises(CancelRequested):
+        await store.append(lease, "step.progress", "w", {})
+    await store.transition(lease, RunState.CANCELED, "w", {}, reason="canceled")
+    types = [e.type for e in await store.events_after("r1", "acme", 0)]
+    assert types == ["run.submitted", "run.cancel_requested", "step.progress", "run.canceled"]
+
+
+async def test_cancel_request_leaves_a_finished_run_alone(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    lease = await store.acquire_lease("r1", "w", ttl_s=30)
+    assert lease is not None
+    await store.transition(lease, RunState.COMPLETED, "w", {})
+    run = await store.request_cancel("r1", "acme", "operator")
+    assert (run.state, run.cancel_requested) == (RunState.COMPLETED, False)
+    with pytest.raises(RunNotFound):
+        await store.request_cancel("r1", "globex", "intruder")

@@ -101,3 +101,53 @@ async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_fini
     # checkpoints before it were not redone.
     starts = [e["payload"]["step"] for e in events if e["type"] == "step.started"]
     assert starts == ["slow", "slow", "totals"]
+
+
+async def run_id_of_first_run(stack: Stack, token: str) -> str:
+    async with asyncio.timeout(30), httpx.AsyncClient() as http:
+        while True:
+            runs = (
+                await http.get(
+                    f"{stack.endpoints['coordinator']}/v1/runs", headers={"Authorization": f"Bearer {token}"}
+                )
+            ).json()["runs"]
+            if runs:
+                return str(runs[0]["run_id"])
+            await asyncio.sleep(0.05)
+
+
+async def test_cancel_while_a_step_is_in_flight_ends_the_run_canceled_once(failover_stack: Stack) -> None:
+    from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+    from a2a.types import CancelTaskRequest, GetTaskRequest, TaskState
+
+    from tests.e2e.conftest import fetch_card
+
+    stack = failover_stack
+    token = stack.token("coordinator")
+    slow = {
+        "steps": [
+            {"id": "slow", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(3) IS NULL AS slept"}},
+            {"id": "totals", "skill": "invoice-totals"},
+        ]
+    }
+    sending = asyncio.create_task(send(stack, user_message(data=slow), token=token))
+    run_id = await run_id_of_first_run(stack, token)
+    await first_event(stack, run_id, token, "step.started")
+    context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+    async with httpx.AsyncClient(timeout=60) as http:
+        card = await fetch_card(http, stack.endpoints["coordinator"])
+        client = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+        canceled = await client.cancel_task(CancelTaskRequest(id=run_id), context=context)
+        assert canceled.status.state == TaskState.TASK_STATE_CANCELED
+        task = await client.get_task(GetTaskRequest(id=run_id), context=context)
+        assert task.status.state == TaskState.TASK_STATE_CANCELED
+        again = await client.cancel_task(CancelTaskRequest(id=run_id), context=context)
+        assert again.status.state == TaskState.TASK_STATE_CANCELED
+        await client.close()
+    await asyncio.gather(sending, return_exceptions=True)
+    events = await all_events(stack, run_id, token)
+    types = [e["type"] for e in events]
+    assert "run.cancel_requested" in types
+    assert types[-1] == "run.canceled"
+    assert sum(t in ("run.completed", "run.failed", "run.canceled") for t in types) == 1
+    assert "totals" not in {e["payload"].get("step") for e in events}
