@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from coordinator.debug_bundle import bundle
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
 from fleet.errors import ErrorCode, FleetError
 from fleet.tokens import Claims
@@ -53,7 +55,12 @@ def _cursor(request: Request) -> int:
     return int(raw)
 
 
-def run_routes(store: PostgresRunStore, listen_dsn: str) -> list[Route]:
+def run_routes(
+    store: PostgresRunStore,
+    listen_dsn: str,
+    saver: BaseCheckpointSaver[Any],
+    policy_revision: str,
+) -> list[Route]:
     async def list_runs(request: Request) -> Response:
         runs = await store.list_runs(_claims(request).tenant)
         return JSONResponse({"runs": [_run_json(r) for r in runs]})
@@ -82,8 +89,17 @@ def run_routes(store: PostgresRunStore, listen_dsn: str) -> list[Route]:
             stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
         )
 
+    async def debug_bundle(request: Request) -> Response:
+        try:
+            run = await store.get_run(request.path_params["run_id"], _claims(request).tenant)
+        except RunNotFound as exc:
+            return _error(exc)
+        files = await bundle(store, saver, run, policy_revision)
+        return JSONResponse({"run": _run_json(run), "files": files})
+
     return [
         Route("/v1/runs", list_runs),
+        Route("/v1/runs/{run_id}/debug-bundle", debug_bundle),
         Route("/v1/runs/{run_id}", get_run),
         Route("/v1/runs/{run_id}/events", events),
     ]

@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 from a2a.server.tasks import InMemoryTaskStore
 from a2a.types import AgentSkill
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
@@ -65,6 +67,13 @@ def build_app(settings: ServiceSettings) -> Starlette:
         settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
     )
     runs = PostgresRunStore(run_pool)
+    checkpoint_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.pg_dsn,
+        max_size=4,
+        open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
+    saver = AsyncPostgresSaver(checkpoint_pool)  # read here (debug bundles); workers write
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
     handler = CoordinatorRequestHandler(
         agent_executor=CoordinatorExecutor(
@@ -83,7 +92,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
             await stack.enter_async_context(run_pool)
+            await stack.enter_async_context(checkpoint_pool)
             await runs.setup()
+            await saver.setup()
             await stack.enter_async_context(submitter)
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
             await stack.enter_async_context(start_in_background(readiness, start))
@@ -96,7 +107,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
-        extra_routes=run_routes(runs, settings.pg_dsn),
+        extra_routes=run_routes(runs, settings.pg_dsn, saver, engine.revision),
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )
 

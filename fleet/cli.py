@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     demo = with_dir(sub.add_parser("demo", help="run the end-to-end demo as an outside agent"))
     demo.add_argument("--tenant", default="acme")
     demo.add_argument("--keep-running", action="store_true", help="leave a stack it started up")
+    runs = sub.add_parser("runs", help="runs of the fleet")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    export = with_dir(runs_sub.add_parser("export", help="write a run's debug bundle to a folder"))
+    export.add_argument("run_id")
+    export.add_argument("out_dir", nargs="?", type=Path, default=None, help="default: ./run-RUN_ID")
+    export.add_argument("--tenant", default="default", help="the tenant the run belongs to")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -87,6 +93,9 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         from fleet import demo
 
         return demo.run(layout, tenant=args.tenant, keep_running=args.keep_running)
+    if command == "runs":
+        out_dir = args.out_dir or Path(f"run-{args.run_id}")
+        return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant)
     if command == "serve":
         return serve(args.service_id)
     return EXIT_USAGE

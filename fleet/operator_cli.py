@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -77,6 +78,43 @@ async def token(layout: StackLayout, audience: str, tenant: str, scopes: list[st
         client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         print(await client.token(audience, tenant, scopes))
     return EXIT_OK
+
+
+def export_run(layout: StackLayout, run_id: str, out_dir: Path, tenant: str) -> int:
+    """Write the debug bundle of ``run_id`` into ``out_dir``."""
+    try:
+        endpoints = running_endpoints(layout)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    body = asyncio.run(_fetch_debug_bundle(layout, endpoints, run_id, tenant))
+    if body is None:
+        print(f"fleet: no run {run_id} for tenant {tenant}", file=sys.stderr)
+        return EXIT_FAILED
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in body["files"].items():
+        (out_dir / name).write_text(content)
+    run = body["run"]
+    print(f"run {run_id}: {run['state']}{' (' + run['reason'] + ')' if run['reason'] else ''}")
+    print(f"wrote {', '.join(sorted(body['files']))} to {out_dir}")
+    return EXIT_OK
+
+
+async def _fetch_debug_bundle(
+    layout: StackLayout, endpoints: dict[str, Any], run_id: str, tenant: str
+) -> dict[str, Any] | None:
+    async with httpx.AsyncClient(timeout=60.0) as http:
+        client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+        token = await client.token("coordinator", tenant, ["agent:invoke"])
+        response = await http.get(
+            f"{endpoints['coordinator']}/v1/runs/{run_id}/debug-bundle",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
 
 
 async def status(layout: StackLayout, *, as_json: bool) -> int:

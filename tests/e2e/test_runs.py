@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import Stack, send, user_message
+from tests.e2e.conftest import Stack, fleet, send, user_message
 
 pytestmark = pytest.mark.e2e
 
@@ -24,8 +27,6 @@ TWO_STEPS = {
 
 
 def parse_sse(text: str) -> list[dict[str, Any]]:
-    import json
-
     events = []
     for block in text.strip().split("\n\n"):
         fields = dict(line.split(": ", 1) for line in block.splitlines())
@@ -118,3 +119,55 @@ async def test_a_malformed_cursor_is_a_clear_error(stack: Stack) -> None:
         )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
+
+
+async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, tmp_path: Path) -> None:
+    token = stack.token("coordinator")
+    steps = {
+        "steps": [
+            {"id": "totals", "skill": "invoice-totals"},
+            {"id": "wipe", "skill": "sql-query", "input": {"sql": "DELETE FROM tenant_data.invoices"}},
+        ]
+    }
+    outcome = await send(stack, user_message(data=steps), token=token)
+    assert outcome.state_name == "TASK_STATE_FAILED"
+    result = fleet(
+        "runs",
+        "export",
+        outcome.task_id,
+        str(tmp_path / "bundle"),
+        "--tenant",
+        "acme",
+        "--data-dir",
+        stack.data_dir,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "failed (specialist_failed)" in result.stdout
+    bundle = tmp_path / "bundle"
+    assert sorted(p.name for p in bundle.iterdir()) == [
+        "checkpoints.jsonl",
+        "env.txt",
+        "events.jsonl",
+        "last_state.json",
+        "operations.jsonl",
+        "tool_calls.csv",
+    ]
+    events = [json.loads(line) for line in (bundle / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["type"] == "run.failed"
+    calls = list(csv.DictReader((bundle / "tool_calls.csv").read_text().splitlines()))
+    assert [(c["tool"], c["status"]) for c in calls] == [
+        ("sql-analyst/invoice-totals", "ok"),
+        ("sql-analyst/sql-query", "failed"),
+    ]
+    assert "tool_failed" in calls[1]["error"]
+    last_state = json.loads((bundle / "last_state.json").read_text())
+    assert last_state["failure"]["step"] == "wipe"
+    assert "policy bundle revision local-1+" in (bundle / "env.txt").read_text()
+
+
+def test_exporting_a_run_of_another_tenant_finds_nothing(stack: Stack, tmp_path: Path) -> None:
+    result = fleet(
+        "runs", "export", "no-such-run", str(tmp_path), "--tenant", "acme", "--data-dir", stack.data_dir
+    )
+    assert result.returncode == 1
+    assert "no run no-such-run" in result.stderr
