@@ -50,7 +50,7 @@ def _error(exc: FleetError) -> JSONResponse:
 
 def _cursor(request: Request) -> int:
     raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise FleetError(ErrorCode.INVALID_REQUEST, "Last-Event-ID must be an event sequence number")
     return int(raw)
 

@@ -23,6 +23,7 @@ from psycopg_pool import AsyncConnectionPool
 from fleet.errors import ErrorCode, FleetError
 
 NOTIFY_CHANNEL = "fleet_run_events"
+FOLLOW_PAGE = 500
 
 
 class RunState(StrEnum):
@@ -44,7 +45,8 @@ TERMINAL_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCE
 
 
 class StaleLease(FleetError):
-    """The caller's lease on a run is no longer current: another worker owns the run now."""
+    """The caller's lease on a run is no longer current: another worker owns the run now, or the
+    run has already reached its terminal state (no write may follow it)."""
 
     def __init__(self, run_id: str) -> None:
         super().__init__(ErrorCode.CONFLICT, f"lease on run {run_id} is no longer held")
@@ -161,13 +163,17 @@ CREATE TABLE IF NOT EXISTS fleet_runs.events (
 
 _FENCED_APPEND = """
 WITH commit_mode AS (
-    SELECT set_config('synchronous_commit', %(synchronous_commit)s, true) AS mode
+    -- Only ever relaxed (for progress events); otherwise the server's own setting stands.
+    SELECT set_config(
+        'synchronous_commit', COALESCE(%(relaxed_commit)s, current_setting('synchronous_commit')), true
+    ) AS mode
 ),
 bump AS (
     UPDATE fleet_runs.runs
     SET last_seq = last_seq + 1, updated_at = now(),
         state = COALESCE(%(state)s, state), reason = COALESCE(%(reason)s, reason)
     WHERE run_id = %(run_id)s AND lease_epoch = %(epoch)s
+      AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')
     RETURNING run_id, last_seq, cancel_requested
 ),
 inserted AS (
@@ -298,6 +304,7 @@ class PostgresRunStore:
                 "UPDATE fleet_runs.runs SET lease_owner = %s, lease_epoch = lease_epoch + 1,"
                 " lease_expires_at = now() + make_interval(secs => %s)"
                 " WHERE run_id = %s AND (lease_owner IS NULL OR lease_expires_at < now())"
+                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')"
                 " RETURNING lease_epoch",
                 (owner, ttl_s, run_id),
             )
@@ -322,20 +329,45 @@ class PostgresRunStore:
         is recorded at once; the worker advancing the run stops at its next write or heartbeat."""
         async with self._pool.connection() as conn, conn.transaction():
             cursor = await conn.execute(
-                "UPDATE fleet_runs.runs SET cancel_requested = true, last_seq = last_seq + 1,"
-                " updated_at = now() WHERE run_id = %s AND tenant = %s AND NOT cancel_requested"
-                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') RETURNING last_seq",
+                "SELECT last_seq, lease_owner IS NOT NULL AND lease_expires_at >= now()"
+                " FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s AND NOT cancel_requested"
+                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') FOR UPDATE",
                 (run_id, tenant),
             )
             row = await cursor.fetchone()
             if row is not None:
-                await conn.execute(
-                    "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
-                    " VALUES (%s, %s, 'run.cancel_requested', %s, '{}')",
-                    (run_id, row[0], actor),
-                )
-                await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+                await self._record_cancel(conn, run_id, int(row[0]), actor, leased=bool(row[1]))
         return await self.get_run(run_id, tenant)
+
+    @staticmethod
+    async def _record_cancel(
+        conn: psycopg.AsyncConnection[Any], run_id: str, last_seq: int, actor: str, *, leased: bool
+    ) -> None:
+        """With a worker on the run, flag it (the worker stops and records the end); with none, end
+        the run here, bumping the epoch so that a worker arriving late cannot write."""
+        events: list[tuple[str, dict[str, Any]]] = [("run.cancel_requested", {})]
+        if leased:
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET cancel_requested = true, last_seq = %s, updated_at = now()"
+                " WHERE run_id = %s",
+                (last_seq + 1, run_id),
+            )
+        else:
+            events.append(
+                ("run.canceled", {"state": "canceled", "reason": "canceled", "text": "canceled on request"})
+            )
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET cancel_requested = true, last_seq = %s, updated_at = now(),"
+                " state = 'canceled', reason = 'canceled', lease_epoch = lease_epoch + 1,"
+                " lease_owner = NULL, lease_expires_at = NULL WHERE run_id = %s",
+                (last_seq + 2, run_id),
+            )
+        for offset, (type_, payload) in enumerate(events, start=1):
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+                (run_id, last_seq + offset, type_, actor, Jsonb(payload)),
+            )
+        await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
 
     async def release_lease(self, lease: Lease) -> None:
         async with self._pool.connection() as conn:
@@ -402,7 +434,7 @@ class PostgresRunStore:
                     "actor": actor,
                     "payload": Jsonb(dict(payload)),
                     "channel": NOTIFY_CHANNEL,
-                    "synchronous_commit": "on" if durable else "off",
+                    "relaxed_commit": None if durable else "off",
                 },
             )
             row = await cursor.fetchone()
@@ -435,9 +467,12 @@ class PostgresRunStore:
             await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
             cursor = after_seq
             while True:
-                for event in await self.events_after(run_id, tenant, cursor):
+                page = await self.events_after(run_id, tenant, cursor, FOLLOW_PAGE)
+                for event in page:
                     cursor = event.seq
                     yield event
+                if len(page) == FOLLOW_PAGE:
+                    continue  # a backlog: read on before waiting for news
                 run = await self.get_run(run_id, tenant)
                 if run.state.terminal and cursor >= run.last_seq:
                     return

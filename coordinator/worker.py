@@ -14,9 +14,11 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import psycopg
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph.state import CompiledStateGraph
@@ -85,7 +87,12 @@ class RunWorker:
             except NatsTimeout:
                 continue
             for message in messages:
-                await self.handle(message)
+                try:
+                    await self.handle(message)
+                except Exception:  # infrastructure trouble: keep consuming, let the run be retried
+                    log.exception("could not advance the run of message %r; retrying later", message.data)
+                    with contextlib.suppress(Exception):
+                        await message.nak(delay=self._ttl)
 
     async def handle(self, message: Msg) -> None:
         run_id = message.data.decode()
@@ -105,8 +112,8 @@ class RunWorker:
             await message.nak(delay=self._ttl)
             return
         try:
-            async with self._heartbeat(lease, message) as cancel_seen:
-                await self.advance(run, lease, cancel_seen)
+            async with self._heartbeat(lease, message) as signals:
+                await self.advance(run, lease, signals)
         except StaleLease:
             log.warning("lost the lease on run %s; leaving it to its new owner", run_id)
             return
@@ -116,38 +123,44 @@ class RunWorker:
         await message.ack()
 
     @contextlib.asynccontextmanager
-    async def _heartbeat(self, lease: Lease, message: Msg) -> AsyncIterator[asyncio.Event]:
-        """Keep the lease and the message alive while the run advances; the event it yields is set
-        when a cancel request is seen."""
-        cancel_seen = asyncio.Event()
+    async def _heartbeat(self, lease: Lease, message: Msg) -> AsyncIterator[RunSignals]:
+        """Keep the lease and the message alive while the run advances. The signals it yields say
+        when a cancel request was seen or the lease was lost (the run must then stop at once)."""
+        signals = RunSignals()
 
         async def beat() -> None:
             while True:
                 await asyncio.sleep(self._ttl / 3)
-                if await self._store.renew_lease(lease, self._ttl):
-                    cancel_seen.set()
-                await message.in_progress()
+                try:
+                    if await self._store.renew_lease(lease, self._ttl):
+                        signals.cancel.set()
+                    await message.in_progress()
+                except StaleLease:
+                    signals.lost.set()
+                    return
+                except Exception:  # a transient failure: the next beat tries again
+                    log.warning("heartbeat for run %s failed", lease.run_id, exc_info=True)
 
         task = asyncio.create_task(beat(), name=f"heartbeat-{lease.run_id}")
         try:
-            yield cancel_seen
+            yield signals
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def advance(self, run: Run, lease: Lease, cancel_seen: asyncio.Event | None = None) -> None:
+    async def advance(self, run: Run, lease: Lease, signals: RunSignals | None = None) -> None:
         """Run or resume the run's graph to its end and record the outcome; stop at a cancel request
         (seen at the next event the run writes, or by the heartbeat)."""
         try:
             if run.cancel_requested:
                 raise CancelRequested(run.run_id)
-            await self._advance(run, lease, cancel_seen or asyncio.Event())
+            await self._advance(run, lease, signals or RunSignals())
         except CancelRequested:
             await self._store.transition(
                 lease, RunState.CANCELED, self._id, {"text": "canceled on request"}, reason="canceled"
             )
 
-    async def _advance(self, run: Run, lease: Lease, cancel_seen: asyncio.Event) -> None:
+    async def _advance(self, run: Run, lease: Lease, signals: RunSignals) -> None:
         config: RunnableConfig = {"configurable": {"thread_id": run.run_id}}
         snapshot = await self._graph.aget_state(config)
         graph_input: dict[str, Any] | None = _initial_state(run)
@@ -160,9 +173,9 @@ class RunWorker:
             if snapshot.values and not snapshot.next:
                 final = dict(snapshot.values)  # the graph finished before the outcome was recorded
             else:
-                final = await _unless(cancel_seen, self._stream(graph_input, config, lease), run.run_id)
-        except (StaleLease, CancelRequested):
-            raise
+                final = await _unless(signals, self._stream(graph_input, config, lease), run.run_id)
+        except (StaleLease, CancelRequested, psycopg.OperationalError):
+            raise  # not the run's fault: lease lost, canceled, or the database is unreachable
         except Exception:
             log.exception("run %s crashed", run.run_id)
             await self._store.transition(
@@ -178,9 +191,13 @@ class RunWorker:
     async def prune(self, run_id: str) -> None:
         """Keep only a finished run's latest checkpoint: storage stays bounded, the final state stays
         readable, and the event log keeps the history an audit needs. Called before the work message
-        is acked, so a crash in between leads to a redelivery that prunes again (it is idempotent)."""
+        is acked, so a crash in between leads to a redelivery that prunes again (it is idempotent).
+        A run that crashed keeps every checkpoint, for its debug bundle."""
         checkpointer = self._graph.checkpointer
         if not isinstance(checkpointer, AsyncPostgresSaver):
+            return
+        run = await self._store.get_run_for_worker(run_id)
+        if run.reason == ErrorCode.INTERNAL:
             return
         try:
             await checkpointer.aprune([run_id], strategy="keep_latest")
@@ -191,12 +208,16 @@ class RunWorker:
         self, graph_input: dict[str, Any] | None, config: RunnableConfig, lease: Lease
     ) -> dict[str, Any]:
         stream = self._graph.astream(graph_input, config, stream_mode="custom", version="v2")
-        async for part in stream:
-            if part["type"] != "custom":
-                continue
-            report = part["data"]
-            payload = {**report["payload"], **({"text": report["text"]} if report["text"] else {})}
-            await self._store.append(lease, report["event"], self._id, payload, durable=False)
+        # An async generator at run time (typed as an iterator): stopping early must stop the graph.
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async for part in stream:
+                if part["type"] != "custom":
+                    continue
+                report = part["data"]
+                payload = {**report["payload"], **({"text": report["text"]} if report["text"] else {})}
+                # Only progress chatter may skip the WAL flush; step boundaries are durable.
+                durable = report["event"] != "step.progress"
+                await self._store.append(lease, report["event"], self._id, payload, durable=durable)
         return dict((await self._graph.aget_state(config)).values)
 
     async def _record_outcome(self, final: dict[str, Any], lease: Lease) -> None:
@@ -214,21 +235,32 @@ class RunWorker:
         await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary})
 
 
-async def _unless(cancel_seen: asyncio.Event, work: Awaitable[T], run_id: str) -> T:
-    """Await ``work`` unless ``cancel_seen`` is set first; then stop it and raise CancelRequested."""
+@dataclass(frozen=True, slots=True)
+class RunSignals:
+    """Set by the heartbeat: a cancel was requested, or the lease was lost."""
+
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _unless(signals: RunSignals, work: Awaitable[T], run_id: str) -> T:
+    """Await ``work`` unless a signal comes first; then stop it and raise what the signal means."""
     job = asyncio.ensure_future(work)
-    cancel = asyncio.create_task(cancel_seen.wait())
+    watchers = [asyncio.create_task(signals.cancel.wait()), asyncio.create_task(signals.lost.wait())]
     try:
-        await asyncio.wait({job, cancel}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we are being cancelled ourselves (shutdown): stop both, re-raise
-        job.cancel()
-        cancel.cancel()
-        await asyncio.gather(job, cancel, return_exceptions=True)
+        await asyncio.wait({job, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we are being cancelled ourselves (shutdown): stop everything, re-raise
+        for task in (job, *watchers):
+            task.cancel()
+        await asyncio.gather(job, *watchers, return_exceptions=True)
         raise
-    cancel.cancel()
+    for watcher in watchers:
+        watcher.cancel()
     if not job.done():
         job.cancel()
         await asyncio.gather(job, return_exceptions=True)
+        if signals.lost.is_set():
+            raise StaleLease(run_id)
         raise CancelRequested(run_id)
     return job.result()
 
@@ -282,10 +314,13 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await store.setup()
             nc = await connect(settings.nats_url, settings.service_id)
             stack.push_async_callback(nc.drain)
-            subscription = await work.subscribe(nc, settings.ack_wait_s)
+            # One pull subscription per consumer task: they must not share an inbox.
+            subscriptions = [
+                await work.subscribe(nc, settings.ack_wait_s) for _ in range(settings.concurrency)
+            ]
             consumers = [
                 asyncio.create_task(worker.consume(subscription, enrolled), name=f"consumer-{i}")
-                for i in range(settings.concurrency)
+                for i, subscription in enumerate(subscriptions)
             ]
 
             async def stop_consumers() -> None:

@@ -129,6 +129,15 @@ async def test_cancel_request_is_recorded_once_and_stops_the_next_write(store: P
     assert types == ["run.submitted", "run.cancel_requested", "step.progress", "run.canceled"]
 
 
+async def test_cancel_of_a_run_no_worker_holds_ends_it_at_once(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    run = await store.request_cancel("r1", "acme", "operator")
+    assert (run.state, run.reason) == (RunState.CANCELED, "canceled")
+    types = [e.type for e in await store.events_after("r1", "acme", 0)]
+    assert types == ["run.submitted", "run.cancel_requested", "run.canceled"]
+    assert await store.acquire_lease("r1", "late-worker", ttl_s=30) is None
+
+
 async def test_cancel_request_leaves_a_finished_run_alone(store: PostgresRunStore) -> None:
     await store.create_run("r1", "acme", "operator", {})
     lease = await store.acquire_lease("r1", "w", ttl_s=30)
@@ -138,3 +147,17 @@ async def test_cancel_request_leaves_a_finished_run_alone(store: PostgresRunStor
     assert (run.state, run.cancel_requested) == (RunState.COMPLETED, False)
     with pytest.raises(RunNotFound):
         await store.request_cancel("r1", "globex", "intruder")
+
+
+async def test_nothing_is_written_after_a_terminal_state(store: PostgresRunStore) -> None:
+    await store.create_run("r1", "acme", "operator", {})
+    lease = await store.acquire_lease("r1", "w", ttl_s=30)
+    assert lease is not None
+    await store.transition(lease, RunState.COMPLETED, "w", {})
+    with pytest.raises(StaleLease):
+        await store.append(lease, "artifact", "w", {})
+    with pytest.raises(StaleLease):
+        await store.transition(lease, RunState.FAILED, "w", {})
+    await store.release_lease(lease)
+    assert await store.acquire_lease("r1", "late-worker", ttl_s=30) is None
+    assert (await store.get_run("r1", "acme")).state == RunState.COMPLETED
