@@ -26,6 +26,18 @@ from fleet.layout import StackLayout
 
 STACK_START_TIMEOUT_S = 180
 
+# The demo's plan: invoice totals through SQL, then outliers over the totals.
+TWO_STEPS: dict[str, Any] = {
+    "steps": [
+        {"id": "totals", "skill": "invoice-totals"},
+        {
+            "id": "outliers",
+            "skill": "outliers",
+            "input": {"records": {"$from": "totals.records"}, "field": "largest", "label": "customer"},
+        },
+    ]
+}
+
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any ``FLEET_*`` setting of the developer's shell, plus ``extra``."""

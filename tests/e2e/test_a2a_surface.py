@@ -10,20 +10,9 @@ from a2a.client import A2AClientError
 from a2a.types import GetTaskRequest, TaskState
 from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 
-from tests.e2e.conftest import Stack, fetch_card, send, user_message
+from tests.e2e.conftest import TWO_STEPS, Stack, fetch_card, send, user_message
 
 pytestmark = pytest.mark.e2e
-
-TWO_STEPS = {
-    "steps": [
-        {"id": "totals", "skill": "invoice-totals"},
-        {
-            "id": "outliers",
-            "skill": "outliers",
-            "input": {"records": {"$from": "totals.records"}, "field": "largest", "label": "customer"},
-        },
-    ]
-}
 
 
 def customers(result: dict[str, object]) -> set[str]:

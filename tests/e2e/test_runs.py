@@ -10,20 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Stack, fleet, send, user_message
+from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
 
 pytestmark = pytest.mark.e2e
-
-TWO_STEPS = {
-    "steps": [
-        {"id": "totals", "skill": "invoice-totals"},
-        {
-            "id": "outliers",
-            "skill": "outliers",
-            "input": {"records": {"$from": "totals.records"}, "field": "largest", "label": "customer"},
-        },
-    ]
-}
 
 
 def parse_sse(text: str) -> list[dict[str, Any]]:

@@ -65,20 +65,8 @@ async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_fini
     }
     message = user_message(data=slow)
     sending = asyncio.create_task(send(stack, message, token=token))
-    run_id = ""
+    run_id = await run_id_of_first_run(stack, token)
     async with asyncio.timeout(30):
-        while not run_id:  # the server assigns the task id; find the run through the run list
-            async with httpx.AsyncClient() as http:
-                runs = (
-                    await http.get(
-                        f"{stack.endpoints['coordinator']}/v1/runs",
-                        headers={"Authorization": f"Bearer {token}"},
-                    )
-                ).json()["runs"]
-            if runs:
-                run_id = runs[0]["run_id"]
-            else:
-                await asyncio.sleep(0.05)
         started = await first_event(stack, run_id, token, "step.started")
     victim = started["actor"].split(":")[0]
     victim_pid = stack.endpoints["processes"][victim]
