@@ -287,6 +287,21 @@ class PostgresRunStore:
             raise RunNotFound(run_id)
         return _run(row)
 
+    async def stranded_runs(self, older_than_s: float, limit: int = 100) -> list[tuple[str, int]]:
+        """(run id, last seq) of unfinished runs that no worker holds and that have not moved for
+        ``older_than_s``: their work message may have been lost (a submit that failed, a queue
+        that was purged). For workers only."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT run_id, last_seq FROM fleet_runs.runs"
+                " WHERE state IN ('submitted', 'working')"
+                " AND (lease_owner IS NULL OR lease_expires_at < now())"
+                " AND updated_at < now() - make_interval(secs => %s)"
+                " ORDER BY updated_at LIMIT %s",
+                (older_than_s, limit),
+            )
+            return [(str(row[0]), int(row[1])) for row in await cursor.fetchall()]
+
     async def list_runs(self, tenant: str, limit: int = 50) -> list[Run]:
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)

@@ -36,11 +36,13 @@ async def ensure_stream(js: JetStreamContext) -> None:
         )
 
 
-async def submit_run(client: NATS, run_id: str) -> None:
-    """Ask a worker to advance ``run_id`` (idempotent within the de-duplication window)."""
+async def submit_run(client: NATS, run_id: str, attempt: str = "") -> None:
+    """Ask a worker to advance ``run_id`` (idempotent within the de-duplication window for the same
+    ``attempt``; a re-submission of a stranded run names a new attempt)."""
     js = client.jetstream()
     await ensure_stream(js)
-    await js.publish(RUN_SUBJECT, run_id.encode(), headers={"Nats-Msg-Id": f"run-{run_id}"})
+    msg_id = f"run-{run_id}" + (f"-{attempt}" if attempt else "")
+    await js.publish(RUN_SUBJECT, run_id.encode(), headers={"Nats-Msg-Id": msg_id})
 
 
 class RunSubmitter:

@@ -22,6 +22,7 @@ import psycopg
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph.state import CompiledStateGraph
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
@@ -57,6 +58,25 @@ class WorkerSettings(ServiceSettings):
     lease_ttl_s: float = 15.0
     ack_wait_s: float = 30.0
     concurrency: int = 4
+    sweep_interval_s: float = 30.0
+    stranded_after_s: float = 120.0
+
+
+async def sweep_stranded(
+    store: PostgresRunStore, client: NATS, settings: WorkerSettings, ready: asyncio.Event
+) -> None:
+    """Re-submit unfinished runs that nobody holds and that have not moved for a while, so that a
+    lost work message never loses a run. A run that is merely queued gets a second message, which
+    the terminal and lease checks make harmless."""
+    await ready.wait()
+    while True:
+        await asyncio.sleep(settings.sweep_interval_s)
+        try:
+            for run_id, last_seq in await store.stranded_runs(settings.stranded_after_s):
+                log.warning("re-submitting stranded run %s", run_id)
+                await work.submit_run(client, run_id, attempt=f"sweep-{last_seq}")
+        except Exception:  # the next sweep tries again
+            log.warning("sweep for stranded runs failed", exc_info=True)
 
 
 def failure_text(failure: dict[str, Any]) -> str:
@@ -322,6 +342,9 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
                 asyncio.create_task(worker.consume(subscription, enrolled), name=f"consumer-{i}")
                 for i, subscription in enumerate(subscriptions)
             ]
+            consumers.append(
+                asyncio.create_task(sweep_stranded(store, nc, settings, enrolled), name="sweeper")
+            )
 
             async def stop_consumers() -> None:
                 # Runs in flight stop here; their messages are redelivered and resumed elsewhere.

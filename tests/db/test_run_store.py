@@ -161,3 +161,14 @@ async def test_nothing_is_written_after_a_terminal_state(store: PostgresRunStore
     await store.release_lease(lease)
     assert await store.acquire_lease("r1", "late-worker", ttl_s=30) is None
     assert (await store.get_run("r1", "acme")).state == RunState.COMPLETED
+
+
+async def test_stranded_runs_are_the_unfinished_unheld_and_still_ones(store: PostgresRunStore) -> None:
+    for run_id in ("queued", "held", "done"):
+        await store.create_run(run_id, "acme", "operator", {})
+    held = await store.acquire_lease("held", "w", ttl_s=30)
+    done = await store.acquire_lease("done", "w", ttl_s=30)
+    assert held is not None and done is not None
+    await store.transition(done, RunState.COMPLETED, "w", {})
+    assert await store.stranded_runs(older_than_s=3600) == []
+    assert await store.stranded_runs(older_than_s=0) == [("queued", 1)]

@@ -139,3 +139,26 @@ async def test_cancel_while_a_step_is_in_flight_ends_the_run_canceled_once(failo
     assert types[-1] == "run.canceled"
     assert sum(t in ("run.completed", "run.failed", "run.canceled") for t in types) == 1
     assert "totals" not in {e["payload"].get("step") for e in events}
+
+
+async def test_a_run_whose_work_message_was_lost_is_found_and_finished(tmp_path: Path) -> None:
+    from psycopg_pool import AsyncConnectionPool
+
+    from coordinator.runs import PostgresRunStore
+
+    env = clean_env(**FAST_FAILOVER, FLEET_SWEEP_INTERVAL_S="0.5", FLEET_STRANDED_AFTER_S="1")
+    stack = start_stack(tmp_path / "fleet", env=env)
+    try:
+        password = (stack.layout.keys_dir / "postgres-password.secret").read_text().strip()
+        dsn = f"postgresql://postgres:{password}@127.0.0.1:{stack.endpoints['postgres_port']}/fleet"
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(dsn, open=False, kwargs={"autocommit": True})
+        async with pool:
+            # A run that was created but whose submit never reached the queue.
+            plan = [{"id": "totals", "skill": "invoice-totals", "input": {}}]
+            await PostgresRunStore(pool).create_run("stranded-1", "acme", "operator", {}, plan)
+        token = stack.token("coordinator")
+        async with asyncio.timeout(60):
+            events = await all_events(stack, "stranded-1", token)  # follows until the run ends
+        assert [e["type"] for e in events][-1] == "run.completed"
+    finally:
+        stop_stack(stack)
