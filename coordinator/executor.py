@@ -80,7 +80,10 @@ class CoordinatorExecutor(AgentExecutor):
         task = context.current_task or new_task_from_user_message(context.message)
         plan = [s.to_dict() for s in steps]
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan)
-        await self._submit(task.id)
+        try:
+            await self._submit(task.id)
+        except Exception:  # the run is durable already: the workers' sweep re-submits it
+            log.warning("could not submit run %s; the stranded-run sweep will", task.id, exc_info=True)
         if context.current_task is None:
             await event_queue.enqueue_event(task)
         updater = TaskUpdater(event_queue, task.id, task.context_id)
