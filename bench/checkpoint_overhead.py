@@ -28,11 +28,10 @@ from typing import Any, TypedDict
 
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph import END, START, StateGraph
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from bench._postgres import embedded_postgres
-from coordinator.graph import build_graph
+from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.runs import PostgresRunStore
 from coordinator.worker import RunWorker
 from registry import AgentRecord
@@ -137,17 +136,12 @@ async def time_fleet(worker: RunWorker, store: PostgresRunStore) -> tuple[float,
 
 
 async def measure(dsn: str) -> dict[str, Any]:
-    checkpoint_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        dsn,
-        max_size=4,
-        open=False,
-        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
-    )
+    pool_for_checkpoints = checkpoint_pool(dsn, max_size=4)
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         dsn, max_size=4, open=False, kwargs={"autocommit": True}
     )
-    async with checkpoint_pool, run_pool:
-        saver = AsyncPostgresSaver(checkpoint_pool)
+    async with pool_for_checkpoints, run_pool:
+        saver = AsyncPostgresSaver(pool_for_checkpoints)
         await saver.setup()
         store = PostgresRunStore(run_pool)
         await store.setup()

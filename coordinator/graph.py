@@ -12,6 +12,8 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.config import get_stream_writer
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
 
 from coordinator.delegation import Delegator
 from coordinator.plan import resolve_input
@@ -36,6 +38,16 @@ def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
 
 def _failure(step: dict[str, Any], exc: FleetError) -> dict[str, Any]:
     return {"step": step["id"], "skill": step["skill"], "code": str(exc.code), "message": exc.message}
+
+
+def checkpoint_pool(dsn: str, max_size: int) -> AsyncConnectionPool[Any]:
+    """A connection pool configured as ``AsyncPostgresSaver`` requires (not yet opened)."""
+    return AsyncConnectionPool(
+        dsn,
+        max_size=max_size,
+        open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
 
 
 def build_graph(

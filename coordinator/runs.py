@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -107,30 +107,6 @@ class Lease:
     epoch: int
 
 
-class RunStore(Protocol):
-    """Where runs and their events live."""
-
-    async def create_run(
-        self,
-        run_id: str,
-        tenant: str,
-        owner: str,
-        request: dict[str, Any],
-        plan: list[dict[str, Any]] | None = None,
-    ) -> Run: ...
-    async def get_run(self, run_id: str, tenant: str) -> Run: ...
-    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Lease | None: ...
-    async def append(
-        self, lease: Lease, type_: str, actor: str, payload: Mapping[str, Any], *, durable: bool = True
-    ) -> int: ...
-    async def transition(
-        self, lease: Lease, state: RunState, actor: str, payload: Mapping[str, Any], reason: str | None = None
-    ) -> int: ...
-    async def events_after(
-        self, run_id: str, tenant: str, after_seq: int, limit: int = 500
-    ) -> list[RunEvent]: ...
-
-
 SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS fleet_runs;
 CREATE TABLE IF NOT EXISTS fleet_runs.runs (
@@ -209,7 +185,7 @@ def _run(row: Mapping[str, Any]) -> Run:
 
 
 class PostgresRunStore:
-    """:class:`RunStore` on Postgres. Every read takes the caller's tenant: a run of another tenant
+    """Runs and their events on Postgres. Every read takes the caller's tenant: a run of another tenant
     is indistinguishable from a run that does not exist.
 
     The pool's connections should be in autocommit mode: every write is then one statement and one

@@ -10,13 +10,13 @@ import httpx
 from a2a.server.tasks import InMemoryTaskStore
 from a2a.types import AgentSkill
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
 from coordinator import work
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
+from coordinator.graph import checkpoint_pool
 from coordinator.handler import CoordinatorRequestHandler
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
@@ -67,13 +67,8 @@ def build_app(settings: ServiceSettings) -> Starlette:
         settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
     )
     runs = PostgresRunStore(run_pool)
-    checkpoint_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn,
-        max_size=4,
-        open=False,
-        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
-    )
-    saver = AsyncPostgresSaver(checkpoint_pool)  # read here (debug bundles); workers write
+    pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
+    saver = AsyncPostgresSaver(pool_for_checkpoints)  # read here (debug bundles); workers write
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
     handler = CoordinatorRequestHandler(
         agent_executor=CoordinatorExecutor(
@@ -92,7 +87,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
             await stack.enter_async_context(run_pool)
-            await stack.enter_async_context(checkpoint_pool)
+            await stack.enter_async_context(pool_for_checkpoints)
             await runs.setup()
             await saver.setup()
             await stack.enter_async_context(submitter)

@@ -26,14 +26,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.routing import Route
 
 from coordinator import work
 from coordinator.delegation import Delegator
-from coordinator.graph import build_graph
+from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.runs import (
     CancelRequested,
     Lease,
@@ -300,16 +299,11 @@ def _initial_state(run: Run) -> dict[str, Any]:
 def build_worker_app(settings: WorkerSettings) -> Starlette:
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
     registry = RegistryClient(settings, http)
-    checkpoint_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn,
-        max_size=settings.concurrency + 2,
-        open=False,
-        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
-    )
+    pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=settings.concurrency + 2)
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         settings.pg_dsn, max_size=settings.concurrency + 2, open=False, kwargs={"autocommit": True}
     )
-    saver = AsyncPostgresSaver(checkpoint_pool)
+    saver = AsyncPostgresSaver(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     worker = RunWorker(
         build_graph(Delegator(registry, http), saver),
@@ -328,7 +322,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
-            await stack.enter_async_context(checkpoint_pool)
+            await stack.enter_async_context(pool_for_checkpoints)
             await stack.enter_async_context(run_pool)
             await saver.setup()
             await store.setup()
