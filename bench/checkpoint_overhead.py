@@ -32,6 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from bench._postgres import embedded_postgres
 from coordinator.graph import build_graph, checkpoint_pool
+from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore
 from coordinator.worker import RunWorker
 from registry import AgentRecord
@@ -147,7 +148,9 @@ async def measure(dsn: str) -> dict[str, Any]:
         await store.setup()
         bare = bare_graph(saver)
         fleet_graph = build_graph(_InstantDelegator(), saver)  # type: ignore[arg-type]
-        worker = RunWorker(fleet_graph, store, "bench-worker", lease_ttl_s=60)
+        ledger = Ledger(run_pool)
+        await ledger.setup()
+        worker = RunWorker(fleet_graph, store, ledger, "bench-worker", lease_ttl_s=60)
         await time_bare(bare)  # warm up every path once
         await time_graph_alone(fleet_graph)
         await time_fleet(worker, store)

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from a2a.client import (
@@ -22,6 +23,7 @@ from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.operation_ext import OPERATION_METADATA_KEY, status_url
 from registry import AgentRecord, RegistryClient
 
 INVOKE_SCOPE = "agent:invoke"
@@ -76,49 +78,117 @@ class Delegator:
         *,
         tenant: str,
         progress: Progress,
+        operation_id: str | None = None,
     ) -> dict[str, Any]:
-        """Run ``skill`` on ``agent``; return its result data or raise a step failure."""
-        try:
-            card = ParseDict(agent.card, AgentCard())
-        except ParseError as exc:
-            raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} has an unreadable card") from exc
-        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
-        request = SendMessageRequest(
-            message=Message(
-                role=Role.ROLE_USER,
-                message_id=uuid.uuid4().hex,
-                parts=[new_data_part({"skill": skill, "input": payload})],
-            )
+        """Run ``skill`` on ``agent``; return its result data or raise a step failure.
+
+        With an ``operation_id`` the agent runs the step at most once under that id. A call that
+        never reached the agent raises ``specialist_unavailable``; one that was cut off after it
+        was sent raises :class:`CallInterrupted` (the agent may still be running it)."""
+        card = _card(agent)
+        message = Message(
+            role=Role.ROLE_USER,
+            message_id=uuid.uuid4().hex,
+            parts=[new_data_part({"skill": skill, "input": payload})],
         )
-        context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+        if operation_id is not None:
+            message.metadata.update({OPERATION_METADATA_KEY: operation_id})
         client = self._factory.create(card)
         try:
-            return await _collect(client.send_message(request, context=context), agent.id, progress)
+            context = await self._context(agent, tenant)
+            stream = client.send_message(SendMessageRequest(message=message), context=context)
+            return await _collect(stream, agent.id, progress)
         except A2AClientError as exc:
-            if isinstance(exc.__cause__, httpx.TransportError) or isinstance(exc, A2AClientTimeoutError):
+            if isinstance(exc.__cause__, httpx.ConnectError):
                 raise FleetError(
                     ErrorCode.SPECIALIST_UNAVAILABLE,
                     f"cannot reach {agent.id} at {agent.url}",
                     retryable=True,
                 ) from exc
+            if isinstance(exc.__cause__, httpx.TransportError) or isinstance(exc, A2AClientTimeoutError):
+                raise CallInterrupted(agent.id) from exc
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
         except A2AError as exc:
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
         finally:
             await client.close()
 
+    async def _context(self, agent: AgentRecord, tenant: str) -> ClientCallContext:
+        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
+        return ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+
+    async def operation_status(
+        self, agent: AgentRecord, operation_id: str, *, tenant: str, wait_s: float
+    ) -> dict[str, Any] | None:
+        """What ``agent`` knows of an operation (see :mod:`fleet.operation_ext`), or None if the
+        agent does not declare the operations extension and so cannot say."""
+        template = status_url(_card(agent))
+        if template is None:
+            return None
+        url = template.replace("{operation_id}", quote(operation_id, safe=""))
+        if not url.startswith(agent.url.rstrip("/") + "/"):
+            raise FleetError(ErrorCode.CARD_INVALID, f"{agent.id} names a status URL outside its own origin")
+        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
+        try:
+            response = await self._http.get(
+                url,
+                params={"wait": f"{wait_s:g}"},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=httpx.Timeout(10.0, read=wait_s + 10.0),
+            )
+        except httpx.TransportError as exc:
+            raise FleetError(
+                ErrorCode.SPECIALIST_UNAVAILABLE,
+                f"cannot reach {agent.id} to ask about an operation",
+                retryable=True,
+            ) from exc
+        if response.status_code != 200:
+            raise FleetError(
+                ErrorCode.SPECIALIST_FAILED,
+                f"{agent.id} answered the operation query with HTTP {response.status_code}",
+            )
+        body = response.json()
+        if not isinstance(body, dict) or not isinstance(body.get("status"), str):
+            raise FleetError(
+                ErrorCode.SPECIALIST_FAILED, f"{agent.id} answered the operation query without a status"
+            )
+        return body
+
+
+class CallInterrupted(FleetError):
+    """The call reached the agent but its answer was lost: only the agent knows what happened."""
+
+    def __init__(self, agent_id: str) -> None:
+        super().__init__(
+            ErrorCode.SPECIALIST_UNAVAILABLE,
+            f"the call to {agent_id} was cut off before it answered",
+            retryable=True,
+        )
+
+
+def _card(agent: AgentRecord) -> AgentCard:
+    try:
+        return ParseDict(agent.card, AgentCard(), ignore_unknown_fields=True)
+    except ParseError as exc:
+        raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} has an unreadable card") from exc
+
 
 async def _collect(stream: Any, agent_id: str, progress: Progress) -> dict[str, Any]:
     result: dict[str, Any] = {}
     state = TaskState.TASK_STATE_UNSPECIFIED
     last_text = ""
+    error: dict[str, Any] = {}
     async for event in stream:
         kind = event.WhichOneof("payload")
         if kind == "task":
             state = event.task.status.state
         elif kind == "status_update":
             state = event.status_update.status.state
-            text = " ".join(get_text_parts(event.status_update.status.message.parts))
+            parts = event.status_update.status.message.parts
+            text = " ".join(get_text_parts(parts))
+            for data in get_data_parts(parts):
+                if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                    error = data["error"]
             if text:
                 last_text = text
                 if state == TaskState.TASK_STATE_WORKING:
@@ -128,6 +198,8 @@ async def _collect(stream: Any, agent_id: str, progress: Progress) -> dict[str, 
                 if isinstance(data, dict):
                     result.update(data)
     if state in FAILED_STATES:
+        if error.get("code") == ErrorCode.OUTCOME_UNKNOWN:
+            raise FleetError(ErrorCode.OUTCOME_UNKNOWN, f"{agent_id}: {error.get('message', last_text)}")
         raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent_id}: {last_text or 'failed'}")
     if state != TaskState.TASK_STATE_COMPLETED:
         raise FleetError(

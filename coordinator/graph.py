@@ -12,10 +12,13 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.config import get_stream_writer
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
+from langgraph.runtime import Runtime
+from langgraph.types import interrupt
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.delegation import Delegator
+from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.plan import resolve_input
 from fleet.errors import FleetError
 
@@ -64,7 +67,7 @@ def build_graph(
         _emit("step.routed", routed, f"step {step['id']}: {step['skill']} -> {agent.id}")
         return {"assignment": agent.id}
 
-    async def delegate(state: GraphState) -> dict[str, Any]:
+    async def delegate(state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
         step = state["steps"][state["cursor"]]
         agent_id = state["assignment"]
         assert agent_id is not None
@@ -80,9 +83,27 @@ def build_graph(
         _emit("step.started", {"step": step["id"], "skill": step["skill"], "agent": agent.id})
         try:
             payload = resolve_input(step["input"], state.get("results", {}))
-            result = await delegator.call(
-                agent, step["skill"], payload, tenant=state["tenant"], progress=progress
+            dispatcher = StepDispatcher(
+                delegator,
+                runtime.context,
+                step_id=step["id"],
+                skill=step["skill"],
+                payload=payload,
+                tenant=state["tenant"],
+                progress=progress,
             )
+            while True:
+                try:
+                    result = await dispatcher.run(agent)
+                    break
+                except NeedsHuman as exc:
+                    blocked = {"step": step["id"], "agent": agent.id, "op_id": exc.op_id, "why": exc.why}
+                    _emit("step.blocked", blocked, f"step {step['id']} needs a person: {exc.message}")
+                    # Parks the run (the checkpoint is durable, no process waits). When a person has
+                    # given the operation's outcome, the run resumes here and reads it from the ledger.
+                    interrupt(
+                        {"type": "needs_human", "awaited": exc.op_id, "step": step["id"], "why": exc.why}
+                    )
         except FleetError as exc:
             _emit("step.failed", {**_failure(step, exc), "agent": agent.id})
             return {
@@ -108,7 +129,7 @@ def build_graph(
     async def finish(state: GraphState) -> dict[str, Any]:
         return {}
 
-    builder: StateGraph[GraphState, Any, Any, Any] = StateGraph(GraphState)
+    builder: StateGraph[GraphState, RunScope, Any, Any] = StateGraph(GraphState, context_schema=RunScope)
     builder.add_node("route", route)
     builder.add_node("delegate", delegate)
     builder.add_node("finish", finish)

@@ -18,17 +18,10 @@ from starlette.routing import Route
 
 from coordinator.debug_bundle import bundle
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
+from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
-from fleet.tokens import Claims
 
 RUNS_PREFIX = "/v1/"
-
-
-def _claims(request: Request) -> Claims:
-    claims = request.scope.get("state", {}).get("claims")
-    if not isinstance(claims, Claims):
-        raise RuntimeError("run API reached without verified claims")
-    return claims
 
 
 def _run_json(run: Run) -> dict[str, Any]:
@@ -62,18 +55,18 @@ def run_routes(
     policy_revision: str,
 ) -> list[Route]:
     async def list_runs(request: Request) -> Response:
-        runs = await store.list_runs(_claims(request).tenant)
+        runs = await store.list_runs(request_claims(request).tenant)
         return JSONResponse({"runs": [_run_json(r) for r in runs]})
 
     async def get_run(request: Request) -> Response:
         try:
-            run = await store.get_run(request.path_params["run_id"], _claims(request).tenant)
+            run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
         except RunNotFound as exc:
             return _error(exc)
         return JSONResponse(_run_json(run))
 
     async def events(request: Request) -> Response:
-        tenant = _claims(request).tenant
+        tenant = request_claims(request).tenant
         run_id = request.path_params["run_id"]
         try:
             after = _cursor(request)
@@ -91,7 +84,7 @@ def run_routes(
 
     async def debug_bundle(request: Request) -> Response:
         try:
-            run = await store.get_run(request.path_params["run_id"], _claims(request).tenant)
+            run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
         except RunNotFound as exc:
             return _error(exc)
         files = await bundle(store, saver, run, policy_revision)

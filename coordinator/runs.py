@@ -76,6 +76,7 @@ class Run:
     last_seq: int
     lease_epoch: int
     cancel_requested: bool
+    wait: dict[str, Any] | None  # while waiting: type, awaited object, since, deadline, why
     created_at: dt.datetime
     updated_at: dt.datetime
 
@@ -122,6 +123,7 @@ CREATE TABLE IF NOT EXISTS fleet_runs.runs (
     lease_epoch      bigint NOT NULL DEFAULT 0,
     lease_expires_at timestamptz,
     cancel_requested boolean NOT NULL DEFAULT false,
+    wait             jsonb,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now()
 );
@@ -135,6 +137,7 @@ CREATE TABLE IF NOT EXISTS fleet_runs.events (
     payload jsonb NOT NULL DEFAULT '{}',
     PRIMARY KEY (run_id, seq)
 );
+ALTER TABLE fleet_runs.runs ADD COLUMN IF NOT EXISTS wait jsonb;
 """
 
 _FENCED_APPEND = """
@@ -147,7 +150,8 @@ WITH commit_mode AS (
 bump AS (
     UPDATE fleet_runs.runs
     SET last_seq = last_seq + 1, updated_at = now(),
-        state = COALESCE(%(state)s, state), reason = COALESCE(%(reason)s, reason)
+        state = COALESCE(%(state)s, state), reason = COALESCE(%(reason)s, reason),
+        wait = CASE WHEN %(state)s::text IS NULL THEN wait ELSE %(wait)s END
     WHERE run_id = %(run_id)s AND lease_epoch = %(epoch)s
       AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')
     RETURNING run_id, last_seq, cancel_requested
@@ -163,8 +167,46 @@ FROM inserted, bump
 
 _RUN_COLUMNS = (
     "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, cancel_requested,"
-    " created_at, updated_at"
+    " wait, created_at, updated_at"
 )
+
+
+async def fenced_append(
+    conn: psycopg.AsyncConnection[Any],
+    lease: Lease,
+    type_: str,
+    actor: str,
+    payload: Mapping[str, Any],
+    state: RunState | None = None,
+    reason: str | None = None,
+    durable: bool = True,
+    wait: Mapping[str, Any] | None = None,
+) -> tuple[int, bool]:
+    """Append one event to the run's log under ``lease``; return its seq and whether a cancel was
+    requested. Raise :class:`StaleLease` if the lease is no longer current or the run has ended.
+
+    One statement, so one round trip: the fenced bump of the run's sequence, the insert at that
+    number, and the wake-up for followers happen atomically (in the caller's transaction if it has
+    one open, so other writes can be bound to the same fence)."""
+    cursor = await conn.execute(
+        _FENCED_APPEND,
+        {
+            "state": state.value if state else None,
+            "reason": reason,
+            "run_id": lease.run_id,
+            "epoch": lease.epoch,
+            "type": type_,
+            "actor": actor,
+            "payload": Jsonb(dict(payload)),
+            "channel": NOTIFY_CHANNEL,
+            "relaxed_commit": None if durable else "off",
+            "wait": Jsonb(dict(wait)) if wait is not None else None,
+        },
+    )
+    row = await cursor.fetchone()
+    if row is None:
+        raise StaleLease(lease.run_id)
+    return int(row[0]), bool(row[1])
 
 
 def _run(row: Mapping[str, Any]) -> Run:
@@ -179,6 +221,7 @@ def _run(row: Mapping[str, Any]) -> Run:
         last_seq=row["last_seq"],
         lease_epoch=row["lease_epoch"],
         cancel_requested=row["cancel_requested"],
+        wait=row["wait"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
     )
@@ -383,7 +426,8 @@ class PostgresRunStore:
         (Postgres flushes it within ~200 ms, and any later durable write flushes it first). A crash
         of Postgres itself can lose the last such events, never a gap and never a transition.
         """
-        seq, cancel_requested = await self._write(lease, type_, actor, payload, None, None, durable)
+        async with self._pool.connection() as conn:
+            seq, cancel_requested = await fenced_append(conn, lease, type_, actor, payload, durable=durable)
         if cancel_requested:
             raise CancelRequested(lease.run_id)
         return seq
@@ -395,43 +439,21 @@ class PostgresRunStore:
         actor: str,
         payload: Mapping[str, Any],
         reason: str | None = None,
+        wait: Mapping[str, Any] | None = None,
     ) -> int:
-        """Move the run to ``state`` and record it as an event, atomically."""
-        event = {"state": state.value, **({"reason": reason} if reason else {}), **payload}
-        seq, _ = await self._write(lease, f"run.{state.value}", actor, event, state, reason, True)
-        return seq
-
-    async def _write(
-        self,
-        lease: Lease,
-        type_: str,
-        actor: str,
-        payload: Mapping[str, Any],
-        state: RunState | None,
-        reason: str | None,
-        durable: bool,
-    ) -> tuple[int, bool]:
-        # One statement, so one round trip and one commit: the fenced bump of the run's sequence, the
-        # insert at that number, and the wake-up for followers all happen atomically.
+        """Move the run to ``state`` and record it as an event, atomically. ``wait`` is the wait
+        record of a run that goes to ``waiting``; any other transition clears it."""
+        event = {
+            "state": state.value,
+            **({"reason": reason} if reason else {}),
+            **({"wait": dict(wait)} if wait else {}),
+            **payload,
+        }
         async with self._pool.connection() as conn:
-            cursor = await conn.execute(
-                _FENCED_APPEND,
-                {
-                    "state": state.value if state else None,
-                    "reason": reason,
-                    "run_id": lease.run_id,
-                    "epoch": lease.epoch,
-                    "type": type_,
-                    "actor": actor,
-                    "payload": Jsonb(dict(payload)),
-                    "channel": NOTIFY_CHANNEL,
-                    "relaxed_commit": None if durable else "off",
-                },
+            seq, _ = await fenced_append(
+                conn, lease, f"run.{state.value}", actor, event, state, reason, wait=wait
             )
-            row = await cursor.fetchone()
-        if row is None:
-            raise StaleLease(lease.run_id)
-        return int(row[0]), bool(row[1])
+        return seq
 
     async def events_after(
         self, run_id: str, tenant: str, after_seq: int, limit: int = 500

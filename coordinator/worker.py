@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable
@@ -22,6 +23,7 @@ import psycopg
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph.state import CompiledStateGraph
+from langgraph.types import Command, StateSnapshot
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
@@ -32,7 +34,9 @@ from starlette.routing import Route
 
 from coordinator import work
 from coordinator.delegation import Delegator
+from coordinator.dispatch import RunScope
 from coordinator.graph import build_graph, checkpoint_pool
+from coordinator.operations import Ledger
 from coordinator.runs import (
     CancelRequested,
     Lease,
@@ -89,11 +93,13 @@ class RunWorker:
         self,
         graph: CompiledStateGraph[Any, Any, Any, Any],
         store: PostgresRunStore,
+        ledger: Ledger,
         worker_id: str,
         lease_ttl_s: float,
     ) -> None:
         self._graph = graph
         self._store = store
+        self._ledger = ledger
         self._id = worker_id
         self._ttl = lease_ttl_s
 
@@ -123,6 +129,10 @@ class RunWorker:
             return
         if run.state.terminal:
             await self.prune(run_id)
+            await message.ack()
+            return
+        if run.state == RunState.WAITING:
+            # Parked for a person: nothing to do until a resolution re-submits it.
             await message.ack()
             return
         lease = await self._store.acquire_lease(run_id, self._id, self._ttl)
@@ -182,17 +192,28 @@ class RunWorker:
     async def _advance(self, run: Run, lease: Lease, signals: RunSignals) -> None:
         config: RunnableConfig = {"configurable": {"thread_id": run.run_id}}
         snapshot = await self._graph.aget_state(config)
-        graph_input: dict[str, Any] | None = _initial_state(run)
-        if snapshot.next:
+        graph_input: dict[str, Any] | Command[Any] | None = _initial_state(run)
+        if snapshot.interrupts:
+            # A person answered what the run waited for: resume the waiting node, which reads the
+            # answer from where it was recorded (the operations ledger).
+            graph_input = Command(resume={"resumed_by": self._id})
+            await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
+        elif snapshot.next:
             graph_input = None  # resume from the checkpoint: finished nodes are not redone
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
         if run.state == RunState.SUBMITTED:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
+        scope = RunScope(self._ledger, lease, self._id)
         try:
             if snapshot.values and not snapshot.next:
                 final = dict(snapshot.values)  # the graph finished before the outcome was recorded
             else:
-                final = await _unless(signals, self._stream(graph_input, config, lease), run.run_id)
+                streamed = self._stream(graph_input, config, lease, scope)
+                parked = await _unless(signals, streamed, run.run_id)
+                if parked.interrupts:
+                    await self._park(lease, parked.interrupts[0].value)
+                    return
+                final = dict(parked.values)
         except (StaleLease, CancelRequested, psycopg.OperationalError):
             raise  # not the run's fault: lease lost, canceled, or the database is unreachable
         except Exception:
@@ -223,10 +244,29 @@ class RunWorker:
         except Exception:  # pruning is housekeeping: never fail a finished run over it
             log.warning("could not prune the checkpoints of run %s", run_id, exc_info=True)
 
+    async def _park(self, lease: Lease, awaited: Any) -> None:
+        """Record that the run waits (what for, since when) and let go of it: no process waits."""
+        request = dict(awaited) if isinstance(awaited, dict) else {"type": "input", "awaited": str(awaited)}
+        now = dt.datetime.now(dt.UTC).isoformat()
+        wait = {
+            "type": request.get("type", "input"),
+            "awaited": request.get("awaited"),
+            "since": now,
+            "last_activity": now,
+            "deadline": request.get("deadline"),
+            "detail": request,
+        }
+        text = f"waiting for a person: {request.get('why', wait['type'])}"
+        await self._store.transition(lease, RunState.WAITING, self._id, {"text": text}, wait=wait)
+
     async def _stream(
-        self, graph_input: dict[str, Any] | None, config: RunnableConfig, lease: Lease
-    ) -> dict[str, Any]:
-        stream = self._graph.astream(graph_input, config, stream_mode="custom", version="v2")
+        self,
+        graph_input: dict[str, Any] | Command[Any] | None,
+        config: RunnableConfig,
+        lease: Lease,
+        scope: RunScope,
+    ) -> StateSnapshot:
+        stream = self._graph.astream(graph_input, config, stream_mode="custom", version="v2", context=scope)
         # An async generator at run time (typed as an iterator): stopping early must stop the graph.
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for part in stream:
@@ -237,7 +277,7 @@ class RunWorker:
                 # Only progress chatter may skip the WAL flush; step boundaries are durable.
                 durable = report["event"] != "step.progress"
                 await self._store.append(lease, report["event"], self._id, payload, durable=durable)
-        return dict((await self._graph.aget_state(config)).values)
+        return await self._graph.aget_state(config)
 
     async def _record_outcome(self, final: dict[str, Any], lease: Lease) -> None:
         failure = final.get("failure")
@@ -305,9 +345,11 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     )
     saver = AsyncPostgresSaver(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
+    ledger = Ledger(run_pool)
     worker = RunWorker(
         build_graph(Delegator(registry, http), saver),
         store,
+        ledger,
         worker_id=f"{settings.service_id}:{os.getpid()}",
         lease_ttl_s=settings.lease_ttl_s,
     )
@@ -326,6 +368,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await stack.enter_async_context(run_pool)
             await saver.setup()
             await store.setup()
+            await ledger.setup()
             nc = await connect(settings.nats_url, settings.service_id)
             stack.push_async_callback(nc.drain)
             # One pull subscription per consumer task: they must not share an inbox.

@@ -38,6 +38,14 @@ SERVICES: tuple[ServiceSpec, ...] = (
         database="fleet_data",
     ),
     ServiceSpec(
+        "mcp-cases",
+        "mcp_server",
+        "mcp_servers.cases.server:main",
+        scopes=("registry:read", "registry:write"),
+        mcp_path="/mcp",
+        database="fleet_data",
+    ),
+    ServiceSpec(
         "sql-analyst",
         "specialist",
         "specialists.sql_analyst.agent:main",
@@ -48,6 +56,12 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "specialist",
         "specialists.stats.agent:main",
         scopes=("registry:read", "registry:write"),
+    ),
+    ServiceSpec(
+        "case-desk",
+        "specialist",
+        "specialists.case_desk.agent:main",
+        scopes=("registry:read", "registry:write", "cases:write"),
     ),
     ServiceSpec(
         "coordinator",

@@ -18,6 +18,7 @@ from a2a.server.routes import (
 from a2a.types import (
     AgentCapabilities,
     AgentCard,
+    AgentExtension,
     AgentInterface,
     AgentSkill,
     ClientCredentialsOAuthFlow,
@@ -124,6 +125,14 @@ class ClaimsContextBuilder(DefaultServerCallContextBuilder):
         return context
 
 
+def request_claims(request: Request) -> Claims:
+    """The verified claims of a plain HTTP request behind :class:`BearerAuthMiddleware`."""
+    claims = request.scope.get("state", {}).get("claims")
+    if not isinstance(claims, Claims):
+        raise RuntimeError("a protected route was reached without verified claims")
+    return claims
+
+
 def claims_of(context: ServerCallContext | None) -> Claims:
     """The verified claims of the current A2A call (the auth middleware guarantees them)."""
     claims = context.state.get("claims") if context is not None else None
@@ -142,6 +151,7 @@ def build_card(
     token_url: str,
     required_scope: str,
     streaming: bool = True,
+    extensions: Sequence[AgentExtension] = (),
 ) -> AgentCard:
     """An unsigned card for an agent served at ``base_url`` behind bearer-JWT auth.
 
@@ -154,7 +164,7 @@ def build_card(
         supported_interfaces=[
             AgentInterface(url=base_url + RPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0")
         ],
-        capabilities=AgentCapabilities(streaming=streaming),
+        capabilities=AgentCapabilities(streaming=streaming, extensions=list(extensions)),
         default_input_modes=["text/plain", "application/json"],
         default_output_modes=["text/plain", "application/json"],
         security_schemes={
@@ -234,5 +244,6 @@ __all__ = [
     "a2a_app",
     "build_card",
     "claims_of",
+    "request_claims",
     "sign_card",
 ]

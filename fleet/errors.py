@@ -20,6 +20,8 @@ class ErrorCode(StrEnum):
     SPECIALIST_UNAVAILABLE = "specialist_unavailable"
     SPECIALIST_FAILED = "specialist_failed"
     TOOL_FAILED = "tool_failed"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    NEEDS_HUMAN = "needs_human"
     POLICY_DENIED = "policy_denied"
     POLICY_UNAVAILABLE = "policy_unavailable"
     CARD_INVALID = "card_invalid"
@@ -40,6 +42,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SPECIALIST_UNAVAILABLE: 502,
     ErrorCode.SPECIALIST_FAILED: 502,
     ErrorCode.TOOL_FAILED: 502,
+    ErrorCode.OUTCOME_UNKNOWN: 502,
+    ErrorCode.NEEDS_HUMAN: 409,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,

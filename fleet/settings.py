@@ -45,6 +45,11 @@ class ServiceSettings(BaseSettings):
     operator_jwk_file: Path | None = None
     policy_dir: Path | None = None
     log_level: str = "info"
+    state_dir: Path | None = Field(default=None, description="where this service keeps local state")
+
+    def local_state_dir(self) -> Path:
+        """Local durable state of this service (e.g. a specialist's operation journal)."""
+        return self.state_dir or self.home / "state" / self.service_id
 
     @classmethod
     def from_env(cls, service_id: str) -> Self:

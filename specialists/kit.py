@@ -12,9 +12,11 @@ registration, an MCP client that mints a token per server and tenant, and progre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,22 +28,35 @@ from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
-from a2a.types import AgentSkill, InvalidParamsError, TaskState
+from a2a.types import AgentSkill, InvalidParamsError, Message, TaskState
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from fleet.a2a_support import (
+    RPC_PATH,
     a2a_app,
     build_card,
     claims_of,
+    request_claims,
     sign_card,
 )
 from fleet.errors import ErrorCode, FleetError
+from fleet.operation_ext import (
+    MAX_WAIT_S,
+    OPERATION_METADATA_KEY,
+    OPERATIONS_PATH,
+    args_hash,
+    operations_extension,
+)
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
 from registry import RegistryClient
+from specialists.journal import Journal, JournalStatus
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +67,14 @@ class SkillError(FleetError):
     """A skill could not do its work; the task fails with this code and message."""
 
 
+class OutcomeUnknown(SkillError):
+    """A tool call's outcome cannot be known (it timed out and the tool cannot be asked): the
+    operation ends ``uncertain`` and a person has to look."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.OUTCOME_UNKNOWN, message)
+
+
 @dataclass(frozen=True, slots=True)
 class SkillContext:
     """What a skill function gets besides its input."""
@@ -59,10 +82,16 @@ class SkillContext:
     claims: Claims
     tools: Toolbox
     progress: Callable[[str], Awaitable[None]]
+    operation_id: str | None = None
 
     @property
     def tenant(self) -> str:
         return self.claims.tenant
+
+    def idempotency_key(self, name: str) -> str:
+        """A key for one effect of this operation: the same on every execution of the same
+        operation, so the tool can refuse to repeat the effect."""
+        return f"{self.operation_id or uuid.uuid4().hex}/{name}"
 
 
 SkillFunction = Callable[[SkillContext, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -75,6 +104,9 @@ class Skill:
     description: str
     run: SkillFunction
     tags: tuple[str, ...] = ()
+    # Safe to run again under the same operation id after an interruption: every effect it has is
+    # made with an idempotency key (``SkillContext.idempotency_key``) that the tool honours.
+    idempotent: bool = False
 
     def card_skill(self) -> AgentSkill:
         return AgentSkill(id=self.id, name=self.name, description=self.description, tags=list(self.tags))
@@ -99,13 +131,25 @@ class Toolbox:
         self._http = http
 
     async def call(
-        self, server_id: str, tool: str, arguments: dict[str, Any], *, tenant: str, scopes: Sequence[str]
+        self,
+        server_id: str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        tenant: str,
+        scopes: Sequence[str],
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
+        """Call ``tool``; a call that exceeds ``timeout_s`` raises :class:`TimeoutError` (its outcome
+        is then unknown to the caller: the tool may still complete it)."""
         server = await self._registry.mcp_server(server_id)
         token = await self._registry.tokens.token(server.audience, tenant, scopes)
         reset = _current_token.set(token)
         try:
-            async with Client(streamable_http_client(server.url, http_client=self._http)) as client:
+            async with (
+                asyncio.timeout(timeout_s),
+                Client(streamable_http_client(server.url, http_client=self._http)) as client,
+            ):
                 result = await client.call_tool(tool, arguments)
         except* (MCPError, httpx2.HTTPError) as group:
             raise SkillError(
@@ -120,11 +164,14 @@ class Toolbox:
 
 
 class SkillExecutor(AgentExecutor):
-    """Runs one skill per task. The request is a data part ``{"skill": ID, "input": {...}}``."""
+    """Runs one skill per task. The request is a data part ``{"skill": ID, "input": {...}}``; with an
+    operation id in the message metadata, the operation runs at most once (see
+    :mod:`fleet.operation_ext`) and its outcome is kept in the journal."""
 
-    def __init__(self, skills: Sequence[Skill], tools: Toolbox) -> None:
+    def __init__(self, skills: Sequence[Skill], tools: Toolbox, journal: Journal) -> None:
         self._skills = {skill.id: skill for skill in skills}
         self._tools = tools
+        self._journal = journal
 
     def _parse(self, context: RequestContext) -> tuple[Skill, dict[str, Any]]:
         message = context.message
@@ -143,6 +190,7 @@ class SkillExecutor(AgentExecutor):
         skill, payload = self._parse(context)
         claims = claims_of(context.call_context)
         assert context.message is not None
+        op_id = _operation_of(context.message)
         task = context.current_task or new_task_from_user_message(context.message)
         if context.current_task is None:
             await event_queue.enqueue_event(task)
@@ -154,25 +202,109 @@ class SkillExecutor(AgentExecutor):
                 TaskState.TASK_STATE_WORKING, message=updater.new_agent_message([new_text_part(text)])
             )
 
+        if op_id is None:
+            outcome = await self._run(skill, SkillContext(claims, self._tools, progress), payload)
+        else:
+            outcome = await self._run_once(skill, claims, op_id, payload, progress)
+        status, result, error = outcome
+        if status == JournalStatus.SUCCEEDED:
+            await updater.add_artifact([new_data_part(result or {})], name=skill.id, last_chunk=True)
+            await updater.complete()
+        else:
+            assert error is not None
+            text = f"[{error['code']}] {error['message']}"
+            await updater.failed(
+                updater.new_agent_message([new_text_part(text), new_data_part({"error": error})])
+            )
+
+    async def _run_once(
+        self,
+        skill: Skill,
+        claims: Claims,
+        op_id: str,
+        payload: dict[str, Any],
+        progress: Callable[[str], Awaitable[None]],
+    ) -> Outcome:
+        """Run the operation unless the journal knows it: then answer with what it recorded."""
+        digest = args_hash({"skill": skill.id, "input": payload})
+        entry = self._journal.get(claims.tenant, op_id)
+        if entry.status == JournalStatus.RUNNING:  # the same operation, sent again: join it
+            entry = await self._journal.wait(claims.tenant, op_id, timeout_s=3600)
+        if entry.status != JournalStatus.UNKNOWN and entry.args_hash != digest:
+            message = f"operation {op_id} was already used with other arguments"
+            return JournalStatus.FAILED, None, {"code": str(ErrorCode.CONFLICT), "message": message}
+        if entry.status in (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN):
+            log.info("operation %s answered from the journal (%s)", op_id, entry.status)
+            return entry.status, entry.result, entry.error
+        if entry.status == JournalStatus.INTERRUPTED and not skill.idempotent:
+            message = f"{skill.id} was interrupted mid-way and is not safe to repeat"
+            unsafe = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": message}
+            self._journal.finish(claims.tenant, op_id, JournalStatus.UNCERTAIN, error=unsafe)
+            return JournalStatus.UNCERTAIN, None, unsafe
+        self._journal.begin(claims.tenant, op_id, skill.id, digest)
         try:
-            result = await skill.run(SkillContext(claims, self._tools, progress), payload)
+            outcome = await self._run(skill, SkillContext(claims, self._tools, progress, op_id), payload)
+        except BaseException:  # cancelled mid-way: its effects may be partial
+            stopped = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": f"{skill.id} was stopped mid-way"}
+            self._journal.finish(claims.tenant, op_id, JournalStatus.UNCERTAIN, error=stopped)
+            raise
+        status, result, error = outcome
+        self._journal.finish(claims.tenant, op_id, status, result=result, error=error)
+        return outcome
+
+    @staticmethod
+    async def _run(skill: Skill, context: SkillContext, payload: dict[str, Any]) -> Outcome:
+        try:
+            result = await skill.run(context, payload)
+        except OutcomeUnknown as exc:
+            log.warning("skill %s could not confirm an effect: %s", skill.id, exc)
+            return JournalStatus.UNCERTAIN, None, {"code": str(exc.code), "message": exc.message}
         except FleetError as exc:
             log.info("skill %s failed: %s", skill.id, exc)
-            await updater.failed(updater.new_agent_message([new_text_part(f"[{exc.code}] {exc.message}")]))
-            return
+            return JournalStatus.FAILED, None, {"code": str(exc.code), "message": exc.message}
         except Exception:
             log.exception("skill %s crashed", skill.id)
-            await updater.failed(
-                updater.new_agent_message([new_text_part(f"[{ErrorCode.INTERNAL}] {skill.id} crashed")])
+            return (
+                JournalStatus.FAILED,
+                None,
+                {"code": str(ErrorCode.INTERNAL), "message": f"{skill.id} crashed"},
             )
-            return
-        await updater.add_artifact([new_data_part(result)], name=skill.id, last_chunk=True)
-        await updater.complete()
+        return JournalStatus.SUCCEEDED, result, None
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
         if context.current_task is not None:
             updater = TaskUpdater(event_queue, context.current_task.id, context.current_task.context_id)
             await updater.cancel()
+
+
+Outcome = tuple[JournalStatus, dict[str, Any] | None, dict[str, Any] | None]
+
+
+def _operation_of(message: Message) -> str | None:
+    value = message.metadata.fields.get(OPERATION_METADATA_KEY) if message.HasField("metadata") else None
+    if value is None or not value.string_value:
+        return None
+    op_id = value.string_value
+    if len(op_id) > 200 or not op_id.isprintable():
+        raise InvalidParamsError(message=f"{OPERATION_METADATA_KEY} must be a short printable string")
+    return op_id
+
+
+def operation_routes(journal: Journal) -> list[Route]:
+    """``GET /v1/operations/{id}[?wait=S]``: what became of an operation (for the caller's tenant)."""
+
+    async def status(request: Request) -> JSONResponse:
+        claims = request_claims(request)
+        op_id = request.path_params["op_id"]
+        try:
+            wait_s = min(float(request.query_params.get("wait", "0")), MAX_WAIT_S)
+        except ValueError:
+            error = FleetError(ErrorCode.INVALID_REQUEST, "wait must be a number of seconds")
+            return JSONResponse({"error": error.to_dict()}, status_code=error.http_status)
+        entry = await journal.wait(claims.tenant, op_id, max(wait_s, 0.0))
+        return JSONResponse(entry.to_json())
+
+    return [Route(OPERATIONS_PATH + "/{op_id}", status)]
 
 
 def build_specialist_app(
@@ -194,10 +326,12 @@ def build_specialist_app(
         skills=[s.card_skill() for s in skills],
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
+        extensions=[operations_extension(settings.public_url)],
     )
+    journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
     handler = DefaultRequestHandler(
-        agent_executor=SkillExecutor(skills, Toolbox(registry, mcp_http)),
+        agent_executor=SkillExecutor(skills, Toolbox(registry, mcp_http), journal),
         task_store=InMemoryTaskStore(),
         agent_card=card,
     )
@@ -211,6 +345,7 @@ def build_specialist_app(
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
             await stack.enter_async_context(mcp_http)
+            stack.callback(journal.close)
             stack.push_async_callback(handler.aclose)  # runs before the clients close
             await stack.enter_async_context(start_in_background(readiness, start))
             yield
@@ -222,6 +357,8 @@ def build_specialist_app(
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
+        extra_routes=operation_routes(journal),
+        protected_prefixes=(RPC_PATH, OPERATIONS_PATH),
     )
 
 

@@ -33,6 +33,7 @@ from mcp_servers._base import (
     build_app,
     new_http,
 )
+from mcp_servers._pg import discard_session_state, pg_message
 from mcp_servers.sql._schema import READER_ROLE, TENANT_SETTING, ensure_schema, seed_demo_data
 from policy import RegorusEngine
 from registry import RegistryClient
@@ -93,7 +94,7 @@ class SqlTools:
                     rows = await cursor.fetchmany(self._settings.max_rows + 1)
                 except psycopg.Error as exc:
                     raise ToolError(
-                        f"[invalid_request] the database refused the query: {_pg_message(exc)}"
+                        f"[invalid_request] the database refused the query: {pg_message(exc)}"
                     ) from exc
                 columns = [column.name for column in cursor.description or []]
         truncated = len(rows) > self._settings.max_rows
@@ -104,19 +105,6 @@ class SqlTools:
             row_count=len(rows),
             truncated=truncated,
         )
-
-
-async def _discard_session_state(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Runs whenever a connection returns to the pool: nothing one call set survives it."""
-    await conn.set_autocommit(True)  # DISCARD ALL cannot run inside a transaction
-    await conn.execute("DISCARD ALL")
-    await conn.set_autocommit(False)
-
-
-def _pg_message(exc: psycopg.Error) -> str:
-    diag = getattr(exc, "diag", None)
-    primary = getattr(diag, "message_primary", None) if diag is not None else None
-    return str(primary or type(exc).__name__)
 
 
 def build_server(
@@ -162,7 +150,7 @@ def build_app_for(settings: SqlServerSettings) -> Starlette:
         max_size=10,
         open=False,
         kwargs={"prepare_threshold": None},
-        reset=_discard_session_state,
+        reset=discard_session_state,
     )
     mcp = build_server(settings, registry, engine, SqlTools(pool, settings))
     readiness = Readiness(settings.service_id, "mcp_server")

@@ -1,0 +1,194 @@
+"""Delegating a step as a ledgered operation: intent, dispatch, result; and, for an operation that a
+crashed worker left pending, reconciliation with the agent before anything is sent again.
+
+The rules, in order of precedence:
+
+- an operation whose outcome is recorded is never sent again (a replay returns the recorded result);
+- a pending operation is first asked about (by its id, with the agent that received it);
+- it is sent again only when the agent says it never received it, or that it was interrupted (the
+  agent then runs it again only if its skill is declared safe to repeat, and says ``uncertain`` if not);
+- an outcome nobody can establish makes the operation ``needs_human``, and the run waits for a person.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.delegation import CallInterrupted, Delegator, Progress
+from coordinator.operations import Ledger, Operation, OpStatus, operation_id
+from coordinator.runs import Lease
+from fleet.crashpoints import crash_point
+from fleet.errors import ErrorCode, FleetError
+from fleet.operation_ext import MAX_WAIT_S, args_hash
+from registry import AgentRecord
+
+log = logging.getLogger(__name__)
+
+RECONCILE_ATTEMPTS = 5  # tries to reach an agent that is down before a person is asked
+RECONCILE_BACKOFF_S = 2.0
+MAX_REDISPATCHES = 3  # sends of one operation in one attempt before a person is asked
+
+
+@dataclass(frozen=True, slots=True)
+class RunScope:
+    """What the graph's nodes need from the worker advancing the run (never checkpointed)."""
+
+    ledger: Ledger
+    lease: Lease
+    actor: str
+
+
+class NeedsHuman(FleetError):
+    """An operation's outcome cannot be established: a person has to say what happened."""
+
+    def __init__(self, op_id: str, why: str) -> None:
+        super().__init__(ErrorCode.NEEDS_HUMAN, f"operation {op_id}: {why}")
+        self.op_id = op_id
+        self.why = why
+
+
+def _error_of(exc: FleetError) -> dict[str, Any]:
+    return {"code": str(exc.code), "message": exc.message}
+
+
+class StepDispatcher:
+    """Runs one step of one run through the ledger."""
+
+    def __init__(
+        self,
+        delegator: Delegator,
+        scope: RunScope,
+        *,
+        step_id: str,
+        skill: str,
+        payload: dict[str, Any],
+        tenant: str,
+        progress: Progress,
+    ) -> None:
+        self._delegator = delegator
+        self._ledger = scope.ledger
+        self._lease = scope.lease
+        self._actor = scope.actor
+        self._step_id = step_id
+        self._skill = skill
+        self._payload = payload
+        self._tenant = tenant
+        self._progress = progress
+        self._redispatches = 0
+
+    @property
+    def _args(self) -> dict[str, Any]:
+        return {"skill": self._skill, "input": self._payload}
+
+    async def run(self, agent: AgentRecord) -> dict[str, Any]:
+        """The step's result, sending it to ``agent`` at most as often as the rules above allow."""
+        op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
+        if op is None:
+            crash_point("worker.before_intent")
+            op = await self._ledger.record_intent(
+                self._lease,
+                self._actor,
+                step_id=self._step_id,
+                kind="delegate",
+                target=agent.id,
+                args=self._args,
+            )
+            crash_point("worker.after_intent")
+            return await self._dispatch(op, agent)
+        if op.args_hash != args_hash(self._args):
+            raise NeedsHuman(op.op_id, "the step was replayed with other arguments than were sent")
+        if op.status == OpStatus.SUCCEEDED:
+            return dict(op.result or {})
+        if op.status == OpStatus.FAILED:
+            error = op.error or {}
+            code = ErrorCode(error.get("code", ErrorCode.SPECIALIST_FAILED))
+            raise FleetError(code, str(error.get("message", "the operation failed")))
+        if op.status == OpStatus.NEEDS_HUMAN:
+            raise NeedsHuman(op.op_id, str((op.error or {}).get("message", "its outcome is unknown")))
+        # Pending: a worker died between sending it and recording what came of it. Only the agent
+        # that received it can say, whatever routing would pick today.
+        return await self._reconcile(op, await self._delegator.agent(op.target))
+
+    async def _dispatch(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
+        try:
+            result = await self._delegator.call(
+                agent,
+                self._skill,
+                self._payload,
+                tenant=self._tenant,
+                progress=self._progress,
+                operation_id=op.op_id,
+            )
+        except CallInterrupted:
+            return await self._reconcile(op, agent)
+        except FleetError as exc:
+            if exc.code == ErrorCode.OUTCOME_UNKNOWN:
+                await self._needs_human(op, exc.message)
+            await self._record(op, OpStatus.FAILED, error=_error_of(exc))
+            raise
+        crash_point("worker.before_result")
+        await self._record(op, OpStatus.SUCCEEDED, result=result)
+        return result
+
+    async def _reconcile(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
+        await self._progress(f"asking {agent.id} what became of operation {op.op_id}")
+        unreachable = 0
+        while True:
+            try:
+                status = await self._delegator.operation_status(
+                    agent, op.op_id, tenant=self._tenant, wait_s=MAX_WAIT_S
+                )
+            except FleetError as exc:
+                if exc.code != ErrorCode.SPECIALIST_UNAVAILABLE or unreachable >= RECONCILE_ATTEMPTS:
+                    await self._needs_human(op, f"{agent.id} could not be asked: {exc.message}")
+                unreachable += 1
+                await asyncio.sleep(RECONCILE_BACKOFF_S * unreachable)
+                continue
+            if status is None:
+                await self._needs_human(op, f"{agent.id} cannot report on operations")
+            assert status is not None
+            log.info("operation %s at %s: %s", op.op_id, agent.id, status["status"])
+            match status["status"]:
+                case "running":
+                    continue  # the agent is still at it; the wait was a long poll
+                case "succeeded":
+                    result = status.get("result") or {}
+                    await self._record(op, OpStatus.SUCCEEDED, result=result)
+                    return dict(result)
+                case "failed":
+                    error = status.get("error") or {"code": ErrorCode.SPECIALIST_FAILED, "message": "failed"}
+                    await self._record(op, OpStatus.FAILED, error=error)
+                    raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id}: {error.get('message')}")
+                case "unknown" | "interrupted":
+                    # Never received, or cut short: send it again under the same id (the agent
+                    # decides whether a repeat is safe, and says "uncertain" if it is not).
+                    self._redispatches += 1
+                    if self._redispatches > MAX_REDISPATCHES:
+                        await self._needs_human(op, f"sent {MAX_REDISPATCHES} times without an answer")
+                    await self._ledger.retry(self._lease, self._actor, op.op_id)
+                    return await self._dispatch(op, agent)
+                case _:
+                    error = status.get("error") or {}
+                    await self._needs_human(
+                        op, str(error.get("message", "the agent cannot tell what happened"))
+                    )
+
+    async def _record(
+        self,
+        op: Operation,
+        status: OpStatus,
+        *,
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        await self._ledger.record_outcome(
+            self._lease, self._actor, op.op_id, status, result=result, error=error
+        )
+
+    async def _needs_human(self, op: Operation, why: str) -> None:
+        error = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why}
+        await self._record(op, OpStatus.NEEDS_HUMAN, error=error)
+        raise NeedsHuman(op.op_id, why)

@@ -1,0 +1,248 @@
+"""The operations ledger: every external effect of a run, recorded before and after it happens.
+
+An operation is one dispatch of work to something outside the run (today: a step delegated to a
+specialist). Its id is derived from the run and the step, so a replay of the same step after a crash
+finds the same operation instead of making a new one, and it is bound to a hash of its exact
+arguments. The protocol:
+
+1. record the intent (``pending``) durably, fenced by the run's lease, before anything is sent;
+2. dispatch with the operation id as the idempotency key;
+3. record the result (``succeeded`` / ``failed``) before the run goes on.
+
+A worker that finds a ``pending`` operation (its predecessor died between 1 and 3) reconciles it with
+the target by operation id before anything is retried; if the target cannot say what happened, the
+operation becomes ``needs_human`` and the run waits for a person.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from coordinator.runs import Lease, fenced_append
+from fleet.errors import ErrorCode, FleetError
+from fleet.operation_ext import args_hash
+
+_NAMESPACE = uuid.UUID("0b5c7a52-4d8e-4c8e-9a55-3f1f6f0e2a10")
+
+
+class OpStatus(StrEnum):
+    PENDING = "pending"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    NEEDS_HUMAN = "needs_human"
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS fleet_runs.operations (
+    op_id      text PRIMARY KEY,
+    run_id     text NOT NULL REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE,
+    step_id    text NOT NULL,
+    kind       text NOT NULL,
+    target     text NOT NULL,
+    args_hash  text NOT NULL,
+    args       jsonb NOT NULL,
+    status     text NOT NULL,
+    result     jsonb,
+    error      jsonb,
+    attempts   integer NOT NULL DEFAULT 1,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS operations_by_run ON fleet_runs.operations (run_id, created_at);
+"""
+
+_COLUMNS = (
+    "op_id, run_id, step_id, kind, target, args_hash, args, status, result, error, attempts,"
+    " created_at, updated_at"
+)
+
+
+def operation_id(run_id: str, step_id: str) -> str:
+    """The same run and step always give the same id: a replay finds the operation it made before."""
+    return "op-" + uuid.uuid5(_NAMESPACE, f"{run_id}/{step_id}").hex
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    op_id: str
+    run_id: str
+    step_id: str
+    kind: str
+    target: str
+    args_hash: str
+    args: dict[str, Any]
+    status: OpStatus
+    result: dict[str, Any] | None
+    error: dict[str, Any] | None
+    attempts: int
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "op_id": self.op_id,
+            "run_id": self.run_id,
+            "step_id": self.step_id,
+            "kind": self.kind,
+            "target": self.target,
+            "args_hash": self.args_hash,
+            "status": self.status.value,
+            "error": self.error,
+            "attempts": self.attempts,
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+        }
+
+
+def _operation(row: Mapping[str, Any]) -> Operation:
+    return Operation(**{**row, "status": OpStatus(row["status"])})
+
+
+class OperationConflict(FleetError):
+    """A step was replayed with other arguments than the operation recorded for it: the run is not
+    deterministic, and nothing is sent until a person looks."""
+
+    def __init__(self, op_id: str) -> None:
+        super().__init__(ErrorCode.CONFLICT, f"operation {op_id} was recorded with other arguments")
+
+
+class Ledger:
+    """Operations in Postgres, next to the runs. Every write is fenced by the run's lease and
+    recorded in the run's event log in the same transaction."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self._pool = pool
+
+    async def setup(self) -> None:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.runs.schema'))")
+            await conn.execute(SCHEMA)
+
+    async def get(self, op_id: str) -> Operation | None:
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(f"SELECT {_COLUMNS} FROM fleet_runs.operations WHERE op_id = %s", (op_id,))
+            row = await cursor.fetchone()
+        return _operation(row) if row else None
+
+    async def for_run(self, run_id: str) -> list[Operation]:
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                f"SELECT {_COLUMNS} FROM fleet_runs.operations WHERE run_id = %s ORDER BY created_at, op_id",
+                (run_id,),
+            )
+            return [_operation(row) for row in await cursor.fetchall()]
+
+    async def record_intent(
+        self,
+        lease: Lease,
+        actor: str,
+        *,
+        step_id: str,
+        kind: str,
+        target: str,
+        args: dict[str, Any],
+    ) -> Operation:
+        """Record that the run is about to dispatch ``args`` to ``target`` (durable when this
+        returns). Idempotent for the same step and arguments; other arguments are a conflict."""
+        op_id = operation_id(lease.run_id, step_id)
+        digest = args_hash(args)
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                f"INSERT INTO fleet_runs.operations (op_id, run_id, step_id, kind, target, args_hash,"
+                f" args, status) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (op_id) DO NOTHING"
+                f" RETURNING {_COLUMNS}",
+                (op_id, lease.run_id, step_id, kind, target, digest, Jsonb(args), OpStatus.PENDING.value),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                await cursor.execute(
+                    f"SELECT {_COLUMNS} FROM fleet_runs.operations WHERE op_id = %s", (op_id,)
+                )
+                row = await cursor.fetchone()
+                assert row is not None
+                if row["args_hash"] != digest:
+                    raise OperationConflict(op_id)
+                return _operation(row)
+            payload = {"op_id": op_id, "step": step_id, "kind": kind, "target": target, "args_hash": digest}
+            await fenced_append(conn, lease, "operation.intent", actor, payload)
+        return _operation(row)
+
+    async def record_outcome(
+        self,
+        lease: Lease,
+        actor: str,
+        op_id: str,
+        status: OpStatus,
+        *,
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        """Record what became of a pending operation (its result or error), with its event."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.operations SET status = %s, result = %s, error = %s, updated_at = now()"
+                " WHERE op_id = %s AND run_id = %s RETURNING step_id",
+                (
+                    status.value,
+                    Jsonb(result) if result is not None else None,
+                    Jsonb(error) if error is not None else None,
+                    op_id,
+                    lease.run_id,
+                ),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                raise FleetError(ErrorCode.NOT_FOUND, f"no operation {op_id} in run {lease.run_id}")
+            payload: dict[str, Any] = {"op_id": op_id, "step": row[0]}
+            if error is not None:
+                payload["error"] = error
+            await fenced_append(conn, lease, f"operation.{status.value}", actor, payload)
+
+    async def retry(self, lease: Lease, actor: str, op_id: str) -> None:
+        """Send a pending operation again (after its target said it never received it)."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.operations SET attempts = attempts + 1, updated_at = now()"
+                " WHERE op_id = %s AND run_id = %s AND status = 'pending' RETURNING attempts",
+                (op_id, lease.run_id),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                raise FleetError(ErrorCode.CONFLICT, f"operation {op_id} is not pending")
+            await fenced_append(
+                conn, lease, "operation.redispatch", actor, {"op_id": op_id, "attempt": row[0]}
+            )
+
+    async def resolve(self, run_id: str, op_id: str, status: OpStatus, actor: str, note: str) -> Operation:
+        """A person's verdict on an operation that needed one (``succeeded`` with a result it
+        gives, ``failed``, or ``pending`` to have it reconciled and sent again)."""
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                f"UPDATE fleet_runs.operations SET status = %s, updated_at = now(),"
+                f" error = CASE WHEN %s = 'failed' THEN %s ELSE error END"
+                f" WHERE op_id = %s AND run_id = %s AND status = 'needs_human' RETURNING {_COLUMNS}",
+                (
+                    status.value,
+                    status.value,
+                    Jsonb({"code": "resolved_by_person", "message": note, "by": actor}),
+                    op_id,
+                    run_id,
+                ),
+            )
+            row = await cursor.fetchone()
+        if row is None:
+            raise FleetError(ErrorCode.CONFLICT, f"operation {op_id} of run {run_id} does not need a person")
+        return _operation(row)

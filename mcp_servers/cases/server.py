@@ -1,0 +1,256 @@
+"""The cases MCP server: tools with external effects, for the review desk.
+
+- ``open_case`` opens a review case. It takes an idempotency key: the same key opens at most one case
+  (per tenant), and a repeat returns that case. ``case_status`` answers, by key, whether the case was
+  opened: a caller that lost an answer can ask instead of trying again.
+- ``post_note`` posts a note to a channel. It has neither a key nor a status query, like many real
+  notification APIs: if a call times out, nobody can tell whether the note went out.
+
+Every row is the tenant's (row-level security forced on the tables, tenant from the verified token),
+and every row is an effect that tests count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any, TypedDict
+
+import psycopg
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+
+from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.settings import ServiceSettings
+from mcp_servers._base import (
+    MCP_PATH,
+    RegistryTokenVerifier,
+    auth_settings,
+    authorize_call,
+    build_app,
+    new_http,
+)
+from mcp_servers._pg import discard_session_state, pg_message
+from policy import RegorusEngine
+from registry import RegistryClient
+
+log = logging.getLogger(__name__)
+
+TOOLS = ["open_case", "case_status", "post_note"]
+WRITER_ROLE = "fleet_cases_writer"
+TENANT_SETTING = "fleet.tenant"
+
+SCHEMA_SQL = f"""
+CREATE SCHEMA IF NOT EXISTS tenant_data;
+CREATE TABLE IF NOT EXISTS tenant_data.cases (
+    id              bigserial PRIMARY KEY,
+    tenant_id       text NOT NULL,
+    idempotency_key text NOT NULL,
+    subject         text NOT NULL,
+    reason          text NOT NULL,
+    opened_at       timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (tenant_id, idempotency_key)
+);
+CREATE TABLE IF NOT EXISTS tenant_data.notes (
+    id        bigserial PRIMARY KEY,
+    tenant_id text NOT NULL,
+    channel   text NOT NULL,
+    body      text NOT NULL,
+    posted_at timestamptz NOT NULL DEFAULT now()
+);
+ALTER TABLE tenant_data.cases ENABLE ROW LEVEL SECURITY;
+ALTER TABLE tenant_data.cases FORCE ROW LEVEL SECURITY;
+ALTER TABLE tenant_data.notes ENABLE ROW LEVEL SECURITY;
+ALTER TABLE tenant_data.notes FORCE ROW LEVEL SECURITY;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{WRITER_ROLE}') THEN
+        CREATE ROLE {WRITER_ROLE} NOLOGIN NOSUPERUSER NOBYPASSRLS;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_policies WHERE schemaname = 'tenant_data'
+                   AND tablename = 'cases' AND policyname = 'tenant_isolation') THEN
+        CREATE POLICY tenant_isolation ON tenant_data.cases
+            USING (tenant_id = current_setting('{TENANT_SETTING}', true))
+            WITH CHECK (tenant_id = current_setting('{TENANT_SETTING}', true));
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_policies WHERE schemaname = 'tenant_data'
+                   AND tablename = 'notes' AND policyname = 'tenant_isolation') THEN
+        CREATE POLICY tenant_isolation ON tenant_data.notes
+            USING (tenant_id = current_setting('{TENANT_SETTING}', true))
+            WITH CHECK (tenant_id = current_setting('{TENANT_SETTING}', true));
+    END IF;
+END $$;
+GRANT USAGE ON SCHEMA tenant_data TO {WRITER_ROLE};
+GRANT SELECT, INSERT ON tenant_data.cases, tenant_data.notes TO {WRITER_ROLE};
+GRANT USAGE ON SEQUENCE tenant_data.cases_id_seq, tenant_data.notes_id_seq TO {WRITER_ROLE};
+"""
+
+
+class CasesSettings(ServiceSettings):
+    statement_timeout_ms: int = 30_000
+
+
+class CaseResult(TypedDict):
+    case_id: int
+    created: bool
+
+
+class CaseStatus(TypedDict):
+    status: str  # "opened" or "unknown"
+    case_id: int | None
+
+
+class NoteResult(TypedDict):
+    note_id: int
+
+
+class CaseTools:
+    def __init__(self, pool: AsyncConnectionPool[Any], settings: CasesSettings) -> None:
+        self._pool = pool
+        self._settings = settings
+
+    @contextlib.asynccontextmanager
+    async def _tenant_tx(self, tenant: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                "SELECT set_config('statement_timeout', %s, true), set_config(%s, %s, true)",
+                (str(self._settings.statement_timeout_ms), TENANT_SETTING, tenant),
+            )
+            yield conn
+
+    async def open_case(self, tenant: str, key: str, subject: str, reason: str) -> CaseResult:
+        try:
+            async with self._tenant_tx(tenant) as conn:
+                cursor = await conn.execute(
+                    "INSERT INTO tenant_data.cases (tenant_id, idempotency_key, subject, reason)"
+                    " VALUES (%s, %s, %s, %s) ON CONFLICT (tenant_id, idempotency_key) DO NOTHING"
+                    " RETURNING id",
+                    (tenant, key, subject, reason),
+                )
+                row = await cursor.fetchone()
+                if row is not None:
+                    return CaseResult(case_id=int(row[0]), created=True)
+                cursor = await conn.execute(
+                    "SELECT id FROM tenant_data.cases WHERE tenant_id = %s AND idempotency_key = %s",
+                    (tenant, key),
+                )
+                existing = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise ToolError(f"[tool_failed] could not open the case: {pg_message(exc)}") from exc
+        assert existing is not None
+        return CaseResult(case_id=int(existing[0]), created=False)
+
+    async def case_status(self, tenant: str, key: str) -> CaseStatus:
+        async with self._tenant_tx(tenant) as conn:
+            cursor = await conn.execute(
+                "SELECT id FROM tenant_data.cases WHERE tenant_id = %s AND idempotency_key = %s",
+                (tenant, key),
+            )
+            row = await cursor.fetchone()
+        return CaseStatus(status="opened" if row else "unknown", case_id=int(row[0]) if row else None)
+
+    async def post_note(self, tenant: str, channel: str, body: str) -> NoteResult:
+        try:
+            async with self._tenant_tx(tenant) as conn:
+                cursor = await conn.execute(
+                    "INSERT INTO tenant_data.notes (tenant_id, channel, body) VALUES (%s, %s, %s) RETURNING id",
+                    (tenant, channel, body),
+                )
+                row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise ToolError(f"[tool_failed] could not post the note: {pg_message(exc)}") from exc
+        assert row is not None
+        return NoteResult(note_id=int(row[0]))
+
+
+def _text(value: str, name: str, limit: int) -> str:
+    if not value.strip() or len(value) > limit:
+        raise ToolError(f"[invalid_request] {name} must be 1 to {limit} characters")
+    return value
+
+
+def build_server(
+    settings: CasesSettings, registry: RegistryClient, engine: RegorusEngine, tools: CaseTools
+) -> MCPServer:
+    mcp = MCPServer(
+        "fleet-cases",
+        instructions="Review cases and notes for the caller's tenant.",
+        token_verifier=RegistryTokenVerifier(registry, settings.service_id),
+        auth=auth_settings(settings),
+    )
+    server = settings.service_id
+
+    @mcp.tool()
+    async def open_case(subject: str, reason: str, idempotency_key: str) -> CaseResult:
+        """Open a review case (at most one per idempotency key; a repeat returns the same case)."""
+        claims = authorize_call(engine, server, "open_case", {})
+        key = _text(idempotency_key, "idempotency_key", 300)
+        return await tools.open_case(
+            claims.tenant, key, _text(subject, "subject", 200), _text(reason, "reason", 2000)
+        )
+
+    @mcp.tool()
+    async def case_status(idempotency_key: str) -> CaseStatus:
+        """Whether a case was opened under this idempotency key (and its id)."""
+        claims = authorize_call(engine, server, "case_status", {})
+        return await tools.case_status(claims.tenant, _text(idempotency_key, "idempotency_key", 300))
+
+    @mcp.tool()
+    async def post_note(channel: str, body: str) -> NoteResult:
+        """Post a note to a channel. Not idempotent, and there is no way to ask afterwards."""
+        claims = authorize_call(engine, server, "post_note", {})
+        return await tools.post_note(claims.tenant, _text(channel, "channel", 100), _text(body, "body", 4000))
+
+    return mcp
+
+
+async def _prepare_database(settings: CasesSettings, password: str) -> None:
+    async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
+        async with admin.transaction():
+            await admin.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
+            await admin.execute(SCHEMA_SQL)
+        await admin.execute(
+            sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(WRITER_ROLE), sql.Literal(password)
+            )
+        )
+
+
+def build_app_for(settings: CasesSettings) -> Starlette:
+    http = new_http()
+    registry = RegistryClient(settings, http)
+    engine = RegorusEngine.from_dir(settings.policy_dir)
+    password = secrets.token_urlsafe(24)
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        make_conninfo(settings.pg_dsn, user=WRITER_ROLE, password=password),
+        min_size=1,
+        max_size=10,
+        open=False,
+        kwargs={"prepare_threshold": None},
+        reset=discard_session_state,
+    )
+    mcp = build_server(settings, registry, engine, CaseTools(pool, settings))
+    readiness = Readiness(settings.service_id, "mcp_server")
+
+    async def start() -> None:
+        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, TOOLS)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await _prepare_database(settings, password)
+        async with http, pool, mcp.session_manager.run(), start_in_background(readiness, start):
+            yield
+
+    return build_app(mcp, readiness, lifespan)
+
+
+async def main(settings: ServiceSettings) -> None:
+    cases_settings = CasesSettings.from_env(settings.service_id)
+    configure_logging(cases_settings.service_id, cases_settings.log_level)
+    await serve_app(build_app_for(cases_settings), cases_settings)

@@ -1,0 +1,108 @@
+"""The case desk specialist: acts on findings. Its skills have effects outside the fleet, so they show
+the two kinds of effect a platform has to handle:
+
+- ``open-review-cases`` opens one case per flagged record through a tool that takes an idempotency
+  key. Running it twice under one operation opens nothing twice, so it is declared ``idempotent``.
+- ``post-note`` posts a note through a tool with no key and no status query. If the call times out the
+  outcome is unknown, and the skill says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from fleet.errors import ErrorCode
+from fleet.settings import ServiceSettings
+from specialists.kit import OutcomeUnknown, Skill, SkillContext, SkillError, serve_specialist
+
+CASES_SERVER = "mcp-cases"
+CASES_SCOPE = "cases:write"
+MAX_CASES = 100
+
+
+class CaseDeskSettings(ServiceSettings):
+    note_timeout_s: float = Field(default=10.0, description="how long a post-note tool call may take")
+
+
+def _string(payload: dict[str, Any], key: str, default: str | None = None) -> str:
+    value = payload.get(key, default)
+    if not isinstance(value, str) or not value.strip():
+        raise SkillError(ErrorCode.INVALID_REQUEST, f"input needs a non-empty string {key!r}")
+    return value
+
+
+async def open_review_cases(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+    records = payload.get("records")
+    if not isinstance(records, list) or len(records) > MAX_CASES:
+        raise SkillError(ErrorCode.INVALID_REQUEST, f"input needs a list 'records' of at most {MAX_CASES}")
+    label = _string(payload, "label", "label")
+    reason = _string(payload, "reason", "flagged for review")
+    cases = []
+    for record in records:
+        subject = record.get(label) if isinstance(record, dict) else None
+        if not isinstance(subject, str) or not subject:
+            raise SkillError(ErrorCode.INVALID_REQUEST, f"every record needs a string {label!r}")
+        opened = await ctx.tools.call(
+            CASES_SERVER,
+            "open_case",
+            {"subject": subject, "reason": reason, "idempotency_key": ctx.idempotency_key(subject)},
+            tenant=ctx.tenant,
+            scopes=[CASES_SCOPE],
+        )
+        cases.append({"subject": subject, "case_id": opened["case_id"], "created": opened["created"]})
+        await ctx.progress(f"case {opened['case_id']} for {subject}")
+    return {"cases": cases}
+
+
+def post_note_skill(timeout_s: float) -> Skill:
+    async def post_note(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+        arguments = {"channel": _string(payload, "channel"), "body": _string(payload, "text")}
+        try:
+            posted = await ctx.tools.call(
+                CASES_SERVER,
+                "post_note",
+                arguments,
+                tenant=ctx.tenant,
+                scopes=[CASES_SCOPE],
+                timeout_s=timeout_s,
+            )
+        except TimeoutError as exc:
+            raise OutcomeUnknown(
+                f"post_note did not answer within {timeout_s:g} s; the note may or may not have been posted"
+            ) from exc
+        return {"note_id": posted["note_id"]}
+
+    return Skill(
+        "post-note",
+        "Post a note",
+        'Posts a note to a channel. Input: {"channel": NAME, "text": TEXT}.',
+        post_note,
+        tags=("notify",),
+    )
+
+
+def skills(settings: CaseDeskSettings) -> list[Skill]:
+    return [
+        Skill(
+            "open-review-cases",
+            "Open review cases",
+            'Opens one review case per record. Input: {"records": [...], "label": FIELD, "reason": TEXT}.',
+            open_review_cases,
+            tags=("cases",),
+            idempotent=True,
+        ),
+        post_note_skill(settings.note_timeout_s),
+    ]
+
+
+async def main(settings: ServiceSettings) -> None:
+    desk = CaseDeskSettings.from_env(settings.service_id)
+    await serve_specialist(
+        desk,
+        name="Case desk",
+        description="Opens review cases and posts notes for findings of other agents.",
+        version="0.1.0",
+        skills=skills(desk),
+    )
