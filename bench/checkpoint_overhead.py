@@ -147,10 +147,11 @@ async def measure(dsn: str) -> dict[str, Any]:
         store = PostgresRunStore(run_pool)
         await store.setup()
         bare = bare_graph(saver)
-        fleet_graph = build_graph(_InstantDelegator(), saver)  # type: ignore[arg-type]
+        delegator = _InstantDelegator()
+        fleet_graph = build_graph(delegator, saver)  # type: ignore[arg-type]
         ledger = Ledger(run_pool)
         await ledger.setup()
-        worker = RunWorker(fleet_graph, store, ledger, "bench-worker", lease_ttl_s=60)
+        worker = RunWorker(fleet_graph, store, ledger, delegator, "bench-worker", lease_ttl_s=60)  # type: ignore[arg-type]
         await time_bare(bare)  # warm up every path once
         await time_graph_alone(fleet_graph)
         await time_fleet(worker, store)

@@ -12,6 +12,7 @@ from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
+from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunEvent
 
 PACKAGES = (
@@ -97,14 +98,16 @@ def environment(policy_revision: str) -> str:
 
 
 async def bundle(
-    store: PostgresRunStore, saver: BaseCheckpointSaver[Any], run: Run, policy_revision: str
+    store: PostgresRunStore, ledger: Ledger, saver: BaseCheckpointSaver[Any], run: Run, policy_revision: str
 ) -> dict[str, Any]:
     """The files of the bundle, by name (JSON-ready)."""
     events = await all_events(store, run)
     found = await checkpoints(saver, run.run_id)
     return {
         "events.jsonl": "".join(json.dumps(e.to_json()) + "\n" for e in events),
-        "operations.jsonl": "",  # no external effects are ledgered yet (operations ledger: to come)
+        "operations.jsonl": "".join(
+            json.dumps(op.to_json()) + "\n" for op in await ledger.for_run(run.run_id)
+        ),
         "checkpoints.jsonl": "".join(json.dumps(c) + "\n" for c in found),
         "last_state.json": json.dumps(found[0]["values"] if found else {}, indent=2) + "\n",
         "tool_calls.csv": tool_calls(run, events),

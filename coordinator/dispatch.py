@@ -87,7 +87,7 @@ class StepDispatcher:
         """The step's result, sending it to ``agent`` at most as often as the rules above allow."""
         op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
         if op is None:
-            crash_point("worker.before_intent")
+            crash_point("worker.before_intent", self._skill)
             op = await self._ledger.record_intent(
                 self._lease,
                 self._actor,
@@ -96,7 +96,7 @@ class StepDispatcher:
                 target=agent.id,
                 args=self._args,
             )
-            crash_point("worker.after_intent")
+            crash_point("worker.after_intent", self._skill)
             return await self._dispatch(op, agent)
         if op.args_hash != args_hash(self._args):
             raise NeedsHuman(op.op_id, "the step was replayed with other arguments than were sent")
@@ -129,7 +129,7 @@ class StepDispatcher:
                 await self._needs_human(op, exc.message)
             await self._record(op, OpStatus.FAILED, error=_error_of(exc))
             raise
-        crash_point("worker.before_result")
+        crash_point("worker.before_result", self._skill)
         await self._record(op, OpStatus.SUCCEEDED, result=result)
         return result
 
@@ -192,3 +192,34 @@ class StepDispatcher:
         error = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why}
         await self._record(op, OpStatus.NEEDS_HUMAN, error=error)
         raise NeedsHuman(op.op_id, why)
+
+
+async def settle_pending(delegator: Delegator, scope: RunScope, tenant: str) -> None:
+    """After a run was stopped (canceled), find out what became of the operations it left in flight,
+    so that the ledger matches the world: each is asked about once (waiting a little while it still
+    runs); what stays unknown is marked ``needs_human``."""
+    for op in await scope.ledger.for_run(scope.lease.run_id):
+        if op.status != OpStatus.PENDING:
+            continue
+        try:
+            agent = await delegator.agent(op.target)
+            answer = await delegator.operation_status(agent, op.op_id, tenant=tenant, wait_s=MAX_WAIT_S)
+        except FleetError as exc:
+            answer = {"status": "uncertain", "error": _error_of(exc)}
+        status = answer or {"status": "uncertain"}
+        state = status["status"]
+        if state == "succeeded":
+            outcome, result, error = OpStatus.SUCCEEDED, dict(status.get("result") or {}), None
+        elif state in ("failed", "unknown"):
+            message = "never received: the run stopped first" if state == "unknown" else "failed"
+            outcome, result, error = OpStatus.FAILED, None, (status.get("error") or {"message": message})
+        else:
+            why = f"still {state} at {op.target} when the run stopped"
+            outcome, result, error = (
+                OpStatus.NEEDS_HUMAN,
+                None,
+                {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why},
+            )
+        await scope.ledger.record_outcome(
+            scope.lease, scope.actor, op.op_id, outcome, result=result, error=error
+        )

@@ -21,17 +21,20 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.runs import Lease, fenced_append
+from coordinator.runs import NOTIFY_CHANNEL, Lease, fenced_append
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 
 _NAMESPACE = uuid.UUID("0b5c7a52-4d8e-4c8e-9a55-3f1f6f0e2a10")
+
+
+Verdict = Literal["succeeded", "failed", "retry"]
 
 
 class OpStatus(StrEnum):
@@ -225,24 +228,69 @@ class Ledger:
                 conn, lease, "operation.redispatch", actor, {"op_id": op_id, "attempt": row[0]}
             )
 
-    async def resolve(self, run_id: str, op_id: str, status: OpStatus, actor: str, note: str) -> Operation:
-        """A person's verdict on an operation that needed one (``succeeded`` with a result it
-        gives, ``failed``, or ``pending`` to have it reconciled and sent again)."""
-        async with self._pool.connection() as conn:
+    async def resolve(
+        self,
+        run_id: str,
+        tenant: str,
+        op_id: str,
+        verdict: Verdict,
+        actor: str,
+        *,
+        result: dict[str, Any] | None = None,
+        note: str = "",
+    ) -> Operation:
+        """A person's answer for an operation that needed one, which also hands the waiting run
+        back to the workers: ``succeeded`` (with the result the person vouches for), ``failed``, or
+        ``retry`` (it is reconciled with its agent and sent again if the agent never got it)."""
+        status = {"succeeded": OpStatus.SUCCEEDED, "failed": OpStatus.FAILED, "retry": OpStatus.PENDING}[
+            verdict
+        ]
+        error = {"code": "resolved_by_person", "message": note or "failed, as a person said", "by": actor}
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "SELECT last_seq FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s AND state = 'waiting'"
+                " FOR UPDATE",
+                (run_id, tenant),
+            )
+            run = await cursor.fetchone()
+            if run is None:
+                raise FleetError(ErrorCode.CONFLICT, f"run {run_id} is not waiting for a person")
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
                 f"UPDATE fleet_runs.operations SET status = %s, updated_at = now(),"
+                f" result = CASE WHEN %s = 'succeeded' THEN %s ELSE result END,"
                 f" error = CASE WHEN %s = 'failed' THEN %s ELSE error END"
                 f" WHERE op_id = %s AND run_id = %s AND status = 'needs_human' RETURNING {_COLUMNS}",
-                (
-                    status.value,
-                    status.value,
-                    Jsonb({"code": "resolved_by_person", "message": note, "by": actor}),
-                    op_id,
-                    run_id,
-                ),
+                (status.value, status.value, Jsonb(result or {}), status.value, Jsonb(error), op_id, run_id),
             )
             row = await cursor.fetchone()
-        if row is None:
-            raise FleetError(ErrorCode.CONFLICT, f"operation {op_id} of run {run_id} does not need a person")
+            if row is None:
+                raise FleetError(
+                    ErrorCode.CONFLICT, f"operation {op_id} of run {run_id} does not need a person"
+                )
+            seq = int(run[0]) + 1
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now()"
+                " WHERE run_id = %s",
+                (seq, run_id),
+            )
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+                (
+                    run_id,
+                    seq,
+                    "operation.resolved",
+                    actor,
+                    Jsonb(
+                        {
+                            "op_id": op_id,
+                            "verdict": verdict,
+                            "note": note,
+                            "state": "submitted",
+                            "text": f"{actor} resolved operation {op_id}: {verdict}",
+                        }
+                    ),
+                ),
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return _operation(row)

@@ -8,7 +8,8 @@ exactly the events it missed, with no duplicates. Closing the stream never affec
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -17,11 +18,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from coordinator.debug_bundle import bundle
+from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 
 RUNS_PREFIX = "/v1/"
+RESOLVE_SCOPE = "runs:resolve"
+
+log = logging.getLogger(__name__)
 
 
 def _run_json(run: Run) -> dict[str, Any]:
@@ -50,6 +55,8 @@ def _cursor(request: Request) -> int:
 
 def run_routes(
     store: PostgresRunStore,
+    ledger: Ledger,
+    submit: Callable[[str], Awaitable[None]],
     listen_dsn: str,
     saver: BaseCheckpointSaver[Any],
     policy_revision: str,
@@ -87,12 +94,66 @@ def run_routes(
             run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
         except RunNotFound as exc:
             return _error(exc)
-        files = await bundle(store, saver, run, policy_revision)
+        files = await bundle(store, ledger, saver, run, policy_revision)
         return JSONResponse({"run": _run_json(run), "files": files})
+
+    async def operations(request: Request) -> Response:
+        try:
+            run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
+        except RunNotFound as exc:
+            return _error(exc)
+        return JSONResponse({"operations": [op.to_json() for op in await ledger.for_run(run.run_id)]})
+
+    async def resolve(request: Request) -> Response:
+        """A person's answer for an operation whose outcome nobody could establish; the run
+        then goes back to the workers."""
+        claims = request_claims(request)
+        try:
+            if RESOLVE_SCOPE not in claims.scopes:
+                raise FleetError(ErrorCode.FORBIDDEN, f"resolving an operation needs scope {RESOLVE_SCOPE}")
+            body = await _json_body(request)
+            verdict = body.get("verdict")
+            if verdict not in ("succeeded", "failed", "retry"):
+                raise FleetError(
+                    ErrorCode.INVALID_REQUEST, 'verdict must be "succeeded", "failed" or "retry"'
+                )
+            result = body.get("result", {})
+            note = body.get("note", "")
+            if not isinstance(result, dict) or not isinstance(note, str):
+                raise FleetError(ErrorCode.INVALID_REQUEST, "result must be an object and note a string")
+            run_id = request.path_params["run_id"]
+            op = await ledger.resolve(
+                run_id,
+                claims.tenant,
+                request.path_params["op_id"],
+                verdict,
+                claims.sub,
+                result=result,
+                note=note,
+            )
+        except FleetError as exc:
+            return _error(exc)
+        try:
+            await submit(run_id)
+        except Exception:  # the run is durable as submitted: the workers' sweep picks it up
+            log.warning("could not submit resolved run %s; the sweep will", run_id, exc_info=True)
+        return JSONResponse({"operation": op.to_json()})
 
     return [
         Route("/v1/runs", list_runs),
         Route("/v1/runs/{run_id}/debug-bundle", debug_bundle),
         Route("/v1/runs/{run_id}", get_run),
         Route("/v1/runs/{run_id}/events", events),
+        Route("/v1/runs/{run_id}/operations", operations),
+        Route("/v1/runs/{run_id}/operations/{op_id}/resolve", resolve, methods=["POST"]),
     ]
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "the body must be a JSON object") from exc
+    if not isinstance(body, dict):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "the body must be a JSON object")
+    return body

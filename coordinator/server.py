@@ -18,6 +18,7 @@ from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import checkpoint_pool
 from coordinator.handler import CoordinatorRequestHandler
+from coordinator.operations import Ledger
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
 from fleet.a2a_support import (
@@ -67,6 +68,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
     )
     runs = PostgresRunStore(run_pool)
+    ledger = Ledger(run_pool)
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
     saver = AsyncPostgresSaver(pool_for_checkpoints)  # read here (debug bundles); workers write
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
@@ -89,6 +91,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
             await stack.enter_async_context(run_pool)
             await stack.enter_async_context(pool_for_checkpoints)
             await runs.setup()
+            await ledger.setup()
             await saver.setup()
             await stack.enter_async_context(submitter)
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
@@ -102,7 +105,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
-        extra_routes=run_routes(runs, settings.pg_dsn, saver, engine.revision),
+        extra_routes=run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine.revision),
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )
 

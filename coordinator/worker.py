@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from coordinator import work
 from coordinator.delegation import Delegator
-from coordinator.dispatch import RunScope
+from coordinator.dispatch import RunScope, settle_pending
 from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.operations import Ledger
 from coordinator.runs import (
@@ -94,9 +94,11 @@ class RunWorker:
         graph: CompiledStateGraph[Any, Any, Any, Any],
         store: PostgresRunStore,
         ledger: Ledger,
+        delegator: Delegator,
         worker_id: str,
         lease_ttl_s: float,
     ) -> None:
+        self._delegator = delegator
         self._graph = graph
         self._store = store
         self._ledger = ledger
@@ -185,6 +187,7 @@ class RunWorker:
                 raise CancelRequested(run.run_id)
             await self._advance(run, lease, signals or RunSignals())
         except CancelRequested:
+            await settle_pending(self._delegator, RunScope(self._ledger, lease, self._id), run.tenant)
             await self._store.transition(
                 lease, RunState.CANCELED, self._id, {"text": "canceled on request"}, reason="canceled"
             )
@@ -346,10 +349,12 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     saver = AsyncPostgresSaver(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
+    delegator = Delegator(registry, http)
     worker = RunWorker(
-        build_graph(Delegator(registry, http), saver),
+        build_graph(delegator, saver),
         store,
         ledger,
+        delegator,
         worker_id=f"{settings.service_id}:{os.getpid()}",
         lease_ttl_s=settings.lease_ttl_s,
     )

@@ -56,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("run_id")
     export.add_argument("out_dir", nargs="?", type=Path, default=None, help="default: ./run-RUN_ID")
     export.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    resolve = with_dir(
+        runs_sub.add_parser("resolve", help="say what became of an operation that needs a person")
+    )
+    resolve.add_argument("run_id")
+    resolve.add_argument("op_id")
+    resolve.add_argument("verdict", choices=["succeeded", "failed", "retry"])
+    resolve.add_argument("--result", default="{}", help="the operation's result, as JSON (succeeded)")
+    resolve.add_argument("--note", default="", help="why: recorded with your identity")
+    resolve.add_argument("--tenant", default="default", help="the tenant the run belongs to")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -93,6 +102,12 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         from fleet import demo
 
         return demo.run(layout, tenant=args.tenant, keep_running=args.keep_running)
+    if command == "runs" and args.runs_command == "resolve":
+        return asyncio.run(
+            operator_cli.resolve_operation(
+                layout, args.run_id, args.op_id, args.verdict, args.result, args.note, args.tenant
+            )
+        )
     if command == "runs":
         out_dir = args.out_dir or Path(f"run-{args.run_id}")
         return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant)

@@ -21,7 +21,7 @@ from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.tokens import TokenClient
 
-EXIT_OK, EXIT_FAILED, EXIT_NOT_RUNNING = 0, 1, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DOWN_TIMEOUT_S = 60.0
 
 
@@ -115,6 +115,36 @@ async def _fetch_debug_bundle(
     response.raise_for_status()
     body: dict[str, Any] = response.json()
     return body
+
+
+async def resolve_operation(
+    layout: StackLayout, run_id: str, op_id: str, verdict: str, result: str, note: str, tenant: str
+) -> int:
+    """Give a person's answer for an operation that needs one; the run then resumes."""
+    try:
+        endpoints = running_endpoints(layout)
+        parsed = json.loads(result)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except json.JSONDecodeError:
+        print("fleet: --result must be JSON", file=sys.stderr)
+        return EXIT_USAGE
+    async with httpx.AsyncClient(timeout=60.0) as http:
+        client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+        token = await client.token("coordinator", tenant, ["agent:invoke", "runs:resolve"])
+        response = await http.post(
+            f"{endpoints['coordinator']}/v1/runs/{run_id}/operations/{op_id}/resolve",
+            headers={"Authorization": f"Bearer {token}"},
+            json={"verdict": verdict, "result": parsed, "note": note},
+        )
+    body = response.json()
+    if response.status_code != 200:
+        error = body.get("error", {})
+        print(f"fleet: [{error.get('code')}] {error.get('message')}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"operation {op_id}: {body['operation']['status']}; run {run_id} resumes")
+    return EXIT_OK
 
 
 async def status(layout: StackLayout, *, as_json: bool) -> int:
