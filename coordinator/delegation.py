@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 from a2a.client import (
@@ -126,7 +126,7 @@ class Delegator:
         if template is None:
             return None
         url = template.replace("{operation_id}", quote(operation_id, safe=""))
-        if not url.startswith(agent.url.rstrip("/") + "/"):
+        if _origin(url) != _origin(agent.url):
             raise FleetError(ErrorCode.CARD_INVALID, f"{agent.id} names a status URL outside its own origin")
         token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
         try:
@@ -164,6 +164,11 @@ class CallInterrupted(FleetError):
             f"the call to {agent_id} was cut off before it answered",
             retryable=True,
         )
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.netloc
 
 
 def _card(agent: AgentRecord) -> AgentCard:

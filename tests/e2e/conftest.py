@@ -3,6 +3,7 @@ and driven only through its public surfaces (A2A with the a2a-sdk client, MCP ov
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -25,6 +26,10 @@ from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 
 STACK_START_TIMEOUT_S = 180
+
+# Short clocks so that failover happens in seconds: the lease expires 3 s after the last heartbeat,
+# and JetStream redelivers the work 6 s after the last sign of progress.
+FAST_FAILOVER = {"FLEET_LEASE_TTL_S": "3", "FLEET_ACK_WAIT_S": "6"}
 
 # The demo's plan: invoice totals through SQL, then outliers over the totals.
 TWO_STEPS: dict[str, Any] = {
@@ -74,6 +79,11 @@ class Stack:
 
     def reload(self) -> None:
         self.endpoints = json.loads(self.layout.endpoints_file.read_text())
+
+    def pg_dsn(self, database: str) -> str:
+        """A superuser DSN to one of the stack's databases (tests look at what the tools did)."""
+        password = (self.layout.keys_dir / "postgres-password.secret").read_text().strip()
+        return f"postgresql://postgres:{password}@127.0.0.1:{self.endpoints['postgres_port']}/{database}"
 
     def token(self, audience: str, tenant: str = "acme", scopes: tuple[str, ...] = ("agent:invoke",)) -> str:
         args = ["token", "--data-dir", self.data_dir, "--audience", audience, "--tenant", tenant]
@@ -192,3 +202,39 @@ def _record(outcome: RunOutcome, event: Any) -> None:
         for data in get_data_parts(event.artifact_update.artifact.parts):
             if isinstance(data, dict):
                 outcome.result.update(data)
+
+
+async def first_event(stack: Stack, run_id: str, token: str, type_: str) -> dict[str, Any]:
+    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
+    async with (
+        httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
+        http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                event: dict[str, Any] = json.loads(line.removeprefix("data: "))
+                if event["type"] == type_:
+                    return event
+    raise AssertionError(f"the run ended without a {type_} event")
+
+
+async def all_events(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.get(
+            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+async def run_id_of_first_run(stack: Stack, token: str) -> str:
+    async with asyncio.timeout(30), httpx.AsyncClient() as http:
+        while True:
+            runs = (
+                await http.get(
+                    f"{stack.endpoints['coordinator']}/v1/runs", headers={"Authorization": f"Bearer {token}"}
+                )
+            ).json()["runs"]
+            if runs:
+                return str(runs[0]["run_id"])
+            await asyncio.sleep(0.05)

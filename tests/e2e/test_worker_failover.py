@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -13,13 +12,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Stack, clean_env, send, start_stack, stop_stack, user_message
+from tests.e2e.conftest import (
+    FAST_FAILOVER,
+    Stack,
+    all_events,
+    clean_env,
+    first_event,
+    run_id_of_first_run,
+    send,
+    start_stack,
+    stop_stack,
+    user_message,
+)
 
 pytestmark = pytest.mark.e2e
-
-# Short clocks so that failover happens in seconds: the lease expires 3 s after the last heartbeat,
-# and JetStream redelivers the work 6 s after the last sign of progress.
-FAST_FAILOVER = {"FLEET_LEASE_TTL_S": "3", "FLEET_ACK_WAIT_S": "6"}
 
 
 @pytest.fixture
@@ -27,29 +33,6 @@ def failover_stack(tmp_path: Path) -> Iterator[Stack]:
     stack = start_stack(tmp_path / "fleet", env=clean_env(**FAST_FAILOVER))
     yield stack
     stop_stack(stack)
-
-
-async def first_event(stack: Stack, run_id: str, token: str, type_: str) -> dict[str, Any]:
-    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
-    async with (
-        httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
-        http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
-    ):
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                event: dict[str, Any] = json.loads(line.removeprefix("data: "))
-                if event["type"] == type_:
-                    return event
-    raise AssertionError(f"the run ended without a {type_} event")
-
-
-async def all_events(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=60) as http:
-        response = await http.get(
-            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events",
-            headers={"Authorization": f"Bearer {token}"},
-        )
-    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
 
 
 async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_finishes(
@@ -89,19 +72,6 @@ async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_fini
     # checkpoints before it were not redone.
     starts = [e["payload"]["step"] for e in events if e["type"] == "step.started"]
     assert starts == ["slow", "slow", "totals"]
-
-
-async def run_id_of_first_run(stack: Stack, token: str) -> str:
-    async with asyncio.timeout(30), httpx.AsyncClient() as http:
-        while True:
-            runs = (
-                await http.get(
-                    f"{stack.endpoints['coordinator']}/v1/runs", headers={"Authorization": f"Bearer {token}"}
-                )
-            ).json()["runs"]
-            if runs:
-                return str(runs[0]["run_id"])
-            await asyncio.sleep(0.05)
 
 
 async def test_cancel_while_a_step_is_in_flight_ends_the_run_canceled_once(failover_stack: Stack) -> None:
@@ -149,8 +119,7 @@ async def test_a_run_whose_work_message_was_lost_is_found_and_finished(tmp_path:
     env = clean_env(**FAST_FAILOVER, FLEET_SWEEP_INTERVAL_S="0.5", FLEET_STRANDED_AFTER_S="1")
     stack = start_stack(tmp_path / "fleet", env=env)
     try:
-        password = (stack.layout.keys_dir / "postgres-password.secret").read_text().strip()
-        dsn = f"postgresql://postgres:{password}@127.0.0.1:{stack.endpoints['postgres_port']}/fleet"
+        dsn = stack.pg_dsn("fleet")
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(dsn, open=False, kwargs={"autocommit": True})
         async with pool:
             # A run that was created but whose submit never reached the queue.

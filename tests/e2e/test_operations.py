@@ -1,0 +1,330 @@
+"""The operations ledger under crashes: real workers die by SIGKILL at exact points (crash points) or
+at a moment the test picks, and the effects are counted where they happen (rows the cases tool wrote).
+
+After every recovery: each effect happened once, no run is lost, the ledger says what the world says,
+and an outcome nobody can establish ends in ``needs_human``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from tests.e2e.conftest import (
+    FAST_FAILOVER,
+    TWO_STEPS,
+    Stack,
+    all_events,
+    clean_env,
+    first_event,
+    fleet,
+    run_id_of_first_run,
+    send,
+    start_stack,
+    stop_stack,
+    user_message,
+)
+
+pytestmark = pytest.mark.e2e
+
+# Totals, outliers, then one review case per outlier (an effect, through a keyed tool).
+REVIEW: dict[str, Any] = {
+    "steps": [
+        *TWO_STEPS["steps"],
+        {
+            "id": "cases",
+            "skill": "open-review-cases",
+            "input": {"records": {"$from": "outliers.outliers"}, "label": "label", "reason": "outlier"},
+        },
+    ]
+}
+NOTE: dict[str, Any] = {
+    "steps": [{"id": "note", "skill": "post-note", "input": {"channel": "finance", "text": "books closed"}}]
+}
+
+
+def crash_env(tmp_path: Path, point: str, **extra: str) -> dict[str, str]:
+    return clean_env(**FAST_FAILOVER, FLEET_CRASH_POINTS=f"{point}@{tmp_path / 'crashed'}", **extra)
+
+
+@contextlib.contextmanager
+def running(path: Path, env: dict[str, str]) -> Iterator[Stack]:
+    stack = start_stack(path, env=env)
+    try:
+        yield stack
+    finally:
+        stop_stack(stack)
+
+
+async def operations(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.get(
+            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/operations",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    response.raise_for_status()
+    ops: list[dict[str, Any]] = response.json()["operations"]
+    return ops
+
+
+async def count_rows(stack: Stack, table: str, where: str = "true", *params: Any) -> int:
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn:
+        cursor = await conn.execute(f"SELECT count(*) FROM tenant_data.{table} WHERE {where}", params)
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@contextlib.asynccontextmanager
+async def table_locked(stack: Stack, table: str) -> AsyncIterator[None]:
+    """Hold a lock that makes every write to ``table`` wait, as a stuck downstream system would."""
+    # The lock goes with the transaction; the blocked writes then proceed.
+    async with (
+        await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn,
+        conn.transaction(),
+    ):
+        await conn.execute(f"LOCK TABLE tenant_data.{table} IN EXCLUSIVE MODE")
+        yield
+
+
+async def intent_of_step(stack: Stack, run_id: str, token: str, step: str) -> dict[str, Any]:
+    """The ``operation.intent`` event of ``step``, once it is recorded."""
+    async with asyncio.timeout(60):
+        while True:
+            for event in await events_so_far(stack, run_id, token):
+                if event["type"] == "operation.intent" and event["payload"]["step"] == step:
+                    return event
+            await asyncio.sleep(0.2)
+
+
+async def events_so_far(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
+    """The run's events up to now (a read with a short deadline, not a follow to the end)."""
+    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
+    found: list[dict[str, Any]] = []
+    with contextlib.suppress(httpx.ReadTimeout):
+        async with (
+            httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as http,
+            http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    found.append(json.loads(line.removeprefix("data: ")))
+    return found
+
+
+def assert_gap_free_and_one_end(events: list[dict[str, Any]]) -> None:
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    ends = [e["type"] for e in events if e["type"] in ("run.completed", "run.failed", "run.canceled")]
+    assert len(ends) == 1, ends
+
+
+def victim_pid(tmp_path: Path) -> int:
+    return int((tmp_path / "crashed").read_text())
+
+
+async def finish_review(stack: Stack, token: str) -> tuple[str, dict[str, Any]]:
+    async with asyncio.timeout(120):
+        outcome = await send(stack, user_message(data=REVIEW), token=token)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    return outcome.task_id, outcome.result
+
+
+@pytest.mark.parametrize(
+    ("point", "redispatched"),
+    [
+        # (a) the worker dies before the intent is durable: nothing was sent, the next worker sends it
+        ("worker.before_intent:open-review-cases", 0),
+        # the intent is durable but nothing was sent: the agent says "unknown", it is sent once
+        ("worker.after_intent:open-review-cases", 1),
+        # (b) the agent did the work, the worker died before recording it: the agent is asked and
+        # its answer recorded; nothing is sent again
+        ("worker.before_result:open-review-cases", 0),
+    ],
+)
+async def test_a_worker_killed_around_an_effect_leaves_exactly_one_effect(
+    tmp_path: Path, point: str, redispatched: int
+) -> None:
+    with running(tmp_path / "fleet", crash_env(tmp_path, point)) as stack:
+        token = stack.token("coordinator")
+        run_id, result = await finish_review(stack, token)
+        killed = victim_pid(tmp_path)
+        assert killed in stack.endpoints["processes"].values()
+        assert [c["subject"] for c in result["steps"]["cases"]["cases"]] == ["Fabrikam"]
+
+        events = await all_events(stack, run_id, token)
+        assert_gap_free_and_one_end(events)
+        assert any(e["type"] == "run.resumed" for e in events)
+        assert not any(e["actor"].endswith(f":{killed}") for e in events if e["type"] == "run.resumed")
+        case_op = next(op for op in await operations(stack, run_id, token) if op["step_id"] == "cases")
+        assert case_op["status"] == "succeeded"
+        types = [e["type"] for e in events if e["payload"].get("op_id") == case_op["op_id"]]
+        assert types.count("operation.intent") == 1
+        assert types.count("operation.redispatch") == redispatched
+        assert types.count("operation.succeeded") == 1
+        # Counted at the tool: one case, opened once.
+        assert await count_rows(stack, "cases", "idempotency_key LIKE %s", case_op["op_id"] + "/%") == 1
+        assert await count_rows(stack, "cases") == 1
+
+
+async def test_killing_the_worker_while_the_agent_runs_the_effect_waits_for_it_instead_of_resending(
+    tmp_path: Path,
+) -> None:
+    with running(tmp_path / "fleet", clean_env(**FAST_FAILOVER)) as stack:
+        token = stack.token("coordinator")
+        async with table_locked(stack, "cases"):
+            sending = asyncio.create_task(send(stack, user_message(data=REVIEW), token=token))
+            run_id = await run_id_of_first_run(stack, token)
+            intent = await intent_of_step(stack, run_id, token, "cases")
+            await asyncio.sleep(1.0)  # the call is in flight, blocked at the tool
+            victim = stack.endpoints["processes"][intent["actor"].split(":")[0]]
+            os.kill(victim, signal.SIGKILL)
+            await asyncio.sleep(8)  # the run has been taken over and is asking the agent
+        async with asyncio.timeout(120):
+            outcome = await sending
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        events = await all_events(stack, run_id, token)
+        assert_gap_free_and_one_end(events)
+        assert not any(e["type"] == "operation.redispatch" for e in events)
+        assert await count_rows(stack, "cases") == 1
+
+
+async def test_an_effect_nobody_can_confirm_parks_the_run_for_a_person_who_resolves_it(
+    tmp_path: Path,
+) -> None:
+    env = clean_env(**FAST_FAILOVER, FLEET_NOTE_TIMEOUT_S="2")
+    with running(tmp_path / "fleet", env) as stack:
+        token = stack.token("coordinator")
+        async with table_locked(stack, "notes"):
+            sending = asyncio.create_task(send(stack, user_message(data=NOTE), token=token))
+            run_id = await run_id_of_first_run(stack, token)
+            async with asyncio.timeout(60):
+                waiting = await first_event(stack, run_id, token, "run.waiting")
+        # The lock is gone: the note the tool was writing when the call timed out goes out now.
+        async with asyncio.timeout(30):
+            while await count_rows(stack, "notes") == 0:
+                await asyncio.sleep(0.2)
+        wait = waiting["payload"]["wait"]
+        assert wait["type"] == "needs_human"
+        (op,) = await operations(stack, run_id, token)
+        assert op["status"] == "needs_human"
+        assert wait["awaited"] == op["op_id"]
+        assert op["error"]["code"] == "outcome_unknown"
+
+        # (c) a worker dies while the run waits: nothing is lost, nothing held the run.
+        os.kill(stack.endpoints["processes"]["worker-1"], signal.SIGKILL)
+        await asyncio.sleep(1)
+        async with httpx.AsyncClient(timeout=30) as http:
+            run = (
+                await http.get(
+                    f"{stack.endpoints['coordinator']}/v1/runs/{run_id}",
+                    headers={"Authorization": f"Bearer {token}"},
+                )
+            ).json()
+        assert run["state"] == "waiting"
+
+        # Without the scope to resolve, a caller is refused.
+        async with httpx.AsyncClient(timeout=30) as http:
+            refused = await http.post(
+                f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/operations/{op['op_id']}/resolve",
+                headers={"Authorization": f"Bearer {token}"},
+                json={"verdict": "succeeded"},
+            )
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "forbidden"
+
+        # A person checks the channel, sees the note, and says so.
+        resolved = await asyncio.to_thread(
+            fleet,
+            "runs",
+            "resolve",
+            "--data-dir",
+            stack.data_dir,
+            "--tenant",
+            "acme",
+            "--result",
+            json.dumps({"note_id": 1}),
+            "--note",
+            "the note is in #finance",
+            run_id,
+            op["op_id"],
+            "succeeded",
+        )
+        assert resolved.returncode == 0, resolved.stderr
+        events = await all_events(stack, run_id, token)
+        assert events[-1]["type"] == "run.completed"
+        assert_gap_free_and_one_end(events)
+        by_person = next(e for e in events if e["type"] == "operation.resolved")
+        assert by_person["actor"] == "operator"
+        assert by_person["payload"]["note"] == "the note is in #finance"
+        (op,) = await operations(stack, run_id, token)
+        assert op["status"] == "succeeded"
+        assert await count_rows(stack, "notes") == 1  # resolving sent nothing again
+        sending.cancel()
+        await asyncio.gather(sending, return_exceptions=True)
+
+        again = await asyncio.to_thread(
+            fleet,
+            "runs",
+            "resolve",
+            "--data-dir",
+            stack.data_dir,
+            "--tenant",
+            "acme",
+            run_id,
+            op["op_id"],
+            "failed",
+        )
+        assert again.returncode == 1
+        assert "conflict" in again.stderr
+
+
+async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp_path: Path) -> None:
+    from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+    from a2a.types import CancelTaskRequest, TaskState
+
+    from tests.e2e.conftest import fetch_card
+
+    with running(tmp_path / "fleet", clean_env(**FAST_FAILOVER)) as stack:
+        token = stack.token("coordinator")
+        context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+        async with httpx.AsyncClient(timeout=90) as http:
+            card = await fetch_card(http, stack.endpoints["coordinator"])
+            client = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+            async with table_locked(stack, "cases"):
+                sending = asyncio.create_task(send(stack, user_message(data=REVIEW), token=token))
+                run_id = await run_id_of_first_run(stack, token)
+                async with asyncio.timeout(60):
+                    while (await first_event(stack, run_id, token, "operation.intent"))["payload"][
+                        "step"
+                    ] != "cases":
+                        await asyncio.sleep(0.2)
+                await asyncio.sleep(1.0)
+                canceling = asyncio.create_task(
+                    client.cancel_task(CancelTaskRequest(id=run_id), context=context)
+                )
+                await asyncio.sleep(2.0)
+            canceled = await canceling
+            await client.close()
+        assert canceled.status.state == TaskState.TASK_STATE_CANCELED
+        await asyncio.gather(sending, return_exceptions=True)
+        events = await all_events(stack, run_id, token)
+        assert_gap_free_and_one_end(events)
+        assert events[-1]["type"] == "run.canceled"
+        case_op = next(op for op in await operations(stack, run_id, token) if op["step_id"] == "cases")
+        cases = await count_rows(stack, "cases")
+        # The ledger says what the tool did: the case it opened, or that a person must check.
+        if case_op["status"] == "succeeded":
+            assert cases == 1
+        else:
+            assert case_op["status"] == "needs_human", case_op
+            assert cases <= 1
