@@ -238,9 +238,9 @@ class Ledger:
         *,
         result: dict[str, Any] | None = None,
         note: str = "",
-    ) -> Operation:
+    ) -> tuple[Operation, int]:
         """A person's answer for an operation that needed one, which also hands the waiting run
-        back to the workers: ``succeeded`` (with the result the person vouches for), ``failed``, or
+        back to the workers (returned with the seq of its event): ``succeeded`` (with the result the person vouches for), ``failed``, or
         ``retry`` (it is reconciled with its agent and sent again if the agent never got it)."""
         status = {"succeeded": OpStatus.SUCCEEDED, "failed": OpStatus.FAILED, "retry": OpStatus.PENDING}[
             verdict
@@ -293,4 +293,4 @@ class Ledger:
                 ),
             )
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
-        return _operation(row)
+        return _operation(row), seq

@@ -56,7 +56,7 @@ def _cursor(request: Request) -> int:
 def run_routes(
     store: PostgresRunStore,
     ledger: Ledger,
-    submit: Callable[[str], Awaitable[None]],
+    submit: Callable[[str, str], Awaitable[None]],
     listen_dsn: str,
     saver: BaseCheckpointSaver[Any],
     policy_revision: str,
@@ -122,7 +122,7 @@ def run_routes(
             if not isinstance(result, dict) or not isinstance(note, str):
                 raise FleetError(ErrorCode.INVALID_REQUEST, "result must be an object and note a string")
             run_id = request.path_params["run_id"]
-            op = await ledger.resolve(
+            op, seq = await ledger.resolve(
                 run_id,
                 claims.tenant,
                 request.path_params["op_id"],
@@ -134,7 +134,7 @@ def run_routes(
         except FleetError as exc:
             return _error(exc)
         try:
-            await submit(run_id)
+            await submit(run_id, f"resume-{seq}")
         except Exception:  # the run is durable as submitted: the workers' sweep picks it up
             log.warning("could not submit resolved run %s; the sweep will", run_id, exc_info=True)
         return JSONResponse({"operation": op.to_json()})

@@ -62,10 +62,12 @@ class RunSubmitter:
         if self._client is not None:
             await self._client.drain()
 
-    async def submit(self, run_id: str) -> None:
+    async def submit(self, run_id: str, attempt: str = "") -> None:
+        """Queue ``run_id``; a run that is submitted again (resumed after a wait) names a new
+        ``attempt``, or de-duplication would drop it."""
         if self._client is None:
             raise RuntimeError("RunSubmitter used outside its context")
-        await submit_run(self._client, run_id)
+        await submit_run(self._client, run_id, attempt)
 
 
 async def subscribe(client: NATS, ack_wait_s: float) -> JetStreamContext.PullSubscription:

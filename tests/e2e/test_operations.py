@@ -210,9 +210,10 @@ async def test_an_effect_nobody_can_confirm_parks_the_run_for_a_person_who_resol
             async with asyncio.timeout(60):
                 waiting = await first_event(stack, run_id, token, "run.waiting")
         # The lock is gone: the note the tool was writing when the call timed out goes out now.
-        async with asyncio.timeout(30):
-            while await count_rows(stack, "notes") == 0:
-                await asyncio.sleep(0.2)
+        for _ in range(150):
+            if await count_rows(stack, "notes") == 1:
+                break
+            await asyncio.sleep(0.2)
         wait = waiting["payload"]["wait"]
         assert wait["type"] == "needs_human"
         (op,) = await operations(stack, run_id, token)
@@ -303,11 +304,7 @@ async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp
             async with table_locked(stack, "cases"):
                 sending = asyncio.create_task(send(stack, user_message(data=REVIEW), token=token))
                 run_id = await run_id_of_first_run(stack, token)
-                async with asyncio.timeout(60):
-                    while (await first_event(stack, run_id, token, "operation.intent"))["payload"][
-                        "step"
-                    ] != "cases":
-                        await asyncio.sleep(0.2)
+                await intent_of_step(stack, run_id, token, "cases")
                 await asyncio.sleep(1.0)
                 canceling = asyncio.create_task(
                     client.cancel_task(CancelTaskRequest(id=run_id), context=context)
@@ -323,8 +320,5 @@ async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp
         case_op = next(op for op in await operations(stack, run_id, token) if op["step_id"] == "cases")
         cases = await count_rows(stack, "cases")
         # The ledger says what the tool did: the case it opened, or that a person must check.
-        if case_op["status"] == "succeeded":
-            assert cases == 1
-        else:
-            assert case_op["status"] == "needs_human", case_op
-            assert cases <= 1
+        assert case_op["status"] == "succeeded", case_op
+        assert cases == 1
