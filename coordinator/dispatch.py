@@ -83,6 +83,14 @@ class StepDispatcher:
     def _args(self) -> dict[str, Any]:
         return {"skill": self._skill, "input": self._payload}
 
+    async def agent(self) -> AgentRecord:
+        """The agent of this step: the one that got its operation if there is one (a replay must
+        reconcile with it, whatever routing would pick today), else one chosen by skill."""
+        op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
+        if op is not None:
+            return await self._delegator.agent(op.target)
+        return await self._delegator.assign(self._skill)
+
     async def run(self, agent: AgentRecord) -> dict[str, Any]:
         """The step's result, sending it to ``agent`` at most as often as the rules above allow."""
         op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
@@ -109,7 +117,7 @@ class StepDispatcher:
         if op.status == OpStatus.NEEDS_HUMAN:
             raise NeedsHuman(op.op_id, str((op.error or {}).get("message", "its outcome is unknown")))
         # Pending: a worker died between sending it and recording what came of it. Only the agent
-        # that received it can say, whatever routing would pick today.
+        # that received it can say.
         return await self._reconcile(op, await self._delegator.agent(op.target))
 
     async def _dispatch(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:

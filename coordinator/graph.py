@@ -1,6 +1,9 @@
-"""The coordinator's graph: route -> delegate, once per step, then finish.
+"""The coordinator's graph: schedule the steps whose inputs are ready, delegate them in parallel
+(LangGraph ``Send``), fan in, and repeat until every step is done or one failed.
 
-Every superstep is checkpointed in Postgres under the run id, so a run's progress is durable.
+Every superstep is checkpointed in Postgres under the run id, so a run's progress is durable: after a
+crash only the steps of the interrupted superstep that had not finished run again, and those find
+their operation in the ledger (see :mod:`coordinator.dispatch`) instead of sending it twice.
 """
 
 from __future__ import annotations
@@ -13,25 +16,40 @@ from langgraph.config import get_stream_writer
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.runtime import Runtime
-from langgraph.types import interrupt
+from langgraph.types import Send, interrupt
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
-from coordinator.plan import resolve_input
+from coordinator.plan import dependencies, resolve_input
 from fleet.errors import FleetError
+
+
+def _merge(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
+    return {**(left or {}), **(right or {})}
+
+
+def _first_failure(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any] | None:
+    return left or right
 
 
 class GraphState(TypedDict, total=False):
     run_id: str
     tenant: str
     steps: list[dict[str, Any]]
-    cursor: int
-    assignment: str | None  # the id of the agent chosen for the current step
-    results: dict[str, Any]
+    results: Annotated[dict[str, Any], _merge]  # by step id; parallel steps each add theirs
     outcomes: Annotated[list[dict[str, Any]], operator.add]
-    failure: dict[str, Any] | None
+    failure: Annotated[dict[str, Any] | None, _first_failure]
+
+
+class StepTask(TypedDict):
+    """What one parallel ``delegate`` gets: its step and the results it takes as input."""
+
+    run_id: str
+    tenant: str
+    step: dict[str, Any]
+    results: dict[str, Any]
 
 
 def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
@@ -53,45 +71,66 @@ def checkpoint_pool(dsn: str, max_size: int) -> AsyncConnectionPool[Any]:
     )
 
 
+def ready_steps(state: GraphState) -> list[dict[str, Any]]:
+    """Steps not yet done whose every dependency is done."""
+    done = set(state.get("results", {}))
+    return [s for s in state["steps"] if s["id"] not in done and dependencies(s) <= done]
+
+
 def build_graph(
     delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
-    async def route(state: GraphState) -> dict[str, Any]:
-        step = state["steps"][state["cursor"]]
-        try:
-            agent = await delegator.assign(step["skill"])
-        except FleetError as exc:
-            _emit("step.failed", _failure(step, exc))
-            return {"failure": _failure(step, exc)}
-        routed = {"step": step["id"], "skill": step["skill"], "agent": agent.id}
-        _emit("step.routed", routed, f"step {step['id']}: {step['skill']} -> {agent.id}")
-        return {"assignment": agent.id}
+    async def schedule(state: GraphState) -> dict[str, Any]:
+        return {}
 
-    async def delegate(state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
-        step = state["steps"][state["cursor"]]
-        agent_id = state["assignment"]
-        assert agent_id is not None
-        try:
-            agent = await delegator.agent(agent_id)
-        except FleetError as exc:
-            _emit("step.failed", _failure(step, exc))
-            return {"failure": _failure(step, exc)}
+    def fan_out(state: GraphState) -> list[Send] | str:
+        if state.get("failure"):
+            return "finish"
+        ready = ready_steps(state)
+        if not ready:
+            return "finish"
+        results = state.get("results", {})
+        return [
+            Send(
+                "delegate",
+                StepTask(
+                    run_id=state["run_id"],
+                    tenant=state["tenant"],
+                    step=step,
+                    results={d: results[d] for d in dependencies(step) if d in results},
+                ),
+            )
+            for step in ready
+        ]
+
+    async def delegate(task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
+        step = task["step"]
 
         async def progress(text: str) -> None:
-            _emit("step.progress", {"step": step["id"], "agent": agent.id, "text": text}, text)
+            _emit("step.progress", {"step": step["id"], "text": text}, text)
 
-        _emit("step.started", {"step": step["id"], "skill": step["skill"], "agent": agent.id})
         try:
-            payload = resolve_input(step["input"], state.get("results", {}))
+            payload = resolve_input(step["input"], task["results"])
             dispatcher = StepDispatcher(
                 delegator,
                 runtime.context,
                 step_id=step["id"],
                 skill=step["skill"],
                 payload=payload,
-                tenant=state["tenant"],
+                tenant=task["tenant"],
                 progress=progress,
             )
+            agent = await dispatcher.agent()
+        except FleetError as exc:
+            _emit("step.failed", _failure(step, exc))
+            return {"failure": _failure(step, exc)}
+        _emit(
+            "step.routed",
+            {"step": step["id"], "skill": step["skill"], "agent": agent.id},
+            f"step {step['id']}: {step['skill']} -> {agent.id}",
+        )
+        _emit("step.started", {"step": step["id"], "skill": step["skill"], "agent": agent.id})
+        try:
             while True:
                 try:
                     result = await dispatcher.run(agent)
@@ -112,29 +151,19 @@ def build_graph(
             }
         _emit("step.completed", {"step": step["id"], "agent": agent.id})
         return {
-            "results": {**state.get("results", {}), step["id"]: result},
-            "cursor": state["cursor"] + 1,
-            "assignment": None,
+            "results": {step["id"]: result},
             "outcomes": [{"step": step["id"], "agent": agent.id, "status": "completed"}],
         }
-
-    def after_route(state: GraphState) -> str:
-        return "finish" if state.get("failure") else "delegate"
-
-    def after_delegate(state: GraphState) -> str:
-        if state.get("failure") or state["cursor"] >= len(state["steps"]):
-            return "finish"
-        return "route"
 
     async def finish(state: GraphState) -> dict[str, Any]:
         return {}
 
     builder: StateGraph[GraphState, RunScope, Any, Any] = StateGraph(GraphState, context_schema=RunScope)
-    builder.add_node("route", route)
-    builder.add_node("delegate", delegate)
+    builder.add_node("schedule", schedule)
+    builder.add_node("delegate", delegate)  # type: ignore[arg-type]  # its input is a StepTask (Send)
     builder.add_node("finish", finish)
-    builder.add_edge(START, "route")
-    builder.add_conditional_edges("route", after_route, ["delegate", "finish"])
-    builder.add_conditional_edges("delegate", after_delegate, ["route", "finish"])
+    builder.add_edge(START, "schedule")
+    builder.add_conditional_edges("schedule", fan_out, ["delegate", "finish"])
+    builder.add_edge("delegate", "schedule")
     builder.add_edge("finish", END)
     return builder.compile(checkpointer=checkpointer)

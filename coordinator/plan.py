@@ -22,9 +22,30 @@ class Step:
     id: str
     skill: str
     input: dict[str, Any]
+    after: tuple[str, ...] = ()  # steps that must finish first, beyond those whose results it takes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "skill": self.skill, "input": self.input}
+        return {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
+
+
+def dependencies(step: dict[str, Any]) -> set[str]:
+    """The steps that ``step`` waits for: those it takes a result from, and those it names in
+    ``after``. Steps that do not wait for each other run in parallel."""
+    found = set(step.get("after", ()))
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if "$from" in value:
+                found.add(str(value["$from"]).split(".", 1)[0])
+                return
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(step.get("input", {}))
+    return found
 
 
 def parse_steps(raw: Any) -> list[Step]:
@@ -43,8 +64,12 @@ def parse_steps(raw: Any) -> list[Step]:
         payload = item.get("input", {})
         if not isinstance(payload, dict):
             raise PlanError(f"step {step_id}: input must be an object")
-        _check_references(payload, {s.id for s in steps}, step_id)
-        steps.append(Step(step_id, item["skill"], payload))
+        earlier = {s.id for s in steps}
+        _check_references(payload, earlier, step_id)
+        after = item.get("after", [])
+        if not isinstance(after, list) or not all(isinstance(a, str) and a in earlier for a in after):
+            raise PlanError(f"step {step_id}: after must list ids of earlier steps")
+        steps.append(Step(step_id, item["skill"], payload, tuple(after)))
     return steps
 
 

@@ -332,9 +332,7 @@ def _initial_state(run: Run) -> dict[str, Any]:
         "run_id": run.run_id,
         "tenant": run.tenant,
         "steps": run.plan,
-        "cursor": 0,
         "results": {},
-        "assignment": None,
         "failure": None,
     }
 

@@ -322,3 +322,59 @@ async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp
         # The ledger says what the tool did: the case it opened, or that a person must check.
         assert case_op["status"] == "succeeded", case_op
         assert cases == 1
+
+
+# Two effects in parallel after the outliers are known (fan-out), then fan-in.
+FAN_OUT: dict[str, Any] = {
+    "steps": [
+        *TWO_STEPS["steps"],
+        *(
+            {
+                "id": f"cases-{desk}",
+                "skill": "open-review-cases",
+                "input": {"records": {"$from": "outliers.outliers"}, "label": "label", "reason": desk},
+            }
+            for desk in ("audit", "sales")
+        ),
+    ]
+}
+
+
+async def test_independent_steps_run_in_parallel_and_fan_in(stack: Stack) -> None:
+    token = stack.token("coordinator")
+    napping = {
+        "steps": [
+            {
+                "id": f"nap{i}",
+                "skill": "sql-query",
+                "input": {"sql": "SELECT pg_sleep(0.5) IS NULL AS napped"},
+            }
+            for i in (1, 2)
+        ]
+    }
+    outcome = await send(stack, user_message(data=napping), token=token)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert set(outcome.result["steps"]) == {"nap1", "nap2"}
+    events = await all_events(stack, outcome.task_id, token)
+    kinds = [(e["type"], e["payload"].get("step")) for e in events if e["type"].startswith("step.")]
+    first_done = min(i for i, (kind, _) in enumerate(kinds) if kind == "step.completed")
+    assert {step for kind, step in kinds[:first_done] if kind == "step.started"} == {"nap1", "nap2"}
+
+
+async def test_a_worker_killed_mid_fan_out_leaves_each_parallel_effect_once(tmp_path: Path) -> None:
+    with running(tmp_path / "fleet", crash_env(tmp_path, "worker.before_result:open-review-cases")) as stack:
+        token = stack.token("coordinator")
+        async with asyncio.timeout(120):
+            outcome = await send(stack, user_message(data=FAN_OUT), token=token)
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        assert victim_pid(tmp_path) in stack.endpoints["processes"].values()
+        events = await all_events(stack, outcome.task_id, token)
+        assert_gap_free_and_one_end(events)
+        assert any(e["type"] == "run.resumed" for e in events)
+        ops = {op["step_id"]: op for op in await operations(stack, outcome.task_id, token)}
+        assert {ops[s]["status"] for s in ("cases-audit", "cases-sales")} == {"succeeded"}
+        for step in ("cases-audit", "cases-sales"):
+            key = ops[step]["op_id"] + "/%"
+            assert await count_rows(stack, "cases", "idempotency_key LIKE %s", key) == 1
+        assert await count_rows(stack, "cases") == 2
+        assert not any(e["type"] == "operation.redispatch" for e in events)

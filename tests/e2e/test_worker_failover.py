@@ -43,7 +43,7 @@ async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_fini
     slow = {
         "steps": [
             {"id": "slow", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(2) IS NULL AS slept"}},
-            {"id": "totals", "skill": "invoice-totals"},
+            {"id": "totals", "skill": "invoice-totals", "after": ["slow"]},
         ]
     }
     message = user_message(data=slow)
@@ -85,7 +85,7 @@ async def test_cancel_while_a_step_is_in_flight_ends_the_run_canceled_once(failo
     slow = {
         "steps": [
             {"id": "slow", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(3) IS NULL AS slept"}},
-            {"id": "totals", "skill": "invoice-totals"},
+            {"id": "totals", "skill": "invoice-totals", "after": ["slow"]},
         ]
     }
     sending = asyncio.create_task(send(stack, user_message(data=slow), token=token))

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.plan import PlanError, parse_steps, plan_request, resolve_input
+from coordinator.graph import ready_steps
+from coordinator.plan import PlanError, dependencies, parse_steps, plan_request, resolve_input
 from fleet.errors import ErrorCode, FleetError
 from policy import RegorusEngine
 
@@ -26,6 +27,8 @@ def test_steps_get_default_ids_and_empty_inputs() -> None:
         [{"skill": "a", "input": [1]}],
         [{"skill": "a", "input": {"v": {"$from": "later.field"}}}, {"id": "later", "skill": "b"}],
         [{"skill": "a"}] * 21,
+        [{"skill": "a", "after": ["b"]}, {"id": "b", "skill": "b"}],
+        [{"skill": "a", "after": "step0"}],
     ],
 )
 def test_invalid_plans_are_refused(raw: Any) -> None:
@@ -58,3 +61,25 @@ def test_text_no_rule_matches_is_a_clear_error() -> None:
     with pytest.raises(FleetError) as caught:
         plan_request([], "write a sonnet", RegorusEngine.from_dir(), "t")
     assert caught.value.code == ErrorCode.NO_SPECIALIST
+
+
+def test_steps_wait_for_the_results_they_take_and_the_steps_they_name() -> None:
+    steps = [
+        s.to_dict()
+        for s in parse_steps(
+            [
+                {"id": "a", "skill": "x"},
+                {"id": "b", "skill": "x"},
+                {"id": "c", "skill": "x", "input": {"v": [{"$from": "a.n"}]}},
+                {"id": "d", "skill": "x", "after": ["b"], "input": {"w": {"$from": "c"}}},
+            ]
+        )
+    ]
+    assert [sorted(dependencies(s)) for s in steps] == [[], [], ["a"], ["b", "c"]]
+    # Independent steps are ready together (they fan out); the rest as their inputs arrive.
+    state: dict[str, Any] = {"steps": steps, "results": {}}
+    assert [s["id"] for s in ready_steps(state)] == ["a", "b"]  # type: ignore[arg-type]
+    state["results"] = {"a": {"n": 1}}
+    assert [s["id"] for s in ready_steps(state)] == ["b", "c"]  # type: ignore[arg-type]
+    state["results"] = {"a": {}, "b": {}, "c": {}}
+    assert [s["id"] for s in ready_steps(state)] == ["d"]  # type: ignore[arg-type]
