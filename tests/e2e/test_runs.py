@@ -115,7 +115,12 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
     steps = {
         "steps": [
             {"id": "totals", "skill": "invoice-totals"},
-            {"id": "wipe", "skill": "sql-query", "input": {"sql": "DELETE FROM tenant_data.invoices"}},
+            {
+                "id": "wipe",
+                "skill": "sql-query",
+                "input": {"sql": "DELETE FROM tenant_data.invoices"},
+                "after": ["totals"],
+            },
         ]
     }
     outcome = await send(stack, user_message(data=steps), token=token)
@@ -149,6 +154,12 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
         ("sql-analyst/sql-query", "failed"),
     ]
     assert "tool_failed" in calls[1]["error"]
+    operations = [json.loads(line) for line in (bundle / "operations.jsonl").read_text().splitlines()]
+    assert [(op["step_id"], op["target"], op["status"]) for op in operations] == [
+        ("totals", "sql-analyst", "succeeded"),
+        ("wipe", "sql-analyst", "failed"),
+    ]
+    assert "tool_failed" in operations[1]["error"]["message"]
     last_state = json.loads((bundle / "last_state.json").read_text())
     assert last_state["failure"]["step"] == "wipe"
     assert "policy bundle revision local-1+" in (bundle / "env.txt").read_text()

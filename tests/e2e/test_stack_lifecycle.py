@@ -62,15 +62,17 @@ def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp
     assert endpoints["nats"].startswith("nats://127.0.0.1:")
     assert endpoints["registry"].startswith("http://127.0.0.1:")
     assert endpoints["coordinator"].startswith("http://127.0.0.1:")
-    assert set(endpoints["specialists"]) == {"sql-analyst", "stats"}
+    assert set(endpoints["specialists"]) == {"sql-analyst", "stats", "case-desk"}
     assert endpoints["mcp_servers"]["mcp-sql"].endswith("/mcp")
+    assert endpoints["mcp_servers"]["mcp-cases"].endswith("/mcp")
     status = fleet("status", "--data-dir", stack.data_dir, "--json")
     assert status.returncode == 0, status.stdout + status.stderr
     report = json.loads(status.stdout)
     assert report["healthy"] is True
     assert all(check["healthy"] for check in report["services"].values())
-    assert {a["id"] for a in report["registry"]["agents"]} == {"coordinator", "sql-analyst", "stats"}
-    assert [m["id"] for m in report["registry"]["mcp_servers"]] == ["mcp-sql"]
+    agents = {a["id"] for a in report["registry"]["agents"]}
+    assert agents == {"coordinator", "sql-analyst", "stats", "case-desk"}
+    assert sorted(m["id"] for m in report["registry"]["mcp_servers"]) == ["mcp-cases", "mcp-sql"]
     pids = [endpoints["supervisor_pid"], *endpoints["processes"].values()]
     down = fleet("down", "--data-dir", stack.data_dir)
     assert down.returncode == 0, down.stderr
