@@ -35,6 +35,7 @@ from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore
 from coordinator.worker import RunWorker
+from policy import RegorusEngine
 from registry import AgentRecord
 
 STEPS = 20
@@ -151,7 +152,15 @@ async def measure(dsn: str) -> dict[str, Any]:
         fleet_graph = build_graph(delegator, saver)  # type: ignore[arg-type]
         ledger = Ledger(run_pool)
         await ledger.setup()
-        worker = RunWorker(fleet_graph, store, ledger, delegator, "bench-worker", lease_ttl_s=60)  # type: ignore[arg-type]
+        worker = RunWorker(
+            fleet_graph,
+            store,
+            ledger,
+            delegator,  # type: ignore[arg-type]
+            RegorusEngine.from_dir(),
+            "bench-worker",
+            lease_ttl_s=60,
+        )
         await time_bare(bare)  # warm up every path once
         await time_graph_alone(fleet_graph)
         await time_fleet(worker, store)

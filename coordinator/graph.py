@@ -8,7 +8,9 @@ their operation in the ledger (see :mod:`coordinator.dispatch`) instead of sendi
 
 from __future__ import annotations
 
+import datetime as dt
 import operator
+from collections import Counter
 from typing import Annotated, Any, TypedDict
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -24,6 +26,7 @@ from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.plan import dependencies, resolve_input
 from fleet.errors import FleetError
+from fleet.operation_ext import args_hash
 
 
 def _merge(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
@@ -41,6 +44,12 @@ class GraphState(TypedDict, total=False):
     results: Annotated[dict[str, Any], _merge]  # by step id; parallel steps each add theirs
     outcomes: Annotated[list[dict[str, Any]], operator.add]
     failure: Annotated[dict[str, Any] | None, _first_failure]
+    # The mission budget and convergence limits, from policy when the run started (see budgets.rego),
+    # and the accounting against them.
+    limits: dict[str, Any]
+    tranche: dict[str, Any]  # {"number", "steps", "operations", "started_at"} at the tranche's start
+    calls: Annotated[list[str], operator.add]  # hashes of the calls sent, in order
+    stop: dict[str, Any] | None  # why the run stopped early: {"reason", "why"}
 
 
 class StepTask(TypedDict):
@@ -77,14 +86,69 @@ def ready_steps(state: GraphState) -> list[dict[str, Any]]:
     return [s for s in state["steps"] if s["id"] not in done and dependencies(s) <= done]
 
 
+def _call_hash(step: dict[str, Any], results: dict[str, Any]) -> str:
+    try:
+        payload = resolve_input(step["input"], results)
+    except FleetError:
+        payload = step["input"]  # the step will fail on it; the hash only has to be stable
+    return args_hash({"skill": step["skill"], "input": payload})
+
+
+def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
+    """The update that the next turn needs: nothing, a new tranche, the hashes of the calls it
+    sends, or a stop (budget exhausted, or not converging). Checked before every fan-out."""
+    limits = state.get("limits") or {}
+    ready = ready_steps(state)
+    if not limits or not ready or state.get("failure") or state.get("stop"):
+        return {}
+    budget, convergence = limits["limits"], limits["convergence"]
+    tranche = state["tranche"]
+    used = {
+        "max_steps": len(state.get("results", {})) - tranche["steps"],
+        "max_operations": len(state.get("outcomes", [])) - tranche["operations"],
+        "max_seconds": (now - dt.datetime.fromisoformat(tranche["started_at"])).total_seconds(),
+    }
+    spent = [f"{key} {budget[key]} reached" for key, value in used.items() if value >= budget[key]]
+    if spent:
+        if budget["on_exhausted"] == "tranche" and tranche["number"] < budget["max_tranches"]:
+            fresh = {
+                "number": tranche["number"] + 1,
+                "steps": len(state.get("results", {})),
+                "operations": len(state.get("outcomes", [])),
+                "started_at": now.isoformat(),
+            }
+            _emit(
+                "budget.tranche",
+                {"tranche": fresh["number"], "spent": spent},
+                f"new budget tranche ({', '.join(spent)})",
+            )
+            return {"tranche": fresh}
+        why = ", ".join(spent)
+        _emit("budget.exhausted", {"spent": spent}, f"budget exhausted: {why}")
+        return {"stop": {"reason": "budget_exhausted", "why": why}}
+    if len(ready) > convergence["max_calls_per_turn"]:
+        why = f"{len(ready)} calls in one turn (more than {convergence['max_calls_per_turn']})"
+        _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
+        return {"stop": {"reason": "non_converging", "why": why}}
+    results = state.get("results", {})
+    new = [_call_hash(step, results) for step in ready]
+    counts = Counter([*state.get("calls", []), *new])
+    repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
+    if repeated:
+        why = f"the same call {convergence['repeat_limit']} times"
+        _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
+        return {"stop": {"reason": "non_converging", "why": why}}
+    return {"calls": new}
+
+
 def build_graph(
     delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     async def schedule(state: GraphState) -> dict[str, Any]:
-        return {}
+        return check_budget(state, dt.datetime.now(dt.UTC))
 
     def fan_out(state: GraphState) -> list[Send] | str:
-        if state.get("failure"):
+        if state.get("failure") or state.get("stop"):
             return "finish"
         ready = ready_steps(state)
         if not ready:

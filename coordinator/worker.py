@@ -50,6 +50,7 @@ from fleet.errors import ErrorCode
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
+from policy import PolicyEngine, PolicyError, RegorusEngine
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,12 @@ class RunWorker:
         store: PostgresRunStore,
         ledger: Ledger,
         delegator: Delegator,
+        engine: PolicyEngine,
         worker_id: str,
         lease_ttl_s: float,
     ) -> None:
         self._delegator = delegator
+        self._engine = engine
         self._graph = graph
         self._store = store
         self._ledger = ledger
@@ -195,15 +198,17 @@ class RunWorker:
     async def _advance(self, run: Run, lease: Lease, signals: RunSignals) -> None:
         config: RunnableConfig = {"configurable": {"thread_id": run.run_id}}
         snapshot = await self._graph.aget_state(config)
-        graph_input: dict[str, Any] | Command[Any] | None = _initial_state(run)
+        graph_input: dict[str, Any] | Command[Any] | None = None
         if snapshot.interrupts:
             # A person answered what the run waited for: resume the waiting node, which reads the
             # answer from where it was recorded (the operations ledger).
             graph_input = Command(resume={"resumed_by": self._id})
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
         elif snapshot.next:
-            graph_input = None  # resume from the checkpoint: finished nodes are not redone
+            # resume from the checkpoint: finished nodes are not redone
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
+        elif not snapshot.values:
+            graph_input = _initial_state(run, run_limits(self._engine, run.tenant))
         if run.state == RunState.SUBMITTED:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
         scope = RunScope(self._ledger, lease, self._id)
@@ -291,10 +296,15 @@ class RunWorker:
         results = final.get("results", {})
         summary = "; ".join(f"{o['step']} by {o['agent']}" for o in final.get("outcomes", []))
         text = f"completed {len(results)} steps: {summary}"
+        stop = final.get("stop")
+        if stop:  # graceful degradation: the best result so far, and what was not done and why
+            skipped = [s["id"] for s in final.get("steps", []) if s["id"] not in results]
+            text = f"stopped early ({stop['reason']}: {stop['why']}); {text}; not run: {', '.join(skipped)}"
         await self._store.append(
             lease, "artifact", self._id, {"name": "result", "text": text, "steps": results}
         )
-        await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary})
+        reason = stop["reason"] if stop else None
+        await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary}, reason=reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,14 +337,26 @@ async def _unless(signals: RunSignals, work: Awaitable[T], run_id: str) -> T:
     return job.result()
 
 
-def _initial_state(run: Run) -> dict[str, Any]:
+def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
     return {
         "run_id": run.run_id,
         "tenant": run.tenant,
         "steps": run.plan,
         "results": {},
         "failure": None,
+        "limits": limits,
+        "tranche": {"number": 0, "steps": 0, "operations": 0, "started_at": run.created_at.isoformat()},
+        "stop": None,
     }
+
+
+def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
+    """The run's budget and convergence limits, decided by policy when the run starts; a policy
+    that cannot be evaluated or is invalid fails the start (closed, with a clear reason)."""
+    decision = engine.decide("fleet.budgets.decision", {"tenant": tenant})
+    if not decision.allow:
+        raise PolicyError(f"the budget policy is invalid: {'; '.join(decision.reasons)}")
+    return {"limits": decision.result["limits"], "convergence": decision.result["convergence"]}
 
 
 def build_worker_app(settings: WorkerSettings) -> Starlette:
@@ -353,6 +375,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
         store,
         ledger,
         delegator,
+        RegorusEngine.from_dir(settings.policy_dir),
         worker_id=f"{settings.service_id}:{os.getpid()}",
         lease_ttl_s=settings.lease_ttl_s,
     )
