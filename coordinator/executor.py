@@ -75,6 +75,8 @@ class CoordinatorExecutor(AgentExecutor):
         task = context.current_task or new_task_from_user_message(context.message)
         plan = [s.to_dict() for s in steps]
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan)
+        if context.call_context is not None:  # the context id, before anyone can see the run
+            await self._tasks.save(task, context.call_context)
         try:
             await self._submit(task.id)
         except Exception:  # the run is durable already: the workers' sweep re-submits it

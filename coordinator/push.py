@@ -85,6 +85,7 @@ _CLAIM = """
 WITH due AS (
     SELECT c.task_id, c.config_id FROM fleet_runs.push_configs c
     JOIN fleet_runs.runs r ON r.run_id = c.task_id AND r.tenant = c.tenant
+    JOIN fleet_runs.a2a_tasks t ON t.task_id = c.task_id  -- its context id is recorded
     WHERE r.last_seq > c.delivered_seq AND NOT c.gave_up AND c.next_attempt_at <= now()
       AND (c.claimed_until IS NULL OR c.claimed_until < now())
     ORDER BY c.next_attempt_at LIMIT %s FOR UPDATE OF c SKIP LOCKED
