@@ -10,7 +10,7 @@ from typing import Any
 from a2a.helpers import get_data_parts, get_text_parts, new_task_from_user_message
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
-from a2a.types import InvalidParamsError
+from a2a.types import InvalidParamsError, Task
 from a2a.utils.errors import UnsupportedOperationError
 
 from coordinator.delegation import Delegator
@@ -75,7 +75,7 @@ class CoordinatorExecutor(AgentExecutor):
         task = context.current_task or new_task_from_user_message(context.message)
         plan = [s.to_dict() for s in steps]
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan)
-        if context.call_context is not None:  # the context id, before anyone can see the run
+        if context.call_context is not None:  # its context id, before the task is shown to anyone
             await self._tasks.save(task, context.call_context)
         try:
             await self._submit(task.id)
@@ -84,8 +84,10 @@ class CoordinatorExecutor(AgentExecutor):
         if context.current_task is None:
             await event_queue.enqueue_event(task)
             fold = TaskFold(initial_task(task.id, task.context_id, context.message))
-        else:  # a follow-up message: relay what happens from here on
-            fold = TaskFold(task, event_id_of(task.metadata) or 0)
+        else:  # a follow-up message: relay what happens from here on (on a copy: the SDK owns `task`)
+            current = Task()
+            current.CopyFrom(task)
+            fold = TaskFold(current, event_id_of(task.metadata) or 0)
         async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._listen_dsn):
             await event_queue.enqueue_event(update)
 
