@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 SIGNATURE_HEADER = "Fleet-Push-Signature"
 PUSH_JWT_TTL_S = 300
 DELIVERY_TIMEOUT_S = 10.0
-BATCH = 100
-CLAIM_S = 120.0
+BATCH = 20
+CLAIM_S = 30.0  # a dispatcher that dies holding a claim delays its configs by at most this
 MAX_BACKOFF_S = 60.0
 
 SCHEMA = """
@@ -315,6 +315,7 @@ class PushDispatcher:
 
     async def _deliver(self, target: _Target, after: int, attempts: int) -> None:
         delivered = after
+        deadline = time.monotonic() + CLAIM_S - DELIVERY_TIMEOUT_S - 5.0  # stop well inside the claim
         try:
             fold = await self._tasks.fold(target.task_id, target.tenant, upto=after)
             if fold is None:
@@ -323,6 +324,8 @@ class PushDispatcher:
                 await self._post(target, fold.seq, fold.snapshot())
                 delivered = fold.seq
             for event in await self._runs.events_after(target.task_id, target.tenant, fold.seq, BATCH):
+                if time.monotonic() > deadline:
+                    break  # the rest in the next round, under a fresh claim, so no one else overtakes
                 update = fold.apply(event)
                 if update is not None:
                     await self._post(target, event.seq, update)

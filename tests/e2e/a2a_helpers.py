@@ -220,6 +220,8 @@ class Receiver:
             return Response(status_code=503)
         try:
             claims = await self._verify(request, body)
+        except httpx.HTTPError:  # the coordinator's JWKS is out of reach (it is restarting): retry later
+            return Response(status_code=503)
         except (AssertionError, KeyError, StopIteration, jwt.PyJWTError) as exc:
             self.refused.append(repr(exc))
             return Response(status_code=401)

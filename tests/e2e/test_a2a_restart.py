@@ -1,9 +1,12 @@
-"""A2A tasks survive a restart of the coordinator, and the event log's retention is visible to a
-resuming client as a fresh snapshot. One private stack, stopped and started again on its data dir."""
+"""A2A tasks survive the death of the coordinator, and the event log's retention is visible to a
+resuming client as a fresh snapshot. One private stack: its coordinator and workers are killed in the
+middle of a run, and the stack is started again on its data dir."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import cast
@@ -20,7 +23,6 @@ from a2a.types import (
 
 from tests.e2e.a2a_helpers import (
     INLINE_OUTLIERS,
-    SLOW_STEPS,
     a2a_client,
     as_tenant,
     event_id,
@@ -37,15 +39,23 @@ from tests.e2e.conftest import TEST_PUSH_HOSTS, clean_env, send, start_stack, st
 pytestmark = pytest.mark.e2e
 
 # Fast failover (the run in flight resumes within seconds of the restart) and a short retention:
-# a run's older events are pruned five seconds after it ends.
+# a run's older events are pruned 40 seconds after it ends (long enough for the pushes of the run in
+# flight to be delivered before its events go, even if the killed coordinator held their claim).
 RESTART_ENV = {
     "FLEET_LEASE_TTL_S": "3",
     "FLEET_ACK_WAIT_S": "6",
     **TEST_PUSH_HOSTS,
-    "FLEET_EVENT_RETENTION_S": "5",
+    "FLEET_EVENT_RETENTION_S": "40",
     "FLEET_RETENTION_SWEEP_S": "0.5",
 }
 COMPLETED = TaskState.TASK_STATE_COMPLETED
+# Long enough to be in flight when the stack stops: four steps of two seconds each.
+LONG_STEPS = {
+    "steps": [
+        {"id": f"long{n}", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(2) IS NULL AS slept"}}
+        for n in range(1, 5)
+    ]
+}
 
 
 def unique(responses: list[StreamResponse]) -> list[StreamResponse]:
@@ -56,7 +66,7 @@ def unique(responses: list[StreamResponse]) -> list[StreamResponse]:
     return list(seen.values())
 
 
-async def test_tasks_subscriptions_and_pushes_survive_a_restart_and_retention_gives_a_snapshot(
+async def test_tasks_subscriptions_and_pushes_survive_a_killed_coordinator_and_retention_gives_a_snapshot(
     tmp_path: Path,
 ) -> None:
     data_dir = tmp_path / "fleet"
@@ -67,7 +77,7 @@ async def test_tasks_subscriptions_and_pushes_survive_a_restart_and_retention_gi
         done = await send(stack, user_message(data=INLINE_OUTLIERS), token=token)
         async with receiver(stack) as hook:
             task = await start(
-                stack, token, user_message(data=SLOW_STEPS), push=TaskPushNotificationConfig(url=hook.url())
+                stack, token, user_message(data=LONG_STEPS), push=TaskPushNotificationConfig(url=hook.url())
             )
             seen = []
             async with a2a_client(stack) as client:
@@ -82,6 +92,10 @@ async def test_tasks_subscriptions_and_pushes_survive_a_restart_and_retention_gi
                 await stream.aclose()
             last = event_id(seen[-1])
 
+            # The coordinator and the workers die at once, the run in the middle of a step (a graceful
+            # stop would let the specialists go first and fail the step); then the stack comes back.
+            for name in ("coordinator", "worker-1", "worker-2"):
+                os.kill(stack.endpoints["processes"][name], signal.SIGKILL)
             await asyncio.to_thread(stop_stack, stack)
             stack = await asyncio.to_thread(start_stack, data_dir, clean_env(**RESTART_ENV))
             hook.coordinator = stack.endpoints["coordinator"]
@@ -95,6 +109,7 @@ async def test_tasks_subscriptions_and_pushes_survive_a_restart_and_retention_gi
             assert {t.id for t in listing.tasks} == {done.task_id, task.id}
 
             resumed = await subscribe(stack, task.id, token, last_event_id=last)
+            assert resumed_as(resumed[0].task) is None, "the run ended and was pruned before the restart"
             assert event_id(resumed[0]) == last
             assert state_of(resumed[-1]) == COMPLETED
             pushes = await hook.until_final(task.id)
@@ -105,9 +120,9 @@ async def test_tasks_subscriptions_and_pushes_survive_a_restart_and_retention_gi
         assert unique(after_snapshot) == seen[1:] + resumed[1:]
         assert "run.resumed" in {e["type"] for e in await run_events(stack, task.id, token)}
 
-        # Retention: once a run has been over for five seconds, its older events are pruned. A cursor
+        # Retention: once a run has been over for 40 seconds, its older events are pruned. A cursor
         # from before that gets the task as it is now, marked as a snapshot.
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(90):
             while True:
                 tail = await subscribe(stack, done.task_id, token, last_event_id=1)
                 if resumed_as(tail[0].task) == "snapshot":
