@@ -132,9 +132,7 @@ class TaskFold:
     def _update_for(self, event: RunEvent) -> TaskUpdate | None:
         if event.type == "artifact":
             return self._artifact(event)
-        run_state = (
-            _RUN_STATES.get(event.type.removeprefix("run.")) if event.type.startswith("run.") else None
-        )
+        run_state = _run_state_of(event)
         state = A2A_STATE[run_state] if run_state is not None else self.state
         parts = _message_parts(event)
         if state == self.state and not parts:
@@ -175,6 +173,15 @@ class TaskFold:
             last_chunk=True,
             metadata=resume_metadata(eventId=event.seq),
         )
+
+
+def _run_state_of(event: RunEvent) -> RunState | None:
+    """The state the run moved to with this event, if it moved: every writer that changes the run's
+    state records it in the payload (``run.<state>`` transitions, a person's resolution, ...)."""
+    named = event.payload.get("state")
+    if isinstance(named, str) and named in _RUN_STATES:
+        return _RUN_STATES[named]
+    return _RUN_STATES.get(event.type.removeprefix("run.")) if event.type.startswith("run.") else None
 
 
 def _message_parts(event: RunEvent) -> list[Part]:

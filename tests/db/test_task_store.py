@@ -90,6 +90,10 @@ async def test_a_task_is_the_fold_of_its_runs_events_of_every_kind(
     assert texts(task) == ["hi", "plan: x", "step s started", "cannot tell if op1 ran", "approve the refund?"]
     assert event_id_of(task.metadata) == 7
 
+    # A person's answer hands the run back (it names the state it moves the run to), then it works.
+    await runs.append(lease, "operation.resolved", "w", {"state": "submitted", "text": "resolved: ok"})
+    resolved = await tasks.get("r1", caller("acme"))
+    assert resolved is not None and resolved.status.state == TaskState.TASK_STATE_SUBMITTED
     await runs.transition(lease, RunState.WORKING, "w", {})
     await runs.append(lease, "artifact", "w", {"name": "result", "text": "done", "steps": {"s": 1}})
     await runs.transition(lease, RunState.COMPLETED, "w", {})
