@@ -1,18 +1,173 @@
-"""The coordinator's A2A request handler: the SDK's, with cancel made idempotent."""
+"""The coordinator's A2A request handler: the SDK's, with cancel and subscribe answered from the runs.
+
+The SDK keeps a task's live state in the process that runs its executor; here that state is the
+run's event log in Postgres, which any coordinator process can read. So:
+
+* ``CancelTask`` records the cancel on the run and waits for the run's terminal event. The task then
+  shows the one terminal state the run reached: ``canceled``, or, if the run completed (or failed)
+  first, that state, with "not cancelable". Canceling a canceled task answers with the task.
+* ``SubscribeToTask`` follows the event log, so it works after a restart and on any replica, and it
+  resumes from a cursor (the resume extension): with ``Last-Event-ID: N`` the stream starts with the
+  task as it stood at event N and goes on with exactly the updates after N. A cursor older than
+  retention gets the current task, marked ``"resumed": "snapshot"``, then the updates after it.
+
+Closing a stream never cancels a run: only ``CancelTask`` does.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
 from a2a.server.context import ServerCallContext
+from a2a.server.events import Event
 from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.types import CancelTaskRequest, GetTaskRequest, Task, TaskState
+from a2a.types import CancelTaskRequest, SubscribeToTaskRequest, Task, TaskState
+from a2a.utils.errors import (
+    InvalidParamsError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from a2a.utils.proto_utils import validate_proto_required_fields
+
+from coordinator.runs import PostgresRunStore
+from coordinator.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
+from coordinator.task_store import PostgresTaskStore
+from fleet.a2a_support import claims_of
+from fleet.errors import ErrorCode
+
+CANCEL_TIMEOUT_S = 60.0
+CURSOR_HEADER = "last-event-id"
+
+
+def resume_cursor(context: ServerCallContext) -> int | None:
+    """The ``Last-Event-ID`` service parameter (HTTP header) of a subscribe call, if any."""
+    headers: dict[str, str] = context.state.get("headers", {})
+    raw = headers.get(CURSOR_HEADER)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise InvalidParamsError(
+            message=f"[{ErrorCode.INVALID_REQUEST}] Last-Event-ID must be an event id (a whole number)",
+            data={"code": str(ErrorCode.INVALID_REQUEST)},
+        )
+    return int(raw)
+
+
+async def follow(
+    fold: TaskFold, runs: PostgresRunStore, tasks: PostgresTaskStore, tenant: str, listen_dsn: str
+) -> AsyncGenerator[Event]:
+    """The updates of the events after ``fold.seq``, as they are committed, until the task ends or
+    comes to wait for someone. If retention prunes events from under the reader, it sends the task as
+    it is now instead and goes on after it."""
+    task_id = fold.task.id
+    async for event in runs.follow(task_id, tenant, fold.seq, listen_dsn):
+        if event.seq <= fold.seq:
+            continue  # already in a snapshot sent below
+        if event.seq > fold.seq + 1:
+            current = await tasks.fold(task_id, tenant)
+            if current is not None and current.seq > fold.seq:
+                fold = current
+                yield _marked_snapshot(fold, f"events after {fold.base} were pruned while reading")
+                if fold.final:
+                    return
+                continue
+        before = fold.state
+        update = fold.apply(event)
+        if update is not None:
+            yield update
+        if fold.state in TERMINAL or (fold.final and fold.state != before):
+            return
+
+
+def _marked_snapshot(fold: TaskFold, reason: str) -> Task:
+    task = fold.snapshot()
+    task.metadata.update({RESUME_EXTENSION: {"eventId": fold.seq, "resumed": "snapshot", "reason": reason}})
+    return task
 
 
 class CoordinatorRequestHandler(DefaultRequestHandler):
+    """Cancel and subscribe from the run store (see the module docstring); everything else as the
+    SDK does it, over :class:`~coordinator.task_store.PostgresTaskStore`."""
+
+    def __init__(
+        self,
+        *,
+        tasks: PostgresTaskStore,
+        runs: PostgresRunStore,
+        listen_dsn: str,
+        cancel_timeout_s: float = CANCEL_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(task_store=tasks, **kwargs)
+        self._tasks = tasks
+        self._runs = runs
+        self._listen_dsn = listen_dsn
+        self._cancel_timeout_s = cancel_timeout_s
+
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task | None:
-        """Canceling a canceled task answers with the task as it is (the SDK would refuse): a client
-        that retries a cancel after a lost response must not see an error."""
-        current: Task | None = await self.on_get_task(GetTaskRequest(id=params.id), context)
-        if current is not None and current.status.state == TaskState.TASK_STATE_CANCELED:
-            return current
-        result: Task | None = await super().on_cancel_task(params, context)
-        return result
+        validate_proto_required_fields(params)
+        claims = claims_of(context)
+        fold = await self._tasks.fold(params.id, claims.tenant)
+        if fold is None:
+            raise TaskNotFoundError
+        if fold.state not in TERMINAL:
+            await self._runs.request_cancel(params.id, claims.tenant, claims.sub)
+            fold = await self._until_ended(fold, claims.tenant)
+        if fold.state in TERMINAL and fold.state != TaskState.TASK_STATE_CANCELED:
+            raise TaskNotCancelableError(
+                message=f"the task already ended {TaskState.Name(fold.state).removeprefix('TASK_STATE_')}"
+            )
+        # Canceled (also by an earlier request), or still stopping after the timeout: it will end
+        # canceled, since the run refuses every write but its end once a cancel is recorded.
+        return fold.task
+
+    async def _until_ended(self, fold: TaskFold, tenant: str) -> TaskFold:
+        try:
+            async with asyncio.timeout(self._cancel_timeout_s):
+                async for event in self._runs.follow(fold.task.id, tenant, fold.seq, self._listen_dsn):
+                    fold.apply(event)
+        except TimeoutError:
+            pass
+        return fold
+
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Event]:
+        validate_proto_required_fields(params)
+        tenant = claims_of(context).tenant
+        cursor = resume_cursor(context)
+        fold = await self._tasks.fold(params.id, tenant, upto=cursor)
+        if fold is None:
+            raise TaskNotFoundError
+        if cursor is None:
+            if fold.state in TERMINAL:
+                raise UnsupportedOperationError(
+                    message=f"task {params.id} has ended; GetTask shows it, or resubscribe with "
+                    "Last-Event-ID to get the updates after an event"
+                )
+            yield fold.snapshot()
+        elif cursor < fold.base:
+            current = await self._tasks.fold(params.id, tenant)
+            if current is None:
+                raise TaskNotFoundError
+            fold = current
+            yield _marked_snapshot(
+                fold, f"event {cursor} is older than retention (events up to {fold.base} were pruned)"
+            )
+        elif fold.seq < cursor:
+            raise InvalidParamsError(
+                message=f"[{ErrorCode.INVALID_REQUEST}] Last-Event-ID {cursor} is beyond the task's last event {fold.seq}",
+                data={"code": str(ErrorCode.INVALID_REQUEST)},
+            )
+        else:
+            yield fold.snapshot()
+        if fold.state in TERMINAL:
+            return
+        async for update in follow(fold, self._runs, self._tasks, tenant, self._listen_dsn):
+            yield update
+
+
+__all__ = ["CURSOR_HEADER", "CoordinatorRequestHandler", "follow", "resume_cursor"]

@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import httpx
-from a2a.server.tasks import InMemoryTaskStore
 from a2a.types import AgentSkill
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from coordinator import work
+from coordinator.card import JWKS_PATH, ExtendedCardForCaller, extended_card, with_fleet_capabilities
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import checkpoint_pool
 from coordinator.handler import CoordinatorRequestHandler
 from coordinator.operations import Ledger
+from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
+from coordinator.task_store import PostgresTaskStore, sweep_retention
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
     build_card,
     sign_card,
 )
+from fleet.keys import SigningKey
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import RegorusEngine
@@ -49,8 +56,43 @@ SKILLS = [
 ]
 
 
-def build_app(settings: ServiceSettings) -> Starlette:
+class CoordinatorSettings(ServiceSettings):
+    """The coordinator API's own settings (``FLEET_*``)."""
+
+    push_allowed_hosts: str = ""  # comma-separated hosts (or host:port) that may be private/loopback
+    push_max_attempts: int = 8
+    event_retention_s: float | None = None  # unset: keep every event of every run
+    retention_sweep_s: float = 300.0
+
+    @property
+    def allowed_push_hosts(self) -> list[str]:
+        return [host for host in self.push_allowed_hosts.split(",") if host.strip()]
+
+
+def jwks_route(key: SigningKey) -> Route:
+    """The coordinator's public keys: receivers of its push notifications verify them with these."""
+
+    async def jwks(request: Request) -> JSONResponse:
+        return JSONResponse({"keys": [key.public_jwk()]}, headers={"Cache-Control": "max-age=300"})
+
+    return Route(JWKS_PATH, jwks)
+
+
+@contextlib.asynccontextmanager
+async def background(*jobs: Callable[[], Coroutine[Any, Any, None]]) -> AsyncIterator[None]:
+    """Run ``jobs`` for as long as the block lasts; cancel and await them on the way out."""
+    tasks = [asyncio.create_task(job()) for job in jobs]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def build_app(settings: CoordinatorSettings) -> Starlette:
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
+    push_http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
     registry = RegistryClient(settings, http)
     engine = RegorusEngine.from_dir(settings.policy_dir)
     delegator = Delegator(registry, http)
@@ -63,23 +105,46 @@ def build_app(settings: ServiceSettings) -> Starlette:
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
     )
+    card = with_fleet_capabilities(card, settings.public_url, settings.service_id)
+    extended = extended_card(card, settings.event_retention_s)
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
     )
     runs = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
+    tasks = PostgresTaskStore(run_pool, runs)
+    policy = PushUrlPolicy(settings.allowed_push_hosts)
+    push_configs = PostgresPushConfigStore(run_pool, policy)
+    dispatcher = PushDispatcher(
+        run_pool,
+        tasks,
+        runs,
+        policy,
+        PushSigner(registry.key, settings.service_id, settings.public_url + JWKS_PATH),
+        push_http,
+        max_attempts=settings.push_max_attempts,
+    )
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
     saver = AsyncPostgresSaver(pool_for_checkpoints)  # read here (debug bundles); workers write
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
     handler = CoordinatorRequestHandler(
+        tasks=tasks,
+        runs=runs,
+        listen_dsn=settings.pg_dsn,
         agent_executor=CoordinatorExecutor(
-            delegator, engine, runs, submitter.submit, listen_dsn=settings.pg_dsn
+            delegator, engine, runs, tasks, submitter.submit, listen_dsn=settings.pg_dsn
         ),
-        task_store=InMemoryTaskStore(),
         agent_card=card,
+        push_config_store=push_configs,
+        extended_agent_card=extended,
+        extended_card_modifier=ExtendedCardForCaller(registry.key, registry.own_keys_url),
     )
     readiness = Readiness(settings.service_id, "coordinator")
+    jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(settings.pg_dsn)]
+    if settings.event_retention_s is not None:
+        retention_s = settings.event_retention_s
+        jobs.append(lambda: sweep_retention(tasks, retention_s, settings.retention_sweep_s))
 
     async def start() -> None:
         await registry.join_as_agent(settings.public_url)
@@ -88,13 +153,17 @@ def build_app(settings: ServiceSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
+            await stack.enter_async_context(push_http)
             await stack.enter_async_context(run_pool)
             await stack.enter_async_context(pool_for_checkpoints)
             await runs.setup()
             await ledger.setup()
+            await tasks.setup()
+            await push_configs.setup()
             await saver.setup()
             await stack.enter_async_context(submitter)
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
+            await stack.enter_async_context(background(*jobs))
             await stack.enter_async_context(start_in_background(readiness, start))
             yield
 
@@ -105,11 +174,15 @@ def build_app(settings: ServiceSettings) -> Starlette:
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
-        extra_routes=run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine.revision),
+        extra_routes=[
+            jwks_route(registry.key),
+            *run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine.revision),
+        ],
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )
 
 
 async def main(settings: ServiceSettings) -> None:
-    configure_logging(settings.service_id, settings.log_level)
-    await serve_app(build_app(settings), settings)
+    coordinator_settings = CoordinatorSettings.from_env(settings.service_id)
+    configure_logging(coordinator_settings.service_id, coordinator_settings.log_level)
+    await serve_app(build_app(coordinator_settings), coordinator_settings)

@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     DEPENDENCY_UNAVAILABLE = "dependency_unavailable"
     STACK_FAILED = "stack_failed"
     INTERNAL = "internal"
+    PUSH_URL_REFUSED = "push_url_refused"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -36,6 +37,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.POLICY_DENIED: 403,
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.CARD_INVALID: 400,
+    ErrorCode.PUSH_URL_REFUSED: 400,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.NO_SPECIALIST: 404,
     ErrorCode.CONFLICT: 409,

@@ -124,10 +124,14 @@ def stop_stack(stack: Stack) -> None:
     assert result.returncode == 0, result.stderr
 
 
+# Webhook receivers of the tests listen on loopback, which the coordinator refuses unless allowed.
+TEST_PUSH_HOSTS = {"FLEET_PUSH_ALLOWED_HOSTS": "127.0.0.1"}
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One stack shared by the tests that do not break it."""
-    running = start_stack(tmp_path_factory.mktemp("stack"))
+    running = start_stack(tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS))
     yield running
     stop_stack(running)
 
