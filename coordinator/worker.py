@@ -57,6 +57,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Events whose commit may return before the WAL flush: a specialist's progress chatter, and the
+# routing and start of a step, which the durable ``operation.intent`` of the same step always follows
+# (a durable commit flushes every earlier one). A crash of Postgres itself can lose the last of these,
+# never a transition, an operation or a gap; no effect has begun before the intent.
+RELAXED_EVENTS = frozenset({"step.progress", "step.routed", "step.started"})
+
 
 class WorkerSettings(ServiceSettings):
     lease_ttl_s: float = 15.0
@@ -282,8 +288,7 @@ class RunWorker:
                     continue
                 report = part["data"]
                 payload = {**report["payload"], **({"text": report["text"]} if report["text"] else {})}
-                # Only progress chatter may skip the WAL flush; step boundaries are durable.
-                durable = report["event"] != "step.progress"
+                durable = report["event"] not in RELAXED_EVENTS
                 await self._store.append(lease, report["event"], self._id, payload, durable=durable)
         return await self._graph.aget_state(config)
 

@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec
+from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
 from fleet import stacklock
 from fleet.errors import ErrorCode, FleetError
 from fleet.infra import as_user, nats_command, prepare_postgres
@@ -75,6 +75,21 @@ def _free_port(preferred_port: int | None) -> int:
     with _bind_loopback(preferred_port) as sock:
         port: int = sock.getsockname()[1]
         return port
+
+
+STOP_TIERS: tuple[frozenset[str], ...] = (
+    frozenset({"coordinator", "worker"}),
+    frozenset({"specialist"}),
+    frozenset({"mcp_server"}),
+    frozenset({"registry"}),
+)
+
+
+def _kind(name: str) -> str | None:
+    try:
+        return service(name).kind
+    except KeyError:
+        return None
 
 
 @dataclass(slots=True)
@@ -178,10 +193,15 @@ class Supervisor:
             await asyncio.gather(*watchers, return_exceptions=True)
 
     async def stop(self) -> None:
-        """Stop the services (all at once), then Postgres, then NATS."""
+        """Stop the services, callers before the services they call (the coordinator and workers,
+        then specialists, then MCP servers, then the registry; each tier at once), then Postgres,
+        then NATS. A worker thus never sees its specialist vanish under a step in flight: it stops
+        first, and its runs resume on the next start."""
         infrastructure = [c for c in self.children if c.name in INFRASTRUCTURE]
         services = [c for c in self.children if c.name not in INFRASTRUCTURE]
-        await asyncio.gather(*(self._stop_child(c) for c in services))
+        for tier in STOP_TIERS:
+            await asyncio.gather(*(self._stop_child(c) for c in services if _kind(c.name) in tier))
+        await asyncio.gather(*(self._stop_child(c) for c in services if _kind(c.name) is None))
         for child in reversed(infrastructure):
             await self._stop_child(child)
         self.children.clear()

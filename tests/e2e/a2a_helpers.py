@@ -47,7 +47,12 @@ TERMINAL = {
 # A run that takes a few seconds: each step holds a database statement for a second.
 SLOW_STEPS: dict[str, Any] = {
     "steps": [
-        {"id": f"slow{n}", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(1) IS NULL AS slept"}}
+        {
+            "id": f"slow{n}",
+            "skill": "sql-query",
+            "input": {"sql": f"SELECT pg_sleep(1) IS NULL AS slept{n}"},
+            "after": [f"slow{n - 1}"] if n > 1 else [],  # one after another: about 3 s in all
+        }
         for n in range(1, 4)
     ]
 }

@@ -52,7 +52,12 @@ COMPLETED = TaskState.TASK_STATE_COMPLETED
 # Long enough to be in flight when the stack stops: four steps of two seconds each.
 LONG_STEPS = {
     "steps": [
-        {"id": f"long{n}", "skill": "sql-query", "input": {"sql": "SELECT pg_sleep(2) IS NULL AS slept"}}
+        {
+            "id": f"long{n}",
+            "skill": "sql-query",
+            "input": {"sql": f"SELECT pg_sleep(2) IS NULL AS slept{n}"},
+            "after": [f"long{n - 1}"] if n > 1 else [],
+        }
         for n in range(1, 5)
     ]
 }
