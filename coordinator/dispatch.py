@@ -78,6 +78,7 @@ class StepDispatcher:
         self._tenant = tenant
         self._progress = progress
         self._redispatches = 0
+        self._known: Operation | None = None  # the ledger's entry, as last read or written here
 
     @property
     def _args(self) -> dict[str, Any]:
@@ -86,14 +87,16 @@ class StepDispatcher:
     async def agent(self) -> AgentRecord:
         """The agent of this step: the one that got its operation if there is one (a replay must
         reconcile with it, whatever routing would pick today), else one chosen by skill."""
-        op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
-        if op is not None:
-            return await self._delegator.agent(op.target)
+        self._known = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
+        if self._known is not None:
+            return await self._delegator.agent(self._known.target)
         return await self._delegator.assign(self._skill)
 
     async def run(self, agent: AgentRecord) -> dict[str, Any]:
         """The step's result, sending it to ``agent`` at most as often as the rules above allow."""
-        op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
+        op, self._known = self._known, None  # read once: after a wait for a person, read it again
+        if op is None:
+            op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
         if op is None:
             crash_point("worker.before_intent", self._skill)
             op = await self._ledger.record_intent(

@@ -27,7 +27,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.runs import NOTIFY_CHANNEL, Lease, fenced_append
+from coordinator.runs import NOTIFY_CHANNEL, Lease, StaleLease, fenced_append
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 
@@ -67,6 +67,54 @@ _COLUMNS = (
     "op_id, run_id, step_id, kind, target, args_hash, args, status, result, error, attempts,"
     " created_at, updated_at"
 )
+
+
+# Each write is one statement (one round trip, one commit): the change to the operation, fenced by
+# the run's lease, and its event at the run's next sequence number, only if the change happened.
+# The fence locks the run's row while it checks the lease, so that no takeover can slip in between
+# the check and the write.
+_FENCE = """
+fence AS (
+    SELECT run_id FROM fleet_runs.runs WHERE run_id = %(run_id)s AND lease_epoch = %(epoch)s
+    AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') FOR UPDATE
+)
+"""
+_LOGGED = """
+bump AS (
+    UPDATE fleet_runs.runs SET last_seq = last_seq + 1, updated_at = now()
+    WHERE run_id = %(run_id)s AND EXISTS (SELECT 1 FROM op)
+    RETURNING run_id, last_seq
+),
+logged AS (
+    INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)
+    SELECT bump.run_id, bump.last_seq, %(type)s, %(actor)s, %(payload)s || jsonb_build_object('step', op.step_id)
+    FROM bump, op
+    RETURNING run_id
+)
+"""
+_INTENT = f"""
+WITH {_FENCE},
+op AS (
+    INSERT INTO fleet_runs.operations (op_id, run_id, step_id, kind, target, args_hash, args, status)
+    SELECT %(op_id)s, %(run_id)s, %(step_id)s, %(kind)s, %(target)s, %(args_hash)s, %(args)s, 'pending'
+    FROM fence
+    ON CONFLICT (op_id) DO NOTHING
+    RETURNING {_COLUMNS}
+),
+{_LOGGED}
+SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged) AS notified FROM op
+"""
+_OUTCOME = f"""
+WITH {_FENCE},
+op AS (
+    UPDATE fleet_runs.operations SET status = %(status)s, result = %(result)s, error = %(error)s,
+        updated_at = now()
+    WHERE op_id = %(op_id)s AND run_id = %(run_id)s AND EXISTS (SELECT 1 FROM fence)
+    RETURNING {_COLUMNS}
+),
+{_LOGGED}
+SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged) AS notified FROM op
+"""
 
 
 def operation_id(run_id: str, step_id: str) -> str:
@@ -160,27 +208,35 @@ class Ledger:
         returns). Idempotent for the same step and arguments; other arguments are a conflict."""
         op_id = operation_id(lease.run_id, step_id)
         digest = args_hash(args)
-        async with self._pool.connection() as conn, conn.transaction():
+        payload = {"op_id": op_id, "kind": kind, "target": target, "args_hash": digest}
+        async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
-                f"INSERT INTO fleet_runs.operations (op_id, run_id, step_id, kind, target, args_hash,"
-                f" args, status) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (op_id) DO NOTHING"
-                f" RETURNING {_COLUMNS}",
-                (op_id, lease.run_id, step_id, kind, target, digest, Jsonb(args), OpStatus.PENDING.value),
+                _INTENT,
+                {
+                    "op_id": op_id,
+                    "run_id": lease.run_id,
+                    "epoch": lease.epoch,
+                    "step_id": step_id,
+                    "kind": kind,
+                    "target": target,
+                    "args_hash": digest,
+                    "args": Jsonb(args),
+                    "type": "operation.intent",
+                    "actor": actor,
+                    "payload": Jsonb(payload),
+                    "channel": NOTIFY_CHANNEL,
+                },
             )
             row = await cursor.fetchone()
-            if row is None:
-                await cursor.execute(
-                    f"SELECT {_COLUMNS} FROM fleet_runs.operations WHERE op_id = %s", (op_id,)
-                )
-                row = await cursor.fetchone()
-                assert row is not None
-                if row["args_hash"] != digest:
-                    raise OperationConflict(op_id)
-                return _operation(row)
-            payload = {"op_id": op_id, "step": step_id, "kind": kind, "target": target, "args_hash": digest}
-            await fenced_append(conn, lease, "operation.intent", actor, payload)
-        return _operation(row)
+        if row is not None:
+            return _operation({k: v for k, v in row.items() if k != "notified"})
+        existing = await self.get(op_id)  # recorded before (a replay), or the lease is gone
+        if existing is None or existing.run_id != lease.run_id:
+            raise StaleLease(lease.run_id)
+        if existing.args_hash != digest:
+            raise OperationConflict(op_id)
+        return existing
 
     async def record_outcome(
         self,
@@ -193,25 +249,28 @@ class Ledger:
         error: dict[str, Any] | None = None,
     ) -> None:
         """Record what became of a pending operation (its result or error), with its event."""
-        async with self._pool.connection() as conn, conn.transaction():
+        payload: dict[str, Any] = {"op_id": op_id, **({"error": error} if error is not None else {})}
+        async with self._pool.connection() as conn:
             cursor = await conn.execute(
-                "UPDATE fleet_runs.operations SET status = %s, result = %s, error = %s, updated_at = now()"
-                " WHERE op_id = %s AND run_id = %s RETURNING step_id",
-                (
-                    status.value,
-                    Jsonb(result) if result is not None else None,
-                    Jsonb(error) if error is not None else None,
-                    op_id,
-                    lease.run_id,
-                ),
+                _OUTCOME,
+                {
+                    "op_id": op_id,
+                    "run_id": lease.run_id,
+                    "epoch": lease.epoch,
+                    "status": status.value,
+                    "result": Jsonb(result) if result is not None else None,
+                    "error": Jsonb(error) if error is not None else None,
+                    "type": f"operation.{status.value}",
+                    "actor": actor,
+                    "payload": Jsonb(payload),
+                    "channel": NOTIFY_CHANNEL,
+                },
             )
             row = await cursor.fetchone()
-            if row is None:
+        if row is None:
+            if await self.get(op_id) is None:
                 raise FleetError(ErrorCode.NOT_FOUND, f"no operation {op_id} in run {lease.run_id}")
-            payload: dict[str, Any] = {"op_id": op_id, "step": row[0]}
-            if error is not None:
-                payload["error"] = error
-            await fenced_append(conn, lease, f"operation.{status.value}", actor, payload)
+            raise StaleLease(lease.run_id)
 
     async def retry(self, lease: Lease, actor: str, op_id: str) -> None:
         """Send a pending operation again (after its target said it never received it)."""

@@ -57,11 +57,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Events whose commit may return before the WAL flush: a specialist's progress chatter, and the
-# routing and start of a step, which the durable ``operation.intent`` of the same step always follows
-# (a durable commit flushes every earlier one). A crash of Postgres itself can lose the last of these,
-# never a transition, an operation or a gap; no effect has begun before the intent.
-RELAXED_EVENTS = frozenset({"step.progress", "step.routed", "step.started"})
+# Events whose commit may return before the WAL flush: a specialist's progress chatter, and the step
+# markers around an operation, whose durable records are the operation's own events (the intent is
+# durable before anything is sent, the result before the run goes on; a durable commit also flushes
+# every earlier one). A crash of Postgres itself can lose the last of these, never a transition, an
+# operation or a gap.
+RELAXED_EVENTS = frozenset({"step.progress", "step.routed", "step.started", "step.completed"})
 
 
 class WorkerSettings(ServiceSettings):
