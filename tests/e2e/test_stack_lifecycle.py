@@ -58,28 +58,31 @@ def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
 
 def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp_path: Path) -> None:
     stack = start_stack(tmp_path / "fleet")
-    endpoints = stack.endpoints
-    assert endpoints["nats"].startswith("nats://127.0.0.1:")
-    assert endpoints["registry"].startswith("http://127.0.0.1:")
-    assert endpoints["coordinator"].startswith("http://127.0.0.1:")
-    assert set(endpoints["specialists"]) == {"sql-analyst", "stats", "case-desk"}
-    assert endpoints["mcp_servers"]["mcp-sql"].endswith("/mcp")
-    assert endpoints["mcp_servers"]["mcp-cases"].endswith("/mcp")
-    status = fleet("status", "--data-dir", stack.data_dir, "--json")
-    assert status.returncode == 0, status.stdout + status.stderr
-    report = json.loads(status.stdout)
-    assert report["healthy"] is True
-    assert all(check["healthy"] for check in report["services"].values())
-    agents = {a["id"] for a in report["registry"]["agents"]}
-    assert agents == {"coordinator", "sql-analyst", "stats", "case-desk"}
-    assert sorted(m["id"] for m in report["registry"]["mcp_servers"]) == ["mcp-cases", "mcp-sql"]
-    pids = [endpoints["supervisor_pid"], *endpoints["processes"].values()]
-    down = fleet("down", "--data-dir", stack.data_dir)
-    assert down.returncode == 0, down.stderr
-    assert wait_gone(pids) == []
-    after = fleet("status", "--data-dir", stack.data_dir, "--json")
-    assert after.returncode == 3
-    assert json.loads(after.stdout)["running"] is False
+    try:
+        endpoints = stack.endpoints
+        assert endpoints["nats"].startswith("nats://127.0.0.1:")
+        assert endpoints["registry"].startswith("http://127.0.0.1:")
+        assert endpoints["coordinator"].startswith("http://127.0.0.1:")
+        assert set(endpoints["specialists"]) == {"sql-analyst", "stats", "case-desk"}
+        assert endpoints["mcp_servers"]["mcp-sql"].endswith("/mcp")
+        assert endpoints["mcp_servers"]["mcp-cases"].endswith("/mcp")
+        status = fleet("status", "--data-dir", stack.data_dir, "--json")
+        assert status.returncode == 0, status.stdout + status.stderr
+        report = json.loads(status.stdout)
+        assert report["healthy"] is True
+        assert all(check["healthy"] for check in report["services"].values())
+        agents = {a["id"] for a in report["registry"]["agents"]}
+        assert agents == {"coordinator", "sql-analyst", "stats", "case-desk"}
+        assert sorted(m["id"] for m in report["registry"]["mcp_servers"]) == ["mcp-cases", "mcp-sql"]
+        pids = [endpoints["supervisor_pid"], *endpoints["processes"].values()]
+        down = fleet("down", "--data-dir", stack.data_dir)
+        assert down.returncode == 0, down.stderr
+        assert wait_gone(pids) == []
+        after = fleet("status", "--data-dir", stack.data_dir, "--json")
+        assert after.returncode == 3
+        assert json.loads(after.stdout)["running"] is False
+    finally:
+        fleet("down", "--data-dir", stack.data_dir)  # a failed assertion must not leave it running
 
 
 def test_second_up_on_a_running_dir_is_refused(own_stack: Stack) -> None:
