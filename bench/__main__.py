@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench import checkpoint_overhead
+from bench import checkpoint_overhead, delegation, throughput
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -34,10 +34,10 @@ def _machine() -> str:
     )
 
 
-def _row(result: dict[str, Any]) -> str:
+def _row(name: str, result: dict[str, Any]) -> str:
     verdict = "meets" if result["ratio"] <= result["target_ratio"] else "MISSES"
     return (
-        f"| checkpoint overhead per step | {result['baseline']} | {result['baseline_ms_per_step']} ms "
+        f"| {name} | {result['baseline']} | {result['baseline_ms_per_step']} ms "
         f"| {result['fleet_ms_per_step']} ms | **{result['ratio']}x** | <= {result['target_ratio']}x "
         f"({verdict}) |"
     )
@@ -45,6 +45,10 @@ def _row(result: dict[str, Any]) -> str:
 
 def main() -> None:
     checkpoint = checkpoint_overhead.main()
+    delegated = delegation.main()
+    runs = throughput.main()
+    parts = delegated["breakdown_ms"]
+    latency = runs["resume_latency"]
     DOC.write_text(
         "# Benchmarks\n\n"
         "Written by `.venv/bin/python -m bench`, which runs every benchmark in `bench/`; each one\n"
@@ -53,28 +57,55 @@ def main() -> None:
         f"Machine: {_machine()}.\n\n"
         "| benchmark | baseline | baseline time | fleet time | ratio | target |\n"
         "|---|---|---|---|---|---|\n"
-        f"{_row(checkpoint)}\n\n"
+        f"{_row('checkpoint overhead per step', checkpoint)}\n"
+        f"{_row('delegation overhead per step', delegated)}\n\n"
         "## Checkpoint overhead per step\n\n"
-        f"A run of {checkpoint['steps_per_run']} steps, {checkpoint['rounds']} rounds. The fleet side is the\n"
-        "real worker path: lease, the graph with its Postgres checkpoints, one fenced event-log append\n"
-        "per progress event (three per step), the terminal transition and artifact, and the pruning of\n"
-        "the finished run's checkpoints to the latest one (retention). The specialist\n"
-        "call is replaced by an immediate return on both sides, so the ratio is what the platform adds\n"
-        "per step, not network time.\n\n"
-        "Every append here is a durable commit (step boundaries and transitions wait for the WAL\n"
-        "flush; only a specialist's `step.progress` chatter, absent from this benchmark, skips it).\n"
-        "Each append is one fenced statement. An earlier version (three statements per append, and the\n"
-        "whole agent record in the checkpointed state) measured about 2x on this machine.\n\n"
-        f"Retention is part of the fleet side: pruning a finished run's checkpoints took "
-        f"{checkpoint['prune_ms_per_run']} ms per run\n"
-        f"(it happens after the caller has seen the run end). Without it the ratio is "
+        f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
+        "The baseline is a bare\n"
+        "LangGraph graph of the coordinator's shape (schedule, `Send` to delegate, fan in) on the same\n"
+        "checkpointer. The fleet side is the real worker path: the lease, the graph with its\n"
+        "checkpoints, the operations ledger (a durable intent before and a durable result after each\n"
+        "step, one statement each), a fenced event-log append per event, the budget check, the terminal\n"
+        "transition and artifact, and the pruning of the finished run's checkpoints (retention). The\n"
+        "specialist call is replaced by an immediate return on both sides.\n\n"
+        f"Pruning took {checkpoint['prune_ms_per_run']} ms per run; without it the ratio is "
         f"{checkpoint['ratio_without_pruning']}x.\n\n"
-        f"For context, a minimal two-node graph whose state is one counter takes "
-        f"{checkpoint['minimal_graph_ms_per_step']} ms per step on the same checkpointer; the fleet path\n"
-        f"is {checkpoint['ratio_vs_minimal_graph']}x that (the coordinator's graph state carries the plan\n"
-        "and the results, which every checkpoint writes).\n\n"
-        "Not measured yet (durable-runs issue): delegation overhead vs a bare a2a-sdk round trip,\n"
-        "batch checkpointing, runs/s with 1 and 2 workers, resume-from-crash latency.\n"
+        "Why it misses 1.3x: the fleet makes about six more round trips to Postgres per step than the\n"
+        "bare graph (the ledger's read, intent and result; three event appends), on top of a larger\n"
+        "checkpointed state (plan, limits, call hashes). A durable commit costs about 0.3 ms here and a\n"
+        "relaxed one about 0.15 ms, so most of the difference is round trips and Python, not fsync.\n"
+        "Routing and start/completion markers already skip the WAL flush (the operation's own events\n"
+        "are the durable record). What would close the gap: writing the step's events in the same\n"
+        "statement as its ledger entries, and batching relaxed events.\n\n"
+        "## Delegation overhead per step\n\n"
+        f"{delegated['calls_per_round']} calls per round, {delegated['rounds']} rounds, to the same running specialist "
+        "of a real stack\n"
+        "(the statistician's `outliers` on inline records). Baseline: the a2a-sdk client alone, one\n"
+        "streaming round trip. Fleet: `StepDispatcher.run`, a worker's per-step path without the\n"
+        "checkpoint (the ledger's intent, the call with its operation id, the result). Where the time\n"
+        f"goes: the delegator's call alone takes {parts['delegator_call_without_operation_id']} ms "
+        f"(it builds an A2A client per call), {parts['delegator_call_with_operation_id']} ms with an "
+        "operation id (the\n"
+        "specialist journals the operation to SQLite before and after the skill), and the ledger's\n"
+        f"intent and result add {parts['ledger_intent_and_result']} ms. The target is 1.5x plus the "
+        "checkpoint; the ledger's\n"
+        "two durable writes are what buys exactly-once effects across crashes.\n\n"
+        "## Throughput and resume after a crash\n\n"
+        f"{runs['runs_per_round']} one-step runs sent at once over A2A (median of three rounds):\n\n"
+        "| workers | runs/s |\n|---|---|\n"
+        f"| 2 | {runs['runs_per_s_2_workers']} |\n| 1 | {runs['runs_per_s_1_worker']} |\n\n"
+        f"Two workers do {runs['scaling_2_vs_1']}x the work of one here: on 2 cores the whole stack "
+        "(coordinator API,\n"
+        "specialist, Postgres, NATS and the client sending the runs) shares the CPUs, and the workers\n"
+        "are not the bottleneck. Workers scale out across machines; this box cannot show it.\n\n"
+        f"Resume after a crash: the worker running a step was SIGKILLed; another worker resumed the run\n"
+        f"{latency['to_resumed_s']} s later and completed it {latency['to_completed_s']} s after the kill, "
+        "without re-running the\n"
+        "step (the specialist had finished it and said so when asked). The bound is JetStream's ack\n"
+        f"wait (set to {runs['ack_wait_s']} s here, lease {runs['lease_ttl_s']} s; the defaults are 30 "
+        "and 15 s).\n\n"
+        "Not measured yet (durable-runs issue): batch checkpointing every K items vs none, and a\n"
+        "SIGKILL mid-batch (batch runs are not built yet).\n"
     )
     print(f"wrote {DOC}")
 

@@ -216,6 +216,10 @@ class RunWorker:
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
         elif not snapshot.values:
             graph_input = _initial_state(run, run_limits(self._engine, run.tenant))
+            if run.state != RunState.SUBMITTED:
+                # Taken over before the first checkpoint was saved (LangGraph saves them in the
+                # background while the next node runs): start over; the ledger keeps effects once.
+                await self._store.append(lease, "run.resumed", self._id, {"at": ["start"]})
         if run.state == RunState.SUBMITTED:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
         scope = RunScope(self._ledger, lease, self._id)
