@@ -37,6 +37,11 @@ DEMO_STEPS: list[dict[str, Any]] = [
         "skill": "outliers",
         "input": {"records": {"$from": "totals.records"}, "field": "largest", "label": "customer"},
     },
+    {
+        "id": "cases",
+        "skill": "open-review-cases",
+        "input": {"records": {"$from": "outliers.outliers"}, "label": "label", "reason": "outlying invoice"},
+    },
 ]
 
 
@@ -87,7 +92,7 @@ async def _demo(layout: StackLayout, tenant: str) -> int:
             )
         )
         context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
-        print(f"demo: -> {REQUEST_TEXT!r} (2 steps: invoice-totals, then outliers)")
+        print(f"demo: -> {REQUEST_TEXT!r} (3 steps: invoice-totals, outliers, open-review-cases)")
         try:
             return await _stream(client.send_message(request, context=context))
         except (A2AError, A2AClientError) as exc:
@@ -155,5 +160,11 @@ def _print_result(steps: dict[str, Any]) -> None:
     for item in flagged:
         print(f"  {item['label']}: {item['value']:.2f} (modified z-score {item['score']})")
     if not flagged:
+        print("  none")
+    cases = steps.get("cases", {}).get("cases", [])
+    print("\nReview cases (opened by case-desk through the cases MCP server, once per operation):")
+    for case in cases:
+        print(f"  case {int(case['case_id'])} for {case['subject']}")
+    if not cases:
         print("  none")
     print("\ndemo: OK")

@@ -244,9 +244,11 @@ class SkillExecutor(AgentExecutor):
         self._journal.begin(claims.tenant, op_id, skill.id, digest)
         try:
             outcome = await self._run(skill, SkillContext(claims, self._tools, progress, op_id), payload)
-        except BaseException:  # cancelled mid-way: its effects may be partial
+        except BaseException:  # stopped mid-way (shutdown, cancel): its effects may be partial
             stopped = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": f"{skill.id} was stopped mid-way"}
-            self._journal.finish(claims.tenant, op_id, JournalStatus.UNCERTAIN, error=stopped)
+            # A skill that is safe to repeat is merely interrupted: sent again, it runs again.
+            status = JournalStatus.INTERRUPTED if skill.idempotent else JournalStatus.UNCERTAIN
+            self._journal.finish(claims.tenant, op_id, status, error=stopped)
             raise
         status, result, error = outcome
         self._journal.finish(claims.tenant, op_id, status, result=result, error=error)
@@ -288,6 +290,27 @@ def _operation_of(message: Message) -> str | None:
     if len(op_id) > 200 or not op_id.isprintable():
         raise InvalidParamsError(message=f"{OPERATION_METADATA_KEY} must be a short printable string")
     return op_id
+
+
+JOURNAL_RETENTION_S = 7 * 24 * 3600  # a caller reconciles within minutes; a week is ample
+PRUNE_EVERY_S = 3600
+
+
+async def _prune_journal(journal: Journal) -> None:
+    """Keep the journal bounded: forget finished operations after a week."""
+    while True:
+        try:
+            pruned = journal.prune(JOURNAL_RETENTION_S)
+            if pruned:
+                log.info("pruned %d finished operations from the journal", pruned)
+        except Exception:  # housekeeping: try again next time
+            log.warning("could not prune the operation journal", exc_info=True)
+        await asyncio.sleep(PRUNE_EVERY_S)
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def operation_routes(journal: Journal) -> list[Route]:
@@ -346,6 +369,8 @@ def build_specialist_app(
             await stack.enter_async_context(http)
             await stack.enter_async_context(mcp_http)
             stack.callback(journal.close)
+            pruner = asyncio.create_task(_prune_journal(journal), name="journal-pruner")
+            stack.push_async_callback(_cancelled, pruner)
             stack.push_async_callback(handler.aclose)  # runs before the clients close
             await stack.enter_async_context(start_in_background(readiness, start))
             yield

@@ -60,6 +60,7 @@ SKILLS = [
         "Totals, counts and the largest invoice per customer for the caller's tenant.",
         invoice_totals,
         tags=("sql", "invoices"),
+        idempotent=True,  # no effects: read-only SQL through a read-only tool
     ),
     Skill(
         "sql-query",
@@ -67,6 +68,7 @@ SKILLS = [
         'Runs one read-only SELECT over the tenant\'s data. Input: {"sql": "SELECT ..."}.',
         sql_query,
         tags=("sql",),
+        idempotent=True,  # no effects: read-only SQL through a read-only tool
     ),
 ]
 

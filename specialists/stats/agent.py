@@ -72,6 +72,7 @@ SKILLS = [
         'Flags outliers by modified z-score. Input: {"records": [...], "field": NAME, "label": NAME}.',
         outliers,
         tags=("statistics",),
+        idempotent=True,  # no effects: a pure computation
     ),
 ]
 
