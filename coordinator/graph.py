@@ -25,8 +25,9 @@ from psycopg_pool import AsyncConnectionPool
 from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.plan import dependencies, resolve_input
-from fleet.errors import FleetError
+from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
+from registry import AgentRecord
 
 
 def _merge(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
@@ -50,6 +51,7 @@ class GraphState(TypedDict, total=False):
     tranche: dict[str, Any]  # {"number", "steps", "operations", "started_at"} at the tranche's start
     calls: Annotated[list[str], operator.add]  # hashes of the calls sent, in order
     stop: dict[str, Any] | None  # why the run stopped early: {"reason", "why"}
+    batches: Annotated[dict[str, int], _merge]  # items done, by batch step, as of the last checkpoint
 
 
 class StepTask(TypedDict):
@@ -59,6 +61,8 @@ class StepTask(TypedDict):
     tenant: str
     step: dict[str, Any]
     results: dict[str, Any]
+    offset: int  # for a batch step: the items done already
+    batch: dict[str, int]  # for a batch step: call_size and checkpoint_every
 
 
 def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
@@ -86,12 +90,17 @@ def ready_steps(state: GraphState) -> list[dict[str, Any]]:
     return [s for s in state["steps"] if s["id"] not in done and dependencies(s) <= done]
 
 
-def _call_hash(step: dict[str, Any], results: dict[str, Any]) -> str:
+def _call_hash(step: dict[str, Any], results: dict[str, Any], offset: int) -> str:
     try:
         payload = resolve_input(step["input"], results)
     except FleetError:
         payload = step["input"]  # the step will fail on it; the hash only has to be stable
-    return args_hash({"skill": step["skill"], "input": payload})
+    return args_hash({"skill": step["skill"], "input": payload, "offset": offset})
+
+
+def _operations(state: GraphState) -> int:
+    """Operations sent so far (a batch round reports how many calls it made)."""
+    return sum(int(o.get("calls", 1)) for o in state.get("outcomes", []))
 
 
 def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
@@ -105,7 +114,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
     tranche = state["tranche"]
     used = {
         "max_steps": len(state.get("results", {})) - tranche["steps"],
-        "max_operations": len(state.get("outcomes", [])) - tranche["operations"],
+        "max_operations": _operations(state) - tranche["operations"],
         "max_seconds": (now - dt.datetime.fromisoformat(tranche["started_at"])).total_seconds(),
     }
     spent = [f"{key} {budget[key]} reached" for key, value in used.items() if value >= budget[key]]
@@ -114,7 +123,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
             fresh = {
                 "number": tranche["number"] + 1,
                 "steps": len(state.get("results", {})),
-                "operations": len(state.get("outcomes", [])),
+                "operations": _operations(state),
                 "started_at": now.isoformat(),
             }
             _emit(
@@ -131,7 +140,8 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     results = state.get("results", {})
-    new = [_call_hash(step, results) for step in ready]
+    batches = state.get("batches", {})
+    new = [_call_hash(step, results, batches.get(step["id"], 0)) for step in ready]
     counts = Counter([*state.get("calls", []), *new])
     repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
     if repeated:
@@ -139,6 +149,97 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     return {"calls": new}
+
+
+DEFAULT_BATCH = {"call_size": 50, "checkpoint_every": 50}
+
+
+async def _run_or_wait(dispatcher: StepDispatcher, agent: AgentRecord, step_id: str) -> dict[str, Any]:
+    """The operation's result; if a person must say what happened, park the run until they have."""
+    while True:
+        try:
+            return await dispatcher.run(agent)
+        except NeedsHuman as exc:
+            blocked = {"step": step_id, "agent": agent.id, "op_id": exc.op_id, "why": exc.why}
+            _emit("step.blocked", blocked, f"step {step_id} needs a person: {exc.message}")
+            # Parks the run (the checkpoint is durable, no process waits). When a person has given
+            # the operation's outcome, the run resumes here and reads it from the ledger.
+            interrupt({"type": "needs_human", "awaited": exc.op_id, "step": step_id, "why": exc.why})
+
+
+def merge_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from the results of a batch's calls: lists are concatenated in item order, other
+    values are those of the last call."""
+    merged: dict[str, Any] = {}
+    for chunk in chunks:
+        for key, value in chunk.items():
+            if isinstance(value, list) and isinstance(merged.get(key, []), list):
+                merged[key] = [*merged.get(key, []), *value]
+            else:
+                merged[key] = value
+    return merged
+
+
+async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> dict[str, Any]:
+    """Advance a batch step by up to ``checkpoint_every`` items, in calls of ``call_size``, each
+    call a ledgered operation of its own (op ids ``<step>@<offset>``). Returning ends the superstep,
+    so the progress is checkpointed; a crash redoes at most the items since, and their calls find
+    their operations in the ledger. The last round assembles the step's result from the ledger."""
+    step = task["step"]
+    call_size, every = task["batch"]["call_size"], task["batch"]["checkpoint_every"]
+    try:
+        items = resolve_input(step["for_each"], task["results"])
+        if not isinstance(items, list):
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"step {step['id']}: for_each is not a list")
+        shared = resolve_input(step["input"], task["results"])
+    except FleetError as exc:
+        _emit("step.failed", _failure(step, exc))
+        return {"failure": _failure(step, exc)}
+    offset, total = task["offset"], len(items)
+    stop_at = min(total, offset + every)
+    if offset == 0:
+        _emit("step.started", {"step": step["id"], "skill": step["skill"], "items": total})
+    agent: AgentRecord | None = None
+    calls = 0
+    try:
+        while offset < stop_at:
+            chunk = items[offset : min(offset + call_size, stop_at)]
+
+            async def progress(text: str) -> None:
+                _emit("step.progress", {"step": step["id"], "text": text}, text)
+
+            dispatcher = StepDispatcher(
+                delegator,
+                scope,
+                step_id=f"{step['id']}@{offset}",
+                skill=step["skill"],
+                payload={**shared, step["items_as"]: chunk},
+                tenant=task["tenant"],
+                progress=progress,
+            )
+            agent = agent or await dispatcher.agent()
+            await _run_or_wait(dispatcher, agent, step["id"])
+            offset += len(chunk)
+            calls += 1
+            _emit(
+                "batch.progress",
+                {"step": step["id"], "done": offset, "total": total},
+                f"{step['id']}: {offset}/{total}",
+            )
+    except FleetError as exc:
+        _emit("step.failed", {**_failure(step, exc), "done": offset})
+        return {"failure": {**_failure(step, exc), "done": offset}}
+    outcome = {"step": step["id"], "agent": agent.id if agent else "", "status": "completed", "calls": calls}
+    if offset < total:
+        return {"batches": {step["id"]: offset}, "outcomes": [outcome]}
+    prefix = f"{step['id']}@"
+    chunks = sorted(
+        (op for op in await scope.ledger.for_run(scope.lease.run_id) if op.step_id.startswith(prefix)),
+        key=lambda op: int(op.step_id.removeprefix(prefix)),
+    )
+    result = {**merge_chunks([op.result or {} for op in chunks]), "items": total, "calls": len(chunks)}
+    _emit("step.completed", {"step": step["id"], "items": total, "calls": len(chunks)})
+    return {"batches": {step["id"]: offset}, "results": {step["id"]: result}, "outcomes": [outcome]}
 
 
 def build_graph(
@@ -154,6 +255,7 @@ def build_graph(
         if not ready:
             return "finish"
         results = state.get("results", {})
+        defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
         return [
             Send(
                 "delegate",
@@ -162,12 +264,16 @@ def build_graph(
                     tenant=state["tenant"],
                     step=step,
                     results={d: results[d] for d in dependencies(step) if d in results},
+                    offset=state.get("batches", {}).get(step["id"], 0),
+                    batch={**defaults, **(step.get("batch") or {})},
                 ),
             )
             for step in ready
         ]
 
     async def delegate(task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
+        if task["step"].get("for_each") is not None:
+            return await run_batch(delegator, task, runtime.context)
         step = task["step"]
 
         async def progress(text: str) -> None:

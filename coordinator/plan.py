@@ -17,15 +17,27 @@ class PlanError(FleetError):
         super().__init__(ErrorCode.INVALID_REQUEST, message)
 
 
+MAX_CALL_SIZE = 500
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     id: str
     skill: str
     input: dict[str, Any]
     after: tuple[str, ...] = ()  # steps that must finish first, beyond those whose results it takes
+    # A batch step: the skill runs over every item of ``for_each`` (a list, or {"$from": ...}), in
+    # calls of ``call_size`` items passed as input field ``items_as``, the run's progress
+    # checkpointed every ``checkpoint_every`` items (both default to policy, config.batch).
+    for_each: Any = None
+    items_as: str = "items"
+    batch: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
+        step = {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
+        if self.for_each is not None:
+            step.update(for_each=self.for_each, items_as=self.items_as, batch=self.batch or {})
+        return step
 
 
 def dependencies(step: dict[str, Any]) -> set[str]:
@@ -45,6 +57,7 @@ def dependencies(step: dict[str, Any]) -> set[str]:
                 walk(item)
 
     walk(step.get("input", {}))
+    walk(step.get("for_each"))
     return found
 
 
@@ -69,8 +82,36 @@ def parse_steps(raw: Any) -> list[Step]:
         after = item.get("after", [])
         if not isinstance(after, list) or not all(isinstance(a, str) and a in earlier for a in after):
             raise PlanError(f"step {step_id}: after must list ids of earlier steps")
-        steps.append(Step(step_id, item["skill"], payload, tuple(after)))
+        steps.append(Step(step_id, item["skill"], payload, tuple(after), *_batch_of(item, earlier, step_id)))
     return steps
+
+
+def _batch_of(
+    item: dict[str, Any], earlier: set[str], step_id: str
+) -> tuple[Any, str, dict[str, int] | None]:
+    """The batch fields of a step (``for_each``, ``items_as``, ``batch``), validated."""
+    if "for_each" not in item:
+        return None, "items", None
+    for_each = item["for_each"]
+    if not isinstance(for_each, list) and not (isinstance(for_each, dict) and "$from" in for_each):
+        raise PlanError(f'step {step_id}: for_each must be a list or {{"$from": "step.field"}}')
+    _check_references(for_each, earlier, step_id)
+    items_as = item.get("items_as", "items")
+    if not isinstance(items_as, str) or not items_as:
+        raise PlanError(f"step {step_id}: items_as must name an input field")
+    raw = item.get("batch", {})
+    # Numbers in A2A data parts arrive as floats (protobuf Struct): accept whole ones.
+    if not isinstance(raw, dict) or not all(
+        key in ("call_size", "checkpoint_every")
+        and isinstance(value, int | float)
+        and value == int(value) > 0
+        for key, value in raw.items()
+    ):
+        raise PlanError(f"step {step_id}: batch takes call_size and checkpoint_every, positive integers")
+    batch = {key: int(value) for key, value in raw.items()}
+    if batch.get("call_size", 0) > MAX_CALL_SIZE:
+        raise PlanError(f"step {step_id}: call_size is at most {MAX_CALL_SIZE}")
+    return for_each, items_as, batch
 
 
 def _check_references(value: Any, earlier: set[str], step_id: str) -> None:

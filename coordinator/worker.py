@@ -304,7 +304,8 @@ class RunWorker:
             await self._store.transition(lease, RunState.FAILED, self._id, payload, reason=failure["code"])
             return
         results = final.get("results", {})
-        summary = "; ".join(f"{o['step']} by {o['agent']}" for o in final.get("outcomes", []))
+        done_by = {o["step"]: o["agent"] for o in final.get("outcomes", []) if o.get("status") == "completed"}
+        summary = "; ".join(f"{step} by {agent}" for step, agent in done_by.items())
         text = f"completed {len(results)} steps: {summary}"
         stop = final.get("stop")
         if stop:  # graceful degradation: the best result so far, and what was not done and why
@@ -366,7 +367,7 @@ def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
     decision = engine.decide("fleet.budgets.decision", {"tenant": tenant})
     if not decision.allow:
         raise PolicyError(f"the budget policy is invalid: {'; '.join(decision.reasons)}")
-    return {"limits": decision.result["limits"], "convergence": decision.result["convergence"]}
+    return {key: decision.result[key] for key in ("limits", "convergence", "batch")}
 
 
 def build_worker_app(settings: WorkerSettings) -> Starlette:

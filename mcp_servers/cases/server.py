@@ -24,6 +24,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel
 from starlette.applications import Starlette
 
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
@@ -42,7 +43,8 @@ from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
-TOOLS = ["open_case", "case_status", "post_note"]
+TOOLS = ["open_case", "open_cases", "case_status", "post_note"]
+MAX_BULK = 500
 WRITER_ROLE = "fleet_cases_writer"
 TENANT_SETTING = "fleet.tenant"
 
@@ -87,7 +89,9 @@ BEGIN
     END IF;
 END $$;
 GRANT USAGE ON SCHEMA tenant_data TO {WRITER_ROLE};
+ALTER TABLE tenant_data.cases ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 1;
 GRANT SELECT, INSERT ON tenant_data.cases, tenant_data.notes TO {WRITER_ROLE};
+GRANT UPDATE (attempts) ON tenant_data.cases TO {WRITER_ROLE};
 GRANT USAGE ON SEQUENCE tenant_data.cases_id_seq, tenant_data.notes_id_seq TO {WRITER_ROLE};
 """
 
@@ -99,6 +103,16 @@ class CasesSettings(ServiceSettings):
 class CaseResult(TypedDict):
     case_id: int
     created: bool
+
+
+class BulkCase(BaseModel):
+    subject: str
+    case_id: int
+    created: bool
+
+
+class BulkResult(BaseModel):  # a model, not a TypedDict: it nests (pydantic needs that on 3.11)
+    cases: list[BulkCase]
 
 
 class CaseStatus(TypedDict):
@@ -145,6 +159,32 @@ class CaseTools:
             raise ToolError(f"[tool_failed] could not open the case: {pg_message(exc)}") from exc
         assert existing is not None
         return CaseResult(case_id=int(existing[0]), created=False)
+
+    async def open_cases(self, tenant: str, cases: list[tuple[str, str, str]]) -> BulkResult:
+        """Open many cases in one statement; a key seen before returns its case and counts the
+        repeat (``attempts``), so tests can tell work that was redone from effects that repeated."""
+        try:
+            async with self._tenant_tx(tenant) as conn:
+                cursor = await conn.execute(
+                    "INSERT INTO tenant_data.cases (tenant_id, idempotency_key, subject, reason)"
+                    " SELECT %s, key, subject, reason FROM unnest(%s::text[], %s::text[], %s::text[])"
+                    " AS given(key, subject, reason)"
+                    " ON CONFLICT (tenant_id, idempotency_key)"
+                    " DO UPDATE SET attempts = tenant_data.cases.attempts + 1"
+                    " RETURNING idempotency_key, id, xmax = 0",
+                    (tenant, [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]),
+                )
+                rows = {
+                    key: (int(case_id), bool(created)) for key, case_id, created in await cursor.fetchall()
+                }
+        except psycopg.Error as exc:
+            raise ToolError(f"[tool_failed] could not open the cases: {pg_message(exc)}") from exc
+        return BulkResult(
+            cases=[
+                BulkCase(subject=subject, case_id=rows[key][0], created=rows[key][1])
+                for key, subject, _ in cases
+            ]
+        )
 
     async def case_status(self, tenant: str, key: str) -> CaseStatus:
         async with self._tenant_tx(tenant) as conn:
@@ -194,6 +234,26 @@ def build_server(
         return await tools.open_case(
             claims.tenant, key, _text(subject, "subject", 200), _text(reason, "reason", 2000)
         )
+
+    @mcp.tool()
+    async def open_cases(cases: list[dict[str, str]]) -> BulkResult:
+        """Open many review cases at once: items {subject, reason, idempotency_key}; at most one
+        case per key, a repeat returns the same case."""
+        claims = authorize_call(engine, server, "open_cases", {"count": len(cases)})
+        if not 0 < len(cases) <= MAX_BULK:
+            raise ToolError(f"[invalid_request] send 1 to {MAX_BULK} cases")
+        keys = [_text(str(c.get("idempotency_key", "")), "idempotency_key", 300) for c in cases]
+        if len(set(keys)) != len(keys):
+            raise ToolError("[invalid_request] idempotency keys must differ within one call")
+        given = [
+            (
+                key,
+                _text(str(c.get("subject", "")), "subject", 200),
+                _text(str(c.get("reason", "")), "reason", 2000),
+            )
+            for key, c in zip(keys, cases, strict=True)
+        ]
+        return await tools.open_cases(claims.tenant, given)
 
     @mcp.tool()
     async def case_status(idempotency_key: str) -> CaseStatus:

@@ -19,7 +19,7 @@ from specialists.kit import OutcomeUnknown, Skill, SkillContext, SkillError, ser
 
 CASES_SERVER = "mcp-cases"
 CASES_SCOPE = "cases:write"
-MAX_CASES = 100
+MAX_CASES = 500
 
 
 class CaseDeskSettings(ServiceSettings):
@@ -39,20 +39,31 @@ async def open_review_cases(ctx: SkillContext, payload: dict[str, Any]) -> dict[
         raise SkillError(ErrorCode.INVALID_REQUEST, f"input needs a list 'records' of at most {MAX_CASES}")
     label = _string(payload, "label", "label")
     reason = _string(payload, "reason", "flagged for review")
-    cases = []
+    subjects = []
     for record in records:
         subject = record.get(label) if isinstance(record, dict) else None
         if not isinstance(subject, str) or not subject:
             raise SkillError(ErrorCode.INVALID_REQUEST, f"every record needs a string {label!r}")
-        opened = await ctx.tools.call(
-            CASES_SERVER,
-            "open_case",
-            {"subject": subject, "reason": reason, "idempotency_key": ctx.idempotency_key(subject)},
-            tenant=ctx.tenant,
-            scopes=[CASES_SCOPE],
-        )
-        cases.append({"subject": subject, "case_id": opened["case_id"], "created": opened["created"]})
-        await ctx.progress(f"case {opened['case_id']} for {subject}")
+        subjects.append(subject)
+    if len(set(subjects)) != len(subjects):
+        raise SkillError(ErrorCode.INVALID_REQUEST, f"two records have the same {label!r}")
+    if not subjects:
+        return {"cases": []}
+    opened = await ctx.tools.call(
+        CASES_SERVER,
+        "open_cases",
+        {
+            "cases": [
+                {"subject": s, "reason": reason, "idempotency_key": ctx.idempotency_key(s)} for s in subjects
+            ]
+        },
+        tenant=ctx.tenant,
+        scopes=[CASES_SCOPE],
+    )
+    cases = [
+        {"subject": c["subject"], "case_id": c["case_id"], "created": c["created"]} for c in opened["cases"]
+    ]
+    await ctx.progress(f"{len(cases)} cases open")
     return {"cases": cases}
 
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -378,3 +379,83 @@ async def test_a_worker_killed_mid_fan_out_leaves_each_parallel_effect_once(tmp_
             assert await count_rows(stack, "cases", "idempotency_key LIKE %s", key) == 1
         assert await count_rows(stack, "cases") == 2
         assert not any(e["type"] == "operation.redispatch" for e in events)
+
+
+def batch_plan(n: int, call_size: int, every: int) -> dict[str, Any]:
+    """Open a review case for each of ``n`` items: a batch step, ``call_size`` items per call."""
+    return {
+        "steps": [
+            {
+                "id": "review",
+                "skill": "open-review-cases",
+                "for_each": [{"label": f"item-{i:05d}"} for i in range(n)],
+                "items_as": "records",
+                "input": {"label": "label", "reason": "batch"},
+                "batch": {"call_size": call_size, "checkpoint_every": every},
+            }
+        ]
+    }
+
+
+async def tenant_cases(stack: Stack, tenant: str) -> tuple[int, int, int]:
+    """(cases, distinct subjects, cases whose opening was attempted more than once) of a tenant."""
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn:
+        cursor = await conn.execute(
+            "SELECT count(*), count(DISTINCT subject), count(*) FILTER (WHERE attempts > 1)"
+            " FROM tenant_data.cases WHERE tenant_id = %s",
+            (tenant,),
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+async def test_a_batch_step_runs_in_calls_and_checkpoints_its_progress(stack: Stack) -> None:
+    tenant = f"batch-{uuid.uuid4().hex[:8]}"
+    token = stack.token("coordinator", tenant=tenant)
+    outcome = await send(stack, user_message(data=batch_plan(120, call_size=25, every=50)), token=token)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    review = outcome.result["steps"]["review"]
+    assert (review["items"], review["calls"], len(review["cases"])) == (120, 5, 120)
+    assert [c["subject"] for c in review["cases"]] == [f"item-{i:05d}" for i in range(120)]
+    events = await all_events(stack, outcome.task_id, token)
+    assert [e["payload"]["done"] for e in events if e["type"] == "batch.progress"] == [25, 50, 75, 100, 120]
+    ops = await operations(stack, outcome.task_id, token)
+    assert sorted(op["step_id"] for op in ops) == sorted(f"review@{o}" for o in (0, 25, 50, 75, 100))
+    assert await tenant_cases(stack, tenant) == (120, 120, 0)
+
+
+async def test_a_worker_killed_mid_batch_redoes_at_most_one_checkpoint_of_items_and_no_effect(
+    tmp_path: Path,
+) -> None:
+    with running(tmp_path / "fleet", clean_env(**FAST_FAILOVER)) as stack:
+        tenant = f"batch-{uuid.uuid4().hex[:8]}"
+        token = stack.token("coordinator", tenant=tenant)
+        sending = asyncio.create_task(
+            send(stack, user_message(data=batch_plan(600, call_size=25, every=50)), token=token)
+        )
+        run_id = await run_id_of_first_run(stack, token)
+        url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
+        async with (
+            asyncio.timeout(60),
+            httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
+            http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line.removeprefix("data: "))
+                    if event["type"] == "batch.progress" and event["payload"]["done"] >= 200:
+                        break
+        os.kill(stack.endpoints["processes"][event["actor"].split(":")[0]], signal.SIGKILL)
+        async with asyncio.timeout(120):
+            outcome = await sending
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        assert outcome.result["steps"]["review"]["items"] == 600
+        events = await all_events(stack, run_id, token)
+        assert_gap_free_and_one_end(events)
+        assert any(e["type"] == "run.resumed" for e in events)
+        cases, distinct, repeated = await tenant_cases(stack, tenant)
+        assert (cases, distinct) == (600, 600)  # every item's effect, once
+        assert repeated <= 50  # at most the items since the last checkpoint were sent again
+        done = [e["payload"]["done"] for e in events if e["type"] == "batch.progress"]
+        assert done[-1] == 600

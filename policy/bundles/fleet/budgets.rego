@@ -5,6 +5,8 @@
 #   max_seconds     wall-clock seconds from the run's creation, per tranche
 #   on_exhausted    "summarize" (close with the best result so far) or "tranche" (grant another
 #                   tranche, at most max_tranches times, then summarize)
+# data.config.batch: call_size (items per call of a batch step) and checkpoint_every (items between
+# checkpoints of its progress); a plan's step may set its own.
 # data.config.convergence: repeat_limit (the same call this many times is not converging) and
 # max_calls_per_turn (more calls than this in one fan-out is not converging).
 package fleet.budgets
@@ -31,4 +33,5 @@ decision := {
 	"reasons": sort(deny),
 	"limits": limits,
 	"convergence": data.config.convergence,
+	"batch": data.config.batch,
 }

@@ -7,6 +7,7 @@ test_default_limits if {
 	d.allow
 	d.limits.max_steps == data.config.budgets.default.max_steps
 	d.convergence.repeat_limit == 3
+	d.batch.checkpoint_every == 50
 }
 
 test_tenant_override_wins if {
