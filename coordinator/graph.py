@@ -242,38 +242,56 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     return {"batches": {step["id"]: offset}, "results": {step["id"]: result}, "outcomes": [outcome]}
 
 
+def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
+    results = state.get("results", {})
+    defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
+    return StepTask(
+        run_id=state["run_id"],
+        tenant=state["tenant"],
+        step=step,
+        results={d: results[d] for d in dependencies(step) if d in results},
+        offset=state.get("batches", {}).get(step["id"], 0),
+        batch={**defaults, **(step.get("batch") or {})},
+    )
+
+
 def build_graph(
     delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     async def schedule(state: GraphState) -> dict[str, Any]:
         return check_budget(state, dt.datetime.now(dt.UTC))
 
-    def fan_out(state: GraphState) -> list[Send] | str:
+    def fan_out(state: GraphState) -> list[Send | str] | str:
         if state.get("failure") or state.get("stop"):
             return "finish"
         ready = ready_steps(state)
         if not ready:
             return "finish"
-        results = state.get("results", {})
-        defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
-        return [
-            Send(
-                "delegate",
-                StepTask(
-                    run_id=state["run_id"],
-                    tenant=state["tenant"],
-                    step=step,
-                    results={d: results[d] for d in dependencies(step) if d in results},
-                    offset=state.get("batches", {}).get(step["id"], 0),
-                    batch={**defaults, **(step.get("batch") or {})},
-                ),
-            )
-            for step in ready
+        # Plain steps go to their own delegate task with what they need (the Send is checkpointed);
+        # batch steps are advanced by the batch node, which reads the state instead, so that the
+        # items are not written into every checkpoint.
+        targets: list[Send | str] = [
+            Send("delegate", step_task(state, step)) for step in ready if step.get("for_each") is None
         ]
+        if any(step.get("for_each") is not None for step in ready):
+            targets.append("batch")
+        return targets
+
+    async def batch(state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
+        update: dict[str, Any] = {"batches": {}, "results": {}, "outcomes": []}
+        for step in ready_steps(state):
+            if step.get("for_each") is None:
+                continue
+            advanced = await run_batch(delegator, step_task(state, step), runtime.context)
+            update["batches"].update(advanced.get("batches", {}))
+            update["results"].update(advanced.get("results", {}))
+            update["outcomes"].extend(advanced.get("outcomes", []))
+            if advanced.get("failure"):
+                update["failure"] = advanced["failure"]
+                break
+        return update
 
     async def delegate(task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
-        if task["step"].get("for_each") is not None:
-            return await run_batch(delegator, task, runtime.context)
         step = task["step"]
 
         async def progress(text: str) -> None:
@@ -331,9 +349,11 @@ def build_graph(
     builder: StateGraph[GraphState, RunScope, Any, Any] = StateGraph(GraphState, context_schema=RunScope)
     builder.add_node("schedule", schedule)
     builder.add_node("delegate", delegate)  # type: ignore[arg-type]  # its input is a StepTask (Send)
+    builder.add_node("batch", batch)
     builder.add_node("finish", finish)
     builder.add_edge(START, "schedule")
-    builder.add_conditional_edges("schedule", fan_out, ["delegate", "finish"])
+    builder.add_conditional_edges("schedule", fan_out, ["delegate", "batch", "finish"])
     builder.add_edge("delegate", "schedule")
+    builder.add_edge("batch", "schedule")
     builder.add_edge("finish", END)
     return builder.compile(checkpointer=checkpointer)
