@@ -22,6 +22,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -65,11 +66,11 @@ class Fleet:
         self.layout, self.endpoints, self.http = layout, endpoints, http
         self.tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
 
-    async def context(self) -> ClientCallContext:
-        token = await self.tokens.token("coordinator", "acme", ["agent:invoke"])
+    async def context(self, tenant: str = "acme") -> ClientCallContext:
+        token = await self.tokens.token("coordinator", tenant, ["agent:invoke"])
         return ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
 
-    async def run(self, plan: dict[str, Any]) -> str:
+    async def run(self, plan: dict[str, Any], tenant: str = "acme") -> str:
         """Send one run and follow it to its end; return its id."""
         card = (await self.http.get(self.endpoints["coordinator"] + "/.well-known/agent-card.json")).json()
         client = ClientFactory(ClientConfig(streaming=True, httpx_client=self.http)).create(
@@ -77,7 +78,7 @@ class Fleet:
         )
         state, task_id = TaskState.TASK_STATE_UNSPECIFIED, ""
         async for event in client.send_message(
-            SendMessageRequest(message=_message(plan)), context=await self.context()
+            SendMessageRequest(message=_message(plan)), context=await self.context(tenant)
         ):
             kind = event.WhichOneof("payload")
             if kind == "task":
@@ -89,21 +90,39 @@ class Fleet:
             raise RuntimeError(f"run {task_id} ended {TaskState.Name(state)}")
         return task_id
 
-    async def first_event(self, run_id: str, type_: str) -> dict[str, Any]:
-        """The run's first event of ``type_``, as soon as it is committed (the SSE stream follows)."""
-        ctx = await self.context()
+    async def newest_run(self, tenant: str) -> str:
+        """The id of the tenant's newest run, once it exists."""
+        ctx = await self.context(tenant)
+        while True:
+            listed = await self.http.get(
+                self.endpoints["coordinator"] + "/v1/runs", headers=ctx.service_parameters
+            )
+            runs = listed.json()["runs"]
+            if runs:
+                return str(runs[0]["run_id"])
+            await asyncio.sleep(0.05)
+
+    async def first_event(
+        self,
+        run_id: str,
+        type_: str,
+        where: Callable[[dict[str, Any]], bool] = lambda event: True,
+        tenant: str = "acme",
+    ) -> dict[str, Any]:
+        """The run's first event of ``type_`` (that ``where`` accepts), as soon as it is committed."""
+        ctx = await self.context(tenant)
         url = f"{self.endpoints['coordinator']}/v1/runs/{run_id}/events"
         async with self.http.stream("GET", url, headers=ctx.service_parameters) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     event: dict[str, Any] = json.loads(line[6:])
-                    if event["type"] == type_:
+                    if event["type"] == type_ and where(event):
                         return event
         raise RuntimeError(f"run {run_id} ended without {type_}")
 
-    async def events(self, run_id: str) -> list[dict[str, Any]]:
+    async def events(self, run_id: str, tenant: str = "acme") -> list[dict[str, Any]]:
         """Every event of a run that has ended."""
-        ctx = await self.context()
+        ctx = await self.context(tenant)
         response = await self.http.get(
             f"{self.endpoints['coordinator']}/v1/runs/{run_id}/events", headers=ctx.service_parameters
         )
