@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import psycopg
+from mcp.server.mcpserver import MCPServer
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+
+from fleet.service import Readiness, start_in_background
+from fleet.settings import ServiceSettings
+from mcp_servers._base import MCP_PATH, build_app, new_http
+from policy import RegorusEngine
+from registry import RegistryClient
 
 
 async def discard_session_state(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -19,3 +33,45 @@ def pg_message(exc: psycopg.Error) -> str:
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None) if diag is not None else None
     return str(primary or type(exc).__name__)
+
+
+def database_tool_app(
+    settings: ServiceSettings,
+    *,
+    role: str,
+    tools: Sequence[str],
+    prepare: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
+    make_server: Callable[[RegistryClient, RegorusEngine, AsyncConnectionPool[Any]], MCPServer],
+) -> Starlette:
+    """The app of an MCP server whose tools work on its database through ``role``: a login role
+    without superuser or BYPASSRLS, whose password only this process knows (set anew at every
+    start, after ``prepare`` has made the schema with the service's own login)."""
+    http = new_http()
+    registry = RegistryClient(settings, http)
+    engine = RegorusEngine.from_dir(settings.policy_dir)
+    password = secrets.token_urlsafe(24)
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        make_conninfo(settings.pg_dsn, user=role, password=password),
+        min_size=1,
+        max_size=10,
+        open=False,
+        kwargs={"prepare_threshold": None},
+        reset=discard_session_state,
+    )
+    mcp = make_server(registry, engine, pool)
+    readiness = Readiness(settings.service_id, "mcp_server")
+
+    async def start() -> None:
+        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, list(tools))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
+            await prepare(admin)
+            await admin.execute(
+                sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
+            )
+        async with http, pool, mcp.session_manager.run(), start_in_background(readiness, start):
+            yield
+
+    return build_app(mcp, readiness, lifespan)
