@@ -14,6 +14,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunEvent
+from fleet.redact import redact
 
 PACKAGES = (
     "agent-fleet",
@@ -48,7 +49,8 @@ async def checkpoints(saver: BaseCheckpointSaver[Any], run_id: str) -> list[dict
                 "checkpoint_id": item.config["configurable"].get("checkpoint_id"),
                 "ts": item.checkpoint.get("ts"),
                 "metadata": _jsonable(item.metadata),
-                "values": _jsonable(item.checkpoint.get("channel_values", {})),
+                # Checkpoints hold what the run computed with; the bundle, like the log, is redacted.
+                "values": redact(_jsonable(item.checkpoint.get("channel_values", {})))[0],
             }
         )
     return found

@@ -27,7 +27,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.runs import NOTIFY_CHANNEL, Lease, StaleLease, fenced_append
+from coordinator.runs import NOTIFY_CHANNEL, Lease, StaleLease, fenced_append, logged
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 
@@ -224,7 +224,7 @@ class Ledger:
                     "args": Jsonb(args),
                     "type": "operation.intent",
                     "actor": actor,
-                    "payload": Jsonb(payload),
+                    "payload": Jsonb(logged(payload)),
                     "channel": NOTIFY_CHANNEL,
                 },
             )
@@ -262,7 +262,7 @@ class Ledger:
                     "error": Jsonb(error) if error is not None else None,
                     "type": f"operation.{status.value}",
                     "actor": actor,
-                    "payload": Jsonb(payload),
+                    "payload": Jsonb(logged(payload)),
                     "channel": NOTIFY_CHANNEL,
                 },
             )
@@ -341,13 +341,15 @@ class Ledger:
                     "operation.resolved",
                     actor,
                     Jsonb(
-                        {
-                            "op_id": op_id,
-                            "verdict": verdict,
-                            "note": note,
-                            "state": "submitted",
-                            "text": f"{actor} resolved operation {op_id}: {verdict}",
-                        }
+                        logged(
+                            {
+                                "op_id": op_id,
+                                "verdict": verdict,
+                                "note": note,
+                                "state": "submitted",
+                                "text": f"{actor} resolved operation {op_id}: {verdict}",
+                            }
+                        )
                     ),
                 ),
             )

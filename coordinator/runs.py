@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.redact import redact
 
 NOTIFY_CHANNEL = "fleet_run_events"
 FOLLOW_PAGE = 500
@@ -197,7 +198,7 @@ async def fenced_append(
             "epoch": lease.epoch,
             "type": type_,
             "actor": actor,
-            "payload": Jsonb(dict(payload)),
+            "payload": Jsonb(logged(payload)),
             "channel": NOTIFY_CHANNEL,
             "relaxed_commit": None if durable else "off",
             "wait": Jsonb(dict(wait)) if wait is not None else None,
@@ -207,6 +208,12 @@ async def fenced_append(
     if row is None:
         raise StaleLease(lease.run_id)
     return int(row[0]), bool(row[1])
+
+
+def logged(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """An event payload as the log keeps it: secrets redacted, and how many said."""
+    clean, count = redact(dict(payload))
+    return {**clean, "redacted": count} if count else clean
 
 
 def _run(row: Mapping[str, Any]) -> Run:
@@ -267,7 +274,7 @@ class PostgresRunStore:
                     tenant,
                     owner,
                     RunState.SUBMITTED.value,
-                    Jsonb(request),
+                    Jsonb(redact(request)[0]),  # kept for the record; the plan runs as given
                     Jsonb(plan or []),
                     len(events),
                 ),
@@ -279,7 +286,7 @@ class PostgresRunStore:
                 await conn.execute(
                     "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
                     " VALUES (%s, %s, %s, %s, %s)",
-                    (run_id, seq, type_, owner, Jsonb(payload)),
+                    (run_id, seq, type_, owner, Jsonb(logged(payload))),
                 )
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return _run(row)

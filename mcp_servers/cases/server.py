@@ -14,30 +14,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any, TypedDict
 
 import psycopg
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 from starlette.applications import Starlette
 
-from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
-    MCP_PATH,
     RegistryTokenVerifier,
     auth_settings,
     authorize_call,
-    build_app,
-    new_http,
 )
-from mcp_servers._pg import discard_session_state, pg_message
+from mcp_servers._pg import database_tool_app, pg_message
 from policy import RegorusEngine
 from registry import RegistryClient
 
@@ -270,44 +264,22 @@ def build_server(
     return mcp
 
 
-async def _prepare_database(settings: CasesSettings, password: str) -> None:
-    async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
-        async with admin.transaction():
-            await admin.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
-            await admin.execute(SCHEMA_SQL)
-        await admin.execute(
-            sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
-                sql.Identifier(WRITER_ROLE), sql.Literal(password)
-            )
-        )
+async def _prepare(admin: psycopg.AsyncConnection[Any]) -> None:
+    async with admin.transaction():
+        await admin.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
+        await admin.execute(SCHEMA_SQL)
 
 
 def build_app_for(settings: CasesSettings) -> Starlette:
-    http = new_http()
-    registry = RegistryClient(settings, http)
-    engine = RegorusEngine.from_dir(settings.policy_dir)
-    password = secrets.token_urlsafe(24)
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        make_conninfo(settings.pg_dsn, user=WRITER_ROLE, password=password),
-        min_size=1,
-        max_size=10,
-        open=False,
-        kwargs={"prepare_threshold": None},
-        reset=discard_session_state,
+    return database_tool_app(
+        settings,
+        role=WRITER_ROLE,
+        tools=TOOLS,
+        prepare=_prepare,
+        make_server=lambda registry, engine, pool: build_server(
+            settings, registry, engine, CaseTools(pool, settings)
+        ),
     )
-    mcp = build_server(settings, registry, engine, CaseTools(pool, settings))
-    readiness = Readiness(settings.service_id, "mcp_server")
-
-    async def start() -> None:
-        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, TOOLS)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await _prepare_database(settings, password)
-        async with http, pool, mcp.session_manager.run(), start_in_background(readiness, start):
-            yield
-
-    return build_app(mcp, readiness, lifespan)
 
 
 async def main(settings: ServiceSettings) -> None:

@@ -6,34 +6,26 @@ transaction with a statement timeout, and with the tenant taken from the verifie
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import decimal
 import logging
-import secrets
-from collections.abc import AsyncIterator
 from typing import Any, TypedDict
 
 import psycopg
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 from starlette.applications import Starlette
 
-from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
-    MCP_PATH,
     RegistryTokenVerifier,
     auth_settings,
     authorize_call,
-    build_app,
-    new_http,
 )
-from mcp_servers._pg import discard_session_state, pg_message
+from mcp_servers._pg import database_tool_app, pg_message
 from mcp_servers.sql._schema import READER_ROLE, TENANT_SETTING, ensure_schema, seed_demo_data
 from policy import RegorusEngine
 from registry import RegistryClient
@@ -126,45 +118,21 @@ def build_server(
     return mcp
 
 
-async def _prepare_database(settings: SqlServerSettings, password: str) -> None:
-    """Create the schema and (re)set the reader login's password to one only this process knows."""
-    async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
+def build_app_for(settings: SqlServerSettings) -> Starlette:
+    async def prepare(admin: psycopg.AsyncConnection[Any]) -> None:
         await ensure_schema(admin)
-        await admin.execute(
-            sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
-                sql.Identifier(READER_ROLE), sql.Literal(password)
-            )
-        )
         if settings.seed_demo:
             await seed_demo_data(admin)
 
-
-def build_app_for(settings: SqlServerSettings) -> Starlette:
-    http = new_http()
-    registry = RegistryClient(settings, http)
-    engine = RegorusEngine.from_dir(settings.policy_dir)
-    password = secrets.token_urlsafe(24)
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        make_conninfo(settings.pg_dsn, user=READER_ROLE, password=password),
-        min_size=1,
-        max_size=10,
-        open=False,
-        kwargs={"prepare_threshold": None},
-        reset=discard_session_state,
+    return database_tool_app(
+        settings,
+        role=READER_ROLE,
+        tools=TOOLS,
+        prepare=prepare,
+        make_server=lambda registry, engine, pool: build_server(
+            settings, registry, engine, SqlTools(pool, settings)
+        ),
     )
-    mcp = build_server(settings, registry, engine, SqlTools(pool, settings))
-    readiness = Readiness(settings.service_id, "mcp_server")
-
-    async def start() -> None:
-        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, TOOLS)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await _prepare_database(settings, password)
-        async with http, pool, mcp.session_manager.run(), start_in_background(readiness, start):
-            yield
-
-    return build_app(mcp, readiness, lifespan)
 
 
 async def main(settings: ServiceSettings) -> None:

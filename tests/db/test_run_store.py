@@ -172,3 +172,19 @@ async def test_stranded_runs_are_the_unfinished_unheld_and_still_ones(store: Pos
     await store.transition(done, RunState.COMPLETED, "w", {})
     assert await store.stranded_runs(older_than_s=3600) == []
     assert await store.stranded_runs(older_than_s=0) == [("queued", 1)]
+
+
+async def test_secrets_never_reach_the_event_log_or_the_recorded_request(store: PostgresRunStore) -> None:
+    jwt = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJlLXZhbHVl"
+    plan = [{"id": "s1", "skill": "x", "input": {"api_key": "sk-live-1"}}]
+    run = await store.create_run("r1", "acme", "operator", {"text": f"use Bearer {jwt}"}, plan)
+    assert run.plan == plan  # the run executes with what it was given
+    assert jwt not in str(run.request)
+    lease = await store.acquire_lease("r1", "w1", 60)
+    assert lease is not None
+    await store.append(lease, "step.progress", "w1", {"text": f"token {jwt}", "password": "hunter2"})
+    events = await store.events_after("r1", "acme", 0)
+    logged = " ".join(str(e.payload) for e in events)
+    assert "sk-live-1" not in logged and jwt not in logged and "hunter2" not in logged
+    assert events[-1].payload["redacted"] == 2
+    assert events[1].payload["steps"][0]["input"]["api_key"] == "[redacted]"
