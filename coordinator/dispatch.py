@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 RECONCILE_ATTEMPTS = 5  # tries to reach an agent that is down before a person is asked
 RECONCILE_BACKOFF_S = 2.0
 MAX_REDISPATCHES = 3  # sends of one operation in one attempt before a person is asked
+MAX_RUNNING_WAIT_S = 3600.0  # an agent "still running" it for longer: a person is asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ class StepDispatcher:
             op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
         if op is None:
             crash_point("worker.before_intent", self._skill)
-            op = await self._ledger.record_intent(
+            op, created = await self._ledger.record_intent(
                 self._lease,
                 self._actor,
                 step_id=self._step_id,
@@ -108,9 +109,10 @@ class StepDispatcher:
                 args=self._args,
             )
             crash_point("worker.after_intent", self._skill)
-            return await self._dispatch(op, agent)
+            if created:
+                return await self._dispatch(op, agent)
         if op.args_hash != args_hash(self._args):
-            raise NeedsHuman(op.op_id, "the step was replayed with other arguments than were sent")
+            await self._needs_human(op, "the step was replayed with other arguments than were sent")
         if op.status == OpStatus.SUCCEEDED:
             return dict(op.result or {})
         if op.status == OpStatus.FAILED:
@@ -147,6 +149,7 @@ class StepDispatcher:
     async def _reconcile(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
         await self._progress(f"asking {agent.id} what became of operation {op.op_id}")
         unreachable = 0
+        deadline = asyncio.get_running_loop().time() + MAX_RUNNING_WAIT_S
         while True:
             try:
                 status = await self._delegator.operation_status(
@@ -164,6 +167,8 @@ class StepDispatcher:
             log.info("operation %s at %s: %s", op.op_id, agent.id, status["status"])
             match status["status"]:
                 case "running":
+                    if asyncio.get_running_loop().time() > deadline:
+                        await self._needs_human(op, f"{agent.id} has been running it for over an hour")
                     continue  # the agent is still at it; the wait was a long poll
                 case "succeeded":
                     result = status.get("result") or {}

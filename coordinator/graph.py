@@ -25,6 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.plan import dependencies, resolve_input
+from coordinator.runs import CancelRequested, StaleLease
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 from registry import AgentRecord
@@ -226,6 +227,8 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
                 {"step": step["id"], "done": offset, "total": total},
                 f"{step['id']}: {offset}/{total}",
             )
+    except (StaleLease, CancelRequested):
+        raise  # not the step's failure: this worker must stop writing
     except FleetError as exc:
         _emit("step.failed", {**_failure(step, exc), "done": offset})
         return {"failure": {**_failure(step, exc), "done": offset}}
@@ -319,18 +322,9 @@ def build_graph(
         )
         _emit("step.started", {"step": step["id"], "skill": step["skill"], "agent": agent.id})
         try:
-            while True:
-                try:
-                    result = await dispatcher.run(agent)
-                    break
-                except NeedsHuman as exc:
-                    blocked = {"step": step["id"], "agent": agent.id, "op_id": exc.op_id, "why": exc.why}
-                    _emit("step.blocked", blocked, f"step {step['id']} needs a person: {exc.message}")
-                    # Parks the run (the checkpoint is durable, no process waits). When a person has
-                    # given the operation's outcome, the run resumes here and reads it from the ledger.
-                    interrupt(
-                        {"type": "needs_human", "awaited": exc.op_id, "step": step["id"], "why": exc.why}
-                    )
+            result = await _run_or_wait(dispatcher, agent, step["id"])
+        except (StaleLease, CancelRequested):
+            raise  # not the step's failure: this worker must stop writing
         except FleetError as exc:
             _emit("step.failed", {**_failure(step, exc), "agent": agent.id})
             return {

@@ -203,9 +203,10 @@ class Ledger:
         kind: str,
         target: str,
         args: dict[str, Any],
-    ) -> Operation:
+    ) -> tuple[Operation, bool]:
         """Record that the run is about to dispatch ``args`` to ``target`` (durable when this
-        returns). Idempotent for the same step and arguments; other arguments are a conflict."""
+        returns), and whether this call created it. Idempotent for the same step and arguments;
+        other arguments are a conflict; a lease that is no longer current gets nothing."""
         op_id = operation_id(lease.run_id, step_id)
         digest = args_hash(args)
         payload = {"op_id": op_id, "kind": kind, "target": target, "args_hash": digest}
@@ -230,13 +231,22 @@ class Ledger:
             )
             row = await cursor.fetchone()
         if row is not None:
-            return _operation({k: v for k, v in row.items() if k != "notified"})
+            return _operation({k: v for k, v in row.items() if k != "notified"}), True
         existing = await self.get(op_id)  # recorded before (a replay), or the lease is gone
-        if existing is None or existing.run_id != lease.run_id:
+        if existing is None or existing.run_id != lease.run_id or not await self._holds(lease):
             raise StaleLease(lease.run_id)
         if existing.args_hash != digest:
             raise OperationConflict(op_id)
-        return existing
+        return existing, False
+
+    async def _holds(self, lease: Lease) -> bool:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT 1 FROM fleet_runs.runs WHERE run_id = %s AND lease_epoch = %s"
+                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')",
+                (lease.run_id, lease.epoch),
+            )
+            return await cursor.fetchone() is not None
 
     async def record_outcome(
         self,

@@ -72,8 +72,8 @@ def parse_steps(raw: Any) -> list[Step]:
         if not isinstance(item, dict) or not isinstance(item.get("skill"), str) or not item["skill"]:
             raise PlanError(f"step {index} needs a skill")
         step_id = item.get("id", f"step{index + 1}")
-        if not isinstance(step_id, str) or any(s.id == step_id for s in steps):
-            raise PlanError(f"step {index} needs a unique string id")
+        if not isinstance(step_id, str) or "@" in step_id or any(s.id == step_id for s in steps):
+            raise PlanError(f"step {index} needs a unique string id without '@'")
         payload = item.get("input", {})
         if not isinstance(payload, dict):
             raise PlanError(f"step {step_id}: input must be an object")

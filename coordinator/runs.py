@@ -370,7 +370,7 @@ class PostgresRunStore:
         is recorded at once; the worker advancing the run stops at its next write or heartbeat."""
         async with self._pool.connection() as conn, conn.transaction():
             cursor = await conn.execute(
-                "SELECT last_seq, lease_owner IS NOT NULL AND lease_expires_at >= now()"
+                "SELECT last_seq, lease_owner IS NOT NULL AND lease_expires_at >= now() AND state <> 'waiting'"
                 " FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s AND NOT cancel_requested"
                 " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') FOR UPDATE",
                 (run_id, tenant),

@@ -209,13 +209,22 @@ class RunWorker:
         if snapshot.interrupts:
             # A person answered what the run waited for: resume the waiting node, which reads the
             # answer from where it was recorded (the operations ledger).
-            graph_input = Command(resume={"resumed_by": self._id})
+            # Every pending interrupt by its id (parallel steps may each wait for a person).
+            graph_input = Command(resume={i.id: {"resumed_by": self._id} for i in snapshot.interrupts})
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
         elif snapshot.next:
             # resume from the checkpoint: finished nodes are not redone
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
         elif not snapshot.values:
-            graph_input = _initial_state(run, run_limits(self._engine, run.tenant))
+            try:
+                limits = run_limits(self._engine, run.tenant)
+            except PolicyError as exc:  # fail closed, with the reason, rather than retry forever
+                text = f"[{exc.code}] {exc.message}"
+                await self._store.transition(
+                    lease, RunState.FAILED, self._id, {"text": text}, reason=exc.code
+                )
+                return
+            graph_input = _initial_state(run, limits)
             if run.state != RunState.SUBMITTED:
                 # Taken over before the first checkpoint was saved (LangGraph saves them in the
                 # background while the next node runs): start over; the ledger keeps effects once.
@@ -230,7 +239,7 @@ class RunWorker:
                 streamed = self._stream(graph_input, config, lease, scope)
                 parked = await _unless(signals, streamed, run.run_id)
                 if parked.interrupts:
-                    await self._park(lease, parked.interrupts[0].value)
+                    await self._park(lease, [i.value for i in parked.interrupts])
                     return
                 final = dict(parked.values)
         except (StaleLease, CancelRequested, psycopg.OperationalError):
@@ -263,9 +272,13 @@ class RunWorker:
         except Exception:  # pruning is housekeeping: never fail a finished run over it
             log.warning("could not prune the checkpoints of run %s", run_id, exc_info=True)
 
-    async def _park(self, lease: Lease, awaited: Any) -> None:
-        """Record that the run waits (what for, since when) and let go of it: no process waits."""
-        request = dict(awaited) if isinstance(awaited, dict) else {"type": "input", "awaited": str(awaited)}
+    async def _park(self, lease: Lease, awaiting: list[Any]) -> None:
+        """Record that the run waits (what for, since when) and let go of it: no process waits.
+        The wait record names the first thing awaited; ``detail.all`` lists every one."""
+        requests = [
+            dict(a) if isinstance(a, dict) else {"type": "input", "awaited": str(a)} for a in awaiting
+        ]
+        request = {**requests[0], "all": [r.get("awaited") for r in requests]}
         now = dt.datetime.now(dt.UTC).isoformat()
         wait = {
             "type": request.get("type", "input"),

@@ -27,6 +27,8 @@ _SECRET_KEYS = (
     "credential",
     "credentials",
     "private_key",
+    "secret_key",
+    "access_key",
     "cookie",
 )
 _SECRET_TEXT = re.compile(
@@ -38,7 +40,7 @@ _SECRET_TEXT = re.compile(
 
 
 def _secret_key(key: str) -> bool:
-    normal = key.lower().replace("-", "_")
+    normal = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).lower().replace("-", "_")
     return any(normal == name or normal.endswith("_" + name) for name in _SECRET_KEYS)
 
 

@@ -46,10 +46,12 @@ async def test_an_intent_is_recorded_once_and_bound_to_its_arguments(
 ) -> None:
     store, ledger = stores
     lease = await leased_run(store)
-    op = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
+    op, _ = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
     assert (op.op_id, op.status, op.attempts) == (operation_id("r1", "s1"), OpStatus.PENDING, 1)
-    again = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
-    assert again.op_id == op.op_id
+    again, created = await ledger.record_intent(
+        lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS
+    )
+    assert (again.op_id, created) == (op.op_id, False)
     with pytest.raises(OperationConflict):
         await ledger.record_intent(
             lease, "w1", step_id="s1", kind="delegate", target="agent", args={**ARGS, "input": {"n": 2}}
@@ -62,7 +64,7 @@ async def test_a_stale_worker_can_neither_record_an_intent_nor_an_outcome(
 ) -> None:
     store, ledger = stores
     lease = await leased_run(store)
-    op = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
+    op, _ = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
     await store.release_lease(lease)
     newer = await store.acquire_lease("r1", "w2", 60)
     assert newer is not None
@@ -70,6 +72,8 @@ async def test_a_stale_worker_can_neither_record_an_intent_nor_an_outcome(
         await ledger.record_intent(lease, "w1", step_id="s2", kind="delegate", target="agent", args=ARGS)
     with pytest.raises(StaleLease):
         await ledger.record_outcome(lease, "w1", op.op_id, OpStatus.SUCCEEDED, result={"ok": 1})
+    with pytest.raises(StaleLease):  # not even the operation it recorded itself comes back
+        await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
     assert await ledger.get(operation_id("r1", "s2")) is None
     assert (await ledger.get(op.op_id)).status == OpStatus.PENDING  # type: ignore[union-attr]
     await ledger.record_outcome(newer, "w2", op.op_id, OpStatus.SUCCEEDED, result={"ok": 1})
@@ -85,7 +89,7 @@ async def test_a_person_resolves_an_operation_only_while_the_run_waits(
 ) -> None:
     store, ledger = stores
     lease = await leased_run(store)
-    op = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
+    op, _ = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
     await ledger.record_outcome(
         lease, "w1", op.op_id, OpStatus.NEEDS_HUMAN, error={"code": "outcome_unknown"}
     )
