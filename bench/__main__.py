@@ -113,9 +113,10 @@ def main() -> None:
         "specialist, Postgres, NATS and the client sending the runs) shares the CPUs, and the workers\n"
         "are not the bottleneck. Workers scale out across machines; this box cannot show it.\n\n"
         f"Resume after a crash: the worker running a step was SIGKILLed; another worker resumed the run\n"
-        f"{latency['to_resumed_s']} s later and completed it {latency['to_completed_s']} s after the kill, "
-        "without re-running the\n"
-        "step (the specialist had finished it and said so when asked). The bound is JetStream's ack\n"
+        f"{latency['to_resumed_s']} s later and completed it {latency['to_completed_s']} s after the kill "
+        "(the new worker\n"
+        "asks the specialist about the step's pending operation before anything is sent again). The\n"
+        "bound is JetStream's ack\n"
         f"wait (set to {runs['ack_wait_s']} s here, lease {runs['lease_ttl_s']} s; the defaults are 30 "
         "and 15 s).\n\n"
         "## Batch runs\n\n"
@@ -131,8 +132,8 @@ def main() -> None:
         f"Then a run's worker was SIGKILLed at item {crash['killed_at_item']:,}; the other worker finished it "
         f"{crash['recovered_in_s']} s\n"
         f"later. At the tool: {crash['cases']:,} cases, {crash['duplicated_effects']} duplicated, "
-        f"{crash['items_redone']} items sent again (the call in flight had\n"
-        "finished at the specialist, and the new worker got its result by asking, not by resending).\n"
+        f"{crash['items_redone']} items sent again (a repeated key counts one; the call in flight is\n"
+        "settled by asking the specialist, and sent again only if it never arrived).\n"
     )
     print(f"wrote {DOC}")
 

@@ -53,6 +53,7 @@ class GraphState(TypedDict, total=False):
     calls: Annotated[list[str], operator.add]  # hashes of the calls sent, in order
     stop: dict[str, Any] | None  # why the run stopped early: {"reason", "why"}
     batches: Annotated[dict[str, int], _merge]  # items done, by batch step, as of the last checkpoint
+    finished: bool  # set by the last node only: a checkpoint without it and without tasks lost them
 
 
 class StepTask(TypedDict):
@@ -338,7 +339,7 @@ def build_graph(
         }
 
     async def finish(state: GraphState) -> dict[str, Any]:
-        return {}
+        return {"finished": True}
 
     builder: StateGraph[GraphState, RunScope, Any, Any] = StateGraph(GraphState, context_schema=RunScope)
     builder.add_node("schedule", schedule)

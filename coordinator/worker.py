@@ -215,6 +215,12 @@ class RunWorker:
         elif snapshot.next:
             # resume from the checkpoint: finished nodes are not redone
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
+        elif snapshot.values and not snapshot.values.get("finished"):
+            # A checkpoint whose fan-out was lost (its pending sends are saved after it, in the
+            # background, and the worker died in between): schedule again from what is done. The
+            # state's reducers keep the results; the ledger keeps every effect once.
+            graph_input = {"run_id": run.run_id}
+            await self._store.append(lease, "run.resumed", self._id, {"at": ["schedule"]})
         elif not snapshot.values:
             try:
                 limits = run_limits(self._engine, run.tenant)
@@ -233,7 +239,7 @@ class RunWorker:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
         scope = RunScope(self._ledger, lease, self._id)
         try:
-            if snapshot.values and not snapshot.next:
+            if snapshot.values.get("finished") and not snapshot.next:
                 final = dict(snapshot.values)  # the graph finished before the outcome was recorded
             else:
                 streamed = self._stream(graph_input, config, lease, scope)

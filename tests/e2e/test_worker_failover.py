@@ -66,7 +66,9 @@ async def test_killing_the_worker_mid_step_loses_nothing_and_another_worker_fini
     resumed = [e for e in events if e["type"] == "run.resumed"]
     assert len(resumed) == 1
     assert not resumed[0]["actor"].startswith(victim + ":")
-    assert resumed[0]["payload"]["at"] == ["delegate"]
+    # At the interrupted step; or, if the checkpoint's fan-out had not been saved yet when the worker
+    # died, at the scheduler, which sends the step again.
+    assert resumed[0]["payload"]["at"] in (["delegate"], ["schedule"])
     assert [e["type"] for e in events].count("run.completed") == 1
     # The interrupted step ran again on the new worker (node execution is at-least-once); the finished
     # checkpoints before it were not redone.
