@@ -34,6 +34,13 @@ FAILED_STATES = {
 }
 
 Progress = Callable[[str], Awaitable[None]]
+Activity = Callable[[], None]
+# States a stream may end in only because it was cut short: the agent may still be at it.
+UNFINISHED_STATES = {
+    TaskState.TASK_STATE_UNSPECIFIED,
+    TaskState.TASK_STATE_SUBMITTED,
+    TaskState.TASK_STATE_WORKING,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +86,17 @@ class Delegator:
         tenant: str,
         progress: Progress,
         operation_id: str | None = None,
+        activity: Activity | None = None,
     ) -> dict[str, Any]:
         """Run ``skill`` on ``agent``; return its result data or raise a step failure.
 
         With an ``operation_id`` the agent runs the step at most once under that id. A call that
-        never reached the agent raises ``specialist_unavailable``; one that was cut off after it
-        was sent raises :class:`CallInterrupted` (the agent may still be running it)."""
+        never reached the agent raises ``specialist_unavailable``; one whose fate is open raises
+        :class:`CallInterrupted` (the agent may have it, and may still be running it): cut off
+        after it was sent, answered by a server error (5xx), a broken or unreadable stream, or a
+        stream that ended before the task did. A refusal (4xx, a JSON-RPC error) and a task that
+        failed are step failures. ``activity`` is called on every event the agent sends (its
+        heartbeats included)."""
         card = _card(agent)
         message = Message(
             role=Role.ROLE_USER,
@@ -97,15 +109,16 @@ class Delegator:
         try:
             context = await self._context(agent, tenant)
             stream = client.send_message(SendMessageRequest(message=message), context=context)
-            return await _collect(stream, agent.id, progress)
+            return await _collect(stream, agent.id, progress, activity or _idle)
         except A2AClientError as exc:
-            if isinstance(exc.__cause__, httpx.ConnectError):
+            cause = exc.__cause__
+            if isinstance(cause, httpx.ConnectError):
                 raise FleetError(
                     ErrorCode.SPECIALIST_UNAVAILABLE,
                     f"cannot reach {agent.id} at {agent.url}",
                     retryable=True,
                 ) from exc
-            if isinstance(exc.__cause__, httpx.TransportError) or isinstance(exc, A2AClientTimeoutError):
+            if _fate_open(exc):
                 raise CallInterrupted(agent.id) from exc
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
         except A2AError as exc:
@@ -166,6 +179,20 @@ class CallInterrupted(FleetError):
         )
 
 
+def _idle() -> None:
+    return None
+
+
+def _fate_open(exc: A2AClientError) -> bool:
+    """Whether a failed call may still have been received and acted on."""
+    cause = exc.__cause__
+    if isinstance(exc, A2AClientTimeoutError) or isinstance(cause, httpx.TransportError | ValueError):
+        return True  # cut off, or an answer that could not be read
+    if isinstance(cause, httpx.HTTPStatusError):
+        return cause.response.status_code >= 500  # a 4xx is a refusal; a 5xx may come after the work
+    return str(exc).startswith(("SSE stream error", "Network communication error"))
+
+
 def _origin(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     return parts.scheme, parts.netloc
@@ -178,12 +205,13 @@ def _card(agent: AgentRecord) -> AgentCard:
         raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} has an unreadable card") from exc
 
 
-async def _collect(stream: Any, agent_id: str, progress: Progress) -> dict[str, Any]:
+async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Activity) -> dict[str, Any]:
     result: dict[str, Any] = {}
     state = TaskState.TASK_STATE_UNSPECIFIED
     last_text = ""
     error: dict[str, Any] = {}
     async for event in stream:
+        activity()
         kind = event.WhichOneof("payload")
         if kind == "task":
             state = event.task.status.state
@@ -206,6 +234,8 @@ async def _collect(stream: Any, agent_id: str, progress: Progress) -> dict[str, 
         if error.get("code") == ErrorCode.OUTCOME_UNKNOWN:
             raise FleetError(ErrorCode.OUTCOME_UNKNOWN, f"{agent_id}: {error.get('message', last_text)}")
         raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent_id}: {last_text or 'failed'}")
+    if state in UNFINISHED_STATES:
+        raise CallInterrupted(agent_id)  # the stream ended, the task did not: ask the agent
     if state != TaskState.TASK_STATE_COMPLETED:
         raise FleetError(
             ErrorCode.SPECIALIST_FAILED, f"{agent_id} ended the step in state {TaskState.Name(state)}"

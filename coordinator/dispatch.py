@@ -8,6 +8,14 @@ The rules, in order of precedence:
 - it is sent again only when the agent says it never received it, or that it was interrupted (the
   agent then runs it again only if its skill is declared safe to repeat, and says ``uncertain`` if not);
 - an outcome nobody can establish makes the operation ``needs_human``, and the run waits for a person.
+
+While a call is in flight, an activity lease runs beside it: every event the agent sends renews it
+(kit specialists send a heartbeat while a skill works). When it expires, the call is not killed; a
+supervisor wakes and asks the agent about the operation. ``running``: the lease is renewed, and after
+``max_renewals`` renewals the supervisor does what policy says (``escalate``: record a
+``run.escalated`` event and keep waiting; ``ask``: a person decides, and the run waits without a
+process). Anything else (finished, never received, unreachable): the call is abandoned and the
+operation reconciled as after a crash.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+from langgraph.config import get_stream_writer
 
 from coordinator.delegation import CallInterrupted, Delegator, Progress
 from coordinator.operations import Ledger, Operation, OpStatus, operation_id
@@ -27,10 +37,28 @@ from registry import AgentRecord
 
 log = logging.getLogger(__name__)
 
-RECONCILE_ATTEMPTS = 5  # tries to reach an agent that is down before a person is asked
+RECONCILE_ATTEMPTS = 5  # tries to reach (or find) an agent that is down before a person is asked
 RECONCILE_BACKOFF_S = 2.0
 MAX_REDISPATCHES = 3  # sends of one operation in one attempt before a person is asked
 MAX_RUNNING_WAIT_S = 3600.0  # an agent "still running" it for longer: a person is asked
+
+
+@dataclass(frozen=True, slots=True)
+class ActivityClock:
+    """The activity lease of a call in flight (``activity`` in the budget policy)."""
+
+    quiet_after_s: float = 120.0  # no event from the agent for this long: the supervisor wakes
+    max_renewals: int = 30  # renewals (the agent says it is still running) before ``on_stuck``
+    on_stuck: str = "escalate"  # or "ask": a person decides
+
+    @classmethod
+    def of(cls, limits: dict[str, Any] | None) -> ActivityClock:
+        found = ((limits or {}).get("limits") or {}).get("activity") or {}
+        return cls(
+            quiet_after_s=float(found.get("quiet_after_s", 120.0)),
+            max_renewals=int(found.get("max_renewals", 30)),
+            on_stuck=str(found.get("on_stuck", "escalate")),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +68,7 @@ class RunScope:
     ledger: Ledger
     lease: Lease
     actor: str
+    activity: ActivityClock = ActivityClock()
 
 
 class NeedsHuman(FleetError):
@@ -49,6 +78,26 @@ class NeedsHuman(FleetError):
         super().__init__(ErrorCode.NEEDS_HUMAN, f"operation {op_id}: {why}")
         self.op_id = op_id
         self.why = why
+
+
+def _emit(event: str, payload: dict[str, Any], text: str) -> None:
+    """Record an event in the run's log (through the graph's stream, like every step event)."""
+    get_stream_writer()({"event": event, "payload": payload, "text": text})
+
+
+def _departed(agent_id: str) -> AgentRecord:
+    """A stand-in for an agent that left the registry after its operation was settled."""
+    return AgentRecord(
+        id=agent_id,
+        kind="specialist",
+        card_url="",
+        url="",
+        version="",
+        skills=[],
+        card={},
+        registered_at=0.0,
+        status="departed",
+    )
 
 
 def _error_of(exc: FleetError) -> dict[str, Any]:
@@ -78,6 +127,7 @@ class StepDispatcher:
         self._payload = payload
         self._tenant = tenant
         self._progress = progress
+        self._activity = scope.activity
         self._redispatches = 0
         self._known: Operation | None = None  # the ledger's entry, as last read or written here
 
@@ -89,9 +139,14 @@ class StepDispatcher:
         """The agent of this step: the one that got its operation if there is one (a replay must
         reconcile with it, whatever routing would pick today), else one chosen by skill."""
         self._known = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
-        if self._known is not None:
-            return await self._delegator.agent(self._known.target)
-        return await self._delegator.assign(self._skill)
+        if self._known is None:
+            return await self._delegator.assign(self._skill)
+        if self._known.status in (OpStatus.SUCCEEDED, OpStatus.FAILED):
+            try:  # the outcome is recorded: the agent is not needed, only named
+                return await self._delegator.agent(self._known.target)
+            except FleetError:
+                return _departed(self._known.target)
+        return await self._find(self._known)
 
     async def run(self, agent: AgentRecord) -> dict[str, Any]:
         """The step's result, sending it to ``agent`` at most as often as the rules above allow."""
@@ -123,18 +178,25 @@ class StepDispatcher:
             raise NeedsHuman(op.op_id, str((op.error or {}).get("message", "its outcome is unknown")))
         # Pending: a worker died between sending it and recording what came of it. Only the agent
         # that received it can say.
-        return await self._reconcile(op, await self._delegator.agent(op.target))
+        return await self._reconcile(op, await self._find(op))
+
+    async def _find(self, op: Operation) -> AgentRecord:
+        """The agent that received ``op``, as the registry knows it; if it cannot be found after a
+        few tries (it left the registry, or the registry is down), a person has to say."""
+        for attempt in range(RECONCILE_ATTEMPTS + 1):
+            try:
+                return await self._delegator.agent(op.target)
+            except FleetError as exc:
+                if attempt == RECONCILE_ATTEMPTS:
+                    await self._needs_human(
+                        op, f"{op.target}, which received it, cannot be found: {exc.message}"
+                    )
+                await asyncio.sleep(RECONCILE_BACKOFF_S * (attempt + 1))
+        raise AssertionError("unreachable")
 
     async def _dispatch(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
         try:
-            result = await self._delegator.call(
-                agent,
-                self._skill,
-                self._payload,
-                tenant=self._tenant,
-                progress=self._progress,
-                operation_id=op.op_id,
-            )
+            result = await self._supervised(op, agent)
         except CallInterrupted:
             return await self._reconcile(op, agent)
         except FleetError as exc:
@@ -145,6 +207,80 @@ class StepDispatcher:
         crash_point("worker.before_result", self._skill)
         await self._record(op, OpStatus.SUCCEEDED, result=result)
         return result
+
+    async def _supervised(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
+        """The call, under its activity lease (see the module's doc)."""
+        clock = self._activity
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+
+        def touched() -> None:
+            nonlocal last
+            last = loop.time()
+
+        call = asyncio.ensure_future(
+            self._delegator.call(
+                agent,
+                self._skill,
+                self._payload,
+                tenant=self._tenant,
+                progress=self._progress,
+                operation_id=op.op_id,
+                activity=touched,
+            )
+        )
+        renewals = 0
+        try:
+            while True:
+                quiet_for = loop.time() - last
+                if quiet_for < clock.quiet_after_s:
+                    await asyncio.wait({call}, timeout=clock.quiet_after_s - quiet_for)
+                    if call.done():
+                        return call.result()
+                    continue
+                if not await self._still_running(op, agent, quiet_for):
+                    raise CallInterrupted(agent.id)  # abandon the call; reconcile
+                renewals += 1
+                touched()
+                _emit(
+                    "step.renewed",
+                    {
+                        "op_id": op.op_id,
+                        "step": self._step_id,
+                        "quiet_s": round(quiet_for),
+                        "renewals": renewals,
+                    },
+                    f"{agent.id} quiet for {quiet_for:.0f}s, and reports operation {op.op_id} running: waiting on",
+                )
+                if renewals == clock.max_renewals:
+                    why = f"{agent.id} has been quiet for {quiet_for:.0f}s, {renewals} times over"
+                    if clock.on_stuck == "ask":
+                        await self._needs_human(op, f"{why}: keep waiting, or resolve it")
+                    await self._escalate(op, agent, why)
+        finally:
+            if not call.done():
+                call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+
+    async def _still_running(self, op: Operation, agent: AgentRecord, quiet_for: float) -> bool:
+        """The supervisor's question when an activity lease expires: is the agent still at it?"""
+        try:
+            status = await self._delegator.operation_status(agent, op.op_id, tenant=self._tenant, wait_s=0)
+        except FleetError as exc:
+            log.warning(
+                "operation %s: %s quiet for %.0fs and cannot be asked: %s", op.op_id, agent.id, quiet_for, exc
+            )
+            return False
+        if status is None:  # it cannot be asked: keep waiting on the call (transport timeouts bound it)
+            return True
+        return bool(status["status"] == "running")
+
+    async def _escalate(self, op: Operation, agent: AgentRecord, why: str) -> None:
+        _emit(
+            "run.escalated",
+            {"op_id": op.op_id, "step": self._step_id, "agent": agent.id, "why": why},
+            f"escalated: {why}",
+        )
 
     async def _reconcile(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
         await self._progress(f"asking {agent.id} what became of operation {op.op_id}")

@@ -121,22 +121,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
     }
     spent = [f"{key} {budget[key]} reached" for key, value in used.items() if value >= budget[key]]
     if spent:
-        if budget["on_exhausted"] == "tranche" and tranche["number"] < budget["max_tranches"]:
-            fresh = {
-                "number": tranche["number"] + 1,
-                "steps": len(state.get("results", {})),
-                "operations": _operations(state),
-                "started_at": now.isoformat(),
-            }
-            _emit(
-                "budget.tranche",
-                {"tranche": fresh["number"], "spent": spent},
-                f"new budget tranche ({', '.join(spent)})",
-            )
-            return {"tranche": fresh}
-        why = ", ".join(spent)
-        _emit("budget.exhausted", {"spent": spent}, f"budget exhausted: {why}")
-        return {"stop": {"reason": "budget_exhausted", "why": why}}
+        return _spent(state, budget, spent, now)
     if len(ready) > convergence["max_calls_per_turn"]:
         why = f"{len(ready)} calls in one turn (more than {convergence['max_calls_per_turn']})"
         _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
@@ -153,6 +138,79 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
     return {"calls": new}
 
 
+def _spent(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.datetime) -> dict[str, Any]:
+    """The decision point of a spent budget: a new tranche, a person's decision, or a close with
+    the best result so far (as the budget policy says)."""
+    tranche, why = state["tranche"], ", ".join(spent)
+    action = budget["on_exhausted"]
+    if action == "tranche":
+        if tranche["number"] < budget["max_tranches"]:
+            _emit(
+                "budget.tranche",
+                {"tranche": tranche["number"] + 1, "spent": spent},
+                f"new budget tranche ({why})",
+            )
+            return {"tranche": _fresh_tranche(state, now)}
+        action = budget.get("after_tranches", "summarize")
+    if action == "ask":
+        return _ask(state, budget, spent, now)
+    _emit("budget.exhausted", {"spent": spent}, f"budget exhausted: {why}")
+    return {"stop": {"reason": "budget_exhausted", "why": why}}
+
+
+def _fresh_tranche(state: GraphState, now: dt.datetime) -> dict[str, Any]:
+    return {
+        "number": state["tranche"]["number"] + 1,
+        "steps": len(state.get("results", {})),
+        "operations": _operations(state),
+        "started_at": now.isoformat(),
+    }
+
+
+BUDGET_DECISIONS = ("tranche", "close")
+
+
+def _ask(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.datetime) -> dict[str, Any]:
+    """Ask a person, and park the run until they answer (no process waits) or the deadline passes.
+    The answer (recorded by the API, or ``expired`` by the supervisor) comes back as the resume
+    value, keyed by what is awaited: one key per ask, so an old answer never answers a new ask."""
+    ask, why = budget["ask"], ", ".join(spent)
+    number = state["tranche"]["number"]
+    deadline = now + dt.timedelta(seconds=float(ask["timeout_s"]))
+    request = {
+        "type": "budget",
+        "awaited": f"budget:{number}",
+        "why": f"budget exhausted: {why}; grant another tranche or close?",
+        "spent": spent,
+        "choices": list(BUDGET_DECISIONS),
+        "deadline": deadline.isoformat(),
+        "warn_at": (deadline - dt.timedelta(seconds=float(ask["warn_before_s"]))).isoformat(),
+    }
+    while True:
+        answer = interrupt(request)
+        decision = answer.get("decision") if isinstance(answer, dict) else None
+        if decision in (*BUDGET_DECISIONS, "expired"):
+            break  # resumed without an answer for this ask (another wait was answered): ask again
+    by = str(answer.get("by", "supervisor"))
+    if decision == "tranche":
+        overrides = {k: v for k, v in (answer.get("limits") or {}).items() if k in TRANCHE_LIMITS}
+        limits = {**state["limits"], "limits": {**budget, **overrides}}
+        _emit(
+            "budget.tranche",
+            {"tranche": number + 1, "spent": spent, "by": by, "limits": overrides},
+            f"new budget tranche, granted by {by}",
+        )
+        return {"tranche": _fresh_tranche(state, now), "limits": limits}
+    if decision == "expired" and ask["on_expired"] == "expire":
+        text = f"nobody decided on the spent budget ({why}) by {request['deadline']}"
+        _emit("budget.expired", {"spent": spent, "deadline": request["deadline"]}, text)
+        return {"stop": {"reason": "approval_expired", "why": text}}
+    closed = "nobody answered in time" if decision == "expired" else f"closed by {by}"
+    _emit("budget.exhausted", {"spent": spent, "by": by}, f"budget exhausted: {why} ({closed})")
+    return {"stop": {"reason": "budget_exhausted", "why": f"{why} ({closed})"}}
+
+
+TRANCHE_LIMITS = ("max_steps", "max_operations", "max_seconds")
 DEFAULT_BATCH = {"call_size": 50, "checkpoint_every": 50}
 
 

@@ -37,6 +37,7 @@ def _run_json(run: Run) -> dict[str, Any]:
         "state": run.state.value,
         "reason": run.reason,
         "last_seq": run.last_seq,
+        "wait": run.wait,
         "created_at": run.created_at.isoformat(),
         "updated_at": run.updated_at.isoformat(),
     }
@@ -139,14 +140,52 @@ def run_routes(
             log.warning("could not submit resolved run %s; the sweep will", run_id, exc_info=True)
         return JSONResponse({"operation": op.to_json()})
 
+    async def decide(request: Request) -> Response:
+        """A person's decision on what a waiting run asks (today: a spent budget, ``tranche`` or
+        ``close``); the run then goes back to the workers. Only the first decision counts."""
+        claims = request_claims(request)
+        run_id = request.path_params["run_id"]
+        try:
+            if RESOLVE_SCOPE not in claims.scopes:
+                raise FleetError(ErrorCode.FORBIDDEN, f"deciding for a run needs scope {RESOLVE_SCOPE}")
+            answer = budget_decision(await _json_body(request))
+            seq = await store.answer_wait(run_id, claims.tenant, "budget", answer, claims.sub)
+        except FleetError as exc:
+            return _error(exc)
+        try:
+            await submit(run_id, f"decided-{seq}")
+        except Exception:  # the run is durable as submitted: the workers' sweep picks it up
+            log.warning("could not submit run %s after a decision; the sweep will", run_id, exc_info=True)
+        return JSONResponse({"run": _run_json(await store.get_run(run_id, claims.tenant)), "seq": seq})
+
     return [
         Route("/v1/runs", list_runs),
+        Route("/v1/runs/{run_id}/decision", decide, methods=["POST"]),
         Route("/v1/runs/{run_id}/debug-bundle", debug_bundle),
         Route("/v1/runs/{run_id}", get_run),
         Route("/v1/runs/{run_id}/events", events),
         Route("/v1/runs/{run_id}/operations", operations),
         Route("/v1/runs/{run_id}/operations/{op_id}/resolve", resolve, methods=["POST"]),
     ]
+
+
+def budget_decision(body: dict[str, Any]) -> dict[str, Any]:
+    """A valid answer to a spent budget: ``{"decision": "tranche"|"close", "note"?, "limits"?}``,
+    where ``limits`` may raise ``max_steps``, ``max_operations`` or ``max_seconds`` for the tranche."""
+    decision, note, limits = body.get("decision"), body.get("note", ""), body.get("limits", {})
+    if decision not in ("tranche", "close"):
+        raise FleetError(ErrorCode.INVALID_REQUEST, 'decision must be "tranche" or "close"')
+    if not isinstance(note, str) or not isinstance(limits, dict):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "note must be a string and limits an object")
+    allowed = {"max_steps", "max_operations", "max_seconds"}
+    for key, value in limits.items():
+        if key not in allowed or isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST, f"limits may set {sorted(allowed)} to numbers >= 0; not {key!r}"
+            )
+    if limits and decision != "tranche":
+        raise FleetError(ErrorCode.INVALID_REQUEST, "limits go with a tranche")
+    return {"decision": decision, "note": note, **({"limits": limits} if limits else {})}
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

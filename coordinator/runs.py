@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -80,6 +80,9 @@ class Run:
     wait: dict[str, Any] | None  # while waiting: type, awaited object, since, deadline, why
     created_at: dt.datetime
     updated_at: dt.datetime
+    # Answers to the run's waits (decisions), by what was awaited; kept, so that a worker that dies
+    # before the resumed graph is checkpointed cannot lose one.
+    answers: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,8 @@ CREATE TABLE IF NOT EXISTS fleet_runs.events (
     PRIMARY KEY (run_id, seq)
 );
 ALTER TABLE fleet_runs.runs ADD COLUMN IF NOT EXISTS wait jsonb;
+ALTER TABLE fleet_runs.runs ADD COLUMN IF NOT EXISTS answers jsonb NOT NULL DEFAULT '{}';
+CREATE INDEX IF NOT EXISTS runs_waiting ON fleet_runs.runs (run_id) WHERE state = 'waiting';
 """
 
 _FENCED_APPEND = """
@@ -168,7 +173,7 @@ FROM inserted, bump
 
 _RUN_COLUMNS = (
     "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, cancel_requested,"
-    " wait, created_at, updated_at"
+    " wait, created_at, updated_at, answers"
 )
 
 
@@ -231,6 +236,7 @@ def _run(row: Mapping[str, Any]) -> Run:
         wait=row["wait"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        answers=row["answers"] or {},
     )
 
 
@@ -409,6 +415,89 @@ class PostgresRunStore:
                 (run_id, last_seq + offset, type_, actor, Jsonb(payload)),
             )
         await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+
+    async def answer_wait(
+        self,
+        run_id: str,
+        tenant: str,
+        wait_type: str,
+        answer: Mapping[str, Any],
+        actor: str,
+        *,
+        event: str = "wait.answered",
+        text: str = "",
+    ) -> int:
+        """Record the answer to what a waiting run awaits, and hand the run back to the workers
+        (it goes to ``submitted``; the caller submits it): one transaction, under the run's row
+        lock, so concurrent answers are serialised and only the first one counts. Return the seq
+        of the event. Raise ``conflict`` if the run does not wait for a ``wait_type``."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "SELECT last_seq, wait FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s"
+                " AND state = 'waiting' FOR UPDATE",
+                (run_id, tenant),
+            )
+            row = await cursor.fetchone()
+            wait = row[1] if row is not None else None
+            if row is None or not isinstance(wait, dict) or wait.get("type") != wait_type:
+                raise FleetError(
+                    ErrorCode.CONFLICT, f"run {run_id} is not waiting for a {wait_type} decision"
+                )
+            seq, awaited = int(row[0]) + 1, str(wait.get("awaited"))
+            recorded = {**answer, "by": actor}
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now(),"
+                " answers = answers || jsonb_build_object(%s::text, %s::jsonb) WHERE run_id = %s",
+                (seq, awaited, Jsonb(recorded), run_id),
+            )
+            payload = {"awaited": awaited, **recorded, "state": RunState.SUBMITTED.value}
+            payload["text"] = text or f"{actor} answered {awaited}: {answer.get('decision', '')}"
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+                (run_id, seq, event, actor, Jsonb(logged(payload))),
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+        return seq
+
+    async def waits_due(self, limit: int = 100) -> list[Run]:
+        """Waiting runs whose deadline has passed, or whose warning is due and not yet given. For
+        the supervisor only (every tenant)."""
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE state = 'waiting' AND ("
+                " (wait->>'deadline')::timestamptz < now()"
+                " OR ((wait->>'warn_at')::timestamptz < now() AND NOT (wait ? 'warned')))"
+                " LIMIT %s",
+                (limit,),
+            )
+            return [_run(row) for row in await cursor.fetchall()]
+
+    async def warn_wait(self, run_id: str, actor: str) -> int | None:
+        """Record, once, that a waiting run's deadline is near; the seq of the event, or None if
+        it was given already (or the run no longer waits)."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.runs SET wait = wait || '{\"warned\": true}', last_seq = last_seq + 1,"
+                " updated_at = now() WHERE run_id = %s AND state = 'waiting' AND NOT (wait ? 'warned')"
+                " RETURNING last_seq, wait",
+                (run_id,),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                return None
+            seq, wait = int(row[0]), row[1]
+            payload = {
+                "awaited": wait.get("awaited"),
+                "deadline": wait.get("deadline"),
+                "text": f"still waiting for {wait.get('awaited')}: the deadline is {wait.get('deadline')}",
+            }
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+                (run_id, seq, "wait.deadline_near", actor, Jsonb(logged(payload))),
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+        return seq
 
     async def release_lease(self, lease: Lease) -> None:
         async with self._pool.connection() as conn:

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from coordinator import work
 from coordinator.delegation import Delegator
-from coordinator.dispatch import RunScope, settle_pending
+from coordinator.dispatch import ActivityClock, RunScope, settle_pending
 from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.operations import Ledger
 from coordinator.runs import (
@@ -46,7 +46,7 @@ from coordinator.runs import (
     RunState,
     StaleLease,
 )
-from fleet.errors import ErrorCode
+from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
@@ -88,6 +88,43 @@ async def sweep_stranded(
                 await work.submit_run(client, run_id, attempt=f"sweep-{last_seq}")
         except Exception:  # the next sweep tries again
             log.warning("sweep for stranded runs failed", exc_info=True)
+
+
+async def supervise_waits(
+    store: PostgresRunStore, client: NATS, settings: WorkerSettings, ready: asyncio.Event
+) -> None:
+    """The supervisor of waits: warn once when a wait's deadline is near, and when it has passed,
+    answer the wait with ``expired`` and hand the run back to the workers (its graph then does
+    what policy says: end the run as ``approval_expired``, or close it with the best result so
+    far). An expiry is never recorded as a denial. Every worker runs this; the store serialises
+    them (one warning, one expiry)."""
+    await ready.wait()
+    while True:
+        await asyncio.sleep(settings.sweep_interval_s)
+        try:
+            for run in await store.waits_due():
+                wait = run.wait or {}
+                if wait.get("deadline") and dt.datetime.fromisoformat(wait["deadline"]) <= dt.datetime.now(
+                    dt.UTC
+                ):
+                    with contextlib.suppress(FleetError):  # answered or expired by someone else first
+                        seq = await store.answer_wait(
+                            run.run_id,
+                            run.tenant,
+                            str(wait.get("type")),
+                            {"decision": "expired"},
+                            SUPERVISOR,
+                            event="wait.expired",
+                            text=f"nobody answered {wait.get('awaited')} by {wait['deadline']}",
+                        )
+                        await work.submit_run(client, run.run_id, attempt=f"expired-{seq}")
+                else:
+                    await store.warn_wait(run.run_id, SUPERVISOR)
+        except Exception:  # the next sweep tries again
+            log.warning("sweep of waits failed", exc_info=True)
+
+
+SUPERVISOR = "supervisor"
 
 
 def failure_text(failure: dict[str, Any]) -> str:
@@ -207,10 +244,13 @@ class RunWorker:
         snapshot = await self._graph.aget_state(config)
         graph_input: dict[str, Any] | Command[Any] | None = None
         if snapshot.interrupts:
-            # A person answered what the run waited for: resume the waiting node, which reads the
-            # answer from where it was recorded (the operations ledger).
-            # Every pending interrupt by its id (parallel steps may each wait for a person).
-            graph_input = Command(resume={i.id: {"resumed_by": self._id} for i in snapshot.interrupts})
+            # Someone answered what the run waited for: resume every pending interrupt by its id
+            # (parallel steps may each wait), each with the answer recorded for what it awaits
+            # (a decision), or none (an operation's outcome, which the node reads from the ledger).
+            # A node whose wait is still unanswered asks again.
+            graph_input = Command(
+                resume={i.id: _answer_for(i.value, run.answers, self._id) for i in snapshot.interrupts}
+            )
             await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
         elif snapshot.next:
             # resume from the checkpoint: finished nodes are not redone
@@ -237,7 +277,10 @@ class RunWorker:
                 await self._store.append(lease, "run.resumed", self._id, {"at": ["start"]})
         if run.state == RunState.SUBMITTED:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
-        scope = RunScope(self._ledger, lease, self._id)
+        started = graph_input.get("limits") if isinstance(graph_input, dict) else None
+        scope = RunScope(
+            self._ledger, lease, self._id, ActivityClock.of(started or snapshot.values.get("limits"))
+        )
         try:
             if snapshot.values.get("finished") and not snapshot.next:
                 final = dict(snapshot.values)  # the graph finished before the outcome was recorded
@@ -292,6 +335,7 @@ class RunWorker:
             "since": now,
             "last_activity": now,
             "deadline": request.get("deadline"),
+            "warn_at": request.get("warn_at"),
             "detail": request,
         }
         text = f"waiting for a person: {request.get('why', wait['type'])}"
@@ -334,6 +378,10 @@ class RunWorker:
             lease, "artifact", self._id, {"name": "result", "text": text, "steps": results}
         )
         reason = stop["reason"] if stop else None
+        if stop and reason == ErrorCode.APPROVAL_EXPIRED:  # nobody decided in time: not a denial
+            payload = {"summary": summary, "text": f"[{reason}] {stop['why']}"}
+            await self._store.transition(lease, RunState.FAILED, self._id, payload, reason=reason)
+            return
         await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary}, reason=reason)
 
 
@@ -365,6 +413,12 @@ async def _unless(signals: RunSignals, work: Awaitable[T], run_id: str) -> T:
             raise StaleLease(run_id)
         raise CancelRequested(run_id)
     return job.result()
+
+
+def _answer_for(awaiting: Any, answers: dict[str, Any], actor: str) -> dict[str, Any]:
+    awaited = awaiting.get("awaited") if isinstance(awaiting, dict) else None
+    answer = answers.get(str(awaited)) if awaited is not None else None
+    return dict(answer) if isinstance(answer, dict) else {"resumed_by": actor}
 
 
 def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
@@ -437,6 +491,9 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             ]
             consumers.append(
                 asyncio.create_task(sweep_stranded(store, nc, settings, enrolled), name="sweeper")
+            )
+            consumers.append(
+                asyncio.create_task(supervise_waits(store, nc, settings, enrolled), name="wait-supervisor")
             )
 
             async def stop_consumers() -> None:

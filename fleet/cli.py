@@ -65,6 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     resolve.add_argument("--result", default="{}", help="the operation's result, as JSON (succeeded)")
     resolve.add_argument("--note", default="", help="why: recorded with your identity")
     resolve.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    decide = with_dir(
+        runs_sub.add_parser("decide", help="decide for a run that waits on a person (a spent budget)")
+    )
+    decide.add_argument("run_id")
+    decide.add_argument("decision", choices=["tranche", "close"])
+    for limit in ("max-steps", "max-operations", "max-seconds"):
+        decide.add_argument(f"--{limit}", type=float, default=None, help="for the new tranche")
+    decide.add_argument("--note", default="", help="why: recorded with your identity")
+    decide.add_argument("--tenant", default="default", help="the tenant the run belongs to")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -107,6 +116,15 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
             operator_cli.resolve_operation(
                 layout, args.run_id, args.op_id, args.verdict, args.result, args.note, args.tenant
             )
+        )
+    if command == "runs" and args.runs_command == "decide":
+        limits = {
+            key: value
+            for key in ("max_steps", "max_operations", "max_seconds")
+            if (value := getattr(args, key)) is not None
+        }
+        return asyncio.run(
+            operator_cli.decide(layout, args.run_id, args.decision, limits, args.note, args.tenant)
         )
     if command == "runs":
         out_dir = args.out_dir or Path(f"run-{args.run_id}")

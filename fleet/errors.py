@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     STACK_FAILED = "stack_failed"
     INTERNAL = "internal"
     PUSH_URL_REFUSED = "push_url_refused"
+    APPROVAL_EXPIRED = "approval_expired"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {

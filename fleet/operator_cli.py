@@ -122,29 +122,52 @@ async def resolve_operation(
 ) -> int:
     """Give a person's answer for an operation that needs one; the run then resumes."""
     try:
-        endpoints = running_endpoints(layout)
         parsed = json.loads(result)
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
     except json.JSONDecodeError:
         print("fleet: --result must be JSON", file=sys.stderr)
         return EXIT_USAGE
+    body = {"verdict": verdict, "result": parsed, "note": note}
+    answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/operations/{op_id}/resolve", body)
+    if answer is None:
+        return EXIT_FAILED
+    print(f"operation {op_id}: {answer['operation']['status']}; run {run_id} resumes")
+    return EXIT_OK
+
+
+async def decide(
+    layout: StackLayout, run_id: str, decision: str, limits: dict[str, float], note: str, tenant: str
+) -> int:
+    """A person's decision for a run that waits on one (a spent budget); the run then resumes."""
+    body: dict[str, Any] = {"decision": decision, "note": note, **({"limits": limits} if limits else {})}
+    answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/decision", body)
+    if answer is None:
+        return EXIT_FAILED
+    print(f"run {run_id}: {decision}; it resumes ({answer['run']['state']})")
+    return EXIT_OK
+
+
+async def _post_for_run(
+    layout: StackLayout, tenant: str, path: str, body: dict[str, Any]
+) -> dict[str, Any] | None:
+    """POST ``body`` to the coordinator's run API as the operator (scope ``runs:resolve``); the
+    answer, or None after printing the error."""
+    try:
+        endpoints = running_endpoints(layout)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return None
     async with httpx.AsyncClient(timeout=60.0) as http:
         client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         token = await client.token("coordinator", tenant, ["agent:invoke", "runs:resolve"])
         response = await http.post(
-            f"{endpoints['coordinator']}/v1/runs/{run_id}/operations/{op_id}/resolve",
-            headers={"Authorization": f"Bearer {token}"},
-            json={"verdict": verdict, "result": parsed, "note": note},
+            endpoints["coordinator"] + path, headers={"Authorization": f"Bearer {token}"}, json=body
         )
-    body = response.json()
+    answer: dict[str, Any] = response.json()
     if response.status_code != 200:
-        error = body.get("error", {})
+        error = answer.get("error", {})
         print(f"fleet: [{error.get('code')}] {error.get('message')}", file=sys.stderr)
-        return EXIT_FAILED
-    print(f"operation {op_id}: {body['operation']['status']}; run {run_id} resumes")
-    return EXIT_OK
+        return None
+    return answer
 
 
 async def status(layout: StackLayout, *, as_json: bool) -> int:

@@ -46,6 +46,9 @@ class ServiceSettings(BaseSettings):
     policy_dir: Path | None = None
     log_level: str = "info"
     state_dir: Path | None = Field(default=None, description="where this service keeps local state")
+    heartbeat_s: float = Field(
+        default=20.0, description="a specialist's heartbeat to its caller while a skill works (0: none)"
+    )
 
     def local_state_dir(self) -> Path:
         """Local durable state of this service (e.g. a specialist's operation journal)."""

@@ -168,10 +168,13 @@ class SkillExecutor(AgentExecutor):
     operation id in the message metadata, the operation runs at most once (see
     :mod:`fleet.operation_ext`) and its outcome is kept in the journal."""
 
-    def __init__(self, skills: Sequence[Skill], tools: Toolbox, journal: Journal) -> None:
+    def __init__(
+        self, skills: Sequence[Skill], tools: Toolbox, journal: Journal, heartbeat_s: float = 20.0
+    ) -> None:
         self._skills = {skill.id: skill for skill in skills}
         self._tools = tools
         self._journal = journal
+        self._heartbeat_s = heartbeat_s
 
     def _parse(self, context: RequestContext) -> tuple[Skill, dict[str, Any]]:
         message = context.message
@@ -202,10 +205,24 @@ class SkillExecutor(AgentExecutor):
                 TaskState.TASK_STATE_WORKING, message=updater.new_agent_message([new_text_part(text)])
             )
 
-        if op_id is None:
-            outcome = await self._run(skill, SkillContext(claims, self._tools, progress), payload)
-        else:
-            outcome = await self._run_once(skill, claims, op_id, payload, progress)
+        async def heartbeat() -> None:
+            # An empty status update now and then: the caller's activity lease stays alive while
+            # the skill works quietly (its absence means this agent is stuck or cut off).
+            while True:
+                await asyncio.sleep(self._heartbeat_s)
+                await updater.update_status(TaskState.TASK_STATE_WORKING)
+
+        beating = (
+            asyncio.create_task(heartbeat(), name=f"heartbeat-{task.id}") if self._heartbeat_s > 0 else None
+        )
+        try:
+            if op_id is None:
+                outcome = await self._run(skill, SkillContext(claims, self._tools, progress), payload)
+            else:
+                outcome = await self._run_once(skill, claims, op_id, payload, progress)
+        finally:
+            if beating is not None:
+                await _cancelled(beating)
         status, result, error = outcome
         if status == JournalStatus.SUCCEEDED:
             await updater.add_artifact([new_data_part(result or {})], name=skill.id, last_chunk=True)
@@ -354,7 +371,9 @@ def build_specialist_app(
     journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
     handler = DefaultRequestHandler(
-        agent_executor=SkillExecutor(skills, Toolbox(registry, mcp_http), journal),
+        agent_executor=SkillExecutor(
+            skills, Toolbox(registry, mcp_http), journal, heartbeat_s=settings.heartbeat_s
+        ),
         task_store=InMemoryTaskStore(),
         agent_card=card,
     )
