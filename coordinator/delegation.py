@@ -190,7 +190,8 @@ def _fate_open(exc: A2AClientError) -> bool:
         return True  # cut off, or an answer that could not be read
     if isinstance(cause, httpx.HTTPStatusError):
         return cause.response.status_code >= 500  # a 4xx is a refusal; a 5xx may come after the work
-    return str(exc).startswith(("SSE stream error", "Network communication error"))
+    # An error event mid-stream, or the agent's internal error (it may have crashed after acting).
+    return str(exc).startswith(("SSE stream error", "Network communication error", "JSON-RPC Error -32603"))
 
 
 def _origin(url: str) -> tuple[str, str]:

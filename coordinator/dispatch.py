@@ -199,6 +199,8 @@ class StepDispatcher:
             result = await self._supervised(op, agent)
         except CallInterrupted:
             return await self._reconcile(op, agent)
+        except NeedsHuman:
+            raise  # recorded as such by the supervisor
         except FleetError as exc:
             if exc.code == ErrorCode.OUTCOME_UNKNOWN:
                 await self._needs_human(op, exc.message)

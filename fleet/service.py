@@ -27,6 +27,9 @@ def configure_logging(service_id: str, level: str) -> None:
     )
 
 
+KEEP_ALIVE_S = 75
+
+
 def listening_socket(settings: ServiceSettings) -> socket.socket:
     """The socket to serve on: the one the supervisor bound and passed down, or a new one."""
     if settings.listen_fd is not None:
@@ -49,6 +52,9 @@ async def serve_app(app: ASGIApp, settings: ServiceSettings) -> None:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=10,
+        # Longer than any client keeps an idle connection (httpx: 5 s), so a client never reuses a
+        # connection the server is closing at that moment (a spurious ReadError on the next call).
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     await server.serve(sockets=[listening_socket(settings)])
