@@ -127,9 +127,9 @@ async def resolve_operation(
         print("fleet: --result must be JSON", file=sys.stderr)
         return EXIT_USAGE
     body = {"verdict": verdict, "result": parsed, "note": note}
-    answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/operations/{op_id}/resolve", body)
+    code, answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/operations/{op_id}/resolve", body)
     if answer is None:
-        return EXIT_FAILED
+        return code
     print(f"operation {op_id}: {answer['operation']['status']}; run {run_id} resumes")
     return EXIT_OK
 
@@ -139,23 +139,23 @@ async def decide(
 ) -> int:
     """A person's decision for a run that waits on one (a spent budget); the run then resumes."""
     body: dict[str, Any] = {"decision": decision, "note": note, **({"limits": limits} if limits else {})}
-    answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/decision", body)
+    code, answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/decision", body)
     if answer is None:
-        return EXIT_FAILED
+        return code
     print(f"run {run_id}: {decision}; it resumes ({answer['run']['state']})")
     return EXIT_OK
 
 
 async def _post_for_run(
     layout: StackLayout, tenant: str, path: str, body: dict[str, Any]
-) -> dict[str, Any] | None:
-    """POST ``body`` to the coordinator's run API as the operator (scope ``runs:resolve``); the
-    answer, or None after printing the error."""
+) -> tuple[int, dict[str, Any] | None]:
+    """POST ``body`` to the coordinator's run API as the operator (scope ``runs:resolve``): the
+    answer, or the exit code and None after printing the error."""
     try:
         endpoints = running_endpoints(layout)
     except FleetError as exc:
         print(f"fleet: {exc.message}", file=sys.stderr)
-        return None
+        return EXIT_NOT_RUNNING, None
     async with httpx.AsyncClient(timeout=60.0) as http:
         client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         token = await client.token("coordinator", tenant, ["agent:invoke", "runs:resolve"])
@@ -166,8 +166,8 @@ async def _post_for_run(
     if response.status_code != 200:
         error = answer.get("error", {})
         print(f"fleet: [{error.get('code')}] {error.get('message')}", file=sys.stderr)
-        return None
-    return answer
+        return EXIT_FAILED, None
+    return EXIT_OK, answer
 
 
 async def status(layout: StackLayout, *, as_json: bool) -> int:

@@ -7,7 +7,10 @@ Two rules, both conservative:
 - a value under a key that names a secret (``password``, ``secret``, ``token``, ``api_key``,
   ``authorization``, ``credential(s)``, ``private_key``, ``cookie``, or a key ending in one of those,
   such as ``access_token``) is replaced whole;
-- a string that carries a bearer token, a JWT or a PEM private key has that part replaced.
+- a string that carries a secret has that part replaced: bearer and basic credentials, JWTs, PEM
+  private keys, the password of a URL (``postgresql://user:PASSWORD@host``), ``key=value`` pairs
+  whose key names a secret (``password=...``, ``api_key: ...``), and tokens with a well-known
+  shape (AWS access key ids, GitHub, Slack, OpenAI-style ``sk-`` keys).
 """
 
 from __future__ import annotations
@@ -32,11 +35,25 @@ _SECRET_KEYS = (
     "cookie",
 )
 _SECRET_TEXT = re.compile(
-    r"(?i:bearer\s+)[A-Za-z0-9._~+/=-]{8,}"
+    r"(?i:bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}"
     r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"
-    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----",
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----"
+    r"|\bAKIA[0-9A-Z]{16}\b"
+    r"|\bgh[pousr]_[A-Za-z0-9]{30,}"
+    r"|\bxox[abprs]-[A-Za-z0-9-]{10,}"
+    r"|\bsk-[A-Za-z0-9_-]{20,}",
     re.DOTALL,
 )
+# Secrets after a prefix that stays readable: a URL's password, and key=value / key: value pairs.
+_SECRET_AFTER = re.compile(
+    r"(?P<keep>[a-z][a-z0-9+.-]*://[^\s/:@]+:)[^\s@/]+(?=@)"
+    r"|(?P<pair>(?i:\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|token|client[_-]secret)"
+    r"\s*[=:]\s*))(?![\[\s])[^\s,;&\"']+"
+)
+
+
+def _keep_prefix(match: re.Match[str]) -> str:
+    return (match.group("keep") or match.group("pair")) + MARK
 
 
 def _secret_key(key: str) -> bool:
@@ -62,5 +79,6 @@ def redact(value: Any) -> tuple[Any, int]:
         return [item for item, _ in items], sum(found for _, found in items)
     if isinstance(value, str):
         text, found = _SECRET_TEXT.subn(MARK, value)
-        return text, found
+        text, more = _SECRET_AFTER.subn(_keep_prefix, text)
+        return text, found + more
     return value, 0

@@ -39,3 +39,26 @@ def test_tokens_and_keys_inside_text_are_cut_out() -> None:
 def test_payloads_without_secrets_are_unchanged() -> None:
     payload = {"step": "totals", "records": [{"customer": "Contoso", "total": 1.5}], "text": "4 customers"}
     assert redact(payload) == (payload, 0)
+
+
+def test_connection_strings_key_value_pairs_and_well_known_tokens_are_cut_out() -> None:
+    cases = {
+        "postgresql://fleet:s3cr3t-pw@db:5432/fleet": "postgresql://fleet:[redacted]@db:5432/fleet",
+        "retry with password=hunter2, then stop": "retry with password=[redacted], then stop",
+        "config api_key: abc123def; region eu": "config api_key: [redacted]; region eu",
+        "Authorization: Basic dXNlcjpwYXNzd29yZA==": "Authorization: [redacted]",
+        "aws AKIAIOSFODNN7EXAMPLE used": "aws [redacted] used",
+        "gh ghp_" + "a" * 36 + " pushed": "gh [redacted] pushed",
+        "slack xoxb-1234567890-abcdef posted": "slack [redacted] posted",
+        "model key sk-proj-" + "b" * 30: "model key [redacted]",
+    }
+    for text, expected in cases.items():
+        out, count = redact({"text": text})
+        assert out["text"] == expected, text
+        assert count == 1, text
+
+
+def test_words_that_only_look_like_secrets_are_kept() -> None:
+    text = "the token budget is spent; see https://example.com/a:b; sk-short; password reset page"
+    out, count = redact({"text": text})
+    assert (out["text"], count) == (text, 0)
