@@ -28,7 +28,7 @@ from typing import Any
 from langgraph.config import get_stream_writer
 
 from coordinator.delegation import CallInterrupted, Delegator, Progress
-from coordinator.operations import Ledger, Operation, OpStatus, operation_id
+from coordinator.operations import Event, Ledger, Operation, OperationConflict, OpStatus
 from coordinator.runs import Lease
 from fleet.crashpoints import crash_point
 from fleet.errors import ErrorCode, FleetError
@@ -85,6 +85,13 @@ def _emit(event: str, payload: dict[str, Any], text: str) -> None:
     get_stream_writer()({"event": event, "payload": payload, "text": text})
 
 
+def _announce(events: list[Event]) -> None:
+    """Log events of a replayed step through the graph's stream (a fresh step logs them with its
+    ledger entries instead)."""
+    for type_, payload in events:
+        _emit(type_, {k: v for k, v in payload.items() if k != "text"}, str(payload.get("text", "")))
+
+
 def _departed(agent_id: str) -> AgentRecord:
     """A stand-in for an agent that left the registry after its operation was settled."""
     return AgentRecord(
@@ -117,7 +124,10 @@ class StepDispatcher:
         payload: dict[str, Any],
         tenant: str,
         progress: Progress,
+        announce: bool = False,
     ) -> None:
+        """``announce``: log the step's ``step.routed``/``step.started`` and ``step.completed``
+        (a plain step; a batch's calls are announced by the batch)."""
         self._delegator = delegator
         self._ledger = scope.ledger
         self._lease = scope.lease
@@ -128,47 +138,68 @@ class StepDispatcher:
         self._tenant = tenant
         self._progress = progress
         self._activity = scope.activity
+        self._announce = announce
         self._redispatches = 0
-        self._known: Operation | None = None  # the ledger's entry, as last read or written here
+        self._known: Operation | None = None
+        self._agent: AgentRecord | None = None
 
     @property
     def _args(self) -> dict[str, Any]:
         return {"skill": self._skill, "input": self._payload}
 
-    async def agent(self) -> AgentRecord:
-        """The agent of this step: the one that got its operation if there is one (a replay must
-        reconcile with it, whatever routing would pick today), else one chosen by skill."""
-        self._known = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
-        if self._known is None:
-            return await self._delegator.assign(self._skill)
-        if self._known.status in (OpStatus.SUCCEEDED, OpStatus.FAILED):
-            try:  # the outcome is recorded: the agent is not needed, only named
-                return await self._delegator.agent(self._known.target)
-            except FleetError:
-                return _departed(self._known.target)
-        return await self._find(self._known)
+    @property
+    def agent_id(self) -> str:
+        """The agent the step went to, once known ("" before)."""
+        return self._agent.id if self._agent is not None else ""
 
-    async def run(self, agent: AgentRecord) -> dict[str, Any]:
-        """The step's result, sending it to ``agent`` at most as often as the rules above allow."""
+    def _opening(self, agent: AgentRecord) -> list[Event]:
+        if not self._announce:
+            return []
+        step = {"step": self._step_id, "skill": self._skill, "agent": agent.id}
+        text = f"step {self._step_id}: {self._skill} -> {agent.id}"
+        return [("step.routed", {**step, "text": text}), ("step.started", step)]
+
+    def _closing(self) -> list[Event]:
+        return [("step.completed", {"step": self._step_id, "agent": self.agent_id})] if self._announce else []
+
+    async def run(self, prefer: AgentRecord | None = None) -> dict[str, Any]:
+        """The step's result, sending it at most as often as the rules above allow: to ``prefer``
+        or an agent chosen by skill if it was never sent, else to the agent that got it (a replay
+        must reconcile with that one, whatever routing would pick today). A plain step's start
+        and completion are logged with its intent and its result (one statement each)."""
         op, self._known = self._known, None  # read once: after a wait for a person, read it again
         if op is None:
-            op = await self._ledger.get(operation_id(self._lease.run_id, self._step_id))
-        if op is None:
+            agent = prefer or await self._delegator.assign(self._skill)
             crash_point("worker.before_intent", self._skill)
-            op, created = await self._ledger.record_intent(
-                self._lease,
-                self._actor,
-                step_id=self._step_id,
-                kind="delegate",
-                target=agent.id,
-                args=self._args,
-            )
+            try:
+                op, created = await self._ledger.record_intent(
+                    self._lease,
+                    self._actor,
+                    step_id=self._step_id,
+                    kind="delegate",
+                    target=agent.id,
+                    args=self._args,
+                    before=self._opening(agent),
+                )
+            except OperationConflict as exc:
+                conflicting = await self._ledger.get(exc.op_id)
+                assert conflicting is not None
+                self._agent = await self._named(conflicting)
+                await self._needs_human(
+                    conflicting, "the step was replayed with other arguments than were sent"
+                )
+                raise  # not reached: _needs_human raises
             crash_point("worker.after_intent", self._skill)
             if created:
+                self._agent = agent
                 return await self._dispatch(op, agent)
+        # A replay: the operation was recorded by an earlier attempt.
+        self._agent = await (self._named(op) if op.status != OpStatus.PENDING else self._find(op))
+        _announce(self._opening(self._agent))
         if op.args_hash != args_hash(self._args):
             await self._needs_human(op, "the step was replayed with other arguments than were sent")
         if op.status == OpStatus.SUCCEEDED:
+            _announce(self._closing())
             return dict(op.result or {})
         if op.status == OpStatus.FAILED:
             error = op.error or {}
@@ -178,7 +209,14 @@ class StepDispatcher:
             raise NeedsHuman(op.op_id, str((op.error or {}).get("message", "its outcome is unknown")))
         # Pending: a worker died between sending it and recording what came of it. Only the agent
         # that received it can say.
-        return await self._reconcile(op, await self._find(op))
+        return await self._reconcile(op, self._agent)
+
+    async def _named(self, op: Operation) -> AgentRecord:
+        """The agent that got a settled operation: only named, never called again."""
+        try:
+            return await self._delegator.agent(op.target)
+        except FleetError:
+            return _departed(op.target)
 
     async def _find(self, op: Operation) -> AgentRecord:
         """The agent that received ``op``, as the registry knows it; if it cannot be found after a
@@ -207,7 +245,7 @@ class StepDispatcher:
             await self._record(op, OpStatus.FAILED, error=_error_of(exc))
             raise
         crash_point("worker.before_result", self._skill)
-        await self._record(op, OpStatus.SUCCEEDED, result=result)
+        await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
         return result
 
     async def _supervised(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
@@ -310,7 +348,7 @@ class StepDispatcher:
                     continue  # the agent is still at it; the wait was a long poll
                 case "succeeded":
                     result = status.get("result") or {}
-                    await self._record(op, OpStatus.SUCCEEDED, result=result)
+                    await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
                     return dict(result)
                 case "failed":
                     error = status.get("error") or {"code": ErrorCode.SPECIALIST_FAILED, "message": "failed"}
@@ -337,9 +375,10 @@ class StepDispatcher:
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        after: list[Event] | None = None,
     ) -> None:
         await self._ledger.record_outcome(
-            self._lease, self._actor, op.op_id, status, result=result, error=error
+            self._lease, self._actor, op.op_id, status, result=result, error=error, after=after or []
         )
 
     async def _needs_human(self, op: Operation, why: str) -> None:

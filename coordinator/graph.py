@@ -214,13 +214,15 @@ TRANCHE_LIMITS = ("max_steps", "max_operations", "max_seconds")
 DEFAULT_BATCH = {"call_size": 50, "checkpoint_every": 50}
 
 
-async def _run_or_wait(dispatcher: StepDispatcher, agent: AgentRecord, step_id: str) -> dict[str, Any]:
+async def _run_or_wait(
+    dispatcher: StepDispatcher, step_id: str, prefer: AgentRecord | None = None
+) -> dict[str, Any]:
     """The operation's result; if a person must say what happened, park the run until they have."""
     while True:
         try:
-            return await dispatcher.run(agent)
+            return await dispatcher.run(prefer)
         except NeedsHuman as exc:
-            blocked = {"step": step_id, "agent": agent.id, "op_id": exc.op_id, "why": exc.why}
+            blocked = {"step": step_id, "agent": dispatcher.agent_id, "op_id": exc.op_id, "why": exc.why}
             _emit("step.blocked", blocked, f"step {step_id} needs a person: {exc.message}")
             # Parks the run (the checkpoint is durable, no process waits). When a person has given
             # the operation's outcome, the run resumes here and reads it from the ledger.
@@ -259,7 +261,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     stop_at = min(total, offset + every)
     if offset == 0:
         _emit("step.started", {"step": step["id"], "skill": step["skill"], "items": total})
-    agent: AgentRecord | None = None
+    agent: AgentRecord | None = None  # every call of the batch goes to the agent of its first
     calls = 0
     try:
         while offset < stop_at:
@@ -277,8 +279,9 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
                 tenant=task["tenant"],
                 progress=progress,
             )
-            agent = agent or await dispatcher.agent()
-            await _run_or_wait(dispatcher, agent, step["id"])
+            if agent is None:
+                agent = await delegator.assign(step["skill"])
+            await _run_or_wait(dispatcher, step["id"], agent)
             offset += len(chunk)
             calls += 1
             _emit(
@@ -361,39 +364,35 @@ def build_graph(
 
         try:
             payload = resolve_input(step["input"], task["results"])
-            dispatcher = StepDispatcher(
-                delegator,
-                runtime.context,
-                step_id=step["id"],
-                skill=step["skill"],
-                payload=payload,
-                tenant=task["tenant"],
-                progress=progress,
-            )
-            agent = await dispatcher.agent()
         except FleetError as exc:
             _emit("step.failed", _failure(step, exc))
             return {"failure": _failure(step, exc)}
-        _emit(
-            "step.routed",
-            {"step": step["id"], "skill": step["skill"], "agent": agent.id},
-            f"step {step['id']}: {step['skill']} -> {agent.id}",
+        dispatcher = StepDispatcher(
+            delegator,
+            runtime.context,
+            step_id=step["id"],
+            skill=step["skill"],
+            payload=payload,
+            tenant=task["tenant"],
+            progress=progress,
+            announce=True,  # routed and started with the intent, completed with the result
         )
-        _emit("step.started", {"step": step["id"], "skill": step["skill"], "agent": agent.id})
         try:
-            result = await _run_or_wait(dispatcher, agent, step["id"])
+            result = await _run_or_wait(dispatcher, step["id"])
         except (StaleLease, CancelRequested):
             raise  # not the step's failure: this worker must stop writing
         except FleetError as exc:
-            _emit("step.failed", {**_failure(step, exc), "agent": agent.id})
+            if not dispatcher.agent_id:  # it never got to an agent (none offers the skill)
+                _emit("step.failed", _failure(step, exc))
+                return {"failure": _failure(step, exc)}
+            _emit("step.failed", {**_failure(step, exc), "agent": dispatcher.agent_id})
             return {
                 "failure": _failure(step, exc),
-                "outcomes": [{"step": step["id"], "agent": agent.id, "status": "failed"}],
+                "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "failed"}],
             }
-        _emit("step.completed", {"step": step["id"], "agent": agent.id})
         return {
             "results": {step["id"]: result},
-            "outcomes": [{"step": step["id"], "agent": agent.id, "status": "completed"}],
+            "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "completed"}],
         }
 
     async def finish(state: GraphState) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
@@ -79,16 +79,25 @@ fence AS (
     AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') FOR UPDATE
 )
 """
+# The change's events: the operation's own, and any the caller writes with it (a step's start with
+# its intent, its completion with its result), in order, at the run's next sequence numbers.
 _LOGGED = """
+commit_mode AS (
+    -- Relaxed only where losing the write in a crash of Postgres itself is safe (see record_outcome).
+    SELECT set_config(
+        'synchronous_commit', COALESCE(%(relaxed_commit)s, current_setting('synchronous_commit')), true
+    ) AS mode
+),
 bump AS (
-    UPDATE fleet_runs.runs SET last_seq = last_seq + 1, updated_at = now()
+    UPDATE fleet_runs.runs SET last_seq = last_seq + jsonb_array_length(%(events)s), updated_at = now()
     WHERE run_id = %(run_id)s AND EXISTS (SELECT 1 FROM op)
     RETURNING run_id, last_seq
 ),
 logged AS (
     INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)
-    SELECT bump.run_id, bump.last_seq, %(type)s, %(actor)s, %(payload)s || jsonb_build_object('step', op.step_id)
-    FROM bump, op
+    SELECT bump.run_id, bump.last_seq - jsonb_array_length(%(events)s) + e.n, e.item->>'type', %(actor)s,
+        jsonb_build_object('step', op.step_id) || (e.item->'payload')
+    FROM bump, op, commit_mode, jsonb_array_elements(%(events)s) WITH ORDINALITY AS e(item, n)
     RETURNING run_id
 )
 """
@@ -102,7 +111,7 @@ op AS (
     RETURNING {_COLUMNS}
 ),
 {_LOGGED}
-SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged) AS notified FROM op
+SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged LIMIT 1) AS notified FROM op
 """
 _OUTCOME = f"""
 WITH {_FENCE},
@@ -113,8 +122,14 @@ op AS (
     RETURNING {_COLUMNS}
 ),
 {_LOGGED}
-SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged) AS notified FROM op
+SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged LIMIT 1) AS notified FROM op
 """
+
+Event = tuple[str, dict[str, Any]]  # (type, payload) of an event written with a ledger change
+
+
+def _events(own: Event, before: Sequence[Event] = (), after: Sequence[Event] = ()) -> Jsonb:
+    return Jsonb([{"type": type_, "payload": logged(payload)} for type_, payload in (*before, own, *after)])
 
 
 def operation_id(run_id: str, step_id: str) -> str:
@@ -164,6 +179,7 @@ class OperationConflict(FleetError):
 
     def __init__(self, op_id: str) -> None:
         super().__init__(ErrorCode.CONFLICT, f"operation {op_id} was recorded with other arguments")
+        self.op_id = op_id
 
 
 class Ledger:
@@ -203,10 +219,12 @@ class Ledger:
         kind: str,
         target: str,
         args: dict[str, Any],
+        before: Sequence[Event] = (),
     ) -> tuple[Operation, bool]:
         """Record that the run is about to dispatch ``args`` to ``target`` (durable when this
-        returns), and whether this call created it. Idempotent for the same step and arguments;
-        other arguments are a conflict; a lease that is no longer current gets nothing."""
+        returns), and whether this call created it, with ``before`` logged ahead of its event (only
+        if it did). Idempotent for the same step and arguments; other arguments are a conflict; a
+        lease that is no longer current gets nothing."""
         op_id = operation_id(lease.run_id, step_id)
         digest = args_hash(args)
         payload = {"op_id": op_id, "kind": kind, "target": target, "args_hash": digest}
@@ -223,9 +241,9 @@ class Ledger:
                     "target": target,
                     "args_hash": digest,
                     "args": Jsonb(args),
-                    "type": "operation.intent",
+                    "events": _events(("operation.intent", payload), before),
                     "actor": actor,
-                    "payload": Jsonb(logged(payload)),
+                    "relaxed_commit": None,
                     "channel": NOTIFY_CHANNEL,
                 },
             )
@@ -257,9 +275,18 @@ class Ledger:
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        after: Sequence[Event] = (),
     ) -> None:
-        """Record what became of a pending operation (its result or error), with its event."""
+        """Record what became of a pending operation (its result or error), with its event and
+        ``after`` logged behind it.
+
+        A result that came from the agent is committed without waiting for the WAL flush: every
+        later durable write (the next intent, the checkpoint, the run's transition) flushes it
+        first, and if Postgres itself crashes before then, the operation is found ``pending`` and
+        reconciled with the agent, which keeps its outcome. Anything a person or the wait
+        machinery depends on (``needs_human``) is durable at once."""
         payload: dict[str, Any] = {"op_id": op_id, **({"error": error} if error is not None else {})}
+        relaxed = status in (OpStatus.SUCCEEDED, OpStatus.FAILED)
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
                 _OUTCOME,
@@ -270,9 +297,9 @@ class Ledger:
                     "status": status.value,
                     "result": Jsonb(result) if result is not None else None,
                     "error": Jsonb(error) if error is not None else None,
-                    "type": f"operation.{status.value}",
+                    "events": _events((f"operation.{status.value}", payload), after=after),
                     "actor": actor,
-                    "payload": Jsonb(logged(payload)),
+                    "relaxed_commit": "off" if relaxed else None,
                     "channel": NOTIFY_CHANNEL,
                 },
             )
