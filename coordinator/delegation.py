@@ -3,6 +3,7 @@ specialist and the run's tenant, and one A2A streaming call."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 from a2a.client import (
     A2AClientError,
+    Client,
     A2AClientTimeoutError,
     ClientCallContext,
     ClientConfig,
@@ -27,6 +29,7 @@ from fleet.operation_ext import OPERATION_METADATA_KEY, status_url
 from registry import AgentRecord, RegistryClient
 
 INVOKE_SCOPE = "agent:invoke"
+DISCOVERY_TTL_S = 5.0  # how stale a skill's list of specialists may be (a registry change shows within it)
 FAILED_STATES = {
     TaskState.TASK_STATE_FAILED,
     TaskState.TASK_STATE_REJECTED,
@@ -57,11 +60,28 @@ class Delegator:
         self._http = http
         self._factory = ClientFactory(ClientConfig(streaming=True, httpx_client=http))
         self._known: dict[str, AgentRecord] = {}
+        self._found: dict[str, tuple[float, list[AgentRecord]]] = {}  # by skill: (when, agents)
+        self._clients: dict[str, tuple[AgentRecord, Client]] = {}  # by agent id: the record it was made for
 
     async def discover(self, skill: str) -> list[AgentRecord]:
+        """Specialists offering ``skill``, as the registry said at most ``DISCOVERY_TTL_S`` ago."""
+        now = time.monotonic()
+        cached = self._found.get(skill)
+        if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
+            return cached[1]
         found = [a for a in await self._registry.agents_with_skill(skill) if a.kind == "specialist"]
         self._known.update((a.id, a) for a in found)
+        self._found[skill] = (now, found)
         return found
+
+    def _client(self, agent: AgentRecord) -> Client:
+        """The A2A client for ``agent``'s card, made once per card (it holds no connection of its
+        own: the HTTP client is shared)."""
+        cached = self._clients.get(agent.id)
+        if cached is None or (cached[0] is not agent and cached[0] != agent):
+            cached = (agent, self._factory.create(_card(agent)))
+            self._clients[agent.id] = cached
+        return cached[1]
 
     async def agent(self, agent_id: str) -> AgentRecord:
         """The record of an agent chosen earlier (checkpoints keep only its id)."""
@@ -97,7 +117,6 @@ class Delegator:
         stream that ended before the task did. A refusal (4xx, a JSON-RPC error) and a task that
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included)."""
-        card = _card(agent)
         message = Message(
             role=Role.ROLE_USER,
             message_id=uuid.uuid4().hex,
@@ -105,7 +124,7 @@ class Delegator:
         )
         if operation_id is not None:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
-        client = self._factory.create(card)
+        client = self._client(agent)
         try:
             context = await self._context(agent, tenant)
             stream = client.send_message(SendMessageRequest(message=message), context=context)
@@ -123,8 +142,6 @@ class Delegator:
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
         except A2AError as exc:
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
-        finally:
-            await client.close()
 
     async def _context(self, agent: AgentRecord, tenant: str) -> ClientCallContext:
         token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
