@@ -13,8 +13,8 @@ from urllib.parse import quote, urlsplit
 import httpx
 from a2a.client import (
     A2AClientError,
-    Client,
     A2AClientTimeoutError,
+    Client,
     ClientCallContext,
     ClientConfig,
     ClientFactory,
