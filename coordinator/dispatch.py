@@ -278,7 +278,8 @@ class StepDispatcher:
                     if call.done():
                         return call.result()
                     continue
-                if not await self._still_running(op, agent, quiet_for):
+                answer = await self._still_running(op, agent, quiet_for)
+                if answer is None:
                     raise CallInterrupted(agent.id)  # abandon the call; reconcile
                 renewals += 1
                 touched()
@@ -290,7 +291,7 @@ class StepDispatcher:
                         "quiet_s": round(quiet_for),
                         "renewals": renewals,
                     },
-                    f"{agent.id} quiet for {quiet_for:.0f}s, and reports operation {op.op_id} running: waiting on",
+                    f"{agent.id} quiet for {quiet_for:.0f}s, {answer}: waiting on",
                 )
                 if renewals == clock.max_renewals:
                     why = f"{agent.id} has been quiet for {quiet_for:.0f}s, {renewals} times over"
@@ -302,18 +303,19 @@ class StepDispatcher:
                 call.cancel()
             await asyncio.gather(call, return_exceptions=True)
 
-    async def _still_running(self, op: Operation, agent: AgentRecord, quiet_for: float) -> bool:
-        """The supervisor's question when an activity lease expires: is the agent still at it?"""
+    async def _still_running(self, op: Operation, agent: AgentRecord, quiet_for: float) -> str | None:
+        """The supervisor's question when an activity lease expires: is the agent still at it?
+        Why the call may go on, or None if it should be abandoned and the operation reconciled."""
         try:
             status = await self._delegator.operation_status(agent, op.op_id, tenant=self._tenant, wait_s=0)
         except FleetError as exc:
             log.warning(
                 "operation %s: %s quiet for %.0fs and cannot be asked: %s", op.op_id, agent.id, quiet_for, exc
             )
-            return False
+            return None
         if status is None:  # it cannot be asked: keep waiting on the call (transport timeouts bound it)
-            return True
-        return bool(status["status"] == "running")
+            return "and cannot be asked about the operation"
+        return f"and reports operation {op.op_id} running" if status["status"] == "running" else None
 
     async def _escalate(self, op: Operation, agent: AgentRecord, why: str) -> None:
         _emit(
