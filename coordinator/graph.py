@@ -186,11 +186,11 @@ def _ask(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.da
         "deadline": deadline.isoformat(),
         "warn_at": (deadline - dt.timedelta(seconds=float(ask["warn_before_s"]))).isoformat(),
     }
-    while True:
+    while True:  # resumed without an answer to this ask (another wait was answered): ask again
         answer = interrupt(request)
         decision = answer.get("decision") if isinstance(answer, dict) else None
         if decision in (*BUDGET_DECISIONS, "expired"):
-            break  # resumed without an answer for this ask (another wait was answered): ask again
+            break
     by = str(answer.get("by", "supervisor"))
     if decision == "tranche":
         overrides = {k: v for k, v in (answer.get("limits") or {}).items() if k in TRANCHE_LIMITS}
@@ -202,8 +202,9 @@ def _ask(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.da
         )
         return {"tranche": _fresh_tranche(state, now), "limits": limits}
     if decision == "expired" and ask["on_expired"] == "expire":
-        text = f"nobody decided on the spent budget ({why}) by {request['deadline']}"
-        _emit("budget.expired", {"spent": spent, "deadline": request["deadline"]}, text)
+        deadline_was = answer.get("deadline", request["deadline"])  # as recorded when it was asked
+        text = f"nobody decided on the spent budget ({why}) by {deadline_was}"
+        _emit("budget.expired", {"spent": spent, "deadline": deadline_was}, text)
         return {"stop": {"reason": "approval_expired", "why": text}}
     closed = "nobody answered in time" if decision == "expired" else f"closed by {by}"
     _emit("budget.exhausted", {"spent": spent, "by": by}, f"budget exhausted: {why} ({closed})")

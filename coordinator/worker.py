@@ -112,7 +112,7 @@ async def supervise_waits(
                             run.run_id,
                             run.tenant,
                             str(wait.get("type")),
-                            {"decision": "expired"},
+                            {"decision": "expired", "deadline": wait["deadline"]},
                             SUPERVISOR,
                             event="wait.expired",
                             text=f"nobody answered {wait.get('awaited')} by {wait['deadline']}",
