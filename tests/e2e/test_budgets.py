@@ -223,6 +223,8 @@ async def test_a_budget_decision_nobody_makes_expires_and_is_not_a_denial(budget
     assert events[-1]["payload"]["reason"] == "approval_expired"
     expired = next(e for e in events if e["type"] == "wait.expired")
     assert expired["actor"] == "supervisor"
+    deadline = next(e for e in events if e["type"] == "run.waiting")["payload"]["wait"]["deadline"]
+    assert next(e for e in events if e["type"] == "budget.expired")["payload"]["deadline"] == deadline
 
 
 # One review case, opened through the keyed cases tool (which a test can make hang).
