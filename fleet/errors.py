@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     STACK_FAILED = "stack_failed"
     INTERNAL = "internal"
     PUSH_URL_REFUSED = "push_url_refused"
+    CANCELED = "canceled"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -46,6 +47,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOOL_FAILED: 502,
     ErrorCode.OUTCOME_UNKNOWN: 502,
     ErrorCode.NEEDS_HUMAN: 409,
+    ErrorCode.CANCELED: 409,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,
