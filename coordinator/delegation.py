@@ -25,7 +25,7 @@ from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
 
 from fleet.errors import ErrorCode, FleetError
-from fleet.operation_ext import OPERATION_METADATA_KEY, status_url
+from fleet.operation_ext import MAX_WAIT_S, OPERATION_METADATA_KEY, cancel_url, status_url
 from registry import AgentRecord, RegistryClient
 
 INVOKE_SCOPE = "agent:invoke"
@@ -183,6 +183,51 @@ class Delegator:
                 ErrorCode.SPECIALIST_FAILED, f"{agent.id} answered the operation query without a status"
             )
         return body
+
+    async def cancel_operation(
+        self, agent: AgentRecord, operation_id: str, *, tenant: str
+    ) -> dict[str, Any] | None:
+        """Cancel an operation at ``agent`` (see :mod:`fleet.operation_ext`) and return what the agent
+        then says of it, as :meth:`operation_status` does; None if the agent cannot cancel operations
+        (it does not declare the extension, or an earlier version of it without ``cancel_url``)."""
+        template = cancel_url(_card(agent))
+        if template is None:
+            return None
+        url = template.replace("{operation_id}", quote(operation_id, safe=""))
+        if _origin(url) != _origin(agent.url):
+            raise FleetError(ErrorCode.CARD_INVALID, f"{agent.id} names a cancel URL outside its own origin")
+        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
+        try:
+            response = await self._http.post(
+                url,
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=httpx.Timeout(10.0, read=MAX_WAIT_S + 10.0),
+            )
+        except httpx.TransportError as exc:
+            raise FleetError(
+                ErrorCode.SPECIALIST_UNAVAILABLE,
+                f"cannot reach {agent.id} to cancel an operation",
+                retryable=True,
+            ) from exc
+        return _operation_answer(agent, response, "cancel")
+
+
+def _operation_answer(agent: AgentRecord, response: httpx.Response, what: str) -> dict[str, Any]:
+    """The body of an answer of the operations extension, checked."""
+    if response.status_code != 200:
+        raise FleetError(
+            ErrorCode.SPECIALIST_FAILED,
+            f"{agent.id} answered the operation {what} with HTTP {response.status_code}",
+        )
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get("status"), str):
+        raise FleetError(
+            ErrorCode.SPECIALIST_FAILED, f"{agent.id} answered the operation {what} without a status"
+        )
+    return body
 
 
 class CallInterrupted(FleetError):

@@ -352,7 +352,7 @@ class StepDispatcher:
                     result = status.get("result") or {}
                     await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
                     return dict(result)
-                case "failed":
+                case "failed" | "canceled":
                     error = status.get("error") or {"code": ErrorCode.SPECIALIST_FAILED, "message": "failed"}
                     await self._record(op, OpStatus.FAILED, error=error)
                     raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id}: {error.get('message')}")
@@ -390,31 +390,65 @@ class StepDispatcher:
 
 
 async def settle_pending(delegator: Delegator, scope: RunScope, tenant: str) -> None:
-    """After a run was stopped (canceled), find out what became of the operations it left in flight,
-    so that the ledger matches the world: each is asked about once (waiting a little while it still
-    runs); what stays unknown is marked ``needs_human``."""
-    for op in await scope.ledger.for_run(scope.lease.run_id):
-        if op.status != OpStatus.PENDING:
-            continue
-        try:
-            agent = await delegator.agent(op.target)
+    """After a run was stopped (canceled), stop the operations it left in flight and record what became
+    of each, so that the ledger matches the world. Each is canceled at its agent (see
+    :mod:`fleet.operation_ext`), which answers once the cancel took effect:
+
+    - ``succeeded`` or ``failed`` (it ended first): recorded as it is;
+    - ``canceled``: ``failed`` with the agent's error (code ``canceled``), which counts the tool calls
+      the operation completed before it stopped: 0 means it made no effect (an operation the agent had
+      not received yet is refused if it arrives later); N > 0 means the effects of N complete tool
+      calls, each known to its tool, and nothing more;
+    - anything else (still running after a wait, interrupted, uncertain; an agent that cannot be
+      reached or cannot cancel and has not finished it): ``needs_human``.
+
+    The operations are settled in parallel (each may wait for a tool call in flight); the first error
+    (a lost lease, the database) is raised as it is once all were tried.
+    """
+    pending = [op for op in await scope.ledger.for_run(scope.lease.run_id) if op.status == OpStatus.PENDING]
+    settled = await asyncio.gather(
+        *(_settle(delegator, scope, op, tenant) for op in pending), return_exceptions=True
+    )
+    for failure in settled:
+        if isinstance(failure, BaseException):
+            raise failure
+
+
+async def _settle(delegator: Delegator, scope: RunScope, op: Operation, tenant: str) -> None:
+    outcome, result, error = _settled(op.target, await _cancel_at_agent(delegator, op, tenant))
+    await scope.ledger.record_outcome(scope.lease, scope.actor, op.op_id, outcome, result=result, error=error)
+
+
+async def _cancel_at_agent(delegator: Delegator, op: Operation, tenant: str) -> dict[str, Any]:
+    """What the agent of ``op`` says of it after it was asked to cancel it."""
+    try:
+        agent = await delegator.agent(op.target)
+        answer = await delegator.cancel_operation(agent, op.op_id, tenant=tenant)
+        if answer is None or answer["status"] == "running":
+            # It cannot cancel (it may still finish), or its tool call in flight outlasted the
+            # cancel's wait: wait a while longer for its end.
             answer = await delegator.operation_status(agent, op.op_id, tenant=tenant, wait_s=MAX_WAIT_S)
-        except FleetError as exc:
-            answer = {"status": "uncertain", "error": _error_of(exc)}
-        status = answer or {"status": "uncertain"}
-        state = status["status"]
-        if state == "succeeded":
-            outcome, result, error = OpStatus.SUCCEEDED, dict(status.get("result") or {}), None
-        elif state in ("failed", "unknown"):
-            message = "never received: the run stopped first" if state == "unknown" else "failed"
-            outcome, result, error = OpStatus.FAILED, None, (status.get("error") or {"message": message})
-        else:
-            why = f"still {state} at {op.target} when the run stopped"
-            outcome, result, error = (
-                OpStatus.NEEDS_HUMAN,
-                None,
-                {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why},
-            )
-        await scope.ledger.record_outcome(
-            scope.lease, scope.actor, op.op_id, outcome, result=result, error=error
-        )
+    except FleetError as exc:
+        return {"status": "uncertain", "error": _error_of(exc)}
+    return answer or {"status": "uncertain", "error": {"message": "it cannot report on operations"}}
+
+
+_Settled = tuple[OpStatus, dict[str, Any] | None, dict[str, Any] | None]
+
+
+def _settled(target: str, answer: dict[str, Any]) -> _Settled:
+    """The ledger's outcome for an operation of a canceled run, from what its agent said of it."""
+    state = answer["status"]
+    given = answer.get("error")
+    error: dict[str, Any] = given if isinstance(given, dict) else {}
+    if state == "succeeded":
+        return OpStatus.SUCCEEDED, dict(answer.get("result") or {}), None
+    if state == "failed":
+        return OpStatus.FAILED, None, error or {"code": str(ErrorCode.SPECIALIST_FAILED), "message": "failed"}
+    if state == "canceled":
+        message = error.get("message", "canceled when the run was canceled")
+        return OpStatus.FAILED, None, {**error, "code": str(ErrorCode.CANCELED), "message": message}
+    why = f"{state} at {target} when the run was canceled"
+    if error.get("message"):
+        why += f": {error['message']}"
+    return OpStatus.NEEDS_HUMAN, None, {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why}

@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
     PUSH_URL_REFUSED = "push_url_refused"
     APPROVAL_EXPIRED = "approval_expired"
+    CANCELED = "canceled"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -47,6 +48,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOOL_FAILED: 502,
     ErrorCode.OUTCOME_UNKNOWN: 502,
     ErrorCode.NEEDS_HUMAN: 409,
+    ErrorCode.CANCELED: 409,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,

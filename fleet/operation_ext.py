@@ -1,14 +1,24 @@
-"""The fleet's operations extension to A2A: how a caller makes a request idempotent and asks, later,
-what became of it.
+"""The fleet's operations extension to A2A: how a caller makes a request idempotent, asks, later,
+what became of it, and cancels it.
 
 - The caller puts an operation id in the message metadata under ``fleet.operation_id``. An agent that
   declares the extension runs an operation at most once: the same id again gets the recorded outcome
   (or joins the run in progress), never a second execution.
 - ``GET {status_url}`` (the card's extension params; bearer auth as for the agent itself, scoped to
   the token's tenant) answers ``{"operation_id", "status", "result", "error"}`` where status is one of
-  ``unknown`` (never received), ``running``, ``succeeded``, ``failed``, ``interrupted`` (the agent died
-  while running it) or ``uncertain`` (a tool call's outcome could not be confirmed). ``?wait=S`` holds
-  the answer up to S seconds while the operation runs.
+  ``unknown`` (never received), ``running``, ``succeeded``, ``failed``, ``canceled``, ``interrupted``
+  (the agent died while running it) or ``uncertain`` (a tool call's outcome could not be confirmed).
+  ``?wait=S`` holds the answer up to S seconds while the operation runs. A running operation that
+  was asked to cancel adds ``"cancel_requested": true``.
+- ``POST {cancel_url}`` (same auth and scoping) cancels the operation and answers like the GET, once
+  the cancel took effect (or after at most :data:`MAX_WAIT_S`; the answer may then still be
+  ``running``). Cancellation is cooperative: a tool call in flight is never cut (its effect could then
+  not be confirmed); the work stops before its next tool call, or at once if none is in flight, and
+  ends ``canceled`` with the error ``{"code": "canceled", "message", "tool_calls": N}``, N being the
+  tool calls it completed (0: it made no effect). An operation the agent never received is canceled
+  in advance: it ends ``canceled`` with ``tool_calls: 0`` and, should the request arrive later, it is
+  refused (failed with code ``canceled``) and never runs. An operation that already ended is left as
+  it is; the answer is its recorded outcome.
 
 An agent without the extension cannot answer; a caller that needs to know treats it as unable to say.
 """
@@ -31,18 +41,32 @@ MAX_WAIT_S = 30.0
 def operations_extension(base_url: str) -> AgentExtension:
     extension = AgentExtension(
         uri=OPERATIONS_EXTENSION,
-        description="Idempotent operations: send metadata fleet.operation_id; ask status_url for its outcome.",
+        description=(
+            "Idempotent operations: send metadata fleet.operation_id; ask status_url for its outcome;"
+            " POST cancel_url to cancel it."
+        ),
         required=False,
     )
-    extension.params.update({"status_url": f"{base_url}{OPERATIONS_PATH}/{{operation_id}}"})
+    operation = f"{base_url}{OPERATIONS_PATH}/{{operation_id}}"
+    extension.params.update({"status_url": operation, "cancel_url": f"{operation}/cancel"})
     return extension
 
 
 def status_url(card: AgentCard) -> str | None:
     """The operation status URL template of an agent that declares the extension, else None."""
+    return _url_param(card, "status_url")
+
+
+def cancel_url(card: AgentCard) -> str | None:
+    """The operation cancel URL template of an agent that declares the extension and can cancel, else
+    None (an agent of an earlier version of the extension can only be asked)."""
+    return _url_param(card, "cancel_url")
+
+
+def _url_param(card: AgentCard, name: str) -> str | None:
     for extension in card.capabilities.extensions:
         if extension.uri == OPERATIONS_EXTENSION:
-            url = extension.params.fields.get("status_url")
+            url = extension.params.fields.get(name)
             if url is not None and url.string_value:
                 return url.string_value
     return None

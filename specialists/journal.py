@@ -20,6 +20,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from fleet.errors import ErrorCode
+
 
 class JournalStatus(StrEnum):
     RUNNING = "running"
@@ -29,6 +31,9 @@ class JournalStatus(StrEnum):
     INTERRUPTED = "interrupted"
     # A tool call timed out and the tool cannot say whether it took effect.
     UNCERTAIN = "uncertain"
+    # Stopped on request between tool calls (the error counts those it completed); or canceled before
+    # it was received (a tombstone, with no skill or arguments): the request is refused if it comes.
+    CANCELED = "canceled"
     UNKNOWN = "unknown"  # never received (the journal is written before any work starts)
 
 
@@ -41,6 +46,11 @@ class Entry:
     status: JournalStatus
     result: dict[str, Any] | None
     error: dict[str, Any] | None
+
+    @property
+    def received(self) -> bool:
+        """False for an operation canceled before it arrived (a tombstone): it has no arguments."""
+        return bool(self.args_hash)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,17 +121,40 @@ class Journal:
     def get(self, tenant: str, op_id: str) -> Entry:
         return self._row(tenant, op_id) or Entry(op_id, tenant, "", "", JournalStatus.UNKNOWN, None, None)
 
-    def begin(self, tenant: str, op_id: str, skill: str, args_hash: str) -> None:
-        """Record that the operation starts now (durable on return); replaces an interrupted entry."""
+    def begin(self, tenant: str, op_id: str, skill: str, args_hash: str) -> bool:
+        """Record that the operation starts now (durable on return); replaces an interrupted entry.
+        False, and nothing starts, if the operation was canceled."""
+        now = time.time()
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT INTO operations (op_id, tenant, skill, args_hash, status, boot, created, updated)"
+                " VALUES (?, ?, ?, ?, 'running', ?, ?, ?) ON CONFLICT (tenant, op_id) DO UPDATE SET"
+                " status = 'running', boot = excluded.boot, updated = excluded.updated"
+                " WHERE operations.status <> 'canceled'",
+                (op_id, tenant, skill, args_hash, self._boot, now, now),
+            )
+        if cursor.rowcount != 1:
+            return False
+        self._finished[(tenant, op_id)] = asyncio.Event()
+        return True
+
+    def cancel_unreceived(self, tenant: str, op_id: str) -> Entry:
+        """Cancel an operation that has not arrived: record a tombstone (``canceled``, no skill, no
+        arguments) so that it is refused if it comes later. An entry already there is kept as it is.
+        Returns the entry."""
+        error = {
+            "code": str(ErrorCode.CANCELED),
+            "message": "canceled before it was received; it will not run",
+            "tool_calls": 0,
+        }
         now = time.time()
         with self._lock:
             self._db.execute(
-                "INSERT INTO operations (op_id, tenant, skill, args_hash, status, boot, created, updated)"
-                " VALUES (?, ?, ?, ?, 'running', ?, ?, ?) ON CONFLICT (tenant, op_id) DO UPDATE SET"
-                " status = 'running', boot = excluded.boot, updated = excluded.updated",
-                (op_id, tenant, skill, args_hash, self._boot, now, now),
+                "INSERT INTO operations (op_id, tenant, skill, args_hash, status, error, boot, created,"
+                " updated) VALUES (?, ?, '', '', 'canceled', ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (op_id, tenant, json.dumps(error), self._boot, now, now),
             )
-        self._finished[(tenant, op_id)] = asyncio.Event()
+        return self.get(tenant, op_id)
 
     def finish(
         self,
@@ -161,7 +194,8 @@ class Journal:
         return self.get(tenant, op_id)
 
     def prune(self, older_than_s: float) -> int:
-        """Forget finished entries older than ``older_than_s``."""
+        """Forget finished entries older than ``older_than_s`` (tombstones too: a request canceled
+        before it arrived is not expected to arrive that late)."""
         with self._lock:
             cursor = self._db.execute(
                 "DELETE FROM operations WHERE status <> 'running' AND updated < ?",

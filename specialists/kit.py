@@ -18,7 +18,7 @@ import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -44,6 +44,7 @@ from fleet.a2a_support import (
     request_claims,
     sign_card,
 )
+from fleet.crashpoints import hold_point
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import (
     MAX_WAIT_S,
@@ -56,7 +57,8 @@ from fleet.service import Readiness, configure_logging, serve_app, start_in_back
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
 from registry import RegistryClient
-from specialists.journal import Journal, JournalStatus
+from specialists.cancellation import ToolCalls
+from specialists.journal import Entry, Journal, JournalStatus
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +126,21 @@ class _ContextBearer(httpx2.Auth):
 
 
 class Toolbox:
-    """Calls MCP tools with a token minted for that server, the caller's tenant and the tool's scope."""
+    """Calls MCP tools with a token minted for that server, the caller's tenant and the tool's scope.
 
-    def __init__(self, registry: RegistryClient, http: httpx2.AsyncClient) -> None:
+    A skill's toolbox reports its calls to the skill's :class:`ToolCalls`, so that a cancel never cuts
+    a call in flight and no call starts after a cancel."""
+
+    def __init__(
+        self, registry: RegistryClient, http: httpx2.AsyncClient, calls: ToolCalls | None = None
+    ) -> None:
         self._registry = registry
         self._http = http
+        self._calls = calls
+
+    def for_skill(self, calls: ToolCalls) -> Toolbox:
+        """The same toolbox, reporting its calls to ``calls`` (one running skill's)."""
+        return Toolbox(self._registry, self._http, calls)
 
     async def call(
         self,
@@ -141,9 +153,13 @@ class Toolbox:
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Call ``tool``; a call that exceeds ``timeout_s`` raises :class:`TimeoutError` (its outcome
-        is then unknown to the caller: the tool may still complete it)."""
+        is then unknown to the caller: the tool may still complete it). After a cancel of the skill,
+        no call starts (:class:`asyncio.CancelledError`)."""
         server = await self._registry.mcp_server(server_id)
         token = await self._registry.tokens.token(server.audience, tenant, scopes)
+        if self._calls is not None:
+            self._calls.start()
+        answered = False
         reset = _current_token.set(token)
         try:
             async with (
@@ -151,12 +167,15 @@ class Toolbox:
                 Client(streamable_http_client(server.url, http_client=self._http)) as client,
             ):
                 result = await client.call_tool(tool, arguments)
+                answered = True
         except* (MCPError, httpx2.HTTPError) as group:
             raise SkillError(
                 ErrorCode.TOOL_FAILED, f"MCP server {server_id} refused or failed: {group.exceptions[0]}"
             ) from group
         finally:
             _current_token.reset(reset)
+            if self._calls is not None:
+                self._calls.end(answered=answered)
         if result.is_error:
             text = " ".join(getattr(c, "text", "") for c in result.content)
             raise SkillError(ErrorCode.TOOL_FAILED, f"{server_id}/{tool}: {text}")
@@ -166,7 +185,11 @@ class Toolbox:
 class SkillExecutor(AgentExecutor):
     """Runs one skill per task. The request is a data part ``{"skill": ID, "input": {...}}``; with an
     operation id in the message metadata, the operation runs at most once (see
-    :mod:`fleet.operation_ext`) and its outcome is kept in the journal."""
+    :mod:`fleet.operation_ext`) and its outcome is kept in the journal.
+
+    A cancel (of the operation, or the A2A ``CancelTask`` of its task) is cooperative
+    (:mod:`specialists.cancellation`): the skill stops before its next tool call, the task ends
+    ``canceled`` and the journal records how many tool calls it completed."""
 
     def __init__(
         self, skills: Sequence[Skill], tools: Toolbox, journal: Journal, heartbeat_s: float = 20.0
@@ -175,6 +198,8 @@ class SkillExecutor(AgentExecutor):
         self._tools = tools
         self._journal = journal
         self._heartbeat_s = heartbeat_s
+        self._by_task: dict[str, _Running] = {}
+        self._by_operation: dict[tuple[str, str], ToolCalls] = {}
 
     def _parse(self, context: RequestContext) -> tuple[Skill, dict[str, Any]]:
         message = context.message
@@ -197,7 +222,28 @@ class SkillExecutor(AgentExecutor):
         task = context.current_task or new_task_from_user_message(context.message)
         if context.current_task is None:
             await event_queue.enqueue_event(task)
-        updater = TaskUpdater(event_queue, task.id, task.context_id)
+        # Known by its task id while it runs, so that CancelTask can reach its skill.
+        running = _Running(ToolCalls())
+        self._by_task[task.id] = running
+        try:
+            updater = TaskUpdater(event_queue, task.id, task.context_id)
+            outcome = await self._execute(updater, skill, claims, op_id, payload, running.calls)
+            await _publish(updater, skill.id, outcome)
+            running.published = True
+        finally:
+            if self._by_task.get(task.id) is running:
+                del self._by_task[task.id]
+            running.ended.set()
+
+    async def _execute(
+        self,
+        updater: TaskUpdater,
+        skill: Skill,
+        claims: Claims,
+        op_id: str | None,
+        payload: dict[str, Any],
+        calls: ToolCalls,
+    ) -> Outcome:
         await updater.start_work()
 
         async def progress(text: str) -> None:
@@ -213,26 +259,18 @@ class SkillExecutor(AgentExecutor):
                 await updater.update_status(TaskState.TASK_STATE_WORKING)
 
         beating = (
-            asyncio.create_task(heartbeat(), name=f"heartbeat-{task.id}") if self._heartbeat_s > 0 else None
+            asyncio.create_task(heartbeat(), name=f"heartbeat-{updater.task_id}")
+            if self._heartbeat_s > 0
+            else None
         )
         try:
-            if op_id is None:
-                outcome = await self._run(skill, SkillContext(claims, self._tools, progress), payload)
-            else:
-                outcome = await self._run_once(skill, claims, op_id, payload, progress)
+            if op_id is not None:
+                return await self._run_once(skill, claims, op_id, payload, progress, calls)
+            ctx = SkillContext(claims, self._tools.for_skill(calls), progress)
+            return await _run_stoppable(skill, ctx, payload, calls)
         finally:
             if beating is not None:
                 await _cancelled(beating)
-        status, result, error = outcome
-        if status == JournalStatus.SUCCEEDED:
-            await updater.add_artifact([new_data_part(result or {})], name=skill.id, last_chunk=True)
-            await updater.complete()
-        else:
-            assert error is not None
-            text = f"[{error['code']}] {error['message']}"
-            await updater.failed(
-                updater.new_agent_message([new_text_part(text), new_data_part({"error": error})])
-            )
 
     async def _run_once(
         self,
@@ -241,16 +279,20 @@ class SkillExecutor(AgentExecutor):
         op_id: str,
         payload: dict[str, Any],
         progress: Callable[[str], Awaitable[None]],
+        calls: ToolCalls,
     ) -> Outcome:
         """Run the operation unless the journal knows it: then answer with what it recorded."""
         digest = args_hash({"skill": skill.id, "input": payload})
         entry = self._journal.get(claims.tenant, op_id)
         if entry.status == JournalStatus.RUNNING:  # the same operation, sent again: join it
             entry = await self._journal.wait(claims.tenant, op_id, timeout_s=3600)
+        if entry.status == JournalStatus.CANCELED and not entry.received:
+            log.info("operation %s was canceled before it arrived: refused", op_id)
+            return JournalStatus.FAILED, None, entry.error or _refused(op_id)
         if entry.status != JournalStatus.UNKNOWN and entry.args_hash != digest:
             message = f"operation {op_id} was already used with other arguments"
             return JournalStatus.FAILED, None, {"code": str(ErrorCode.CONFLICT), "message": message}
-        if entry.status in (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN):
+        if entry.status in _ENDED:
             log.info("operation %s answered from the journal (%s)", op_id, entry.status)
             return entry.status, entry.result, entry.error
         if entry.status == JournalStatus.INTERRUPTED and not skill.idempotent:
@@ -258,45 +300,156 @@ class SkillExecutor(AgentExecutor):
             unsafe = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": message}
             self._journal.finish(claims.tenant, op_id, JournalStatus.UNCERTAIN, error=unsafe)
             return JournalStatus.UNCERTAIN, None, unsafe
-        self._journal.begin(claims.tenant, op_id, skill.id, digest)
-        try:
-            outcome = await self._run(skill, SkillContext(claims, self._tools, progress, op_id), payload)
-        except BaseException:  # stopped mid-way (shutdown, cancel): its effects may be partial
-            stopped = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": f"{skill.id} was stopped mid-way"}
-            # A skill that is safe to repeat is merely interrupted: sent again, it runs again.
-            status = JournalStatus.INTERRUPTED if skill.idempotent else JournalStatus.UNCERTAIN
-            self._journal.finish(claims.tenant, op_id, status, error=stopped)
-            raise
-        status, result, error = outcome
-        self._journal.finish(claims.tenant, op_id, status, result=result, error=error)
-        return outcome
+        if not self._journal.begin(claims.tenant, op_id, skill.id, digest):
+            return JournalStatus.FAILED, None, _refused(op_id)  # canceled meanwhile
 
-    @staticmethod
-    async def _run(skill: Skill, context: SkillContext, payload: dict[str, Any]) -> Outcome:
+        def record(outcome: Outcome) -> None:
+            status, result, error = outcome
+            self._journal.finish(claims.tenant, op_id, status, result=result, error=error)
+
+        key = (claims.tenant, op_id)
+        self._by_operation[key] = calls
         try:
-            result = await skill.run(context, payload)
-        except OutcomeUnknown as exc:
-            log.warning("skill %s could not confirm an effect: %s", skill.id, exc)
-            return JournalStatus.UNCERTAIN, None, {"code": str(exc.code), "message": exc.message}
-        except FleetError as exc:
-            log.info("skill %s failed: %s", skill.id, exc)
-            return JournalStatus.FAILED, None, {"code": str(exc.code), "message": exc.message}
-        except Exception:
-            log.exception("skill %s crashed", skill.id)
-            return (
-                JournalStatus.FAILED,
-                None,
-                {"code": str(ErrorCode.INTERNAL), "message": f"{skill.id} crashed"},
-            )
-        return JournalStatus.SUCCEEDED, result, None
+            context = SkillContext(claims, self._tools.for_skill(calls), progress, op_id)
+            return await _run_stoppable(skill, context, payload, calls, record)
+        finally:
+            del self._by_operation[key]
+
+    async def cancel_operation(self, tenant: str, op_id: str) -> Entry:
+        """Cancel an operation (see :mod:`fleet.operation_ext`) and return its entry once the cancel
+        took effect, or after :data:`MAX_WAIT_S` (a tool call in flight is let finish)."""
+        entry = self._journal.get(tenant, op_id)
+        if entry.status == JournalStatus.UNKNOWN:
+            return self._journal.cancel_unreceived(tenant, op_id)
+        calls = self._by_operation.get((tenant, op_id))
+        if calls is None:  # it ended, or an earlier process of this agent was running it
+            return entry
+        calls.cancel()
+        return await self._journal.wait(tenant, op_id, MAX_WAIT_S)
+
+    def answer(self, entry: Entry) -> dict[str, Any]:
+        """The extension's answer about an entry: a running operation that was asked to cancel (and
+        waits for its tool call in flight) says so with ``cancel_requested``."""
+        body = entry.to_json()
+        calls = self._by_operation.get((entry.tenant, entry.op_id))
+        if entry.status == JournalStatus.RUNNING and calls is not None and calls.cancel_requested:
+            body["cancel_requested"] = True
+        return body
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
+        """A2A ``CancelTask``: the cooperative cancel, then the task's end as the skill reached it
+        (``canceled``, or what it completed first). If the skill has not stopped after
+        :data:`MAX_WAIT_S` (a long tool call in flight), the task is marked canceled now; the SDK then
+        stops the request, which still lets that call end for a while before it cuts it."""
+        running = self._by_task.get(context.task_id or "")
+        if running is not None:
+            running.calls.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(MAX_WAIT_S):
+                    await running.ended.wait()
+            if running.published:
+                return
         if context.current_task is not None:
             updater = TaskUpdater(event_queue, context.current_task.id, context.current_task.context_id)
             await updater.cancel()
 
 
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A task this process is running: its skill's tool calls, and whether its end is published."""
+
+    calls: ToolCalls
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    published: bool = False
+
+
+async def _run(skill: Skill, context: SkillContext, payload: dict[str, Any]) -> Outcome:
+    await hold_point("skill.start", skill.id)  # tests only: hold a skill before its first tool call
+    try:
+        result = await skill.run(context, payload)
+    except OutcomeUnknown as exc:
+        log.warning("skill %s could not confirm an effect: %s", skill.id, exc)
+        return JournalStatus.UNCERTAIN, None, {"code": str(exc.code), "message": exc.message}
+    except FleetError as exc:
+        log.info("skill %s failed: %s", skill.id, exc)
+        return JournalStatus.FAILED, None, {"code": str(exc.code), "message": exc.message}
+    except Exception:
+        log.exception("skill %s crashed", skill.id)
+        return (
+            JournalStatus.FAILED,
+            None,
+            {"code": str(ErrorCode.INTERNAL), "message": f"{skill.id} crashed"},
+        )
+    return JournalStatus.SUCCEEDED, result, None
+
+
+STOP_TIMEOUT_S = 5.0  # a skill cut by a cancel gets this long to unwind
+
+
+async def _run_stoppable(
+    skill: Skill,
+    context: SkillContext,
+    payload: dict[str, Any],
+    calls: ToolCalls,
+    record: Callable[[Outcome], None] = lambda outcome: None,
+) -> Outcome:
+    """Run the skill in a task of its own that ``calls`` can cancel, and ``record`` its outcome
+    however it ends, including when the request itself is stopped (shutdown, or an A2A cancel
+    that gave up waiting): the skill is then cut, after its tool call in flight if a cancel was asked
+    for (for a while), at once if not."""
+    skill_task = asyncio.create_task(_run(skill, context, payload), name=f"skill {skill.id}")
+    calls.attach(skill_task)
+    try:
+        try:
+            await asyncio.wait({skill_task})
+        except asyncio.CancelledError:
+            if calls.cancel_requested:
+                await asyncio.wait({skill_task}, timeout=MAX_WAIT_S)
+            skill_task.cancel()
+            await asyncio.wait({skill_task}, timeout=STOP_TIMEOUT_S)
+            raise
+    finally:
+        outcome = _outcome_of(skill_task, skill, calls)
+        record(outcome)
+    return outcome
+
+
+def _outcome_of(skill_task: asyncio.Task[Outcome], skill: Skill, calls: ToolCalls) -> Outcome:
+    if skill_task.done() and not skill_task.cancelled() and skill_task.exception() is None:
+        return skill_task.result()
+    if skill_task.cancelled() and calls.cancel_requested and calls.all_answered:
+        # Stopped between tool calls: what it did is what its completed calls did.
+        return JournalStatus.CANCELED, None, calls.canceled_error()
+    # Stopped mid-way (shutdown, or a tool call cut or unanswered): its effects may be partial. A
+    # skill that is safe to repeat is merely interrupted: sent again, it runs again.
+    stopped = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": f"{skill.id} was stopped mid-way"}
+    return (JournalStatus.INTERRUPTED if skill.idempotent else JournalStatus.UNCERTAIN), None, stopped
+
+
+async def _publish(updater: TaskUpdater, skill_id: str, outcome: Outcome) -> None:
+    """End the task as the skill's outcome says."""
+    status, result, error = outcome
+    if status == JournalStatus.SUCCEEDED:
+        await updater.add_artifact([new_data_part(result or {})], name=skill_id, last_chunk=True)
+        await updater.complete()
+        return
+    assert error is not None
+    text = f"[{error['code']}] {error['message']}"
+    message = updater.new_agent_message([new_text_part(text), new_data_part({"error": error})])
+    if status == JournalStatus.CANCELED:
+        await updater.cancel(message)
+    else:
+        await updater.failed(message)
+
+
+def _refused(op_id: str) -> dict[str, Any]:
+    message = f"operation {op_id} was canceled before it arrived; it will not run"
+    return {"code": str(ErrorCode.CANCELED), "message": message, "tool_calls": 0}
+
+
 Outcome = tuple[JournalStatus, dict[str, Any] | None, dict[str, Any] | None]
+# Outcomes the journal answers a repeat with, as they are.
+_ENDED = (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN, JournalStatus.CANCELED)
 
 
 def _operation_of(message: Message) -> str | None:
@@ -330,8 +483,10 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def operation_routes(journal: Journal) -> list[Route]:
-    """``GET /v1/operations/{id}[?wait=S]``: what became of an operation (for the caller's tenant)."""
+def operation_routes(journal: Journal, executor: SkillExecutor) -> list[Route]:
+    """``GET /v1/operations/{id}[?wait=S]``: what became of an operation; ``POST
+    /v1/operations/{id}/cancel``: cancel it, and answer the same once the cancel took effect (for the
+    caller's tenant)."""
 
     async def status(request: Request) -> JSONResponse:
         claims = request_claims(request)
@@ -342,9 +497,17 @@ def operation_routes(journal: Journal) -> list[Route]:
             error = FleetError(ErrorCode.INVALID_REQUEST, "wait must be a number of seconds")
             return JSONResponse({"error": error.to_dict()}, status_code=error.http_status)
         entry = await journal.wait(claims.tenant, op_id, max(wait_s, 0.0))
-        return JSONResponse(entry.to_json())
+        return JSONResponse(executor.answer(entry))
 
-    return [Route(OPERATIONS_PATH + "/{op_id}", status)]
+    async def cancel(request: Request) -> JSONResponse:
+        claims = request_claims(request)
+        entry = await executor.cancel_operation(claims.tenant, request.path_params["op_id"])
+        return JSONResponse(executor.answer(entry))
+
+    return [
+        Route(OPERATIONS_PATH + "/{op_id}", status),
+        Route(OPERATIONS_PATH + "/{op_id}/cancel", cancel, methods=["POST"]),
+    ]
 
 
 def build_specialist_app(
@@ -370,10 +533,9 @@ def build_specialist_app(
     )
     journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
+    executor = SkillExecutor(skills, Toolbox(registry, mcp_http), journal, heartbeat_s=settings.heartbeat_s)
     handler = DefaultRequestHandler(
-        agent_executor=SkillExecutor(
-            skills, Toolbox(registry, mcp_http), journal, heartbeat_s=settings.heartbeat_s
-        ),
+        agent_executor=executor,
         task_store=InMemoryTaskStore(),
         agent_card=card,
     )
@@ -401,7 +563,7 @@ def build_specialist_app(
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
-        extra_routes=operation_routes(journal),
+        extra_routes=operation_routes(journal, executor),
         protected_prefixes=(RPC_PATH, OPERATIONS_PATH),
     )
 

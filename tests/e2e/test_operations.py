@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -96,6 +97,37 @@ async def table_locked(stack: Stack, table: str) -> AsyncIterator[None]:
     ):
         await conn.execute(f"LOCK TABLE tenant_data.{table} IN EXCLUSIVE MODE")
         yield
+
+
+async def blocked_on(stack: Stack, table: str) -> None:
+    """Wait until a write to ``table`` waits for its lock: the tool call is in flight, held there."""
+    async with (
+        asyncio.timeout(60),
+        await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data"), autocommit=True) as conn,
+    ):
+        while True:
+            cursor = await conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = %s::regclass",
+                (f"tenant_data.{table}",),
+            )
+            row = await cursor.fetchone()
+            if row is not None and row[0] > 0:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def desk_operation(stack: Stack, op_id: str, token: str, *, cancel: bool = False) -> dict[str, Any]:
+    """What the case desk itself says of an operation (the operations extension), or its answer to a
+    cancel of it; ``token`` is for the case desk."""
+    url = f"{stack.endpoints['specialists']['case-desk']}/v1/operations/{op_id}"
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await (
+            http.post(url + "/cancel", headers=headers) if cancel else http.get(url, headers=headers)
+        )
+    response.raise_for_status()
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 async def intent_of_step(stack: Stack, run_id: str, token: str, step: str) -> dict[str, Any]:
@@ -305,12 +337,18 @@ async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp
             async with table_locked(stack, "cases"):
                 sending = asyncio.create_task(send(stack, user_message(data=REVIEW), token=token))
                 run_id = await run_id_of_first_run(stack, token)
-                await intent_of_step(stack, run_id, token, "cases")
-                await asyncio.sleep(1.0)
+                op_id = (await intent_of_step(stack, run_id, token, "cases"))["payload"]["op_id"]
+                desk = stack.token("case-desk")
+                await blocked_on(stack, "cases")  # the open_cases call is in flight, held at the tool
                 canceling = asyncio.create_task(
                     client.cancel_task(CancelTaskRequest(id=run_id), context=context)
                 )
-                await asyncio.sleep(2.0)
+                # The cancel reaches the case desk, which lets the tool call in flight finish.
+                async with asyncio.timeout(60):
+                    while True:
+                        if (await desk_operation(stack, op_id, desk)).get("cancel_requested"):
+                            break
+                        await asyncio.sleep(0.2)
             canceled = await canceling
             await client.close()
         assert canceled.status.state == TaskState.TASK_STATE_CANCELED
@@ -318,11 +356,16 @@ async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp
         events = await all_events(stack, run_id, token)
         assert_gap_free_and_one_end(events)
         assert events[-1]["type"] == "run.canceled"
+        # The skill stopped after the call in flight and before doing anything more; the ledger says
+        # so, with the count of tool calls it completed (their effects are whole and known to the tool).
         case_op = next(op for op in await operations(stack, run_id, token) if op["step_id"] == "cases")
-        cases = await count_rows(stack, "cases")
-        # The ledger says what the tool did: the case it opened, or that a person must check.
-        assert case_op["status"] == "succeeded", case_op
-        assert cases == 1
+        assert case_op["op_id"] == op_id
+        assert case_op["status"] == "failed", case_op
+        assert (case_op["error"]["code"], case_op["error"]["tool_calls"]) == ("canceled", 1)
+        journaled = await desk_operation(stack, op_id, desk)
+        assert (journaled["status"], journaled["error"]["tool_calls"]) == ("canceled", 1)
+        assert await count_rows(stack, "cases", "idempotency_key LIKE %s", op_id + "/%") == 1
+        assert await count_rows(stack, "cases") == 1
 
 
 # Two effects in parallel after the outliers are known (fan-out), then fan-in.
@@ -460,3 +503,139 @@ async def test_a_worker_killed_mid_batch_redoes_at_most_one_checkpoint_of_items_
         assert repeated <= 50  # at most the items since the last checkpoint were sent again
         done = [e["payload"]["done"] for e in events if e["type"] == "batch.progress"]
         assert done[-1] == 600
+
+
+# Cancel before the first tool call. These tests share one stack, torn down with this module (so they
+# come last).
+HOLD_S = 10.0  # how long the case desk's skills are held at their start (FLEET_HOLD_S)
+
+
+@pytest.fixture(scope="module")
+def held_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
+    """A stack whose case desk holds each of its skills at its start, once, for ``HOLD_S``: before
+    its first tool call. The marker ``DIR/<skill>`` appears when a skill is held."""
+    markers = tmp_path_factory.mktemp("held")
+    points = ",".join(
+        f"skill.start:{skill}@{markers / skill}" for skill in ("open-review-cases", "post-note")
+    )
+    env = clean_env(**FAST_FAILOVER, FLEET_HOLD_POINTS=points, FLEET_HOLD_S=f"{HOLD_S:g}")
+    with running(markers / "fleet", env) as stack:
+        yield stack, markers
+
+
+async def held(marker: Path) -> float:
+    """When the skill was held (the marker's time), once it is."""
+    async with asyncio.timeout(90):
+        while True:
+            since = await asyncio.to_thread(_mtime, marker)
+            if since is not None:
+                return since
+            await asyncio.sleep(0.1)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+async def after_the_hold(since: float) -> None:
+    """Wait until a held skill that was not stopped would have gone on and made its tool call."""
+    await asyncio.sleep(max(0.0, since + HOLD_S + 3.0 - time.time()))
+
+
+async def test_a_run_canceled_before_its_step_calls_a_tool_stops_the_skill_and_makes_no_effect(
+    held_stack: tuple[Stack, Path],
+) -> None:
+    from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+    from a2a.types import CancelTaskRequest, TaskState
+
+    from tests.e2e.conftest import fetch_card
+
+    stack, markers = held_stack
+    token = stack.token("coordinator")
+    context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+    sending = asyncio.create_task(send(stack, user_message(data=REVIEW), token=token))
+    run_id = await run_id_of_first_run(stack, token)
+    since = await held(markers / "open-review-cases")  # the skill runs; no tool call yet
+    async with httpx.AsyncClient(timeout=90) as http:
+        card = await fetch_card(http, stack.endpoints["coordinator"])
+        client = ClientFactory(ClientConfig(httpx_client=http)).create(card)
+        canceled = await client.cancel_task(CancelTaskRequest(id=run_id), context=context)
+        await client.close()
+    assert canceled.status.state == TaskState.TASK_STATE_CANCELED
+    assert time.time() < since + HOLD_S  # the skill was stopped while it was held
+    await asyncio.gather(sending, return_exceptions=True)
+
+    case_op = next(op for op in await operations(stack, run_id, token) if op["step_id"] == "cases")
+    assert case_op["status"] == "failed", case_op
+    assert (case_op["error"]["code"], case_op["error"]["tool_calls"]) == ("canceled", 0)
+    journaled = await desk_operation(stack, case_op["op_id"], stack.token("case-desk"))
+    assert journaled["status"] == "canceled"
+    assert journaled["error"] == {
+        "code": "canceled",
+        "message": "canceled after 0 tool calls completed",
+        "tool_calls": 0,
+    }
+    await after_the_hold(since)
+    assert await count_rows(stack, "cases") == 0  # the skill never went on to its tool call
+
+
+async def test_a2a_cancel_of_a_specialists_task_stops_its_skill_before_its_first_tool_call(
+    held_stack: tuple[Stack, Path],
+) -> None:
+    from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+    from a2a.helpers import get_data_parts
+    from a2a.types import CancelTaskRequest, SendMessageRequest, TaskState
+
+    from tests.e2e.conftest import fetch_card
+
+    stack, markers = held_stack
+    channel, op_id = f"ops-{uuid.uuid4().hex[:8]}", f"op-test-{uuid.uuid4().hex}"
+    message = user_message(data={"skill": "post-note", "input": {"channel": channel, "text": "hello"}})
+    message.metadata.update({"fleet.operation_id": op_id})
+    desk = stack.token("case-desk")
+    context = ClientCallContext(service_parameters={"Authorization": f"Bearer {desk}"})
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=90.0)) as http:
+        card = await fetch_card(http, stack.endpoints["specialists"]["case-desk"])
+        client = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(card)
+        stream = client.send_message(SendMessageRequest(message=message), context=context)
+        first = await anext(stream)
+        task_id = first.task.id
+        since = await held(markers / "post-note")
+        canceled = await client.cancel_task(CancelTaskRequest(id=task_id), context=context)
+        assert time.time() < since + HOLD_S  # the skill was stopped while it was held
+        rest = [event async for event in stream]
+        await client.close()
+    assert canceled.status.state == TaskState.TASK_STATE_CANCELED
+    last = rest[-1].status_update.status
+    assert last.state == TaskState.TASK_STATE_CANCELED
+    errors = [d["error"] for d in get_data_parts(last.message.parts) if isinstance(d, dict) and "error" in d]
+    assert errors == [
+        {"code": "canceled", "message": "canceled after 0 tool calls completed", "tool_calls": 0}
+    ]
+    assert (await desk_operation(stack, op_id, desk))["status"] == "canceled"
+    await after_the_hold(since)
+    assert await count_rows(stack, "notes", "channel = %s", channel) == 0
+
+
+async def test_an_operation_canceled_before_it_arrives_is_refused_when_it_comes(
+    held_stack: tuple[Stack, Path],
+) -> None:
+    stack, _ = held_stack
+    desk = stack.token("case-desk")
+    channel, op_id = f"late-{uuid.uuid4().hex[:8]}", f"op-test-{uuid.uuid4().hex}"
+    assert (await desk_operation(stack, op_id, desk))["status"] == "unknown"
+    tombstone = await desk_operation(stack, op_id, desk, cancel=True)
+    assert tombstone["status"] == "canceled"
+    assert (tombstone["error"]["code"], tombstone["error"]["tool_calls"]) == ("canceled", 0)
+
+    late = user_message(data={"skill": "post-note", "input": {"channel": channel, "text": "late"}})
+    late.metadata.update({"fleet.operation_id": op_id})
+    outcome = await send(stack, late, token=desk, agent="case-desk")
+    assert outcome.state_name == "TASK_STATE_FAILED"
+    # Refused as canceled (not as an arguments conflict: the tombstone has none), and never run.
+    assert outcome.final_text.startswith("[canceled]"), outcome.final_text
+    assert (await desk_operation(stack, op_id, desk))["status"] == "canceled"
+    assert await count_rows(stack, "notes", "channel = %s", channel) == 0

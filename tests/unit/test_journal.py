@@ -55,3 +55,41 @@ def test_pruning_forgets_finished_entries_only(tmp_path: Path) -> None:
     assert journal.prune(older_than_s=-1) == 1
     assert journal.get("acme", "done").status == JournalStatus.UNKNOWN
     assert journal.get("acme", "busy").status == JournalStatus.RUNNING
+
+
+def test_an_operation_canceled_before_it_arrived_is_refused_when_it_comes(tmp_path: Path) -> None:
+    path = tmp_path / "operations.sqlite"
+    first = Journal(path)
+    tombstone = first.cancel_unreceived("acme", "op-1")
+    assert (tombstone.status, tombstone.received) == (JournalStatus.CANCELED, False)
+    assert tombstone.error is not None
+    assert (tombstone.error["code"], tombstone.error["tool_calls"]) == ("canceled", 0)
+    first.close()  # the refusal is durable: it holds for a request that comes after a restart
+
+    second = Journal(path)
+    assert second.begin("acme", "op-1", "skill", "h1") is False
+    entry = second.get("acme", "op-1")
+    assert (entry.status, entry.args_hash, entry.error) == (JournalStatus.CANCELED, "", tombstone.error)
+    # The tombstone is per tenant: another tenant's operation of the same id runs.
+    assert second.begin("globex", "op-1", "skill", "h1") is True
+
+
+def test_canceling_an_operation_the_journal_knows_leaves_its_entry_as_it_is(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "operations.sqlite")
+    journal.begin("acme", "done", "skill", "h")
+    journal.finish("acme", "done", JournalStatus.SUCCEEDED, result={"n": 1})
+    journal.begin("acme", "busy", "skill", "h")
+
+    done = journal.cancel_unreceived("acme", "done")
+    assert (done.status, done.result, done.received) == (JournalStatus.SUCCEEDED, {"n": 1}, True)
+    assert journal.cancel_unreceived("acme", "busy").status == JournalStatus.RUNNING
+
+
+def test_an_operation_canceled_while_it_ran_never_runs_again(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "operations.sqlite")
+    assert journal.begin("acme", "op-1", "skill", "h") is True
+    error = {"code": "canceled", "message": "canceled after 2 tool calls completed", "tool_calls": 2}
+    journal.finish("acme", "op-1", JournalStatus.CANCELED, error=error)
+    assert journal.begin("acme", "op-1", "skill", "h") is False
+    entry = journal.get("acme", "op-1")
+    assert (entry.status, entry.error, entry.received) == (JournalStatus.CANCELED, error, True)
