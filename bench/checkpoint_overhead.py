@@ -42,6 +42,7 @@ from registry import AgentRecord
 STEPS = 20
 ROUNDS = 7
 TARGET_RATIO = 1.3
+STATS_SETTLE_S = 11.0
 
 
 class _InstantDelegator:
@@ -133,6 +134,31 @@ async def time_fleet(worker: RunWorker, store: PostgresRunStore) -> tuple[float,
     return elapsed / STEPS, pruning
 
 
+async def _wal_counters(pool: AsyncConnectionPool[Any]) -> tuple[int, int]:
+    """(commits in this database, WAL fsyncs by every process) so far: what a step costs on disk
+    (Postgres 18 counts WAL I/O in ``pg_stat_io``)."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute(
+            "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()),"
+            " (SELECT COALESCE(sum(fsyncs), 0) FROM pg_stat_io WHERE object = 'wal')"
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+async def _counted(pool: AsyncConnectionPool[Any], work: Any) -> tuple[Any, float, float]:
+    """``work``'s result, and the commits and WAL flushes per step it caused. Backends report
+    their statistics when idle, at most every 10 s: read after longer pauses than that."""
+    await asyncio.sleep(STATS_SETTLE_S)
+    commits, syncs = await _wal_counters(pool)
+    result = await work
+    await asyncio.sleep(STATS_SETTLE_S)
+    commits_after, syncs_after = await _wal_counters(pool)
+    # Each reading commits one transaction of its own; it is not the step's.
+    return result, (commits_after - commits - 1) / STEPS, (syncs_after - syncs) / STEPS
+
+
 async def measure(dsn: str) -> dict[str, Any]:
     pool_for_checkpoints = checkpoint_pool(dsn, max_size=4)
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
@@ -158,6 +184,8 @@ async def measure(dsn: str) -> dict[str, Any]:
         )
         await time_bare(bare)  # warm up every path once
         await time_fleet(worker, store)
+        _, bare_commits, bare_syncs = await _counted(run_pool, time_bare(bare))
+        _, fleet_commits, fleet_syncs = await _counted(run_pool, time_fleet(worker, store))
         bases, ours, prunes = [], [], []
         for _ in range(ROUNDS):  # interleaved, so drift on a noisy machine hits both alike
             bases.append(await time_bare(bare))
@@ -176,6 +204,12 @@ async def measure(dsn: str) -> dict[str, Any]:
         "target_ratio": TARGET_RATIO,
         "prune_ms_per_run": round(prune_ms, 3),
         "ratio_without_pruning": round((fleet_ms - prune_ms / STEPS) / base_ms, 2),
+        "per_step": {
+            "baseline_commits": round(bare_commits, 1),
+            "baseline_wal_flushes": round(bare_syncs, 1),
+            "fleet_commits": round(fleet_commits, 1),
+            "fleet_wal_flushes": round(fleet_syncs, 1),
+        },
     }
 
 

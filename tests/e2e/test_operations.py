@@ -39,6 +39,8 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.e2e
 
+FAST_FAILOVER_LEASE_S = float(FAST_FAILOVER["FLEET_LEASE_TTL_S"])
+
 # Totals, outliers, then one review case per outlier (an effect, through a keyed tool).
 REVIEW: dict[str, Any] = {
     "steps": [
@@ -206,6 +208,54 @@ async def test_a_worker_killed_around_an_effect_leaves_exactly_one_effect(
         assert types.count("operation.succeeded") == 1
         # Counted at the tool: one case, opened once.
         assert await count_rows(stack, "cases", "idempotency_key LIKE %s", case_op["op_id"] + "/%") == 1
+        assert await count_rows(stack, "cases") == 1
+
+
+async def lease_owner(stack: Stack, run_id: str) -> str | None:
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn:
+        cursor = await conn.execute(
+            "SELECT lease_owner FROM fleet_runs.runs WHERE run_id = %s AND lease_expires_at > now()",
+            (run_id,),
+        )
+        row = await cursor.fetchone()
+    return str(row[0]) if row and row[0] else None
+
+
+async def test_two_workers_claiming_one_run_leave_one_writer_and_one_effect(tmp_path: Path) -> None:
+    """A worker that stalls (SIGSTOP: a long GC pause, a partition) while it holds a run loses the
+    run to another worker when its lease expires. When it wakes, both believe they own the run;
+    the fence lets only the new owner write, and the effect happens once."""
+    with running(tmp_path / "fleet", clean_env(**FAST_FAILOVER)) as stack:
+        token = stack.token("coordinator")
+        async with table_locked(stack, "cases"):  # the effect is in flight, and stays so
+            sending = asyncio.create_task(send(stack, user_message(data=REVIEW), token=token))
+            run_id = await run_id_of_first_run(stack, token)
+            await intent_of_step(stack, run_id, token, "cases")
+            owner = await lease_owner(stack, run_id)
+            assert owner is not None
+            stalled = int(owner.rsplit(":", 1)[1])
+            os.kill(stalled, signal.SIGSTOP)
+            try:
+                async with asyncio.timeout(60):  # the other worker takes the run over
+                    while True:
+                        events = await events_so_far(stack, run_id, token)
+                        resumed = [e for e in events if e["type"] == "run.resumed"]
+                        if resumed:
+                            break
+                        await asyncio.sleep(0.3)
+                assert not resumed[0]["actor"].endswith(f":{stalled}")
+            finally:
+                os.kill(stalled, signal.SIGCONT)  # it wakes believing it still owns the run
+        outcome = await sending
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        await asyncio.sleep(FAST_FAILOVER_LEASE_S)  # time for the stale worker to try writing
+        events = await all_events(stack, run_id, token)
+        assert_gap_free_and_one_end(events)
+        takeover = next(e["seq"] for e in events if e["type"] == "run.resumed")
+        assert not [e for e in events if e["seq"] > takeover and e["actor"].endswith(f":{stalled}")]
+        (case_op,) = [op for op in await operations(stack, run_id, token) if op["step_id"] == "cases"]
+        assert case_op["status"] == "succeeded"
+        assert case_op["attempts"] == 1  # asked about, not sent again
         assert await count_rows(stack, "cases") == 1
 
 
