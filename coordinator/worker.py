@@ -336,6 +336,7 @@ class RunWorker:
             "last_activity": now,
             "deadline": request.get("deadline"),
             "warn_at": request.get("warn_at"),
+            "lease": None,  # a parked run is held by no worker (the lease is released as it parks)
             "detail": request,
         }
         text = f"waiting for a person: {request.get('why', wait['type'])}"
