@@ -27,6 +27,7 @@ from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
 from coordinator.task_store import PostgresTaskStore, sweep_retention
+from coordinator.triggers import TriggerIngest
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
@@ -142,6 +143,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     readiness = Readiness(settings.service_id, "coordinator")
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(settings.pg_dsn)]
+    jobs.append(lambda: TriggerIngest(submitter.client, runs, engine).run())
     if settings.event_retention_s is not None:
         retention_s = settings.event_retention_s
         jobs.append(lambda: sweep_retention(tasks, retention_s, settings.retention_sweep_s))

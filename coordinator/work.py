@@ -62,6 +62,12 @@ class RunSubmitter:
         if self._client is not None:
             await self._client.drain()
 
+    @property
+    def client(self) -> NATS:
+        if self._client is None:
+            raise RuntimeError("RunSubmitter used outside its context")
+        return self._client
+
     async def submit(self, run_id: str, attempt: str = "") -> None:
         """Queue ``run_id``; a run that is submitted again (resumed after a wait) names a new
         ``attempt``, or de-duplication would drop it."""

@@ -74,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
         decide.add_argument(f"--{limit}", type=float, default=None, help="for the new tranche")
     decide.add_argument("--note", default="", help="why: recorded with your identity")
     decide.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    events = sub.add_parser("events", help="ambient events on NATS")
+    events_sub = events.add_subparsers(dest="events_command", required=True)
+    publish = with_dir(events_sub.add_parser("publish", help="publish an event (fleet.events.<...>)"))
+    publish.add_argument("subject", help="e.g. fleet.events.invoices.closed")
+    publish.add_argument("--data", default="{}", help="the event's data, a JSON object")
+    publish.add_argument("--id", default=None, help="the event id (default: a new one); a repeat is dropped")
+    publish.add_argument("--tenant", default="default")
+    publish.add_argument("--type", default=None, help="default: the subject after fleet.events.")
+    publish.add_argument("--source", default="cli")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -129,6 +138,13 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
     if command == "runs":
         out_dir = args.out_dir or Path(f"run-{args.run_id}")
         return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant)
+    if command == "events":
+        type_ = args.type or args.subject.removeprefix("fleet.events.")
+        return asyncio.run(
+            operator_cli.publish_event(
+                layout, args.subject, args.data, args.id, args.tenant, type_, args.source
+            )
+        )
     if command == "serve":
         return serve(args.service_id)
     return EXIT_USAGE

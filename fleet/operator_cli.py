@@ -170,6 +170,40 @@ async def _post_for_run(
     return EXIT_OK, answer
 
 
+async def publish_event(
+    layout: StackLayout, subject: str, data: str, event_id: str | None, tenant: str, type_: str, source: str
+) -> int:
+    """Publish an event on the stack's NATS (``fleet events publish``)."""
+    from fleet.events import EventError
+    from fleet.events import publish_event as publish
+    from fleet.natsconn import connect
+
+    try:
+        endpoints = running_endpoints(layout)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    try:
+        parsed = json.loads(data)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        print("fleet: --data must be a JSON object", file=sys.stderr)
+        return EXIT_USAGE
+    client = await connect(endpoints["nats"], "fleet-cli")
+    try:
+        event_id, kept = await publish(
+            client, subject, tenant=tenant, source=source, type_=type_, data=parsed, event_id=event_id
+        )
+    except EventError as exc:
+        print(f"fleet: [{exc.code}] {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        await client.drain()
+    print(f"event {event_id} on {subject}: {'published' if kept else 'a duplicate (dropped by the stream)'}")
+    return EXIT_OK
+
+
 async def status(layout: StackLayout, *, as_json: bool) -> int:
     endpoints = layout.read_endpoints()
     running = endpoints is not None and stack_running(layout)

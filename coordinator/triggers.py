@@ -1,0 +1,174 @@
+"""Ambient triggers: events on ``fleet.events.>`` start runs, as the trigger policy says.
+
+For each event (a durable pull consumer on the events stream, see :mod:`fleet.events`):
+
+1. the envelope is parsed; a malformed one goes to the dead-letter subject with the reason;
+2. ``fleet.triggers.decision`` maps (subject, type, source, tenant, data) to a run template, or to
+   nothing (the event is acked and counted: not every event needs a run);
+3. the run is created with an id derived from the tenant, source and event id, so a redelivered or
+   republished event finds its run instead of making a second one, and submitted to the workers;
+4. only then is the event acked. A failure on the way (the database, the broker) leaves it unacked:
+   it is delivered again, up to ``MAX_DELIVER`` times, and then dead-lettered with the reason. A
+   dead letter is acked, so it blocks nothing behind it.
+
+In-flight work is bounded: a consumer holds at most ``batch`` events at once (JetStream's
+``max_ack_pending`` bounds the whole consumer), and takes more only when those are settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.client import JetStreamContext
+
+from coordinator import work
+from coordinator.plan import PlanError, parse_steps
+from coordinator.runs import PostgresRunStore
+from fleet.errors import ErrorCode, FleetError
+from fleet.events import (
+    DEAD_LETTER_SUBJECT,
+    EVENTS_STREAM,
+    EVENTS_SUBJECTS,
+    Event,
+    EventError,
+    ensure_event_streams,
+    parse_event,
+)
+from policy import PolicyEngine
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "triggers"
+MAX_DELIVER = 5
+MAX_ACK_PENDING = 256
+RETRY_DELAY_S = 2.0
+
+
+def fill_template(value: Any, event: Event) -> Any:
+    """A template's value with each ``{"$event": "path"}`` replaced by that field of the event's
+    envelope (e.g. ``data.invoice``, ``tenant``, ``id``)."""
+    if isinstance(value, dict):
+        if set(value) == {"$event"} and isinstance(value["$event"], str):
+            current: Any = event.envelope()
+            for key in value["$event"].split("."):
+                if not isinstance(current, dict) or key not in current:
+                    raise EventError(
+                        f"the trigger's template asks for {value['$event']}, which the event lacks"
+                    )
+                current = current[key]
+            return current
+        return {key: fill_template(item, event) for key, item in value.items()}
+    if isinstance(value, list):
+        return [fill_template(item, event) for item in value]
+    return value
+
+
+class TriggerIngest:
+    """Turns events into runs (see the module's doc)."""
+
+    def __init__(self, client: NATS, runs: PostgresRunStore, engine: PolicyEngine, batch: int = 16) -> None:
+        self._client = client
+        self._runs = runs
+        self._engine = engine
+        self._batch = batch
+
+    async def subscribe(self, ack_wait_s: float = 30.0) -> JetStreamContext.PullSubscription:
+        js = self._client.jetstream()
+        await ensure_event_streams(js)
+        config = ConsumerConfig(
+            durable_name=CONSUMER,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=MAX_DELIVER + 1,  # the last delivery only dead-letters it
+            max_ack_pending=MAX_ACK_PENDING,
+        )
+        return await js.pull_subscribe(EVENTS_SUBJECTS, durable=CONSUMER, stream=EVENTS_STREAM, config=config)
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        if ready is not None:
+            await ready.wait()
+        subscription = await self.subscribe()
+        while True:
+            try:
+                messages = await subscription.fetch(self._batch, timeout=5)
+            except NatsTimeout:
+                continue
+            except Exception:  # the broker is away: try again shortly
+                log.warning("could not fetch events", exc_info=True)
+                await asyncio.sleep(RETRY_DELAY_S)
+                continue
+            await asyncio.gather(*(self.handle(message) for message in messages))
+
+    async def handle(self, message: Msg) -> str:
+        """Settle one event; what became of it: ``started``, ``ignored`` or ``dead``, or ``retry``."""
+        try:
+            event = parse_event(message.subject, message.data)
+            outcome = await self._start(event)
+        except EventError as exc:
+            await self._dead_letter(message, exc.message)
+            return "dead"
+        except Exception as exc:  # infrastructure trouble: the event is kept
+            delivered = message.metadata.num_delivered
+            if delivered >= MAX_DELIVER:
+                await self._dead_letter(message, f"failed {delivered} times; last: {exc}")
+                return "dead"
+            log.warning(
+                "event on %s failed (delivery %d); retrying", message.subject, delivered, exc_info=True
+            )
+            with contextlib.suppress(Exception):
+                await message.nak(delay=RETRY_DELAY_S * delivered)
+            return "retry"
+        await message.ack()
+        return outcome
+
+    async def _start(self, event: Event) -> str:
+        decision = self._engine.decide(
+            "fleet.triggers.decision",
+            {
+                "subject": event.subject,
+                "type": event.type,
+                "source": event.source,
+                "tenant": event.tenant,
+                "data": event.data,
+            },
+        )
+        if not decision.allow:  # the policy cannot be evaluated: retried, then dead-lettered
+            raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "; ".join(decision.reasons))
+        template = decision.result.get("run")
+        if not template:
+            log.info("event %s on %s: no trigger", event.id, event.subject)
+            return "ignored"
+        try:
+            steps = parse_steps(fill_template(template.get("steps"), event))
+        except PlanError as exc:
+            raise EventError(f"trigger {decision.result.get('rule')}: {exc.message}") from exc
+        run_id = event.run_id()
+        request = {"event": event.envelope(), "trigger": decision.result.get("rule")}
+        await self._runs.create_run(
+            run_id, event.tenant, f"event:{event.source}", request, [s.to_dict() for s in steps]
+        )
+        await work.submit_run(self._client, run_id)
+        log.info("event %s on %s started run %s", event.id, event.subject, run_id)
+        return "started"
+
+    async def _dead_letter(self, message: Msg, reason: str) -> None:
+        log.warning("event on %s dead-lettered: %s", message.subject, reason)
+        envelope = {
+            "subject": message.subject,
+            "reason": reason,
+            "deliveries": message.metadata.num_delivered,
+            "payload": message.data.decode("utf-8", errors="replace"),
+        }
+        headers = {"Nats-Msg-Id": f"dead-{message.metadata.stream}-{message.metadata.sequence.stream}"}
+        await self._client.jetstream().publish(
+            DEAD_LETTER_SUBJECT, json.dumps(envelope).encode(), headers=headers
+        )
+        await message.ack()

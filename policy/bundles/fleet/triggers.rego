@@ -1,0 +1,51 @@
+# Triggers: which run an ambient event starts, if any.
+# Input: {subject, type, source, tenant, data} of an event on fleet.events.>.
+# data.config.triggers: rules, first match wins. A rule has a NATS-style subject pattern ("*" one
+# token, ">" the rest), optionally a type and a tenant list, and the template of the run: its steps
+# (inputs may take event fields with {"$event": "data.path"}) and a priority.
+package fleet.triggers
+
+subject_matches(pattern, subject) if {
+	p := split(pattern, ".")
+	s := split(subject, ".")
+	p[count(p) - 1] != ">"
+	count(p) == count(s)
+	every i, token in p {
+		token in {"*", s[i]}
+	}
+}
+
+subject_matches(pattern, subject) if {
+	p := split(pattern, ".")
+	s := split(subject, ".")
+	p[count(p) - 1] == ">"
+	count(s) >= count(p)
+	every i, token in array.slice(p, 0, count(p) - 1) {
+		token in {"*", s[i]}
+	}
+}
+
+applies(rule) if {
+	subject_matches(rule.subject, input.subject)
+	object.get(rule, "type", input.type) == input.type
+	input.tenant in object.get(rule, "tenants", [input.tenant])
+}
+
+matches contains i if {
+	some i, rule in data.config.triggers
+	applies(rule)
+}
+
+decision := {
+	"allow": true,
+	"reasons": [],
+	"rule": rule.name,
+	"run": {"steps": rule.steps, "priority": object.get(rule, "priority", 0)},
+} if {
+	count(matches) > 0
+	rule := data.config.triggers[min(matches)]
+}
+
+decision := {"allow": true, "reasons": ["no trigger rule matches the event"], "rule": null, "run": null} if {
+	count(matches) == 0
+}

@@ -1,0 +1,34 @@
+package fleet.triggers_test
+
+import data.fleet.triggers
+
+rules := [
+	{"name": "nightly", "subject": "fleet.events.invoices.>", "type": "invoices.closed", "steps": [{"id": "a", "skill": "x"}]},
+	{"name": "one-token", "subject": "fleet.events.*.ping", "tenants": ["acme"], "steps": [{"id": "p", "skill": "y"}]},
+]
+
+test_a_matching_event_gets_its_rule_template if {
+	d := triggers.decision with input as {"subject": "fleet.events.invoices.eu.closed", "type": "invoices.closed", "tenant": "acme", "data": {}}
+		with data.config.triggers as rules
+	d.rule == "nightly"
+	d.run.steps[0].skill == "x"
+	d.run.priority == 0
+}
+
+test_the_type_must_match_when_a_rule_names_one if {
+	d := triggers.decision with input as {"subject": "fleet.events.invoices.closed", "type": "invoices.opened", "tenant": "acme", "data": {}}
+		with data.config.triggers as rules
+	d.run == null
+}
+
+test_star_is_one_token_and_tenants_restrict if {
+	one := triggers.decision with input as {"subject": "fleet.events.hr.ping", "type": "t", "tenant": "acme", "data": {}}
+		with data.config.triggers as rules
+	one.rule == "one-token"
+	deeper := triggers.decision with input as {"subject": "fleet.events.hr.x.ping", "type": "t", "tenant": "acme", "data": {}}
+		with data.config.triggers as rules
+	deeper.run == null
+	other := triggers.decision with input as {"subject": "fleet.events.hr.ping", "type": "t", "tenant": "globex", "data": {}}
+		with data.config.triggers as rules
+	other.run == null
+}

@@ -1,0 +1,163 @@
+"""Ambient triggers: events on ``fleet.events.>`` start runs through the trigger policy, once per event
+id; malformed events go to the dead-letter subject without holding up the rest. Real NATS JetStream,
+Postgres and the coordinator's ingest, with the shipped policy bundle (rule ``invoices-closed``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from fleet.events import DEAD_LETTER_STREAM, Event, publish_event, publish_raw
+from fleet.natsconn import connect
+from tests.e2e.conftest import Stack, fleet
+
+pytestmark = pytest.mark.e2e
+
+CLOSED = "fleet.events.invoices.closed"
+
+
+def run_id_for(tenant: str, source: str, event_id: str) -> str:
+    return Event(CLOSED, event_id, source, "invoices.closed", tenant, "", {}).run_id()
+
+
+async def run_when(
+    stack: Stack, run_id: str, states: tuple[str, ...], tenant: str = "acme"
+) -> dict[str, Any]:
+    token = stack.token("coordinator", tenant=tenant)
+    async with httpx.AsyncClient(timeout=30) as http, asyncio.timeout(90):
+        while True:
+            response = await http.get(
+                f"{stack.endpoints['coordinator']}/v1/runs/{run_id}",
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            if response.status_code == 200 and response.json()["state"] in states:
+                run: dict[str, Any] = response.json()
+                return run
+            await asyncio.sleep(0.2)
+
+
+async def runs_owned_by(stack: Stack, owner: str) -> int:
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn:
+        cursor = await conn.execute("SELECT count(*) FROM fleet_runs.runs WHERE owner = %s", (owner,))
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_an_event_published_twice_with_one_id_makes_one_run(stack: Stack) -> None:
+    event_id = f"close-{uuid.uuid4().hex[:8]}"
+    args = ("events", "publish", "--data-dir", stack.data_dir, CLOSED, "--id", event_id, "--tenant", "acme")
+    first = await asyncio.to_thread(fleet, *args, "--data", '{"night": "2026-11-28"}', timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert "published" in first.stdout
+    again = await asyncio.to_thread(fleet, *args, "--data", '{"night": "2026-11-28"}', timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert "duplicate" in again.stdout  # dropped by the stream (Nats-Msg-Id)
+
+    run_id = run_id_for("acme", "cli", event_id)
+    run = await run_when(stack, run_id, ("completed", "failed"))
+    assert run["state"] == "completed", run
+    assert run["owner"] == "event:cli"
+
+    # The same event again after the stream's de-duplication window (another message id): the run
+    # id derives from the event, so it finds its run instead of making a second one.
+    client = await connect(stack.endpoints["nats"], "test-producer")
+    try:
+        assert await publish_raw(client, CLOSED, envelope(event_id, source="cli"), f"{event_id}-republished")
+        sentinel = f"sentinel-{uuid.uuid4().hex[:8]}"
+        await publish_raw(client, CLOSED, envelope(sentinel, source="cli"), sentinel)
+    finally:
+        await client.drain()
+    await run_when(
+        stack, run_id_for("acme", "cli", sentinel), ("submitted", "working", "completed", "failed")
+    )
+    await asyncio.sleep(1.0)
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn:
+        cursor = await conn.execute(
+            "SELECT count(*) FROM fleet_runs.events WHERE run_id = %s AND type = 'run.submitted'", (run_id,)
+        )
+        row = await cursor.fetchone()
+    assert row is not None and row[0] == 1
+
+
+def envelope(
+    event_id: str, *, source: str = "test", tenant: str = "acme", data: dict[str, Any] | None = None
+) -> bytes:
+    return json.dumps(
+        {"id": event_id, "source": source, "type": "invoices.closed", "tenant": tenant, "data": data or {}}
+    ).encode()
+
+
+async def dead_letters(stack: Stack) -> list[dict[str, Any]]:
+    client = await connect(stack.endpoints["nats"], "test-dead-letters")
+    try:
+        js = client.jetstream()
+        info = await js.stream_info(DEAD_LETTER_STREAM)
+        found = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            message = await js.get_msg(DEAD_LETTER_STREAM, seq)
+            if message.data:
+                found.append(json.loads(message.data))
+        return found
+    finally:
+        await client.drain()
+
+
+async def test_a_malformed_event_is_dead_lettered_with_its_reason_and_the_rest_flow(stack: Stack) -> None:
+    marker = uuid.uuid4().hex[:8]
+    good = f"good-{marker}"
+    client = await connect(stack.endpoints["nats"], "test-producer")
+    try:
+        await publish_raw(client, CLOSED, b"this is not json " + marker.encode(), f"bad-{marker}")
+        missing = json.dumps({"id": f"no-tenant-{marker}", "source": "test", "type": "t"}).encode()
+        await publish_raw(client, CLOSED, missing, f"no-tenant-{marker}")
+        await publish_raw(client, CLOSED, envelope(good), good)
+    finally:
+        await client.drain()
+    run = await run_when(stack, run_id_for("acme", "test", good), ("completed", "failed"))
+    assert run["state"] == "completed"
+    async with asyncio.timeout(30):
+        while True:
+            mine = [d for d in await dead_letters(stack) if marker in d["payload"]]
+            if len(mine) == 2:
+                break
+            await asyncio.sleep(0.3)
+    reasons = sorted(d["reason"] for d in mine)
+    assert "not JSON" in reasons[1] or "not JSON" in reasons[0]
+    assert any("'tenant'" in r for r in reasons)
+    assert all(d["subject"] == CLOSED for d in mine)
+
+
+async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start_one_run_each(
+    stack: Stack,
+) -> None:
+    source = f"bulk-{uuid.uuid4().hex[:8]}"
+    client = await connect(stack.endpoints["nats"], "test-producer")
+    try:
+        _, kept = await publish_event(
+            client,
+            "fleet.events.weather.changed",
+            tenant="acme",
+            source=source,
+            type_="weather.changed",
+            data={},
+        )
+        assert kept
+        ids = [f"{source}-{i}" for i in range(100)]
+        for event_id in ids:
+            await publish_raw(client, CLOSED, envelope(event_id, source=source, tenant="bulk"), event_id)
+    finally:
+        await client.drain()
+    async with asyncio.timeout(120):
+        while True:
+            if await runs_owned_by(stack, f"event:{source}") >= len(ids):
+                break
+            await asyncio.sleep(0.5)
+    await asyncio.sleep(1.0)
+    assert await runs_owned_by(stack, f"event:{source}") == len(ids)  # none for the weather event
