@@ -1,0 +1,155 @@
+"""Ambient events: ingest with de-duplication, and the latency from an event to its run.
+
+On a real local stack (NATS JetStream, Postgres, the coordinator's trigger ingest, the shipped trigger
+rule ``invoices-closed``), interleaved with their baselines:
+
+* ingest: ``N`` events published to the events stream with their id as ``Nats-Msg-Id`` (one in five a
+  repeat of an earlier id, which the stream drops), ``CONCURRENCY`` publishes in flight; baseline: the
+  same publishes without a message id (no de-duplication). Target (durable pauses issue): >= 3,000/s.
+* event -> run started: one event at a time; the time from the publish to the moment the run is
+  durable (its row and first events committed, announced by Postgres ``NOTIFY``); baseline: publish
+  to delivery of the same message to a plain core-NATS subscriber. Target: p50 <= 25 ms.
+
+Run: ``.venv/bin/python -m bench.events`` (starts and stops its own stack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import psycopg
+
+from bench._stack import running_stack
+from coordinator.runs import NOTIFY_CHANNEL
+from fleet.events import EVENTS_STREAM, ensure_event_streams, event_payload
+from fleet.natsconn import connect
+
+INGEST_EVENTS = 6000
+CONCURRENCY = 64
+LATENCY_EVENTS = 100
+INGEST_TARGET = 3000.0
+LATENCY_TARGET_MS = 25.0
+UNMATCHED = "fleet.events.bench.ingest"  # no trigger rule: measures the stream, not the runs
+MATCHED = "fleet.events.invoices.closed"
+
+
+async def _ingest_rate(js: Any, dedup: bool) -> float:
+    """Events accepted per second (a repeat counts as accepted: the stream answered it)."""
+    ids = [uuid.uuid4().hex for _ in range(INGEST_EVENTS)]
+    ids = [ids[i - 1] if dedup and i % 5 == 4 else event_id for i, event_id in enumerate(ids)]
+    payloads = [
+        event_payload(tenant="bench", source="bench", type_="bench.ingest", data={"i": i}, event_id=event_id)
+        for i, event_id in enumerate(ids)
+    ]
+    queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+    for item in payloads:
+        queue.put_nowait(item)
+
+    async def publisher() -> None:
+        while not queue.empty():
+            event_id, payload = queue.get_nowait()
+            headers = {"Nats-Msg-Id": event_id} if dedup else None
+            await js.publish(UNMATCHED, payload, headers=headers)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(publisher() for _ in range(CONCURRENCY)))
+    return INGEST_EVENTS / (time.perf_counter() - started)
+
+
+async def _to_run_latency(client: Any, dsn: str, seen: set[str]) -> list[float]:
+    """Seconds from publishing an event to its run being durable, one event at a time (``seen``:
+    the runs that existed before, whose notifications are not a new run's)."""
+    js = client.jetstream()
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as listener:
+        await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        latencies = []
+        for i in range(LATENCY_EVENTS):
+            event_id = f"bench-{uuid.uuid4().hex}"
+            _, payload = event_payload(
+                tenant="bench", source="bench", type_="invoices.closed", data={"i": i}, event_id=event_id
+            )
+            started = time.perf_counter()
+            await js.publish(MATCHED, payload, headers={"Nats-Msg-Id": event_id})
+            async for note in listener.notifies(timeout=30):
+                # The first notification of a new run is its creation (run.submitted and the plan).
+                if note.payload not in seen:
+                    seen.add(note.payload)
+                    latencies.append(time.perf_counter() - started)
+                    break
+            await asyncio.sleep(0.02)  # let the run's own notifications pass
+        return latencies
+
+
+async def _delivery_latency(client: Any) -> list[float]:
+    """Seconds from publish to delivery to a core-NATS subscriber: what the broker alone costs."""
+    got: asyncio.Queue[float] = asyncio.Queue()
+
+    async def on_message(_: Any) -> None:
+        got.put_nowait(time.perf_counter())
+
+    subscription = await client.subscribe("bench.delivery", cb=on_message)
+    latencies = []
+    for _ in range(LATENCY_EVENTS):
+        started = time.perf_counter()
+        await client.publish("bench.delivery", b"{}")
+        latencies.append(await asyncio.wait_for(got.get(), 10) - started)
+    await subscription.unsubscribe()
+    return latencies
+
+
+async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
+    client = await connect(endpoints["nats"], "bench-events")
+    try:
+        js = client.jetstream()
+        await ensure_event_streams(js)
+        await _ingest_rate(js, dedup=True)  # warm up
+        with_dedup, without = [], []
+        for _ in range(3):
+            with_dedup.append(await _ingest_rate(js, dedup=True))
+            without.append(await _ingest_rate(js, dedup=False))
+        # Listen on the runs database for the run each matched event creates.
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            cursor = await conn.execute("SELECT run_id FROM fleet_runs.runs")
+            seen = {str(row[0]) for row in await cursor.fetchall()}
+        to_run = await _to_run_latency(client, dsn, seen)
+        delivery = await _delivery_latency(client)
+        info = await js.stream_info(EVENTS_STREAM)
+    finally:
+        await client.drain()
+    p50_run, p50_delivery = statistics.median(to_run) * 1000, statistics.median(delivery) * 1000
+    return {
+        "benchmark": "events",
+        "ingest_events_per_round": INGEST_EVENTS,
+        "ingest_per_s_with_dedup": round(statistics.median(with_dedup)),
+        "ingest_per_s_without_dedup": round(statistics.median(without)),
+        "ingest_target_per_s": INGEST_TARGET,
+        "latency_events": LATENCY_EVENTS,
+        "event_to_run_p50_ms": round(p50_run, 2),
+        "event_to_run_p95_ms": round(sorted(to_run)[int(len(to_run) * 0.95) - 1] * 1000, 2),
+        "delivery_p50_ms": round(p50_delivery, 3),
+        "latency_target_ms": LATENCY_TARGET_MS,
+        "stream_messages": info.state.messages,
+    }
+
+
+def main() -> dict[str, Any]:
+    with (
+        TemporaryDirectory(prefix="fleet-bench-") as tmp,
+        running_stack(Path(tmp) / "fleet") as (layout, endpoints),
+    ):
+        password = (layout.keys_dir / "postgres-password.secret").read_text().strip()
+        dsn = f"postgresql://postgres:{password}@127.0.0.1:{endpoints['postgres_port']}/fleet"
+        result = asyncio.run(measure(endpoints, dsn))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
