@@ -60,7 +60,7 @@ class CoordinatorExecutor(AgentExecutor):
         try:
             steps = plan_request(get_data_parts(parts), " ".join(get_text_parts(parts)), self._engine, tenant)
             for step in steps:
-                if not await self._delegator.discover(step.skill):
+                if step.wait is None and not await self._delegator.discover(step.skill):
                     raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {step.skill!r}")
         except FleetError as exc:
             raise InvalidParamsError(

@@ -122,13 +122,14 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
     spent = [f"{key} {budget[key]} reached" for key, value in used.items() if value >= budget[key]]
     if spent:
         return _spent(state, budget, spent, now)
-    if len(ready) > convergence["max_calls_per_turn"]:
+    if sum(step.get("wait") is None for step in ready) > convergence["max_calls_per_turn"]:
         why = f"{len(ready)} calls in one turn (more than {convergence['max_calls_per_turn']})"
         _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     results = state.get("results", {})
     batches = state.get("batches", {})
-    new = [_call_hash(step, results, batches.get(step["id"], 0)) for step in ready]
+    calls = [step for step in ready if step.get("wait") is None]  # a timer calls nobody
+    new = [_call_hash(step, results, batches.get(step["id"], 0)) for step in calls]
     counts = Counter([*state.get("calls", []), *new])
     repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
     if repeated:
@@ -308,6 +309,37 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     return {"batches": {step["id"]: offset}, "results": {step["id"]: result}, "outcomes": [outcome]}
 
 
+def wait_for_timer(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """A timer step: park the run (no process waits) until the time is due; the wait supervisor
+    answers the wait when it is, and the run goes on from here. A time already past fires at once."""
+    wait = step["wait"]
+    if "until" in wait:
+        due = dt.datetime.fromisoformat(wait["until"])
+    else:  # relative to when the step first ran (a crash before the run parked restarts the count)
+        due = now + dt.timedelta(seconds=float(wait["for_s"]))
+    if due > now:
+        awaited = f"timer:{step['id']}"
+        while True:  # resumed without this timer firing (another wait was answered): wait again
+            answer = interrupt(
+                {
+                    "type": "timer",
+                    "awaited": awaited,
+                    "deadline": due.isoformat(),
+                    "why": f"until {due.isoformat()}",
+                }
+            )
+            if isinstance(answer, dict) and answer.get("decision") == "expired":
+                break
+        due = dt.datetime.fromisoformat(str(answer.get("deadline", due.isoformat())))
+    fired = dt.datetime.now(dt.UTC)
+    _emit("timer.fired", {"step": step["id"], "due": due.isoformat()}, f"step {step['id']}: timer fired")
+    result = {"due": due.isoformat(), "fired_at": fired.isoformat()}
+    return {
+        "results": {step["id"]: result},
+        "outcomes": [{"step": step["id"], "agent": "timer", "status": "completed", "calls": 0}],
+    }
+
+
 def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
     results = state.get("results", {})
     defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
@@ -359,6 +391,8 @@ def build_graph(
 
     async def delegate(task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
         step = task["step"]
+        if step.get("wait") is not None:
+            return wait_for_timer(step, dt.datetime.now(dt.UTC))
 
         async def progress(text: str) -> None:
             _emit("step.progress", {"step": step["id"], "text": text}, text)

@@ -3,6 +3,7 @@ chosen by the routing policy from the request's text."""
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ class PlanError(FleetError):
 
 
 MAX_CALL_SIZE = 500
+TIMER_SKILL = "fleet.timer"  # reserved: a step that only waits (no specialist offers it)
+MAX_WAIT_S = 366 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +35,16 @@ class Step:
     for_each: Any = None
     items_as: str = "items"
     batch: dict[str, int] | None = None
+    # A timer step: the run waits, holding no process, until a time ({"until": RFC 3339}) or for a
+    # while ({"for_s": seconds}); its result says when it was due and when it fired.
+    wait: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         step = {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
         if self.for_each is not None:
             step.update(for_each=self.for_each, items_as=self.items_as, batch=self.batch or {})
+        if self.wait is not None:
+            step["wait"] = self.wait
         return step
 
 
@@ -69,8 +77,14 @@ def parse_steps(raw: Any) -> list[Step]:
         raise PlanError(f"a plan has at most {MAX_STEPS} steps")
     steps: list[Step] = []
     for index, item in enumerate(raw):
+        if isinstance(item, dict) and "wait" in item:
+            if item.get("skill", TIMER_SKILL) != TIMER_SKILL or "for_each" in item:
+                raise PlanError(f"step {index}: a wait step has no skill and no for_each")
+            item = {**item, "skill": TIMER_SKILL}
         if not isinstance(item, dict) or not isinstance(item.get("skill"), str) or not item["skill"]:
             raise PlanError(f"step {index} needs a skill")
+        if item["skill"] == TIMER_SKILL and "wait" not in item:
+            raise PlanError(f"step {index}: {TIMER_SKILL} is reserved for wait steps")
         step_id = item.get("id", f"step{index + 1}")
         if not isinstance(step_id, str) or "@" in step_id or any(s.id == step_id for s in steps):
             raise PlanError(f"step {index} needs a unique string id without '@'")
@@ -82,8 +96,39 @@ def parse_steps(raw: Any) -> list[Step]:
         after = item.get("after", [])
         if not isinstance(after, list) or not all(isinstance(a, str) and a in earlier for a in after):
             raise PlanError(f"step {step_id}: after must list ids of earlier steps")
-        steps.append(Step(step_id, item["skill"], payload, tuple(after), *_batch_of(item, earlier, step_id)))
+        steps.append(
+            Step(
+                step_id,
+                item["skill"],
+                payload,
+                tuple(after),
+                *_batch_of(item, earlier, step_id),
+                wait=_wait_of(item, step_id),
+            )
+        )
     return steps
+
+
+def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:
+    """The wait of a timer step, validated: exactly one of ``until`` (RFC 3339, with its offset)
+    and ``for_s`` (seconds, up to a year)."""
+    if "wait" not in item:
+        return None
+    wait = item["wait"]
+    if not isinstance(wait, dict) or len(wait) != 1 or not set(wait) <= {"until", "for_s"}:
+        raise PlanError(f'step {step_id}: wait takes one of {{"until": TIME}} or {{"for_s": SECONDS}}')
+    if "until" in wait:
+        try:
+            until = dt.datetime.fromisoformat(str(wait["until"]))
+        except ValueError as exc:
+            raise PlanError(f"step {step_id}: wait.until must be an RFC 3339 time") from exc
+        if until.tzinfo is None:
+            raise PlanError(f"step {step_id}: wait.until needs a UTC offset")
+        return {"until": until.isoformat()}
+    seconds = wait["for_s"]
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= MAX_WAIT_S:
+        raise PlanError(f"step {step_id}: wait.for_s must be a number of seconds, at most a year")
+    return {"for_s": float(seconds)}
 
 
 def _batch_of(

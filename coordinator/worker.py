@@ -114,8 +114,7 @@ async def supervise_waits(
                             str(wait.get("type")),
                             {"decision": "expired", "deadline": wait["deadline"]},
                             SUPERVISOR,
-                            event="wait.expired",
-                            text=f"nobody answered {wait.get('awaited')} by {wait['deadline']}",
+                            **_expiry_event(wait),
                         )
                         await work.submit_run(client, run.run_id, attempt=f"expired-{seq}")
                 else:
@@ -125,6 +124,14 @@ async def supervise_waits(
 
 
 SUPERVISOR = "supervisor"
+
+
+def _expiry_event(wait: dict[str, Any]) -> dict[str, str]:
+    """How the supervisor records a wait it answers at its deadline: a timer fires; anything else
+    expires (never a denial)."""
+    if wait.get("type") == "timer":
+        return {"event": "timer.due", "text": f"{wait.get('awaited')} is due ({wait['deadline']})"}
+    return {"event": "wait.expired", "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}"}
 
 
 def failure_text(failure: dict[str, Any]) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -305,3 +307,37 @@ async def list_runs(stack: Stack, token: str) -> list[dict[str, Any]]:
     response.raise_for_status()
     runs: list[dict[str, Any]] = response.json()["runs"]
     return runs
+
+
+async def test_a_timer_step_parks_the_run_and_fires_from_the_database_after_a_worker_died(
+    budget_stack: Stack,
+) -> None:
+    """(Last in this module: it kills a worker of the shared stack.)"""
+    plan = {
+        "steps": [
+            {"id": "before", "skill": "sql-query", "input": {"sql": "SELECT 11 AS n"}},
+            {"id": "pause", "wait": {"for_s": 3}, "after": ["before"]},
+            {"id": "after", "skill": "sql-query", "input": {"sql": "SELECT 12 AS n"}, "after": ["pause"]},
+        ]
+    }
+    token = budget_stack.token("coordinator", tenant="acme")
+    sending = asyncio.create_task(send(budget_stack, user_message(data=plan), token=token))
+    async with asyncio.timeout(60):
+        while True:
+            runs = await list_runs(budget_stack, token)
+            run = runs[0] if runs else {}
+            if run.get("state") == "waiting":
+                break
+            await asyncio.sleep(0.1)
+    assert run["wait"]["type"] == "timer" and run["wait"]["awaited"] == "timer:pause"
+    # Nothing holds the run while it waits: the workers may die; the timer is a row, not a process.
+    os.kill(budget_stack.endpoints["processes"]["worker-1"], signal.SIGKILL)
+    outcome = await sending  # the stream stays open: a timer is not a wait for anyone
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    events = await all_events(budget_stack, outcome.task_id, token)
+    types = [e["type"] for e in events]
+    assert types.index("run.waiting") < types.index("timer.due") < types.index("timer.fired")
+    assert next(e for e in events if e["type"] == "timer.due")["actor"] == "supervisor"
+    pause = outcome.result["steps"]["pause"]
+    assert pause["fired_at"] >= pause["due"]
+    assert set(outcome.result["steps"]) == {"before", "pause", "after"}

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from coordinator.graph import ready_steps
-from coordinator.plan import PlanError, dependencies, parse_steps, plan_request, resolve_input
+from coordinator.plan import TIMER_SKILL, PlanError, dependencies, parse_steps, plan_request, resolve_input
 from fleet.errors import ErrorCode, FleetError
 from policy import RegorusEngine
 
@@ -83,3 +83,26 @@ def test_steps_wait_for_the_results_they_take_and_the_steps_they_name() -> None:
     assert [s["id"] for s in ready_steps(state)] == ["b", "c"]  # type: ignore[arg-type]
     state["results"] = {"a": {}, "b": {}, "c": {}}
     assert [s["id"] for s in ready_steps(state)] == ["d"]  # type: ignore[arg-type]
+
+
+def test_a_wait_step_takes_a_time_with_its_offset_or_a_duration_and_nothing_else() -> None:
+    steps = parse_steps(
+        [
+            {"id": "at", "wait": {"until": "2026-12-01T02:00:00+00:00"}},
+            {"id": "later", "wait": {"for_s": 90}, "after": ["at"]},
+        ]
+    )
+    assert [s.skill for s in steps] == [TIMER_SKILL, TIMER_SKILL]
+    assert steps[0].to_dict()["wait"] == {"until": "2026-12-01T02:00:00+00:00"}
+    assert steps[1].wait == {"for_s": 90.0}
+    for bad in (
+        {"wait": {"until": "2026-12-01T02:00:00"}},  # no offset
+        {"wait": {"until": "tomorrow"}},
+        {"wait": {"for_s": 0}},
+        {"wait": {"for_s": True}},
+        {"wait": {"for_s": 5, "until": "2026-12-01T02:00:00+00:00"}},
+        {"wait": {"for_s": 5}, "skill": "sql-query"},
+        {"skill": TIMER_SKILL},
+    ):
+        with pytest.raises(PlanError):
+            parse_steps([bad])
