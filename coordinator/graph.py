@@ -340,6 +340,41 @@ def wait_for_timer(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     }
 
 
+def wait_for_event(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """An event wait: park the run until an event on the subject (and of the type, if given) for the
+    run's tenant arrives (the trigger ingest answers the wait with it), or until ``timeout_s``."""
+    wait = step["wait"]
+    request: dict[str, Any] = {
+        "type": "event",
+        "awaited": f"event:{step['id']}",
+        "subject": wait["event"],
+        "event_type": wait.get("type"),
+        "why": f"an event on {wait['event']}",
+    }
+    if wait.get("timeout_s") is not None:
+        request["deadline"] = (now + dt.timedelta(seconds=float(wait["timeout_s"]))).isoformat()
+    while True:  # resumed without this wait answered (another wait was): wait again
+        answer = interrupt(request)
+        if isinstance(answer, dict) and answer.get("decision") in ("event", "expired"):
+            break
+    if answer["decision"] == "expired":
+        _emit(
+            "event.timed_out", {"step": step["id"]}, f"step {step['id']}: no event on {wait['event']} in time"
+        )
+        result: dict[str, Any] = {"event": None, "expired": True}
+    else:
+        _emit(
+            "event.received",
+            {"step": step["id"]},
+            f"step {step['id']}: event {answer['event']['id']} arrived",
+        )
+        result = {"event": answer["event"], "expired": False}
+    return {
+        "results": {step["id"]: result},
+        "outcomes": [{"step": step["id"], "agent": "event", "status": "completed", "calls": 0}],
+    }
+
+
 def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
     results = state.get("results", {})
     defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
@@ -392,6 +427,8 @@ def build_graph(
     async def delegate(task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
         step = task["step"]
         if step.get("wait") is not None:
+            if "event" in step["wait"]:
+                return wait_for_event(step, dt.datetime.now(dt.UTC))
             return wait_for_timer(step, dt.datetime.now(dt.UTC))
 
         async def progress(text: str) -> None:

@@ -110,13 +110,18 @@ def parse_steps(raw: Any) -> list[Step]:
 
 
 def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:
-    """The wait of a timer step, validated: exactly one of ``until`` (RFC 3339, with its offset)
-    and ``for_s`` (seconds, up to a year)."""
+    """The wait of a wait step, validated: exactly one of ``until`` (RFC 3339, with its offset) and
+    ``for_s`` (seconds, up to a year); or an ``event`` (a subject under ``fleet.events.``, with an
+    optional ``type`` and ``timeout_s``)."""
     if "wait" not in item:
         return None
     wait = item["wait"]
+    if isinstance(wait, dict) and "event" in wait:
+        return _event_wait(wait, step_id)
     if not isinstance(wait, dict) or len(wait) != 1 or not set(wait) <= {"until", "for_s"}:
-        raise PlanError(f'step {step_id}: wait takes one of {{"until": TIME}} or {{"for_s": SECONDS}}')
+        raise PlanError(
+            f'step {step_id}: wait takes one of {{"until": TIME}}, {{"for_s": SECONDS}} or {{"event": SUBJECT}}'
+        )
     if "until" in wait:
         try:
             until = dt.datetime.fromisoformat(str(wait["until"]))
@@ -129,6 +134,31 @@ def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= MAX_WAIT_S:
         raise PlanError(f"step {step_id}: wait.for_s must be a number of seconds, at most a year")
     return {"for_s": float(seconds)}
+
+
+def _event_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:
+    subject, type_, timeout = wait.get("event"), wait.get("type"), wait.get("timeout_s")
+    if not set(wait) <= {"event", "type", "timeout_s"}:
+        raise PlanError(f"step {step_id}: an event wait takes event, type and timeout_s")
+    if (
+        not isinstance(subject, str)
+        or not subject.startswith("fleet.events.")
+        or "*" in subject
+        or ">" in subject
+    ):
+        raise PlanError(f"step {step_id}: wait.event must be one subject under fleet.events. (no wildcards)")
+    if type_ is not None and not isinstance(type_, str):
+        raise PlanError(f"step {step_id}: wait.type must be a string")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_WAIT_S
+    ):
+        raise PlanError(f"step {step_id}: wait.timeout_s must be a number of seconds, at most a year")
+    found: dict[str, Any] = {"event": subject}
+    if type_ is not None:
+        found["type"] = type_
+    if timeout is not None:
+        found["timeout_s"] = float(timeout)
+    return found
 
 
 def _batch_of(

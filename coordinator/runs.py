@@ -215,6 +215,14 @@ async def fenced_append(
     return int(row[0]), bool(row[1])
 
 
+def _awaits(wait: dict[str, Any], wait_type: str, awaited: str | None) -> bool:
+    """Whether a wait record awaits ``awaited`` (of ``wait_type``), or, without one, is of that type."""
+    if awaited is None:
+        return wait.get("type") == wait_type
+    requests = (wait.get("detail") or {}).get("requests") or [wait]
+    return any(r.get("type") == wait_type and r.get("awaited") == awaited for r in requests)
+
+
 def logged(payload: Mapping[str, Any]) -> dict[str, Any]:
     """An event payload as the log keeps it: secrets redacted, and how many said."""
     clean, count = redact(dict(payload))
@@ -426,6 +434,7 @@ class PostgresRunStore:
         *,
         event: str = "wait.answered",
         text: str = "",
+        awaited: str | None = None,
     ) -> int:
         """Record the answer to what a waiting run awaits, and hand the run back to the workers
         (it goes to ``submitted``; the caller submits it): one transaction, under the run's row
@@ -439,11 +448,11 @@ class PostgresRunStore:
             )
             row = await cursor.fetchone()
             wait = row[1] if row is not None else None
-            if row is None or not isinstance(wait, dict) or wait.get("type") != wait_type:
+            if row is None or not isinstance(wait, dict) or not _awaits(wait, wait_type, awaited):
                 raise FleetError(
                     ErrorCode.CONFLICT, f"run {run_id} is not waiting for a {wait_type} decision"
                 )
-            seq, awaited = int(row[0]) + 1, str(wait.get("awaited"))
+            seq, awaited = int(row[0]) + 1, awaited or str(wait.get("awaited"))
             recorded = {**answer, "by": actor}
             await conn.execute(
                 "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now(),"
@@ -458,6 +467,19 @@ class PostgresRunStore:
             )
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return seq
+
+    async def awaiting_event(self, tenant: str, subject: str, event_type: str) -> list[tuple[str, str]]:
+        """(run id, awaited) of the tenant's runs that wait for an event on ``subject`` (of
+        ``event_type``, if their wait names one). For the trigger ingest."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT run_id, r->>'awaited' FROM fleet_runs.runs,"
+                " jsonb_array_elements(COALESCE(wait->'detail'->'requests', '[]')) AS r"
+                " WHERE state = 'waiting' AND tenant = %s AND r->>'type' = 'event' AND r->>'subject' = %s"
+                " AND (r->>'event_type' IS NULL OR r->>'event_type' = %s)",
+                (tenant, subject, event_type),
+            )
+            return [(str(row[0]), str(row[1])) for row in await cursor.fetchall()]
 
     async def waits_due(self, limit: int = 100) -> list[Run]:
         """Waiting runs whose deadline has passed, or whose warning is due and not yet given. For

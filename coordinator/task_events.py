@@ -134,8 +134,11 @@ class TaskFold:
             return self._artifact(event)
         run_state = _run_state_of(event)
         state = A2A_STATE[run_state] if run_state is not None else self.state
-        if run_state == RunState.WAITING and (event.payload.get("wait") or {}).get("type") == "timer":
-            state = TaskState.TASK_STATE_WORKING  # it waits for a time, not for anyone
+        if run_state == RunState.WAITING and (event.payload.get("wait") or {}).get("type") in (
+            "timer",
+            "event",
+        ):
+            state = TaskState.TASK_STATE_WORKING  # it waits for a time or an event, not for anyone
         parts = _message_parts(event)
         if state == self.state and not parts:
             return None  # nothing a client would see: not a transition, no text

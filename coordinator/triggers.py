@@ -130,6 +130,7 @@ class TriggerIngest:
         return outcome
 
     async def _start(self, event: Event) -> str:
+        await self._deliver_to_waiting(event)
         decision = self._engine.decide(
             "fleet.triggers.decision",
             {
@@ -158,6 +159,25 @@ class TriggerIngest:
         await work.submit_run(self._client, run_id)
         log.info("event %s on %s started run %s", event.id, event.subject, run_id)
         return "started"
+
+    async def _deliver_to_waiting(self, event: Event) -> None:
+        """Answer the waits of the tenant's runs that wait for this event (an event wait step), and
+        hand those runs back to the workers. A wait answered already (a redelivery) is left alone."""
+        for run_id, awaited in await self._runs.awaiting_event(event.tenant, event.subject, event.type):
+            try:
+                seq = await self._runs.answer_wait(
+                    run_id,
+                    event.tenant,
+                    "event",
+                    {"decision": "event", "event": event.envelope()},
+                    f"event:{event.source}",
+                    event="event.delivered",
+                    text=f"event {event.id} on {event.subject} answers {awaited}",
+                    awaited=awaited,
+                )
+            except FleetError:  # answered by an earlier delivery, or no longer waiting
+                continue
+            await work.submit_run(self._client, run_id, attempt=f"event-{seq}")
 
     async def _dead_letter(self, message: Msg, reason: str) -> None:
         log.warning("event on %s dead-lettered: %s", message.subject, reason)

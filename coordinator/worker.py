@@ -334,7 +334,7 @@ class RunWorker:
         requests = [
             dict(a) if isinstance(a, dict) else {"type": "input", "awaited": str(a)} for a in awaiting
         ]
-        request = {**requests[0], "all": [r.get("awaited") for r in requests]}
+        request = {**requests[0], "all": [r.get("awaited") for r in requests], "requests": requests}
         now = dt.datetime.now(dt.UTC).isoformat()
         wait = {
             "type": request.get("type", "input"),

@@ -161,3 +161,46 @@ async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start
             await asyncio.sleep(0.5)
     await asyncio.sleep(1.0)
     assert await runs_owned_by(stack, f"event:{source}") == len(ids)  # none for the weather event
+
+
+async def test_a_run_waits_for_an_event_of_its_tenant_and_goes_on_with_it(stack: Stack) -> None:
+    from tests.e2e.conftest import send, user_message
+
+    subject = f"fleet.events.approvals.po{uuid.uuid4().hex[:8]}"
+    plan = {
+        "steps": [
+            {"id": "gate", "wait": {"event": subject, "type": "po.approved", "timeout_s": 600}},
+            {"id": "after", "skill": "sql-query", "input": {"sql": "SELECT 21 AS n"}, "after": ["gate"]},
+        ]
+    }
+    token = stack.token("coordinator", tenant="acme")
+    sending = asyncio.create_task(send(stack, user_message(data=plan), token=token))
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn, asyncio.timeout(60):
+        while True:
+            cursor = await conn.execute(
+                "SELECT run_id FROM fleet_runs.runs WHERE state = 'waiting' AND wait->'detail'->>'subject' = %s",
+                (subject,),
+            )
+            row = await cursor.fetchone()
+            if row is not None:
+                break
+            await asyncio.sleep(0.1)
+    run_id = str(row[0])
+    client = await connect(stack.endpoints["nats"], "test-producer")
+    try:
+        # Another tenant's event, and one of another type, on the same subject: not for this run.
+        await publish_event(client, subject, tenant="globex", source="erp", type_="po.approved", data={})
+        await publish_event(client, subject, tenant="acme", source="erp", type_="po.rejected", data={})
+        await asyncio.sleep(1.5)
+        assert (await run_when(stack, run_id, ("waiting",)))["state"] == "waiting"
+        event_id, _ = await publish_event(
+            client, subject, tenant="acme", source="erp", type_="po.approved", data={"po": "PO-9"}
+        )
+    finally:
+        await client.drain()
+    outcome = await sending
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    gate = outcome.result["steps"]["gate"]
+    assert gate["expired"] is False
+    assert (gate["event"]["id"], gate["event"]["data"]) == (event_id, {"po": "PO-9"})
+    assert set(outcome.result["steps"]) == {"gate", "after"}

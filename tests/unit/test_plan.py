@@ -106,3 +106,18 @@ def test_a_wait_step_takes_a_time_with_its_offset_or_a_duration_and_nothing_else
     ):
         with pytest.raises(PlanError):
             parse_steps([bad])
+
+
+def test_an_event_wait_names_one_subject_and_may_name_a_type_and_a_timeout() -> None:
+    (step,) = parse_steps([{"id": "gate", "wait": {"event": "fleet.events.po.approved", "timeout_s": 60}}])
+    assert step.skill == TIMER_SKILL
+    assert step.wait == {"event": "fleet.events.po.approved", "timeout_s": 60.0}
+    for bad in (
+        {"wait": {"event": "orders.approved"}},  # not an event subject
+        {"wait": {"event": "fleet.events.po.*"}},  # one subject, no wildcards
+        {"wait": {"event": "fleet.events.po.approved", "timeout_s": -1}},
+        {"wait": {"event": "fleet.events.po.approved", "type": 3}},
+        {"wait": {"event": "fleet.events.po.approved", "until": "2026-12-01T02:00:00+00:00"}},
+    ):
+        with pytest.raises(PlanError):
+            parse_steps([bad])
