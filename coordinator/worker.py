@@ -131,6 +131,11 @@ def _expiry_event(wait: dict[str, Any]) -> dict[str, str]:
     expires (never a denial)."""
     if wait.get("type") == "timer":
         return {"event": "timer.due", "text": f"{wait.get('awaited')} is due ({wait['deadline']})"}
+    if wait.get("type") == "event":
+        return {
+            "event": "wait.expired",
+            "text": f"no event came for {wait.get('awaited')} by {wait['deadline']}",
+        }
     return {"event": "wait.expired", "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}"}
 
 

@@ -309,6 +309,18 @@ async def list_runs(stack: Stack, token: str) -> list[dict[str, Any]]:
     return runs
 
 
+async def test_an_event_wait_that_times_out_goes_on_without_an_event(budget_stack: Stack) -> None:
+    plan = {"steps": [{"id": "gate", "wait": {"event": "fleet.events.never.comes", "timeout_s": 2}}]}
+    token = budget_stack.token("coordinator", tenant="acme")
+    async with asyncio.timeout(60):
+        outcome = await send(budget_stack, user_message(data=plan), token=token)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert outcome.result["steps"]["gate"] == {"event": None, "expired": True}
+    events = await all_events(budget_stack, outcome.task_id, token)
+    expired = next(e for e in events if e["type"] == "wait.expired")
+    assert expired["actor"] == "supervisor" and "no event came" in expired["payload"]["text"]
+
+
 async def test_a_timer_step_parks_the_run_and_fires_from_the_database_after_a_worker_died(
     budget_stack: Stack,
 ) -> None:
