@@ -93,9 +93,16 @@ class TriggerIngest:
         return await js.pull_subscribe(EVENTS_SUBJECTS, durable=CONSUMER, stream=EVENTS_STREAM, config=config)
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
+        """Take events until cancelled; trouble with the broker or one event never ends the loop."""
         if ready is not None:
             await ready.wait()
-        subscription = await self.subscribe()
+        while True:
+            try:
+                subscription = await self.subscribe()
+                break
+            except Exception:  # the broker is not there yet
+                log.warning("could not subscribe to events; retrying", exc_info=True)
+                await asyncio.sleep(RETRY_DELAY_S)
         while True:
             try:
                 messages = await subscription.fetch(self._batch, timeout=5)
@@ -105,7 +112,11 @@ class TriggerIngest:
                 log.warning("could not fetch events", exc_info=True)
                 await asyncio.sleep(RETRY_DELAY_S)
                 continue
-            await asyncio.gather(*(self.handle(message) for message in messages))
+            settled = await asyncio.gather(*(self.handle(m) for m in messages), return_exceptions=True)
+            for outcome in settled:
+                if isinstance(outcome, Exception):  # e.g. a dead letter that could not be published:
+                    # the event stays unacked and comes back after ack_wait
+                    log.warning("an event could not be settled", exc_info=outcome)
 
     async def handle(self, message: Msg) -> str:
         """Settle one event; what became of it: ``started``, ``ignored`` or ``dead``, or ``retry``."""
