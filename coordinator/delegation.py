@@ -152,37 +152,9 @@ class Delegator:
     ) -> dict[str, Any] | None:
         """What ``agent`` knows of an operation (see :mod:`fleet.operation_ext`), or None if the
         agent does not declare the operations extension and so cannot say."""
-        template = status_url(_card(agent))
-        if template is None:
-            return None
-        url = template.replace("{operation_id}", quote(operation_id, safe=""))
-        if _origin(url) != _origin(agent.url):
-            raise FleetError(ErrorCode.CARD_INVALID, f"{agent.id} names a status URL outside its own origin")
-        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
-        try:
-            response = await self._http.get(
-                url,
-                params={"wait": f"{wait_s:g}"},
-                headers={"Authorization": f"Bearer {token}"},
-                timeout=httpx.Timeout(10.0, read=wait_s + 10.0),
-            )
-        except httpx.TransportError as exc:
-            raise FleetError(
-                ErrorCode.SPECIALIST_UNAVAILABLE,
-                f"cannot reach {agent.id} to ask about an operation",
-                retryable=True,
-            ) from exc
-        if response.status_code != 200:
-            raise FleetError(
-                ErrorCode.SPECIALIST_FAILED,
-                f"{agent.id} answered the operation query with HTTP {response.status_code}",
-            )
-        body = response.json()
-        if not isinstance(body, dict) or not isinstance(body.get("status"), str):
-            raise FleetError(
-                ErrorCode.SPECIALIST_FAILED, f"{agent.id} answered the operation query without a status"
-            )
-        return body
+        return await self._operation_call(
+            agent, status_url(_card(agent)), operation_id, tenant, "GET", wait_s, "query"
+        )
 
     async def cancel_operation(
         self, agent: AgentRecord, operation_id: str, *, tenant: str
@@ -190,26 +162,46 @@ class Delegator:
         """Cancel an operation at ``agent`` (see :mod:`fleet.operation_ext`) and return what the agent
         then says of it, as :meth:`operation_status` does; None if the agent cannot cancel operations
         (it does not declare the extension, or an earlier version of it without ``cancel_url``)."""
-        template = cancel_url(_card(agent))
+        return await self._operation_call(
+            agent, cancel_url(_card(agent)), operation_id, tenant, "POST", MAX_WAIT_S, "cancel"
+        )
+
+    async def _operation_call(
+        self,
+        agent: AgentRecord,
+        template: str | None,
+        operation_id: str,
+        tenant: str,
+        method: str,
+        wait_s: float,
+        what: str,
+    ) -> dict[str, Any] | None:
+        """One request of the operations extension to the URL ``template`` names, or None if the
+        card names none. The URL must be on the agent's own origin; the agent may hold the answer
+        up to ``wait_s`` (a status query says so with ``?wait``; a cancel waits for its effect)."""
         if template is None:
             return None
         url = template.replace("{operation_id}", quote(operation_id, safe=""))
         if _origin(url) != _origin(agent.url):
-            raise FleetError(ErrorCode.CARD_INVALID, f"{agent.id} names a cancel URL outside its own origin")
+            raise FleetError(
+                ErrorCode.CARD_INVALID, f"{agent.id} names an operation {what} URL outside its own origin"
+            )
         token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
         try:
-            response = await self._http.post(
+            response = await self._http.request(
+                method,
                 url,
+                params={"wait": f"{wait_s:g}"} if method == "GET" else None,
                 headers={"Authorization": f"Bearer {token}"},
-                timeout=httpx.Timeout(10.0, read=MAX_WAIT_S + 10.0),
+                timeout=httpx.Timeout(10.0, read=wait_s + 10.0),
             )
         except httpx.TransportError as exc:
             raise FleetError(
                 ErrorCode.SPECIALIST_UNAVAILABLE,
-                f"cannot reach {agent.id} to cancel an operation",
+                f"cannot reach {agent.id} for an operation {what}",
                 retryable=True,
             ) from exc
-        return _operation_answer(agent, response, "cancel")
+        return _operation_answer(agent, response, what)
 
 
 def _operation_answer(agent: AgentRecord, response: httpx.Response, what: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.runs import NOTIFY_CHANNEL, Lease, StaleLease, fenced_append, logged
+from coordinator.runs import NOTIFY_CHANNEL, Lease, StaleLease, fenced_append, hand_back, logged
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 
@@ -365,30 +365,12 @@ class Ledger:
                     ErrorCode.CONFLICT, f"operation {op_id} of run {run_id} does not need a person"
                 )
             seq = int(run[0]) + 1
-            await conn.execute(
-                "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now()"
-                " WHERE run_id = %s",
-                (seq, run_id),
-            )
-            await conn.execute(
-                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
-                (
-                    run_id,
-                    seq,
-                    "operation.resolved",
-                    actor,
-                    Jsonb(
-                        logged(
-                            {
-                                "op_id": op_id,
-                                "verdict": verdict,
-                                "note": note,
-                                "state": "submitted",
-                                "text": f"{actor} resolved operation {op_id}: {verdict}",
-                            }
-                        )
-                    ),
-                ),
-            )
-            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+            resolved = {
+                "op_id": op_id,
+                "verdict": verdict,
+                "note": note,
+                "state": "submitted",
+                "text": f"{actor} resolved operation {op_id}: {verdict}",
+            }
+            await hand_back(conn, run_id, seq, "operation.resolved", actor, resolved)
         return _operation(row), seq

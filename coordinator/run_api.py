@@ -62,6 +62,14 @@ def run_routes(
     saver: BaseCheckpointSaver[Any],
     policy_revision: str,
 ) -> list[Route]:
+    async def resubmit(run_id: str, attempt: str) -> None:
+        """Hand an answered run back to the workers; it is durable as submitted, so if the broker
+        cannot take it now, the workers' sweep for stranded runs will."""
+        try:
+            await submit(run_id, attempt)
+        except Exception:
+            log.warning("could not submit run %s (%s); the sweep will", run_id, attempt, exc_info=True)
+
     async def list_runs(request: Request) -> Response:
         runs = await store.list_runs(request_claims(request).tenant)
         return JSONResponse({"runs": [_run_json(r) for r in runs]})
@@ -134,10 +142,7 @@ def run_routes(
             )
         except FleetError as exc:
             return _error(exc)
-        try:
-            await submit(run_id, f"resume-{seq}")
-        except Exception:  # the run is durable as submitted: the workers' sweep picks it up
-            log.warning("could not submit resolved run %s; the sweep will", run_id, exc_info=True)
+        await resubmit(run_id, f"resume-{seq}")
         return JSONResponse({"operation": op.to_json()})
 
     async def decide(request: Request) -> Response:
@@ -152,10 +157,7 @@ def run_routes(
             seq = await store.answer_wait(run_id, claims.tenant, "budget", answer, claims.sub)
         except FleetError as exc:
             return _error(exc)
-        try:
-            await submit(run_id, f"decided-{seq}")
-        except Exception:  # the run is durable as submitted: the workers' sweep picks it up
-            log.warning("could not submit run %s after a decision; the sweep will", run_id, exc_info=True)
+        await resubmit(run_id, f"decided-{seq}")
         return JSONResponse({"run": _run_json(await store.get_run(run_id, claims.tenant)), "seq": seq})
 
     return [

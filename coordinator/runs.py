@@ -215,6 +215,38 @@ async def fenced_append(
     return int(row[0]), bool(row[1])
 
 
+async def hand_back(
+    conn: psycopg.AsyncConnection[Any],
+    run_id: str,
+    seq: int,
+    type_: str,
+    actor: str,
+    payload: Mapping[str, Any],
+    *,
+    answer: tuple[str, Mapping[str, Any]] | None = None,
+) -> None:
+    """Move a waiting run (whose row the caller has locked, last event ``seq - 1``) back to
+    ``submitted`` for the workers, clearing its wait and keeping ``answer`` (awaited, answer) if
+    given, with the event ``type_`` at ``seq``: in the caller's transaction."""
+    if answer is None:
+        await conn.execute(
+            "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now()"
+            " WHERE run_id = %s",
+            (seq, run_id),
+        )
+    else:
+        await conn.execute(
+            "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now(),"
+            " answers = answers || jsonb_build_object(%s::text, %s::jsonb) WHERE run_id = %s",
+            (seq, answer[0], Jsonb(dict(answer[1])), run_id),
+        )
+    await conn.execute(
+        "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+        (run_id, seq, type_, actor, Jsonb(logged(payload))),
+    )
+    await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+
+
 def _awaits(wait: dict[str, Any], wait_type: str, awaited: str | None) -> bool:
     """Whether a wait record awaits ``awaited`` (of ``wait_type``), or, without one, is of that type."""
     if awaited is None:
@@ -454,18 +486,9 @@ class PostgresRunStore:
                 )
             seq, awaited = int(row[0]) + 1, awaited or str(wait.get("awaited"))
             recorded = {**answer, "by": actor}
-            await conn.execute(
-                "UPDATE fleet_runs.runs SET state = 'submitted', wait = NULL, last_seq = %s, updated_at = now(),"
-                " answers = answers || jsonb_build_object(%s::text, %s::jsonb) WHERE run_id = %s",
-                (seq, awaited, Jsonb(recorded), run_id),
-            )
             payload = {"awaited": awaited, **recorded, "state": RunState.SUBMITTED.value}
             payload["text"] = text or f"{actor} answered {awaited}: {answer.get('decision', '')}"
-            await conn.execute(
-                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
-                (run_id, seq, event, actor, Jsonb(logged(payload))),
-            )
-            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+            await hand_back(conn, run_id, seq, event, actor, payload, answer=(awaited, recorded))
         return seq
 
     async def awaiting_event(self, tenant: str, subject: str, event_type: str) -> list[tuple[str, str]]:
