@@ -36,6 +36,12 @@ FAILED_STATES = {
     TaskState.TASK_STATE_CANCELED,
 }
 
+# States in which an agent asks for something before it can go on (see graph.gate_of).
+ASKING_STATES = {
+    TaskState.TASK_STATE_INPUT_REQUIRED: "input_required",
+    TaskState.TASK_STATE_AUTH_REQUIRED: "auth_required",
+}
+
 Progress = Callable[[str], Awaitable[None]]
 Activity = Callable[[], None]
 # States a stream may end in only because it was cut short: the agent may still be at it.
@@ -265,6 +271,7 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
     state = TaskState.TASK_STATE_UNSPECIFIED
     last_text = ""
     error: dict[str, Any] = {}
+    asked: list[Any] = []  # the data of the agent's last status message
     async for event in stream:
         activity()
         kind = event.WhichOneof("payload")
@@ -274,7 +281,8 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
             state = event.status_update.status.state
             parts = event.status_update.status.message.parts
             text = " ".join(get_text_parts(parts))
-            for data in get_data_parts(parts):
+            asked = get_data_parts(parts)
+            for data in asked:
                 if isinstance(data, dict) and isinstance(data.get("error"), dict):
                     error = data["error"]
             if text:
@@ -291,6 +299,11 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
         raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent_id}: {last_text or 'failed'}")
     if state in UNFINISHED_STATES:
         raise CallInterrupted(agent_id)  # the stream ended, the task did not: ask the agent
+    if state in ASKING_STATES:
+        # The agent asks for input (or for authorization) before it can go on: a gate. The step
+        # pauses the run until a person answers, and the answer goes into the step's next call.
+        status = ASKING_STATES[state]
+        return {"status": status, "question": last_text or f"{agent_id}: {status}", "details": asked}
     if state != TaskState.TASK_STATE_COMPLETED:
         raise FleetError(
             ErrorCode.SPECIALIST_FAILED, f"{agent_id} ended the step in state {TaskState.Name(state)}"

@@ -21,6 +21,7 @@ operation reconciled as after a crash.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,15 @@ class StepDispatcher:
         self._redispatches = 0
         self._known: Operation | None = None
         self._agent: AgentRecord | None = None
+        # When the operation's outcome was recorded (as the ledger says, for a replay): a stable
+        # time for what follows from it, such as the deadline of an approval it asks for.
+        self.settled_at: dt.datetime | None = None
+        self.op_id = ""  # the operation's id, once recorded
+
+    @property
+    def agent(self) -> AgentRecord | None:
+        """The agent the step went to, once known."""
+        return self._agent
 
     @property
     def _args(self) -> dict[str, Any]:
@@ -190,16 +200,19 @@ class StepDispatcher:
                 )
                 raise  # not reached: _needs_human raises
             crash_point("worker.after_intent", self._skill)
+            self.op_id = op.op_id
             if created:
                 self._agent = agent
                 return await self._dispatch(op, agent)
         # A replay: the operation was recorded by an earlier attempt.
+        self.op_id = op.op_id
         self._agent = await (self._named(op) if op.status != OpStatus.PENDING else self._find(op))
         _announce(self._opening(self._agent))
         if op.args_hash != args_hash(self._args):
             await self._needs_human(op, "the step was replayed with other arguments than were sent")
         if op.status == OpStatus.SUCCEEDED:
             _announce(self._closing())
+            self.settled_at = op.updated_at
             return dict(op.result or {})
         if op.status == OpStatus.FAILED:
             error = op.error or {}
@@ -245,7 +258,9 @@ class StepDispatcher:
             await self._record(op, OpStatus.FAILED, error=_error_of(exc))
             raise
         crash_point("worker.before_result", self._skill)
+        crash_point("worker.before_result", self._step_id)  # one call of a step (e.g. after a gate)
         await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
+        self.settled_at = dt.datetime.now(dt.UTC)
         return result
 
     async def _supervised(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
@@ -351,6 +366,7 @@ class StepDispatcher:
                 case "succeeded":
                     result = status.get("result") or {}
                     await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
+                    self.settled_at = dt.datetime.now(dt.UTC)
                     return dict(result)
                 case "failed" | "canceled":
                     error = status.get("error") or {"code": ErrorCode.SPECIALIST_FAILED, "message": "failed"}

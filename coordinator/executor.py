@@ -17,6 +17,7 @@ from coordinator.delegation import Delegator
 from coordinator.handler import follow
 from coordinator.plan import Step, plan_request
 from coordinator.runs import PostgresRunStore
+from coordinator.signals import Signal, SignalDesk, parse_signal
 from coordinator.task_events import TaskFold, event_id_of, initial_task
 from coordinator.task_store import PostgresTaskStore
 from fleet.a2a_support import claims_of
@@ -32,6 +33,32 @@ def _request_of(context: RequestContext) -> dict[str, Any]:
     return {"text": " ".join(get_text_parts(parts)), "data": get_data_parts(parts)}
 
 
+YES = frozenset({"approve", "approved", "yes", "ok"})
+NO = frozenset({"reject", "rejected", "no", "deny"})
+
+
+def signal_of_message(task_id: str, texts: list[str], data: list[Any]) -> Signal:
+    """The signal a follow-up message gives: a data part with an ``action`` is a signal as the run
+    API takes it; other data is input; a text of ``approve``/``yes`` approves, ``reject``/``no``
+    rejects, and any other text is input (``{"text": ...}``)."""
+    objects = [d for d in data if isinstance(d, dict)]
+    text = " ".join(texts).strip()
+    for body in objects:
+        if "action" in body:
+            return parse_signal(task_id, body, "a2a")
+    if objects:
+        merged: dict[str, Any] = {k: v for body in objects for k, v in body.items()}
+        return parse_signal(task_id, {"action": "input", "input": merged, "note": text}, "a2a")
+    word = text.lower().rstrip(".!")
+    if word in YES:
+        return parse_signal(task_id, {"action": "approve"}, "a2a")
+    if word in NO:
+        return parse_signal(task_id, {"action": "reject"}, "a2a")
+    if not text:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "a follow-up message needs text or data")
+    return parse_signal(task_id, {"action": "input", "input": {"text": text}}, "a2a")
+
+
 class CoordinatorExecutor(AgentExecutor):
     """The A2A side of a run: plan, create the run, hand it to the workers, and relay its event log
     to the caller until the task ends or waits for someone. The run itself is advanced by a worker,
@@ -45,6 +72,7 @@ class CoordinatorExecutor(AgentExecutor):
         tasks: PostgresTaskStore,
         submit: Callable[[str], Awaitable[None]],
         listen_dsn: str,
+        desk: SignalDesk,
     ) -> None:
         self._delegator = delegator
         self._engine = engine
@@ -52,6 +80,7 @@ class CoordinatorExecutor(AgentExecutor):
         self._tasks = tasks
         self._submit = submit
         self._listen_dsn = listen_dsn
+        self._desk = desk
 
     async def _plan(self, context: RequestContext, tenant: str) -> list[Step]:
         """Plan and check that every skill has a specialist, before the run is accepted."""
@@ -70,9 +99,12 @@ class CoordinatorExecutor(AgentExecutor):
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
         claims = claims_of(context.call_context)
+        if context.current_task is not None:
+            await self._follow_up(context, context.current_task, event_queue)
+            return
         steps = await self._plan(context, claims.tenant)
         assert context.message is not None
-        task = context.current_task or new_task_from_user_message(context.message)
+        task = new_task_from_user_message(context.message)
         plan = [s.to_dict() for s in steps]
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan)
         if context.call_context is not None:  # its context id, before the task is shown to anyone
@@ -81,13 +113,27 @@ class CoordinatorExecutor(AgentExecutor):
             await self._submit(task.id)
         except Exception:  # the run is durable already: the workers' sweep re-submits it
             log.warning("could not submit run %s; the stranded-run sweep will", task.id, exc_info=True)
-        if context.current_task is None:
-            await event_queue.enqueue_event(task)
-            fold = TaskFold(initial_task(task.id, task.context_id, context.message))
-        else:  # a follow-up message: relay what happens from here on (on a copy: the SDK owns `task`)
-            current = Task()
-            current.CopyFrom(task)
-            fold = TaskFold(current, event_id_of(task.metadata) or 0)
+        await event_queue.enqueue_event(task)
+        fold = TaskFold(initial_task(task.id, task.context_id, context.message))
+        async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._listen_dsn):
+            await event_queue.enqueue_event(update)
+
+    async def _follow_up(self, context: RequestContext, task: Task, event_queue: EventQueue) -> None:
+        """A follow-up message on a task: a signal for its run (an approval, a rejection, or
+        input for what it waits for), then the relay of what happens from here on."""
+        claims = claims_of(context.call_context)
+        parts = list(context.message.parts) if context.message else []
+        try:
+            signal = signal_of_message(task.id, get_text_parts(parts), get_data_parts(parts))
+            outcome = await self._desk.apply(signal, claims)
+        except FleetError as exc:
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
+        log.info("follow-up on task %s: %s %s", task.id, signal.action, outcome.outcome)
+        current = Task()  # on a copy: the SDK owns `task`
+        current.CopyFrom(task)
+        fold = TaskFold(current, event_id_of(task.metadata) or 0)
         async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._listen_dsn):
             await event_queue.enqueue_event(update)
 

@@ -65,6 +65,7 @@ class StepTask(TypedDict):
     results: dict[str, Any]
     offset: int  # for a batch step: the items done already
     batch: dict[str, int]  # for a batch step: call_size and checkpoint_every
+    approvals: dict[str, Any]  # deadlines of approvals, from policy when the run started
 
 
 def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
@@ -375,6 +376,120 @@ def wait_for_event(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     }
 
 
+# The gate: a step's result that asks a person before the step can go on.
+DEFAULT_APPROVAL_DEADLINE: dict[str, Any] = {
+    "timeout_s": 86400.0,
+    "warn_before_s": 3600.0,
+    "on_expired": "expire",
+    "escalate_for_s": 3600.0,
+}
+GATE_CHOICES = {"approval": ["approve", "reject"], "input": ["input", "reject"]}
+
+
+def gate_of(result: Any) -> dict[str, Any] | None:
+    """What a step's result asks of a person before the step can go on, or None: a tool or skill
+    result ``{"status": "pending_approval"}`` asks for an approval; ``{"user_input_required":
+    true}``, or a specialist task that ended ``input-required`` or ``auth-required`` (the
+    delegation reports it as ``{"status": "input_required"|"auth_required"}``), asks for input."""
+    if not isinstance(result, dict):
+        return None
+    status = result.get("status")
+    if status == "pending_approval":
+        kind = "approval"
+    elif result.get("user_input_required") is True or status in ("input_required", "auth_required"):
+        kind = "input"
+    else:
+        return None
+    why = next(
+        (str(result[k]) for k in ("why", "question", "message", "reason") if isinstance(result.get(k), str)),
+        "the step needs approval" if kind == "approval" else "the step needs input",
+    )
+    return {"type": kind, "why": why, "asked": result}
+
+
+def approval_deadline(approvals: dict[str, Any], skill: str) -> dict[str, Any]:
+    """The deadline policy of a gate on ``skill`` (see approvals.rego), as fixed at the run's start."""
+    found = (approvals.get("skills") or {}).get(skill) or approvals.get("default") or {}
+    return {**DEFAULT_APPROVAL_DEADLINE, **found}
+
+
+def await_gate(
+    step: dict[str, Any],
+    gate: dict[str, Any],
+    number: int,
+    dispatcher: StepDispatcher,
+    approvals: dict[str, Any],
+) -> dict[str, Any]:
+    """Park the run until a person answers the gate (no process waits) and return the answer:
+    ``approve``, ``input`` (with ``input``), ``reject``, or ``expired``. The wait is keyed
+    ``approval:<step>:<n>``: the answer is delivered to this gate and no other. Its deadline
+    counts from when the asking result was recorded (the same on every replay). At the deadline,
+    policy decides: expire, or escalate once (a new key, for escalate_for_s more) and then expire."""
+    policy = approval_deadline(approvals, step["skill"])
+    asked_at = dispatcher.settled_at or dt.datetime.now(dt.UTC)
+    awaited = f"approval:{step['id']}:{number}"
+    deadline = asked_at + dt.timedelta(seconds=float(policy["timeout_s"]))
+    escalated = False
+    while True:
+        request = {
+            "type": gate["type"],
+            "awaited": awaited,
+            "step": step["id"],
+            "skill": step["skill"],
+            "agent": dispatcher.agent_id,
+            "op_id": dispatcher.op_id,
+            "why": gate["why"],
+            "asked": gate["asked"],
+            "choices": GATE_CHOICES[gate["type"]],
+            "deadline": deadline.isoformat(),
+            "warn_at": (deadline - dt.timedelta(seconds=float(policy["warn_before_s"]))).isoformat(),
+            "on_expired": "escalate" if policy["on_expired"] == "escalate" and not escalated else "expire",
+            "escalated": escalated,
+        }
+        answer = interrupt(request)
+        decision = answer.get("decision") if isinstance(answer, dict) else None
+        if decision in ("approve", "input", "reject"):
+            return {**answer, "awaited": awaited}
+        if decision == "expired":
+            if request["on_expired"] != "escalate":
+                return {**answer, "deadline": request["deadline"]}
+            escalated = True
+            awaited = f"{awaited}:escalated"
+            deadline += dt.timedelta(seconds=float(policy["escalate_for_s"]))
+        # Otherwise the run was resumed for another wait (a parallel step's): ask again.
+
+
+def answered(payload: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """The input of a gated step's next call: what it had, the approval, and the person's input."""
+    approval = {"id": answer.get("awaited"), "by": answer.get("by"), "note": answer.get("note", "")}
+    update: dict[str, Any] = {"approval": approval}
+    if answer.get("input") is not None:
+        update["input"] = answer["input"]
+    return {**payload, **update}
+
+
+def _gate_closed(step: dict[str, Any], answer: dict[str, Any], agent_id: str) -> dict[str, Any]:
+    """The step's end at a gate: rejected by a person, or nobody answered in time (never reported
+    as a rejection)."""
+    if answer["decision"] == "reject":
+        note = f": {answer['note']}" if answer.get("note") else ""
+        failure = {
+            "step": step["id"],
+            "skill": step["skill"],
+            "code": str(ErrorCode.APPROVAL_REJECTED),
+            "message": f"rejected by {answer.get('by')}{note}",
+        }
+    else:
+        failure = {
+            "step": step["id"],
+            "skill": step["skill"],
+            "code": str(ErrorCode.APPROVAL_EXPIRED),
+            "message": f"nobody answered by {answer.get('deadline')}",
+        }
+    _emit("step.failed", {**failure, "agent": agent_id}, f"step {step['id']}: {failure['message']}")
+    return {"failure": failure, "outcomes": [{"step": step["id"], "agent": agent_id, "status": "failed"}]}
+
+
 def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
     results = state.get("results", {})
     defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
@@ -385,6 +500,7 @@ def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
         results={d: results[d] for d in dependencies(step) if d in results},
         offset=state.get("batches", {}).get(step["id"], 0),
         batch={**defaults, **(step.get("batch") or {})},
+        approvals=(state.get("limits") or {}).get("approvals") or {},
     )
 
 
@@ -451,6 +567,27 @@ def build_graph(
         )
         try:
             result = await _run_or_wait(dispatcher, step["id"])
+            number = 0
+            while (gate := gate_of(result)) is not None:
+                # The step asks a person first (approval, or input). Its answer goes into the
+                # step's next call, a new operation (its own id, so the ledger sends it once).
+                answer = await_gate(step, gate, number, dispatcher, task["approvals"])
+                if answer["decision"] in ("reject", "expired"):
+                    return _gate_closed(step, answer, dispatcher.agent_id)
+                number += 1
+                payload = answered(payload, answer)
+                asked = dispatcher.agent
+                dispatcher = StepDispatcher(
+                    delegator,
+                    runtime.context,
+                    step_id=f"{step['id']}~{number}",
+                    skill=step["skill"],
+                    payload=payload,
+                    tenant=task["tenant"],
+                    progress=progress,
+                    announce=True,
+                )
+                result = await _run_or_wait(dispatcher, step["id"], asked)
         except (StaleLease, CancelRequested):
             raise  # not the step's failure: this worker must stop writing
         except FleetError as exc:

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from coordinator.debug_bundle import bundle
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
+from coordinator.signals import SignalDesk, parse_signal
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 
@@ -61,6 +62,7 @@ def run_routes(
     listen_dsn: str,
     saver: BaseCheckpointSaver[Any],
     policy_revision: str,
+    desk: SignalDesk,
 ) -> list[Route]:
     async def resubmit(run_id: str, attempt: str) -> None:
         """Hand an answered run back to the workers; it is durable as submitted, so if the broker
@@ -160,8 +162,30 @@ def run_routes(
         await resubmit(run_id, f"decided-{seq}")
         return JSONResponse({"run": _run_json(await store.get_run(run_id, claims.tenant)), "seq": seq})
 
+    async def signal(request: Request) -> Response:
+        """A signal for a run (approve, reject, input, extend, cancel; see
+        :mod:`coordinator.signals`): what came of it, a no-op included. Policy decides who may."""
+        claims = request_claims(request)
+        try:
+            given = parse_signal(request.path_params["run_id"], await _json_body(request), "api")
+            outcome = await desk.apply(given, claims)
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse(outcome.to_json())
+
+    async def signals(request: Request) -> Response:
+        claims = request_claims(request)
+        run_id = request.path_params["run_id"]
+        try:
+            await store.get_run(run_id, claims.tenant)
+        except RunNotFound as exc:
+            return _error(exc)
+        return JSONResponse({"signals": await desk.for_run(run_id, claims.tenant)})
+
     return [
         Route("/v1/runs", list_runs),
+        Route("/v1/runs/{run_id}/signals", signal, methods=["POST"]),
+        Route("/v1/runs/{run_id}/signals", signals, methods=["GET"]),
         Route("/v1/runs/{run_id}/decision", decide, methods=["POST"]),
         Route("/v1/runs/{run_id}/debug-bundle", debug_bundle),
         Route("/v1/runs/{run_id}", get_run),

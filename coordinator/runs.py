@@ -491,6 +491,45 @@ class PostgresRunStore:
             await hand_back(conn, run_id, seq, event, actor, payload, answer=(awaited, recorded))
         return seq
 
+    async def extend_wait(self, run_id: str, tenant: str, awaited: str, extend_s: float, actor: str) -> int:
+        """Move the deadline (and the warning) of what a waiting run awaits ``extend_s`` seconds
+        later, under the run's row lock; the seq of the ``wait.extended`` event. Raise ``conflict``
+        if the run does not wait for ``awaited``."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "SELECT last_seq, wait FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s"
+                " AND state = 'waiting' FOR UPDATE",
+                (run_id, tenant),
+            )
+            row = await cursor.fetchone()
+            wait = row[1] if row is not None else None
+            if row is None or not isinstance(wait, dict) or wait.get("awaited") != awaited:
+                raise FleetError(ErrorCode.CONFLICT, f"run {run_id} is not waiting for {awaited}")
+            step = dt.timedelta(seconds=extend_s)
+            now = dt.datetime.now(dt.UTC)
+            deadline = max(dt.datetime.fromisoformat(wait["deadline"]), now) if wait.get("deadline") else now
+            moved = {**wait, "deadline": (deadline + step).isoformat()}
+            if wait.get("warn_at"):
+                moved["warn_at"] = (dt.datetime.fromisoformat(wait["warn_at"]) + step).isoformat()
+            moved.pop("warned", None)
+            seq = int(row[0]) + 1
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET wait = %s, last_seq = %s, updated_at = now() WHERE run_id = %s",
+                (Jsonb(moved), seq, run_id),
+            )
+            payload = {
+                "awaited": awaited,
+                "deadline": moved["deadline"],
+                "by": actor,
+                "text": f"{actor} extended the deadline of {awaited} to {moved['deadline']}",
+            }
+            await conn.execute(
+                "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+                (run_id, seq, "wait.extended", actor, Jsonb(logged(payload))),
+            )
+            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+        return seq
+
     async def awaiting_event(self, tenant: str, subject: str, event_type: str) -> list[tuple[str, str]]:
         """(run id, awaited) of the tenant's runs that wait for an event on ``subject`` (of
         ``event_type``, if their wait names one). For the trigger ingest."""

@@ -26,6 +26,7 @@ from coordinator.operations import Ledger
 from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
+from coordinator.signals import SignalDesk, SignalIngest
 from coordinator.task_store import PostgresTaskStore, sweep_retention
 from coordinator.triggers import TriggerIngest
 from fleet.a2a_support import (
@@ -129,12 +130,13 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
     saver = AsyncPostgresSaver(pool_for_checkpoints)  # read here (debug bundles); workers write
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
+    desk = SignalDesk(run_pool, runs, engine, submitter.submit)
     handler = CoordinatorRequestHandler(
         tasks=tasks,
         runs=runs,
         listen_dsn=settings.pg_dsn,
         agent_executor=CoordinatorExecutor(
-            delegator, engine, runs, tasks, submitter.submit, listen_dsn=settings.pg_dsn
+            delegator, engine, runs, tasks, submitter.submit, listen_dsn=settings.pg_dsn, desk=desk
         ),
         agent_card=card,
         push_config_store=push_configs,
@@ -144,6 +146,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     readiness = Readiness(settings.service_id, "coordinator")
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(settings.pg_dsn)]
     jobs.append(lambda: TriggerIngest(submitter.client, runs, engine).run())
+    jobs.append(lambda: SignalIngest(submitter.client, desk, registry.verifier()).run())
     if settings.event_retention_s is not None:
         retention_s = settings.event_retention_s
         jobs.append(lambda: sweep_retention(tasks, retention_s, settings.retention_sweep_s))
@@ -163,6 +166,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             await tasks.setup()
             await push_configs.setup()
             await saver.setup()
+            await desk.setup()
             await stack.enter_async_context(submitter)
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
             await stack.enter_async_context(background(*jobs))
@@ -178,7 +182,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         lifespan=lifespan,
         extra_routes=[
             jwks_route(registry.key),
-            *run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine.revision),
+            *run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine.revision, desk),
         ],
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )

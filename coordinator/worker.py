@@ -32,7 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from coordinator import work
+from coordinator import signals, work
 from coordinator.delegation import Delegator
 from coordinator.dispatch import ActivityClock, RunScope, settle_pending
 from coordinator.graph import build_graph, checkpoint_pool
@@ -131,6 +131,11 @@ def _expiry_event(wait: dict[str, Any]) -> dict[str, str]:
     expires (never a denial)."""
     if wait.get("type") == "timer":
         return {"event": "timer.due", "text": f"{wait.get('awaited')} is due ({wait['deadline']})"}
+    if (wait.get("detail") or {}).get("on_expired") == "escalate":
+        return {
+            "event": "approval.escalated",
+            "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}: escalated",
+        }
     if wait.get("type") == "event":
         return {
             "event": "wait.expired",
@@ -163,6 +168,7 @@ class RunWorker:
         self._ledger = ledger
         self._id = worker_id
         self._ttl = lease_ttl_s
+        self.approvals: JetStreamContext | None = None  # where approval requests go, once connected
 
     async def consume(self, subscription: JetStreamContext.PullSubscription, ready: asyncio.Event) -> None:
         """Take messages one at a time until cancelled."""
@@ -193,7 +199,10 @@ class RunWorker:
             await message.ack()
             return
         if run.state == RunState.WAITING:
-            # Parked for a person: nothing to do until a resolution re-submits it.
+            # Parked for a person: nothing to do until an answer re-submits it. Its approval
+            # requests are published again (the stream drops a repeat), in case the worker that
+            # parked it died before it could.
+            await self.announce(run.run_id, run.tenant, run.wait or {})
             await message.ack()
             return
         lease = await self._store.acquire_lease(run_id, self._id, self._ttl)
@@ -300,7 +309,7 @@ class RunWorker:
                 streamed = self._stream(graph_input, config, lease, scope)
                 parked = await _unless(signals, streamed, run.run_id)
                 if parked.interrupts:
-                    await self._park(lease, [i.value for i in parked.interrupts])
+                    await self._park(lease, run.tenant, [i.value for i in parked.interrupts])
                     return
                 final = dict(parked.values)
         except (StaleLease, CancelRequested, psycopg.OperationalError):
@@ -333,7 +342,7 @@ class RunWorker:
         except Exception:  # pruning is housekeeping: never fail a finished run over it
             log.warning("could not prune the checkpoints of run %s", run_id, exc_info=True)
 
-    async def _park(self, lease: Lease, awaiting: list[Any]) -> None:
+    async def _park(self, lease: Lease, tenant: str, awaiting: list[Any]) -> None:
         """Record that the run waits (what for, since when) and let go of it: no process waits.
         The wait record names the first thing awaited; ``detail.all`` lists every one."""
         requests = [
@@ -353,6 +362,17 @@ class RunWorker:
         }
         text = f"waiting for a person: {request.get('why', wait['type'])}"
         await self._store.transition(lease, RunState.WAITING, self._id, {"text": text}, wait=wait)
+        await self.announce(lease.run_id, tenant, wait)
+
+    async def announce(self, run_id: str, tenant: str, wait: dict[str, Any]) -> None:
+        """Publish the approval requests of a parked run on NATS (see :mod:`coordinator.signals`).
+        Best effort: the wait is durable already, and a redelivered work message publishes again."""
+        if self.approvals is None:
+            return
+        try:
+            await signals.announce(self.approvals, run_id, tenant, wait)
+        except Exception:
+            log.warning("could not publish the approval requests of run %s", run_id, exc_info=True)
 
     async def _stream(
         self,
@@ -377,7 +397,9 @@ class RunWorker:
         failure = final.get("failure")
         if failure:
             payload = {"failure": failure, "text": failure_text(failure)}
-            await self._store.transition(lease, RunState.FAILED, self._id, payload, reason=failure["code"])
+            # A person said no: the run is rejected (an expiry, nobody saying anything, is a failure).
+            ended = RunState.REJECTED if failure["code"] == ErrorCode.APPROVAL_REJECTED else RunState.FAILED
+            await self._store.transition(lease, ended, self._id, payload, reason=failure["code"])
             return
         results = final.get("results", {})
         done_by = {o["step"]: o["agent"] for o in final.get("outcomes", []) if o.get("status") == "completed"}
@@ -448,12 +470,19 @@ def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
-    """The run's budget and convergence limits, decided by policy when the run starts; a policy
+    """The run's budget and convergence limits and the deadlines of its approvals, decided by
+    policy when the run starts; a policy
     that cannot be evaluated or is invalid fails the start (closed, with a clear reason)."""
     decision = engine.decide("fleet.budgets.decision", {"tenant": tenant})
     if not decision.allow:
         raise PolicyError(f"the budget policy is invalid: {'; '.join(decision.reasons)}")
-    return {key: decision.result[key] for key in ("limits", "convergence", "batch")}
+    approvals = engine.decide("fleet.approvals.deadlines", {"tenant": tenant})
+    if not approvals.allow:
+        raise PolicyError(f"the approvals policy is invalid: {'; '.join(approvals.reasons)}")
+    return {
+        **{key: decision.result[key] for key in ("limits", "convergence", "batch")},
+        "approvals": {key: approvals.result[key] for key in ("default", "skills")},
+    }
 
 
 def build_worker_app(settings: WorkerSettings) -> Starlette:
@@ -494,6 +523,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await ledger.setup()
             nc = await connect(settings.nats_url, settings.service_id)
             stack.push_async_callback(nc.drain)
+            worker.approvals = nc.jetstream()
             # One pull subscription per consumer task: they must not share an inbox.
             subscriptions = [
                 await work.subscribe(nc, settings.ack_wait_s) for _ in range(settings.concurrency)

@@ -74,6 +74,25 @@ def _parser() -> argparse.ArgumentParser:
         decide.add_argument(f"--{limit}", type=float, default=None, help="for the new tranche")
     decide.add_argument("--note", default="", help="why: recorded with your identity")
     decide.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    for verb, what in (
+        ("approve", "approve what a run waits for"),
+        ("reject", "reject what a run waits for"),
+    ):
+        answer = with_dir(sub.add_parser(verb, help=what))
+        answer.add_argument("run_id")
+        if verb == "approve":
+            answer.add_argument("--input", default=None, help="input for the step, a JSON object")
+        answer.add_argument("--note", default="", help="why: recorded with your identity")
+        answer.add_argument(
+            "--awaited", default=None, help="the wait to answer (default: the one it waits at)"
+        )
+        answer.add_argument("--id", default=None, help="a signal id: a repeat with the same id is a no-op")
+        answer.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    extend = with_dir(runs_sub.add_parser("extend", help="move the deadline of what a run waits for"))
+    extend.add_argument("run_id")
+    extend.add_argument("--seconds", type=float, required=True, help="how much later")
+    extend.add_argument("--awaited", default=None)
+    extend.add_argument("--tenant", default="default", help="the tenant the run belongs to")
     events = sub.add_parser("events", help="ambient events on NATS")
     events_sub = events.add_subparsers(dest="events_command", required=True)
     publish = with_dir(events_sub.add_parser("publish", help="publish an event (fleet.events.<...>)"))
@@ -135,6 +154,21 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         return asyncio.run(
             operator_cli.decide(layout, args.run_id, args.decision, limits, args.note, args.tenant)
         )
+    if command in ("approve", "reject"):
+        body: dict[str, Any] = {"action": command, "note": args.note}
+        if getattr(args, "input", None) is not None:
+            try:
+                body["input"] = json.loads(args.input)
+            except json.JSONDecodeError:
+                print("fleet: --input must be JSON", file=sys.stderr)
+                return EXIT_USAGE
+        body.update({k: v for k in ("awaited", "id") if (v := getattr(args, k)) is not None})
+        return asyncio.run(operator_cli.send_signal(layout, args.run_id, body, args.tenant))
+    if command == "runs" and args.runs_command == "extend":
+        body = {"action": "extend", "extend_s": args.seconds}
+        if args.awaited is not None:
+            body["awaited"] = args.awaited
+        return asyncio.run(operator_cli.send_signal(layout, args.run_id, body, args.tenant))
     if command == "runs":
         out_dir = args.out_dir or Path(f"run-{args.run_id}")
         return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant)

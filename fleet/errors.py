@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     PUSH_URL_REFUSED = "push_url_refused"
     APPROVAL_EXPIRED = "approval_expired"
     CANCELED = "canceled"
+    APPROVAL_REJECTED = "approval_rejected"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -49,6 +50,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.OUTCOME_UNKNOWN: 502,
     ErrorCode.NEEDS_HUMAN: 409,
     ErrorCode.CANCELED: 409,
+    ErrorCode.APPROVAL_REJECTED: 409,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,

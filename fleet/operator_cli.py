@@ -146,11 +146,35 @@ async def decide(
     return EXIT_OK
 
 
+EXIT_NO_OP = 4  # a signal that changed nothing (answered already, nothing awaited, the run ended)
+
+
+async def send_signal(layout: StackLayout, run_id: str, body: dict[str, Any], tenant: str) -> int:
+    """Send a signal for a run as the operator (approve, reject, extend); exit 0 if it was
+    applied (a repeat of a signal id gets its first answer again), 4 if it was a recorded no-op."""
+    code, answer = await _post_for_run(
+        layout, tenant, f"/v1/runs/{run_id}/signals", body, scopes=("agent:invoke", "runs:approve")
+    )
+    if answer is None:
+        return code
+    if answer["applied"]:
+        again = " (this signal was received before: nothing new happened)" if answer["repeated"] else ""
+        print(f"run {run_id}: {body['action']} applied to {answer['awaited'] or 'the run'}{again}")
+        return EXIT_OK
+    reasons = "; ".join(answer.get("reasons", []))
+    print(f"run {run_id}: {body['action']} changed nothing ({answer['outcome']}: {reasons})")
+    return EXIT_NO_OP
+
+
 async def _post_for_run(
-    layout: StackLayout, tenant: str, path: str, body: dict[str, Any]
+    layout: StackLayout,
+    tenant: str,
+    path: str,
+    body: dict[str, Any],
+    scopes: tuple[str, ...] = ("agent:invoke", "runs:resolve"),
 ) -> tuple[int, dict[str, Any] | None]:
-    """POST ``body`` to the coordinator's run API as the operator (scope ``runs:resolve``): the
-    answer, or the exit code and None after printing the error."""
+    """POST ``body`` to the coordinator's run API as the operator (with ``scopes``): the answer,
+    or the exit code and None after printing the error."""
     try:
         endpoints = running_endpoints(layout)
     except FleetError as exc:
@@ -158,7 +182,7 @@ async def _post_for_run(
         return EXIT_NOT_RUNNING, None
     async with httpx.AsyncClient(timeout=60.0) as http:
         client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
-        token = await client.token("coordinator", tenant, ["agent:invoke", "runs:resolve"])
+        token = await client.token("coordinator", tenant, list(scopes))
         response = await http.post(
             endpoints["coordinator"] + path, headers={"Authorization": f"Bearer {token}"}, json=body
         )

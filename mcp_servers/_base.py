@@ -22,7 +22,7 @@ from fleet.errors import FleetError
 from fleet.service import Readiness
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
-from policy import PolicyEngine
+from policy import Decision, PolicyEngine
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,13 @@ def current_claims() -> Claims:
 
 def authorize_call(engine: PolicyEngine, server_id: str, tool: str, arguments: dict[str, Any]) -> Claims:
     """Ask policy whether the current caller may run ``tool``; raise a tool error if not."""
+    return authorize(engine, server_id, tool, arguments)[0]
+
+
+def authorize(
+    engine: PolicyEngine, server_id: str, tool: str, arguments: dict[str, Any]
+) -> tuple[Claims, Decision]:
+    """:func:`authorize_call`, with the decision (e.g. whether the call needs an approval)."""
     claims = current_claims()
     try:
         decision = engine.decide(
@@ -91,7 +98,7 @@ def authorize_call(engine: PolicyEngine, server_id: str, tool: str, arguments: d
     )
     if not decision.allow:
         raise ToolError(f"[policy_denied] {'; '.join(decision.reasons)} (decision {decision.decision_id})")
-    return claims
+    return claims, decision
 
 
 def build_app(

@@ -3,6 +3,10 @@
 - ``open_case`` opens a review case. It takes an idempotency key: the same key opens at most one case
   (per tenant), and a repeat returns that case. ``case_status`` answers, by key, whether the case was
   opened: a caller that lost an answer can ask instead of trying again.
+- ``issue_refund`` refunds an amount, at most once per idempotency key. Policy (``fleet.tools``) says
+  which amounts need an approval: without one, the tool does nothing and answers
+  ``{"status": "pending_approval"}``, and the run that called it pauses at a gate until a person
+  answers; the approved call carries the approval's id, recorded with the refund.
 - ``post_note`` posts a note to a channel. It has neither a key nor a status query, like many real
   notification APIs: if a call times out, nobody can tell whether the note went out.
 
@@ -29,6 +33,7 @@ from fleet.settings import ServiceSettings
 from mcp_servers._base import (
     RegistryTokenVerifier,
     auth_settings,
+    authorize,
     authorize_call,
 )
 from mcp_servers._pg import database_tool_app, pg_message
@@ -37,7 +42,7 @@ from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
-TOOLS = ["open_case", "open_cases", "case_status", "post_note"]
+TOOLS = ["open_case", "open_cases", "case_status", "post_note", "issue_refund"]
 MAX_BULK = 500
 WRITER_ROLE = "fleet_cases_writer"
 TENANT_SETTING = "fleet.tenant"
@@ -82,6 +87,32 @@ BEGIN
             WITH CHECK (tenant_id = current_setting('{TENANT_SETTING}', true));
     END IF;
 END $$;
+CREATE TABLE IF NOT EXISTS tenant_data.refunds (
+    id              bigserial PRIMARY KEY,
+    tenant_id       text NOT NULL,
+    idempotency_key text NOT NULL,
+    subject         text NOT NULL,
+    amount_cents    bigint NOT NULL,
+    approval_id     text,
+    approved_by     text,
+    attempts        integer NOT NULL DEFAULT 1,
+    refunded_at     timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (tenant_id, idempotency_key)
+);
+ALTER TABLE tenant_data.refunds ENABLE ROW LEVEL SECURITY;
+ALTER TABLE tenant_data.refunds FORCE ROW LEVEL SECURITY;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_policies WHERE schemaname = 'tenant_data'
+                   AND tablename = 'refunds' AND policyname = 'tenant_isolation') THEN
+        CREATE POLICY tenant_isolation ON tenant_data.refunds
+            USING (tenant_id = current_setting('{TENANT_SETTING}', true))
+            WITH CHECK (tenant_id = current_setting('{TENANT_SETTING}', true));
+    END IF;
+END $$;
+GRANT SELECT, INSERT ON tenant_data.refunds TO {WRITER_ROLE};
+GRANT UPDATE (attempts) ON tenant_data.refunds TO {WRITER_ROLE};
+GRANT USAGE ON SEQUENCE tenant_data.refunds_id_seq TO {WRITER_ROLE};
 GRANT USAGE ON SCHEMA tenant_data TO {WRITER_ROLE};
 ALTER TABLE tenant_data.cases ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 1;
 GRANT SELECT, INSERT ON tenant_data.cases, tenant_data.notes TO {WRITER_ROLE};
@@ -116,6 +147,13 @@ class CaseStatus(TypedDict):
 
 class NoteResult(TypedDict):
     note_id: int
+
+
+class RefundResult(TypedDict):
+    status: str  # "refunded" or "pending_approval"
+    refund_id: int | None
+    created: bool  # false for a repeat of a refund already made under the key
+    why: str
 
 
 class CaseTools:
@@ -179,6 +217,25 @@ class CaseTools:
                 for key, subject, _ in cases
             ]
         )
+
+    async def refund(
+        self, tenant: str, key: str, subject: str, amount_cents: int, approval: tuple[str, str] | None
+    ) -> RefundResult:
+        """Refund once per key; a repeat returns the refund and counts the attempt."""
+        try:
+            async with self._tenant_tx(tenant) as conn:
+                cursor = await conn.execute(
+                    "INSERT INTO tenant_data.refunds"
+                    " (tenant_id, idempotency_key, subject, amount_cents, approval_id, approved_by)"
+                    " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (tenant_id, idempotency_key)"
+                    " DO UPDATE SET attempts = tenant_data.refunds.attempts + 1 RETURNING id, xmax = 0",
+                    (tenant, key, subject, amount_cents, *(approval or (None, None))),
+                )
+                row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            raise ToolError(f"[tool_failed] could not refund: {pg_message(exc)}") from exc
+        assert row is not None
+        return RefundResult(status="refunded", refund_id=int(row[0]), created=bool(row[1]), why="")
 
     async def case_status(self, tenant: str, key: str) -> CaseStatus:
         async with self._tenant_tx(tenant) as conn:
@@ -260,6 +317,32 @@ def build_server(
         """Post a note to a channel. Not idempotent, and there is no way to ask afterwards."""
         claims = authorize_call(engine, server, "post_note", {})
         return await tools.post_note(claims.tenant, _text(channel, "channel", 100), _text(body, "body", 4000))
+
+    @mcp.tool()
+    async def issue_refund(
+        subject: str, amount_cents: int, idempotency_key: str, approval_id: str = "", approved_by: str = ""
+    ) -> RefundResult:
+        """Refund an amount (in cents) to a subject, at most once per idempotency key. An amount
+        that policy says needs approval is refunded only with one (approval_id, approved_by);
+        without, nothing happens and the answer is {"status": "pending_approval", "why": ...}."""
+        if not 0 < amount_cents <= 10**9:
+            raise ToolError("[invalid_request] amount_cents must be 1 to 1000000000")
+        claims, decision = authorize(engine, server, "issue_refund", {"amount_cents": amount_cents})
+        if decision.result.get("approval_required") and not approval_id:
+            why = f"a refund of {amount_cents / 100:.2f} to {subject} needs approval (decision {decision.decision_id})"
+            return RefundResult(status="pending_approval", refund_id=None, created=False, why=why)
+        approval = (
+            (_text(approval_id, "approval_id", 300), _text(approved_by, "approved_by", 200))
+            if approval_id
+            else None
+        )
+        return await tools.refund(
+            claims.tenant,
+            _text(idempotency_key, "idempotency_key", 300),
+            _text(subject, "subject", 200),
+            amount_cents,
+            approval,
+        )
 
     return mcp
 

@@ -67,6 +67,44 @@ async def open_review_cases(ctx: SkillContext, payload: dict[str, Any]) -> dict[
     return {"cases": cases}
 
 
+async def issue_refund(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+    """Refund through the cases server. A refund that policy says needs approval comes back
+    ``pending_approval`` (nothing done), and the coordinator pauses the run until a person answers;
+    the approved call carries the approval, which the tool records with the refund."""
+    subject = _string(payload, "subject")
+    amount = payload.get("amount_cents")
+    if isinstance(amount, float) and amount.is_integer():  # JSON numbers arrive as floats over A2A
+        amount = int(amount)
+    if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0:
+        raise SkillError(ErrorCode.INVALID_REQUEST, "input needs a positive integer 'amount_cents'")
+    given = payload.get("approval")
+    approval: dict[str, Any] = given if isinstance(given, dict) else {}
+    arguments: dict[str, Any] = {
+        "subject": subject,
+        "amount_cents": amount,
+        "idempotency_key": ctx.idempotency_key(f"refund:{subject}"),
+    }
+    if approval.get("id"):
+        arguments.update(approval_id=str(approval["id"]), approved_by=str(approval.get("by", "")))
+    refunded = await ctx.tools.call(
+        CASES_SERVER, "issue_refund", arguments, tenant=ctx.tenant, scopes=[CASES_SCOPE]
+    )
+    if refunded["status"] == "pending_approval":
+        return {
+            "status": "pending_approval",
+            "why": refunded["why"],
+            "subject": subject,
+            "amount_cents": amount,
+        }
+    await ctx.progress(f"refunded {subject}")
+    return {
+        "status": "refunded",
+        "refund_id": refunded["refund_id"],
+        "subject": subject,
+        "amount_cents": amount,
+    }
+
+
 def post_note_skill(timeout_s: float) -> Skill:
     async def post_note(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
         arguments = {"channel": _string(payload, "channel"), "body": _string(payload, "text")}
@@ -105,6 +143,15 @@ def skills(settings: CaseDeskSettings) -> list[Skill]:
             idempotent=True,
         ),
         post_note_skill(settings.note_timeout_s),
+        Skill(
+            "issue-refund",
+            "Issue a refund",
+            'Refunds an amount once. Input: {"subject": NAME, "amount_cents": N}. Amounts over the '
+            "policy's threshold pause the run for an approval.",
+            issue_refund,
+            tags=("refunds",),
+            idempotent=True,
+        ),
     ]
 
 

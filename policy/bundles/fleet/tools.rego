@@ -1,5 +1,5 @@
 # Tool authorization: may this caller run this tool, on this server, for this tenant?
-# Input: {server, tool, tenant, subject, scopes: [..], arguments: {sql_length: n, ...}}
+# Input: {server, tool, tenant, subject, scopes: [..], arguments: {sql_length: n, amount_cents: n, ...}}
 package fleet.tools
 
 rule := data.config.tools[input.server][input.tool]
@@ -24,4 +24,10 @@ deny contains msg if {
 	msg := sprintf("SQL is longer than %d characters", [rule.max_sql_length])
 }
 
-decision := {"allow": count(deny) == 0, "reasons": sort(deny)}
+# A tool whose rule names approval_over_cents needs an approval for an amount above it: the tool
+# then does nothing and answers {"status": "pending_approval"} (the run pauses at a gate).
+approval_required if input.arguments.amount_cents > rule.approval_over_cents
+
+default approval_required := false
+
+decision := {"allow": count(deny) == 0, "reasons": sort(deny), "approval_required": approval_required}

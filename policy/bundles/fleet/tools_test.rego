@@ -35,3 +35,14 @@ test_overlong_sql_is_denied if {
 	d := tools.decision with input as object.union(good, {"arguments": {"sql_length": 5000}})
 	not d.allow
 }
+
+test_an_amount_over_the_threshold_needs_approval if {
+	call := {"server": "mcp-cases", "tool": "issue_refund", "tenant": "acme", "subject": "case-desk", "scopes": ["cases:write"]}
+	rules := {"mcp-cases": {"issue_refund": {"scopes": ["cases:write"], "approval_over_cents": 10000}}}
+	small := tools.decision with input as object.union(call, {"arguments": {"amount_cents": 10000}}) with data.config.tools as rules
+	small.allow
+	not small.approval_required
+	large := tools.decision with input as object.union(call, {"arguments": {"amount_cents": 10001}}) with data.config.tools as rules
+	large.allow
+	large.approval_required
+}

@@ -1,0 +1,560 @@
+"""Signals: the answers people and programs give to what a paused run waits for.
+
+A run that stops at a gate (a step whose result asks for an approval or for input, see
+:func:`coordinator.graph.gate_of`) parks: its checkpoint is durable, its wait record says what is
+awaited (``approval:<step>:<n>``) and until when, and no process waits for it. The worker that parks
+it publishes an approval request on ``fleet.approvals.<tenant>.<run_id>`` (JetStream stream
+``FLEET_APPROVALS``, one message per awaited id).
+
+A signal answers it: ``approve``, ``reject``, ``input`` (approve with input), ``extend`` (the
+deadline, by ``extend_s`` seconds) or ``cancel``. It arrives on one of three channels, and every one
+goes through :meth:`SignalDesk.apply`:
+
+- the run API: ``POST /v1/runs/{id}/signals`` (``fleet approve|reject RUN``);
+- NATS: a message on ``fleet.signals.<run_id>`` (JetStream stream ``FLEET_SIGNALS``) with the
+  signer's access token in the ``Authorization`` header, verified like any request; the outcome
+  is published on ``fleet.signal_outcomes.<run_id>``;
+- A2A: a follow-up message on the run's task while it is ``input-required``.
+
+The rules:
+
+- the signer is the verified token's subject; ``fleet.approvals.decision`` decides whether they may
+  give this answer to this wait (a refusal is recorded and answered ``forbidden``);
+- the answer is delivered to the exact wait it names (``awaited``; by default the gate the run
+  waits at now) and recorded with the run (``runs.answers``) under the run's row lock, so
+  concurrent signals are serialised and only the first answer to a wait counts;
+- every signal is recorded (``fleet_runs.signals``) with what came of it: ``applied``, or a no-op
+  (``duplicate``: that wait was answered already; ``stale``: the run waits for nothing it names;
+  ``finished``: the run has ended), or ``forbidden``. A signal id given twice gets the first answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged
+from fleet.errors import AuthError, ErrorCode, FleetError
+from fleet.tokens import Claims, TokenVerifier, bearer_token
+from policy import PolicyEngine
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("approve", "reject", "input", "extend", "cancel")
+GATE_TYPES = ("approval", "input")
+APPROVALS_STREAM = "FLEET_APPROVALS"
+APPROVALS_SUBJECTS = "fleet.approvals.>"
+SIGNALS_STREAM = "FLEET_SIGNALS"
+SIGNALS_SUBJECTS = "fleet.signals.>"
+SIGNALS_PREFIX = "fleet.signals."
+OUTCOMES_PREFIX = "fleet.signal_outcomes."
+DEAD_LETTER_SUBJECT = "fleet.dead.signals"
+DUPLICATE_WINDOW_S = 3600.0
+MAX_EXTEND_S = 30 * 24 * 3600.0
+MAX_NOTE = 2000
+CONSUMER = "signals"
+MAX_DELIVER = 5
+RETRY_DELAY_S = 2.0
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_SIGNAL_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,200}$")
+
+# What an applied answer is recorded as in the run's event log.
+ANSWER_EVENTS = {"approve": "approval.granted", "input": "input.provided", "reject": "approval.rejected"}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS fleet_runs.signals (
+    tenant      text NOT NULL,
+    signal_id   text NOT NULL,
+    run_id      text NOT NULL,
+    action      text NOT NULL,
+    awaited     text,
+    signer      text NOT NULL,
+    via         text NOT NULL,
+    outcome     text NOT NULL,
+    reasons     jsonb NOT NULL DEFAULT '[]',
+    seq         bigint,
+    received_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant, signal_id)
+);
+CREATE INDEX IF NOT EXISTS signals_by_run ON fleet_runs.signals (run_id, received_at);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    run_id: str
+    action: str
+    signal_id: str
+    via: str
+    awaited: str | None = None
+    input: dict[str, Any] | None = None
+    note: str = ""
+    extend_s: float | None = None
+
+
+def parse_signal(run_id: str, body: Any, via: str, signal_id: str | None = None) -> Signal:
+    """A signal from a request body, or ``invalid_request`` saying what is wrong with it."""
+    if not isinstance(body, dict):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "a signal is a JSON object")
+    action = body.get("action")
+    if action not in ACTIONS:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"action must be one of {', '.join(ACTIONS)}")
+    awaited, note, given = body.get("awaited"), body.get("note", ""), body.get("input")
+    if awaited is not None and (not isinstance(awaited, str) or not awaited):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "awaited must be the id of what the run waits for")
+    if not isinstance(note, str) or len(note) > MAX_NOTE:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"note must be a string of at most {MAX_NOTE} characters")
+    if given is not None and not isinstance(given, dict):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "input must be a JSON object")
+    if action == "input" and given is None:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "an input signal needs input")
+    if given is not None and action not in ("approve", "input"):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "input goes with approve or input")
+    extend_s = body.get("extend_s")
+    if action == "extend":
+        if (
+            isinstance(extend_s, bool)
+            or not isinstance(extend_s, int | float)
+            or not 0 < extend_s <= MAX_EXTEND_S
+        ):
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST, f"extend needs extend_s, 0 < seconds <= {MAX_EXTEND_S:g}"
+            )
+    elif extend_s is not None:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "extend_s goes with extend")
+    signal_id = signal_id or body.get("id") or uuid.uuid4().hex
+    if not isinstance(signal_id, str) or not _SIGNAL_ID.match(signal_id):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "id: 1-200 characters of letters, digits and ._:@/-")
+    return Signal(
+        run_id=run_id,
+        action=action,
+        signal_id=signal_id,
+        via=via,
+        awaited=awaited,
+        input=given,
+        note=note,
+        extend_s=float(extend_s) if action == "extend" and extend_s is not None else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SignalOutcome:
+    """What came of a signal: ``applied``, a no-op (``duplicate``, ``stale``, ``finished``), or
+    ``forbidden``; ``repeated`` when its id had been seen, and this is the first answer again."""
+
+    signal_id: str
+    run_id: str
+    action: str
+    outcome: str
+    awaited: str | None = None
+    reasons: list[str] = field(default_factory=list)
+    seq: int | None = None
+    repeated: bool = False
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == "applied"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "signal_id": self.signal_id,
+            "run_id": self.run_id,
+            "action": self.action,
+            "outcome": self.outcome,
+            "applied": self.applied,
+            "awaited": self.awaited,
+            "reasons": self.reasons,
+            "seq": self.seq,
+            "repeated": self.repeated,
+        }
+
+
+def gate_waiting(run: Run, awaited: str | None) -> dict[str, Any] | None:
+    """The gate request of a waiting run that ``awaited`` names (by default, the first gate)."""
+    if run.state.value != "waiting" or not isinstance(run.wait, dict):
+        return None
+    requests = (run.wait.get("detail") or {}).get("requests") or [run.wait]
+    for request in requests:
+        if request.get("type") in GATE_TYPES and awaited in (None, request.get("awaited")):
+            return dict(request)
+    return None
+
+
+def _no_op(run: Run, signal: Signal) -> str:
+    if run.state.terminal:
+        return "finished"
+    if signal.awaited is not None and signal.awaited in run.answers:
+        return "duplicate"
+    return "stale"
+
+
+class SignalDesk:
+    """Applies signals (see the module's doc). One per coordinator process; the database
+    serialises them across processes."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        runs: PostgresRunStore,
+        engine: PolicyEngine,
+        submit: Callable[[str, str], Awaitable[None]],
+    ) -> None:
+        self._pool = pool
+        self._runs = runs
+        self._engine = engine
+        self._submit = submit
+
+    async def setup(self) -> None:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.signals.schema'))")
+            await conn.execute(SCHEMA)
+
+    async def apply(self, signal: Signal, claims: Claims) -> SignalOutcome:
+        """Apply ``signal`` as ``claims``' subject; raise ``not_found`` for a run the signer's
+        tenant does not have and ``forbidden`` for a signer policy refuses (both recorded)."""
+        earlier = await self._recorded(claims.tenant, signal.signal_id)
+        if earlier is not None:
+            return earlier
+        try:
+            run = await self._runs.get_run(signal.run_id, claims.tenant)
+        except RunNotFound:
+            await self._record(signal, claims, "unknown_run", signal.awaited, [f"no run {signal.run_id}"])
+            raise
+        if run.state.terminal:
+            return await self._record(
+                signal, claims, "finished", signal.awaited, [f"the run has {run.state}"]
+            )
+        gate = gate_waiting(run, signal.awaited)
+        if gate is None and signal.action != "cancel":
+            outcome = _no_op(run, signal)
+            why = (
+                "that wait was answered already"
+                if outcome == "duplicate"
+                else "the run waits for nothing it names"
+            )
+            return await self._record(signal, claims, outcome, signal.awaited, [why])
+        awaited = gate.get("awaited") if gate is not None else None
+        decision = self._engine.decide(
+            "fleet.approvals.decision",
+            {
+                "action": signal.action,
+                "tenant": run.tenant,
+                "signer": {"sub": claims.sub, "tenant": claims.tenant, "scopes": sorted(claims.scopes)},
+                "run": {"owner": run.owner},
+                "wait": {
+                    key: gate.get(key) for key in ("type", "skill", "step", "escalated") if gate is not None
+                },
+            },
+        )
+        if not decision.allow:
+            log.warning(
+                "signal %s (%s) on run %s by %s refused: %s",
+                signal.signal_id,
+                signal.action,
+                run.run_id,
+                claims.sub,
+                "; ".join(decision.reasons),
+            )
+            await self._record(signal, claims, "forbidden", awaited, list(decision.reasons))
+            raise FleetError(ErrorCode.FORBIDDEN, "; ".join(decision.reasons))
+        try:
+            seq = await self._deliver(signal, claims, run, awaited)
+        except FleetError as exc:
+            if exc.code != ErrorCode.CONFLICT:
+                raise
+            # Answered, or no longer waiting, between the read and the row lock.
+            outcome = _no_op(await self._runs.get_run(run.run_id, claims.tenant), signal)
+            if outcome == "stale" and awaited is not None:
+                outcome = "duplicate"  # it was waiting for this a moment ago: someone answered first
+            return await self._record(signal, claims, outcome, awaited, [exc.message])
+        return await self._record(signal, claims, "applied", awaited, [], seq)
+
+    async def _deliver(self, signal: Signal, claims: Claims, run: Run, awaited: str | None) -> int:
+        if signal.action == "cancel":
+            cancelled = await self._runs.request_cancel(run.run_id, claims.tenant, claims.sub)
+            return cancelled.last_seq
+        assert awaited is not None
+        if signal.action == "extend":
+            assert signal.extend_s is not None
+            return await self._runs.extend_wait(
+                run.run_id, claims.tenant, awaited, signal.extend_s, claims.sub
+            )
+        answer: dict[str, Any] = {"decision": signal.action, "note": signal.note, "signal": signal.signal_id}
+        if signal.input is not None:
+            answer["input"] = signal.input
+        verb = {"approve": "approved", "input": "answered", "reject": "rejected"}[signal.action]
+        seq = await self._runs.answer_wait(
+            run.run_id,
+            claims.tenant,
+            str((gate_waiting(run, awaited) or {}).get("type")),
+            answer,
+            claims.sub,
+            event=ANSWER_EVENTS[signal.action],
+            text=f"{claims.sub} {verb} {awaited} (via {signal.via})"
+            + (f": {signal.note}" if signal.note else ""),
+            awaited=awaited,
+        )
+        try:
+            await self._submit(run.run_id, f"signal-{seq}")
+        except Exception:  # the run is durable as submitted: the workers' sweep picks it up
+            log.warning("could not submit run %s after a signal; the sweep will", run.run_id, exc_info=True)
+        return seq
+
+    async def _recorded(self, tenant: str, signal_id: str) -> SignalOutcome | None:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT run_id, action, outcome, awaited, reasons, seq FROM fleet_runs.signals"
+                " WHERE tenant = %s AND signal_id = %s",
+                (tenant, signal_id),
+            )
+            row = await cursor.fetchone()
+        if row is None:
+            return None
+        return SignalOutcome(signal_id, row[0], row[1], row[2], row[3], list(row[4]), row[5], repeated=True)
+
+    async def _record(
+        self,
+        signal: Signal,
+        claims: Claims,
+        outcome: str,
+        awaited: str | None,
+        reasons: list[str],
+        seq: int | None = None,
+    ) -> SignalOutcome:
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO fleet_runs.signals (tenant, signal_id, run_id, action, awaited, signer, via,"
+                " outcome, reasons, seq) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (tenant, signal_id) DO NOTHING",
+                (
+                    claims.tenant,
+                    signal.signal_id,
+                    signal.run_id,
+                    signal.action,
+                    awaited,
+                    claims.sub,
+                    signal.via,
+                    outcome,
+                    Jsonb(reasons),
+                    seq,
+                ),
+            )
+        if outcome != "applied":
+            log.info(
+                "signal %s on run %s: %s (%s)", signal.signal_id, signal.run_id, outcome, "; ".join(reasons)
+            )
+        return SignalOutcome(signal.signal_id, signal.run_id, signal.action, outcome, awaited, reasons, seq)
+
+    async def for_run(self, run_id: str, tenant: str) -> list[dict[str, Any]]:
+        """Every signal given to a run of ``tenant``, oldest first."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT signal_id, action, awaited, signer, via, outcome, reasons, seq, received_at"
+                " FROM fleet_runs.signals WHERE run_id = %s AND tenant = %s ORDER BY received_at, signal_id",
+                (run_id, tenant),
+            )
+            rows = await cursor.fetchall()
+        keys = ("signal_id", "action", "awaited", "signer", "via", "outcome", "reasons", "seq", "received_at")
+        return [{**dict(zip(keys, row, strict=True)), "received_at": row[8].isoformat()} for row in rows]
+
+
+_streams_ready: set[str] = set()
+
+
+async def ensure_signal_streams(js: JetStreamContext) -> None:
+    """The approval requests and signals streams (de-duplicated by ``Nats-Msg-Id``)."""
+    for name, subjects in ((APPROVALS_STREAM, APPROVALS_SUBJECTS), (SIGNALS_STREAM, SIGNALS_SUBJECTS)):
+        if name in _streams_ready:
+            continue
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            await js.add_stream(
+                StreamConfig(
+                    name=name,
+                    subjects=[subjects],
+                    retention=RetentionPolicy.LIMITS,
+                    storage=StorageType.FILE,
+                    duplicate_window=DUPLICATE_WINDOW_S,
+                    max_age=30 * 24 * 3600.0,
+                )
+            )
+        _streams_ready.add(name)
+
+
+def approvals_subject(tenant: str, run_id: str) -> str:
+    token = tenant if _TOKEN.match(tenant) else "_"
+    return f"fleet.approvals.{token}.{run_id}"
+
+
+def approval_requests(run_id: str, tenant: str, wait: dict[str, Any]) -> list[dict[str, Any]]:
+    """The approval requests a parked run's wait record stands for: one per gate it waits at."""
+    requests = (wait.get("detail") or {}).get("requests") or [wait]
+    return [
+        logged(
+            {
+                "run_id": run_id,
+                "tenant": tenant,
+                "awaited": request.get("awaited"),
+                "type": request.get("type"),
+                "step": request.get("step"),
+                "skill": request.get("skill"),
+                "agent": request.get("agent"),
+                "why": request.get("why"),
+                "asked": request.get("asked"),
+                "choices": request.get("choices"),
+                "deadline": request.get("deadline"),
+                "escalated": request.get("escalated", False),
+                "signal_subject": SIGNALS_PREFIX + run_id,
+                "since": wait.get("since"),
+            }
+        )
+        for request in requests
+        if request.get("type") in GATE_TYPES
+    ]
+
+
+async def announce(js: JetStreamContext, run_id: str, tenant: str, wait: dict[str, Any]) -> int:
+    """Publish the approval requests of a parked run (once per awaited id: a repeat, by a worker
+    that finds the run parked after a crash, is dropped by the stream). How many there were."""
+    requests = approval_requests(run_id, tenant, wait)
+    if requests:
+        await ensure_signal_streams(js)
+    for request in requests:
+        await js.publish(
+            approvals_subject(tenant, run_id),
+            json.dumps(request).encode(),
+            headers={"Nats-Msg-Id": f"{run_id}/{request['awaited']}"},
+        )
+    return len(requests)
+
+
+class SignalIngest:
+    """Takes signals from ``fleet.signals.<run_id>`` (a durable consumer on ``FLEET_SIGNALS``):
+    verifies the signer's token, applies the signal, publishes the outcome, then acks. A signal
+    that cannot be settled (the database is away) is retried, then dead-lettered."""
+
+    def __init__(self, client: NATS, desk: SignalDesk, verifier: TokenVerifier) -> None:
+        self._client = client
+        self._desk = desk
+        self._verifier = verifier
+
+    async def subscribe(self, ack_wait_s: float = 30.0) -> JetStreamContext.PullSubscription:
+        js = self._client.jetstream()
+        await ensure_signal_streams(js)
+        config = ConsumerConfig(
+            durable_name=CONSUMER,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_deliver=MAX_DELIVER + 1,
+            max_ack_pending=256,
+        )
+        return await js.pull_subscribe(
+            SIGNALS_SUBJECTS, durable=CONSUMER, stream=SIGNALS_STREAM, config=config
+        )
+
+    async def run(self) -> None:
+        while True:
+            try:
+                subscription = await self.subscribe()
+                break
+            except Exception:  # the broker is not there yet
+                log.warning("could not subscribe to signals; retrying", exc_info=True)
+                await asyncio.sleep(RETRY_DELAY_S)
+        while True:
+            try:
+                messages = await subscription.fetch(16, timeout=5)
+            except NatsTimeout:
+                continue
+            except Exception:
+                log.warning("could not fetch signals", exc_info=True)
+                await asyncio.sleep(RETRY_DELAY_S)
+                continue
+            # One at a time, in order: signals to one run are answered in the order they came.
+            for message in messages:
+                try:
+                    await self.handle(message)
+                except Exception:
+                    log.warning("a signal could not be settled", exc_info=True)
+
+    async def handle(self, message: Msg) -> dict[str, Any]:
+        """Settle one signal message; the outcome as published."""
+        run_id = message.subject.removeprefix(SIGNALS_PREFIX)
+        headers = message.headers or {}
+        try:
+            outcome = await self._settle(run_id, message, headers)
+        except FleetError as exc:
+            outcome = {"run_id": run_id, "outcome": "refused", "applied": False, "error": exc.to_dict()}
+        except Exception as exc:  # infrastructure trouble: keep the signal
+            delivered = message.metadata.num_delivered
+            if delivered < MAX_DELIVER:
+                log.warning(
+                    "signal for run %s failed (delivery %d); retrying", run_id, delivered, exc_info=True
+                )
+                with contextlib.suppress(Exception):
+                    await message.nak(delay=RETRY_DELAY_S * delivered)
+                raise
+            reason = f"failed {delivered} times; last: {exc}"
+            body = {
+                "subject": message.subject,
+                "reason": reason,
+                "payload": message.data.decode(errors="replace"),
+            }
+            await self._client.jetstream().publish(
+                DEAD_LETTER_SUBJECT,
+                json.dumps(body).encode(),
+                headers={"Nats-Msg-Id": f"dead-signal-{message.metadata.sequence.stream}"},
+            )
+            outcome = {"run_id": run_id, "outcome": "dead", "applied": False, "error": {"message": reason}}
+        with contextlib.suppress(Exception):
+            await self._client.publish(OUTCOMES_PREFIX + run_id, json.dumps(outcome).encode())
+        await message.ack()
+        return outcome
+
+    async def _settle(self, run_id: str, message: Msg, headers: dict[str, str]) -> dict[str, Any]:
+        if not _TOKEN.match(run_id):
+            raise FleetError(ErrorCode.INVALID_REQUEST, "the subject must be fleet.signals.<run id>")
+        try:
+            claims = await self._verifier.verify(bearer_token(headers.get("Authorization")))
+        except AuthError as exc:
+            log.warning("signal for run %s refused: %s", run_id, exc.message)
+            raise
+        try:
+            body = json.loads(message.data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"the signal is not JSON: {exc}") from exc
+        signal_id = headers.get("Nats-Msg-Id") or f"nats-{message.metadata.sequence.stream}"
+        signal = parse_signal(run_id, body, "nats", signal_id)
+        outcome = await self._desk.apply(signal, claims)
+        return outcome.to_json()
+
+
+async def publish_signal(
+    client: NATS, run_id: str, token: str, body: dict[str, Any], signal_id: str | None = None
+) -> str:
+    """Send a signal for ``run_id`` on NATS as the holder of ``token``; its id."""
+    signal_id = signal_id or uuid.uuid4().hex
+    js = client.jetstream()
+    await ensure_signal_streams(js)
+    await js.publish(
+        SIGNALS_PREFIX + run_id,
+        json.dumps(body).encode(),
+        headers={"Nats-Msg-Id": signal_id, "Authorization": f"Bearer {token}"},
+    )
+    return signal_id

@@ -1,0 +1,97 @@
+# Approvals: who may answer what a paused run waits for, and how long a wait may last.
+#
+# fleet.approvals.decision. Input:
+#   {action, tenant, signer: {sub, tenant, scopes}, run: {owner}, wait: {type, skill, step, escalated}}
+#   action is approve, reject, input, extend or cancel. The signer is the verified token's subject;
+#   it needs the scope runs:approve, must be of the run's tenant, and must match a rule of
+#   data.config.approvals.approvers: tenants, skills, subjects (each a list, "*" for any), actions,
+#   and optionally escalated_only (only once the wait was escalated) and distinct_from_requester
+#   (four eyes: whoever started the run may not answer it).
+#
+# fleet.approvals.deadlines. Input: {tenant}. The deadline of a gate's wait, fixed when the run
+#   starts: data.config.approvals.deadlines.default, overridden per tenant (tenants) and then per
+#   skill (skills, within the tenant's): timeout_s, warn_before_s (a warning event this long before
+#   the deadline), on_expired ("expire": the run ends approval_expired; "escalate": the wait is
+#   escalated for escalate_for_s more, to the escalation approvers, and expires after that).
+package fleet.approvals
+
+APPROVE_SCOPE := "runs:approve"
+
+actions := {"approve", "reject", "input", "extend", "cancel"}
+
+any_or(list, value) if "*" in list
+
+any_or(list, value) if value in list
+
+rule_matches(rule) if {
+	any_or(rule.tenants, input.tenant)
+	any_or(rule.skills, object.get(input.wait, "skill", ""))
+	any_or(rule.subjects, input.signer.sub)
+	input.action in rule.actions
+	not escalation_pending(rule)
+	not self_answer(rule)
+}
+
+escalation_pending(rule) if {
+	object.get(rule, "escalated_only", false) == true
+	object.get(input.wait, "escalated", false) != true
+}
+
+self_answer(rule) if {
+	object.get(rule, "distinct_from_requester", false) == true
+	input.signer.sub == input.run.owner
+}
+
+deny contains msg if {
+	not input.action in actions
+	msg := sprintf("unknown action %v", [input.action])
+}
+
+deny contains "the signer belongs to another tenant" if input.signer.tenant != input.tenant
+
+deny contains msg if {
+	not APPROVE_SCOPE in input.signer.scopes
+	msg := sprintf("answering a run needs scope %s", [APPROVE_SCOPE])
+}
+
+deny contains msg if {
+	input.action in actions
+	not any_rule_matches
+	msg := sprintf("%s may not %s %v of skill %v", [input.signer.sub, input.action, object.get(input.wait, "type", "a wait"), object.get(input.wait, "skill", "")])
+}
+
+any_rule_matches if {
+	some rule in data.config.approvals.approvers
+	rule_matches(rule)
+}
+
+decision := {"allow": count(deny) == 0, "reasons": sort(deny)}
+
+tenant_deadlines := object.get(object.get(data.config.approvals.deadlines, "tenants", {}), input.tenant, {})
+
+base_deadline := object.union(data.config.approvals.deadlines.default, object.remove(tenant_deadlines, {"skills"}))
+
+skill_deadlines := object.union(
+	object.get(data.config.approvals.deadlines, "skills", {}),
+	object.get(tenant_deadlines, "skills", {}),
+)
+
+deadline_problems contains msg if {
+	some name, d in object.union({"default": base_deadline}, skill_deadlines)
+	some key in ["timeout_s", "warn_before_s", "escalate_for_s"]
+	not object.get(object.union(base_deadline, d), key, 0) >= 0
+	msg := sprintf("approvals deadline %s: %s must be a number >= 0", [name, key])
+}
+
+deadline_problems contains msg if {
+	some name, d in object.union({"default": base_deadline}, skill_deadlines)
+	not object.get(object.union(base_deadline, d), "on_expired", "") in {"expire", "escalate"}
+	msg := sprintf("approvals deadline %s: on_expired must be expire or escalate", [name])
+}
+
+deadlines := {
+	"allow": count(deadline_problems) == 0,
+	"reasons": sort(deadline_problems),
+	"default": base_deadline,
+	"skills": {name: object.union(base_deadline, d) | some name, d in skill_deadlines},
+}
