@@ -24,6 +24,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact
 
 NOTIFY_CHANNEL = "fleet_run_events"
+WAIT_SUMMARY = ("type", "awaited", "since", "deadline")  # of a wait, in the run.waiting event
 FOLLOW_PAGE = 500
 
 
@@ -622,11 +623,13 @@ class PostgresRunStore:
         wait: Mapping[str, Any] | None = None,
     ) -> int:
         """Move the run to ``state`` and record it as an event, atomically. ``wait`` is the wait
-        record of a run that goes to ``waiting``; any other transition clears it."""
+        record of a run that goes to ``waiting``; any other transition clears it. The event keeps
+        what the wait is (type, awaited, since, deadline); the record itself is on the run."""
+        summary = {k: wait[k] for k in WAIT_SUMMARY if wait.get(k) is not None} if wait else None
         event = {
             "state": state.value,
             **({"reason": reason} if reason else {}),
-            **({"wait": dict(wait)} if wait else {}),
+            **({"wait": summary} if summary else {}),
             **payload,
         }
         async with self._pool.connection() as conn:

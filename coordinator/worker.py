@@ -327,10 +327,11 @@ class RunWorker:
         await self._record_outcome(final, lease)
 
     async def prune(self, run_id: str) -> None:
-        """Keep only a finished run's latest checkpoint: storage stays bounded, the final state stays
-        readable, and the event log keeps the history an audit needs. Called before the work message
-        is acked, so a crash in between leads to a redelivery that prunes again (it is idempotent).
-        A run that crashed keeps every checkpoint, for its debug bundle."""
+        """Keep only the latest checkpoint of a finished or parked run: storage stays bounded, the
+        state stays readable (and resumable), and the event log keeps the history an audit needs.
+        Called before the work message is acked, so a crash in between leads to a redelivery that
+        prunes again (it is idempotent). A run that crashed keeps every checkpoint, for its debug
+        bundle."""
         checkpointer = self._graph.checkpointer
         if not isinstance(checkpointer, AsyncPostgresSaver):
             return
@@ -363,6 +364,9 @@ class RunWorker:
         text = f"waiting for a person: {request.get('why', wait['type'])}"
         await self._store.transition(lease, RunState.WAITING, self._id, {"text": text}, wait=wait)
         await self.announce(lease.run_id, tenant, wait)
+        # A parked run resumes from its latest checkpoint (the pending interrupt is written there):
+        # the older ones are dropped, so a run that waits for weeks costs only what it needs.
+        await self.prune(lease.run_id)
 
     async def announce(self, run_id: str, tenant: str, wait: dict[str, Any]) -> None:
         """Publish the approval requests of a parked run on NATS (see :mod:`coordinator.signals`).

@@ -1,0 +1,309 @@
+"""Many runs paused at a gate with no worker process alive, then resumed: the scenario of the durable
+pauses issue, shared by its test (a few hundred runs) and its benchmark (10,000).
+
+1. ``n`` refund events arrive on NATS; a trigger rule makes each a run whose one step is a refund
+   over the approval threshold: the tool does nothing and the run parks at the gate.
+2. Every worker process is stopped (SIGTERM). The runs wait with no process held; the disk they use
+   is measured (tables of the runs database, after ``VACUUM FULL``, against before step 1).
+3. ``n`` approvals arrive over NATS (``fleet.signals.<run>``, the operator's token); the coordinator
+   records them and queues the runs. Still no worker runs.
+4. The workers start again (new processes, same identities); every run resumes, the approved call
+   refunds, the run completes. Effects are counted at the tool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from deploy.local_stack import OPERATOR_ID, service
+from fleet.events import event_payload
+from fleet.keys import SigningKey
+from fleet.layout import StackLayout
+from fleet.natsconn import connect
+from fleet.supervisor import enrollment_token
+from policy import DEFAULT_BUNDLE_DIR
+
+SUBJECT = "fleet.events.refunds.requested"
+TENANT = "bulk"
+RUN_TABLES = (
+    "fleet_runs.runs",
+    "fleet_runs.events",
+    "fleet_runs.operations",
+    "public.checkpoints",
+    "public.checkpoint_blobs",
+    "public.checkpoint_writes",
+)
+RULE = {
+    "name": "refund-requested",
+    "subject": SUBJECT,
+    "type": "refund.requested",
+    "steps": [
+        {
+            "id": "refund",
+            "skill": "issue-refund",
+            "input": {
+                "subject": {"$event": "data.subject"},
+                "amount_cents": {"$event": "data.amount_cents"},
+            },
+        }
+    ],
+}
+
+
+def refund_policy(root: Path) -> Path:
+    """The shipped bundle plus the refund trigger rule."""
+    bundle = root / "fleet"
+    shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
+    data = json.loads((bundle / "data.json").read_text())
+    data["config"]["triggers"] = [RULE, *data["config"]["triggers"]]
+    (bundle / "data.json").write_text(json.dumps(data))
+    return bundle
+
+
+def dsn(layout: StackLayout, endpoints: dict[str, Any], database: str) -> str:
+    password = (layout.keys_dir / "postgres-password.secret").read_text().strip()
+    return f"postgresql://postgres:{password}@127.0.0.1:{endpoints['postgres_port']}/{database}"
+
+
+async def _scalar(url: str, query: str, *params: Any) -> Any:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = await conn.execute(query, params)
+        row = await cursor.fetchone()
+    return row[0] if row else None
+
+
+async def _until(url: str, query: str, tenant: str, want: int, timeout_s: float) -> float:
+    """Seconds until ``query`` (for ``tenant``) counts ``want``; raise on timeout, saying how far it got."""
+    started = time.perf_counter()
+    got = -1
+    while time.perf_counter() - started < timeout_s:
+        got = int(await _scalar(url, query, tenant))
+        if got >= want:
+            return time.perf_counter() - started
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"{query!r}: {got} of {want} after {timeout_s:.0f} s")
+
+
+async def disk_bytes(url: str) -> int:
+    """Bytes on disk of the run tables (with indexes and TOAST), compacted first."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        for table in RUN_TABLES:
+            await conn.execute(f"VACUUM FULL {table}")
+        cursor = await conn.execute(
+            "SELECT sum(pg_total_relation_size(t::regclass)) FROM unnest(%s::text[]) AS t",
+            (list(RUN_TABLES),),
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def stop_workers(endpoints: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """SIGTERM every worker process and wait for it to exit; their environments, to start them again."""
+    workers = {name: pid for name, pid in endpoints["processes"].items() if name.startswith("worker")}
+    environments = {name: _environ(pid) for name, pid in workers.items()}
+    for pid in workers.values():
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    for pid in workers.values():
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+            if "State:\tZ" in status:
+                break
+            time.sleep(0.1)
+    return environments
+
+
+def start_workers(
+    layout: StackLayout, environments: dict[str, dict[str, str]]
+) -> list[subprocess.Popen[bytes]]:
+    """The same workers again, as new processes: a fresh enrollment token each, their own port."""
+    operator = SigningKey.load_or_create(layout.key_file(OPERATOR_ID))
+    started = []
+    for name, env in environments.items():
+        env = {k: v for k, v in env.items() if k != "FLEET_LISTEN_FD"}
+        env["FLEET_ENROLLMENT_TOKEN"] = enrollment_token(operator, service(name))
+        with (layout.home / "logs" / f"{name}-restarted.log").open("ab") as log:  # the child keeps its copy
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "fleet", "serve", name],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+    return started
+
+
+def operator_token(layout: StackLayout, tenant: str) -> str:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "fleet", "token", "--data-dir", str(layout.home), "--audience", "coordinator",
+            "--tenant", tenant, "--scope", "agent:invoke", "--scope", "runs:approve",
+        ],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+async def _publish_all(
+    nc: Any, items: list[tuple[str, bytes, dict[str, str]]], concurrency: int = 64
+) -> None:
+    js = nc.jetstream()
+    queue: asyncio.Queue[tuple[str, bytes, dict[str, str]]] = asyncio.Queue()
+    for item in items:
+        queue.put_nowait(item)
+
+    async def publisher() -> None:
+        while not queue.empty():
+            subject, payload, headers = queue.get_nowait()
+            await js.publish(subject, payload, headers=headers)
+
+    await asyncio.gather(*(publisher() for _ in range(concurrency)))
+
+
+async def pause_and_resume(
+    layout: StackLayout, endpoints: dict[str, Any], n: int, timeout_s: float, tenant: str = ""
+) -> dict[str, Any]:
+    """Run the scenario on a running stack (started with :func:`refund_policy`) for a tenant of its
+    own (one that no other run has); what happened."""
+    tenant = tenant or f"bulk-{uuid.uuid4().hex[:8]}"
+    runs_db, data_db = dsn(layout, endpoints, "fleet"), dsn(layout, endpoints, "fleet_data")
+    before = await disk_bytes(runs_db)
+    batch = uuid.uuid4().hex[:8]
+    nc = await connect(endpoints["nats"], "pause-harness")
+    restarted: list[subprocess.Popen[bytes]] = []
+    try:
+        events = []
+        for i in range(n):
+            event_id, payload = event_payload(
+                tenant=tenant,
+                source="harness",
+                type_="refund.requested",
+                data={"subject": f"customer-{batch}-{i}", "amount_cents": 20_000 + i},
+                event_id=f"refund-{batch}-{i}",
+            )
+            events.append((SUBJECT, payload, {"Nats-Msg-Id": event_id}))
+        started = time.perf_counter()
+        await _publish_all(nc, events)
+        waiting = "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state = 'waiting'"
+        await _until(runs_db, waiting, tenant, n, timeout_s)
+        pause_s = time.perf_counter() - started  # from the first publish
+        effects_while_paused = int(
+            await _scalar(data_db, "SELECT count(*) FROM tenant_data.refunds WHERE tenant_id = %s", tenant)
+        )
+
+        environments = stop_workers(endpoints)
+        alive = [
+            name
+            for name, pid in endpoints["processes"].items()
+            if name.startswith("worker") and _running(pid)
+        ]
+        disk = await disk_bytes(runs_db) - before
+        held = int(
+            await _scalar(runs_db, "SELECT count(*) FROM fleet_runs.runs WHERE lease_owner IS NOT NULL")
+        )
+
+        token = operator_token(layout, tenant)
+        run_ids = [
+            str(r)
+            for r in await _all(
+                runs_db, "SELECT run_id FROM fleet_runs.runs WHERE tenant = %s AND state = 'waiting'", tenant
+            )
+        ]
+        signals = [
+            (f"fleet.signals.{run_id}", json.dumps({"action": "approve", "note": "bulk"}).encode(),
+             {"Nats-Msg-Id": f"approve-{run_id}", "Authorization": f"Bearer {token}"})
+            for run_id in run_ids
+        ]  # fmt: skip
+        started = time.perf_counter()
+        await _publish_all(nc, signals)
+        applied = "SELECT count(*) FROM fleet_runs.signals WHERE tenant = %s AND outcome = 'applied'"
+        await _until(runs_db, applied, tenant, n, timeout_s)
+        approvals_s = time.perf_counter() - started
+        queued = int(
+            await _scalar(
+                runs_db,
+                "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state = 'submitted'",
+                tenant,
+            )
+        )
+
+        restarted = start_workers(layout, environments)
+        started = time.perf_counter()
+        completed = "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state = 'completed'"
+        await _until(runs_db, completed, tenant, n, timeout_s)
+        resume_s = time.perf_counter() - started
+
+        refunds = await _all(
+            data_db,
+            "SELECT count(*), count(DISTINCT subject), coalesce(max(attempts), 0), count(approval_id)"
+            " FROM tenant_data.refunds WHERE tenant_id = %s",
+            tenant,
+            row=True,
+        )
+        per_run = await _all(
+            runs_db,
+            "SELECT count(*) FILTER (WHERE type = 'approval.granted'), count(*) FILTER (WHERE type = 'run.completed'),"
+            " count(*) FILTER (WHERE type = 'operation.intent') FROM fleet_runs.events e"
+            " JOIN fleet_runs.runs r USING (run_id) WHERE r.tenant = %s GROUP BY run_id",
+            tenant,
+        )
+    finally:
+        await nc.close()
+        for process in restarted:
+            process.terminate()
+        for process in restarted:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return {
+        "runs": n,
+        "tenant": tenant,
+        "pause_s": round(pause_s, 1),
+        "effects_while_paused": effects_while_paused,
+        "workers_alive_while_paused": alive,
+        "leases_held_while_paused": held,
+        "disk_bytes_per_paused_run": round(disk / n),
+        "approvals_s": round(approvals_s, 1),
+        "queued_without_workers": queued,
+        "resume_s": round(resume_s, 1),
+        "refunds": refunds[0],
+        "distinct_subjects": refunds[1],
+        "max_attempts_at_tool": refunds[2],
+        "refunds_with_approval": refunds[3],
+        "per_run_events": sorted({tuple(row) for row in per_run}),
+    }
+
+
+def _running(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+async def _all(url: str, query: str, tenant: str, row: bool = False) -> Any:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = await conn.execute(query, (tenant,))
+        rows = await cursor.fetchall()
+    if row:
+        return list(rows[0])
+    return [r[0] if len(r) == 1 else tuple(r) for r in rows]
