@@ -96,18 +96,17 @@ async def _until(url: str, query: str, tenant: str, want: int, timeout_s: float)
     raise TimeoutError(f"{query!r}: {got} of {want} after {timeout_s:.0f} s")
 
 
-async def disk_bytes(url: str) -> int:
-    """Bytes on disk of the run tables (with indexes and TOAST), compacted first."""
+async def disk_bytes(url: str) -> dict[str, int]:
+    """Bytes on disk of each run table (with indexes and TOAST), compacted first."""
+    sizes = {}
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         for table in RUN_TABLES:
             await conn.execute(f"VACUUM FULL {table}")
-        cursor = await conn.execute(
-            "SELECT sum(pg_total_relation_size(t::regclass)) FROM unnest(%s::text[]) AS t",
-            (list(RUN_TABLES),),
-        )
-        row = await cursor.fetchone()
-    assert row is not None
-    return int(row[0])
+            cursor = await conn.execute("SELECT pg_total_relation_size(%s::regclass)", (table,))
+            row = await cursor.fetchone()
+            assert row is not None
+            sizes[table] = int(row[0])
+    return sizes
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -217,7 +216,8 @@ async def pause_and_resume(
             for name, pid in endpoints["processes"].items()
             if name.startswith("worker") and _running(pid)
         ]
-        disk = await disk_bytes(runs_db) - before
+        after = await disk_bytes(runs_db)
+        disk = {table: after[table] - before[table] for table in RUN_TABLES}
         held = int(
             await _scalar(runs_db, "SELECT count(*) FROM fleet_runs.runs WHERE lease_owner IS NOT NULL")
         )
@@ -283,7 +283,8 @@ async def pause_and_resume(
         "effects_while_paused": effects_while_paused,
         "workers_alive_while_paused": alive,
         "leases_held_while_paused": held,
-        "disk_bytes_per_paused_run": round(disk / n),
+        "disk_bytes_per_paused_run": round(sum(disk.values()) / n),
+        "disk_bytes_per_paused_run_by_table": {table: round(size / n) for table, size in disk.items()},
         "approvals_s": round(approvals_s, 1),
         "queued_without_workers": queued,
         "resume_s": round(resume_s, 1),
