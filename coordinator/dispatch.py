@@ -30,7 +30,7 @@ from langgraph.config import get_stream_writer
 
 from coordinator.delegation import CallInterrupted, Delegator, Progress
 from coordinator.operations import Event, Ledger, Operation, OperationConflict, OpStatus
-from coordinator.runs import Lease
+from coordinator.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, args_hash
@@ -70,6 +70,7 @@ class RunScope:
     lease: Lease
     actor: str
     activity: ActivityClock = ActivityClock()
+    runs: PostgresRunStore | None = None  # for what a node reads of its run (a batch's items)
 
 
 class NeedsHuman(FleetError):

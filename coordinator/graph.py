@@ -341,6 +341,41 @@ def wait_for_timer(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     }
 
 
+async def collect_batch(step: dict[str, Any], scope: RunScope, now: dt.datetime) -> dict[str, Any]:
+    """A batch trigger's collection: park the run (no process waits) while events add their items,
+    until the window's close time (the wait supervisor answers) or a closing event (the trigger
+    ingest answers); then close the batch, atomically with any item still arriving (which is
+    refused and dead-lettered), and give its items, in the order they came, as the step's result."""
+    wait = step["wait"]
+    due = dt.datetime.fromisoformat(wait["until"])
+    closed_by = "time"
+    if due > now:
+        request = {
+            "type": "batch",
+            "awaited": f"batch:{step['id']}",
+            "deadline": due.isoformat(),
+            "why": f"collecting the items of {wait['batch']} until {due.isoformat()}",
+        }
+        while True:  # resumed for another wait: wait again
+            answer = interrupt(request)
+            decision = answer.get("decision") if isinstance(answer, dict) else None
+            if decision in ("expired", "closed"):
+                closed_by = "time" if decision == "expired" else f"event {answer.get('event', '')}"
+                break
+    if scope.runs is None:
+        raise FleetError(ErrorCode.INTERNAL, "a batch collection needs the run store")
+    items = await scope.runs.close_batch(scope.lease.run_id)
+    _emit(
+        "batch.closed",
+        {"step": step["id"], "items": len(items), "closed_by": closed_by},
+        f"batch {wait['batch']}: {len(items)} items (closed by {closed_by})",
+    )
+    return {
+        "results": {step["id"]: {"items": items, "count": len(items), "closed_by": closed_by}},
+        "outcomes": [{"step": step["id"], "agent": "batch", "status": "completed", "calls": 0}],
+    }
+
+
 def wait_for_event(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     """An event wait: park the run until an event on the subject (and of the type, if given) for the
     run's tenant arrives (the trigger ingest answers the wait with it), or until ``timeout_s``."""
@@ -545,6 +580,8 @@ def build_graph(
         if step.get("wait") is not None:
             if "event" in step["wait"]:
                 return wait_for_event(step, dt.datetime.now(dt.UTC))
+            if "batch" in step["wait"]:
+                return await collect_batch(step, runtime.context, dt.datetime.now(dt.UTC))
             return wait_for_timer(step, dt.datetime.now(dt.UTC))
 
         async def progress(text: str) -> None:

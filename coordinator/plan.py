@@ -118,6 +118,8 @@ def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:
     wait = item["wait"]
     if isinstance(wait, dict) and "event" in wait:
         return _event_wait(wait, step_id)
+    if isinstance(wait, dict) and "batch" in wait:
+        return _batch_wait(wait, step_id)
     if not isinstance(wait, dict) or len(wait) != 1 or not set(wait) <= {"until", "for_s"}:
         raise PlanError(
             f'step {step_id}: wait takes one of {{"until": TIME}}, {{"for_s": SECONDS}} or {{"event": SUBJECT}}'
@@ -134,6 +136,20 @@ def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= MAX_WAIT_S:
         raise PlanError(f"step {step_id}: wait.for_s must be a number of seconds, at most a year")
     return {"for_s": float(seconds)}
+
+
+def _batch_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:
+    """A batch collection (made by a batch trigger): gather the run's items until ``until`` (or
+    until a closing event), then give them as the step's result."""
+    if set(wait) != {"batch", "until"} or not isinstance(wait["batch"], str) or not wait["batch"]:
+        raise PlanError(f'step {step_id}: a batch wait is {{"batch": RULE, "until": TIME}}')
+    try:
+        until = dt.datetime.fromisoformat(str(wait["until"]))
+    except ValueError as exc:
+        raise PlanError(f"step {step_id}: wait.until must be an RFC 3339 time") from exc
+    if until.tzinfo is None:
+        raise PlanError(f"step {step_id}: wait.until needs a UTC offset")
+    return {"batch": wait["batch"], "until": until.isoformat()}
 
 
 def _event_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:

@@ -61,6 +61,16 @@ class CancelRequested(FleetError):
         super().__init__(ErrorCode.CONFLICT, f"run {run_id} was asked to cancel")
 
 
+class BatchClosed(FleetError):
+    """An item for a batch run whose batch has closed (its items were taken)."""
+
+    def __init__(self, run_id: str, closed_at: dt.datetime) -> None:
+        super().__init__(
+            ErrorCode.CONFLICT,
+            f"the batch of run {run_id} closed at {closed_at.isoformat()}; the item came too late",
+        )
+
+
 class RunNotFound(FleetError):
     def __init__(self, run_id: str) -> None:
         super().__init__(ErrorCode.NOT_FOUND, f"no run {run_id}")
@@ -145,6 +155,14 @@ CREATE TABLE IF NOT EXISTS fleet_runs.events (
 ALTER TABLE fleet_runs.runs ADD COLUMN IF NOT EXISTS wait jsonb;
 ALTER TABLE fleet_runs.runs ADD COLUMN IF NOT EXISTS answers jsonb NOT NULL DEFAULT '{}';
 CREATE INDEX IF NOT EXISTS runs_waiting ON fleet_runs.runs (run_id) WHERE state = 'waiting';
+ALTER TABLE fleet_runs.runs ADD COLUMN IF NOT EXISTS batch_closed_at timestamptz;
+CREATE TABLE IF NOT EXISTS fleet_runs.batch_items (
+    run_id   text NOT NULL REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE,
+    event_id text NOT NULL,
+    n        bigserial,
+    item     jsonb NOT NULL,
+    PRIMARY KEY (run_id, event_id)
+);
 """
 
 _FENCED_APPEND = """
@@ -214,6 +232,45 @@ async def fenced_append(
     if row is None:
         raise StaleLease(lease.run_id)
     return int(row[0]), bool(row[1])
+
+
+async def _create(
+    conn: psycopg.AsyncConnection[Any],
+    run_id: str,
+    tenant: str,
+    owner: str,
+    request: dict[str, Any],
+    plan: list[dict[str, Any]] | None,
+) -> Run | None:
+    """Insert the run and its first events in the caller's transaction; None if it exists."""
+    events: list[tuple[str, dict[str, Any]]] = [("run.submitted", {"state": RunState.SUBMITTED.value})]
+    if plan is not None:
+        events.append(("plan", {"steps": plan}))
+    cursor = conn.cursor(row_factory=dict_row)
+    await cursor.execute(
+        "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, plan, last_seq)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING"
+        f" RETURNING {_RUN_COLUMNS}",
+        (
+            run_id,
+            tenant,
+            owner,
+            RunState.SUBMITTED.value,
+            Jsonb(redact(request)[0]),  # kept for the record; the plan runs as given
+            Jsonb(plan or []),
+            len(events),
+        ),
+    )
+    row = await cursor.fetchone()
+    if row is None:
+        return None
+    for seq, (type_, payload) in enumerate(events, start=1):
+        await conn.execute(
+            "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
+            (run_id, seq, type_, owner, Jsonb(logged(payload))),
+        )
+    await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
+    return _run(row)
 
 
 async def hand_back(
@@ -307,36 +364,70 @@ class PostgresRunStore:
     ) -> Run:
         """Create the run in state ``submitted`` with its first events (submitted, and the plan if
         there is one); idempotent for one run id."""
-        events: list[tuple[str, dict[str, Any]]] = [("run.submitted", {"state": RunState.SUBMITTED.value})]
-        if plan is not None:
-            events.append(("plan", {"steps": plan}))
         async with self._pool.connection() as conn, conn.transaction():
-            cursor = conn.cursor(row_factory=dict_row)
-            await cursor.execute(
-                "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, plan, last_seq)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING"
-                f" RETURNING {_RUN_COLUMNS}",
-                (
-                    run_id,
-                    tenant,
-                    owner,
-                    RunState.SUBMITTED.value,
-                    Jsonb(redact(request)[0]),  # kept for the record; the plan runs as given
-                    Jsonb(plan or []),
-                    len(events),
-                ),
+            created = await _create(conn, run_id, tenant, owner, request, plan)
+        return created or await self.get_run(run_id, tenant)
+
+    async def add_batch_item(
+        self,
+        run_id: str,
+        tenant: str,
+        owner: str,
+        request: dict[str, Any],
+        plan: list[dict[str, Any]],
+        event_id: str,
+        item: dict[str, Any],
+    ) -> tuple[bool, bool]:
+        """Add an event's item to the batch run ``run_id`` (created with ``plan`` if it is the
+        first): (whether the run was created, whether the item is new). One transaction, under the
+        run's row lock, so an item is either in the batch when it closes or refused:
+        :class:`BatchClosed` once it has (see :meth:`close_batch`)."""
+        async with self._pool.connection() as conn, conn.transaction():
+            created = await _create(conn, run_id, tenant, owner, request, plan) is not None
+            cursor = await conn.execute(
+                "SELECT batch_closed_at FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s FOR UPDATE",
+                (run_id, tenant),
             )
             row = await cursor.fetchone()
             if row is None:
-                return await self.get_run(run_id, tenant)
-            for seq, (type_, payload) in enumerate(events, start=1):
-                await conn.execute(
-                    "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
-                    " VALUES (%s, %s, %s, %s, %s)",
-                    (run_id, seq, type_, owner, Jsonb(logged(payload))),
-                )
-            await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
-        return _run(row)
+                raise RunNotFound(run_id)  # the id is another tenant's: never add to it
+            if row[0] is not None:
+                raise BatchClosed(run_id, row[0])
+            cursor = await conn.execute(
+                "INSERT INTO fleet_runs.batch_items (run_id, event_id, item) VALUES (%s, %s, %s)"
+                " ON CONFLICT (run_id, event_id) DO NOTHING RETURNING n",
+                (run_id, event_id, Jsonb(item)),
+            )
+            added = await cursor.fetchone() is not None
+        return created, added
+
+    async def request_batch_close(self, tenant: str, owner: str) -> list[str]:
+        """Close the batches of ``tenant`` gathered by ``owner`` (a batch rule) whose collection has
+        not finished to new items; their run ids. Their collection waits are then to be answered
+        (the caller does that). Idempotent."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.runs SET batch_closed_at = COALESCE(batch_closed_at, now())"
+                " WHERE tenant = %s AND owner = %s AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')"
+                " AND NOT EXISTS (SELECT 1 FROM fleet_runs.events e WHERE e.run_id = runs.run_id"
+                " AND e.type = 'batch.closed') RETURNING run_id",
+                (tenant, owner),
+            )
+            return [str(row[0]) for row in await cursor.fetchall()]
+
+    async def close_batch(self, run_id: str) -> list[dict[str, Any]]:
+        """Close the batch of ``run_id`` (no item is added after this) and return its items in the
+        order they came. Idempotent: closing again returns the same items."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET batch_closed_at = COALESCE(batch_closed_at, now())"
+                " WHERE run_id = %s",
+                (run_id,),
+            )
+            cursor = await conn.execute(
+                "SELECT item FROM fleet_runs.batch_items WHERE run_id = %s ORDER BY n", (run_id,)
+            )
+            return [row[0] for row in await cursor.fetchall()]
 
     async def get_run(self, run_id: str, tenant: str) -> Run:
         async with self._pool.connection() as conn:

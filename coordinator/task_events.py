@@ -137,8 +137,9 @@ class TaskFold:
         if run_state == RunState.WAITING and (event.payload.get("wait") or {}).get("type") in (
             "timer",
             "event",
+            "batch",
         ):
-            state = TaskState.TASK_STATE_WORKING  # it waits for a time or an event, not for anyone
+            state = TaskState.TASK_STATE_WORKING  # it waits for a time or events, not for anyone
         parts = _message_parts(event)
         if state == self.state and not parts:
             return None  # nothing a client would see: not a transition, no text

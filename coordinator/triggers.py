@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
+import uuid
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -31,7 +33,7 @@ from nats.js.client import JetStreamContext
 
 from coordinator import work
 from coordinator.plan import PlanError, parse_steps
-from coordinator.runs import PostgresRunStore
+from coordinator.runs import BatchClosed, PostgresRunStore
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import (
     DEAD_LETTER_SUBJECT,
@@ -69,6 +71,20 @@ def fill_template(value: Any, event: Event) -> Any:
     if isinstance(value, list):
         return [fill_template(item, event) for item in value]
     return value
+
+
+COLLECT_STEP = "collect"
+_BATCH_NAMESPACE = uuid.UUID("0b6c7f0e-2d4a-4f7e-9b1e-3f5a8c9d2e71")
+
+
+def batch_owner(rule: str) -> str:
+    return f"batch:{rule}"
+
+
+def batch_run_id(tenant: str, rule: str, window: int) -> str:
+    """The id of a tenant's batch run for a rule and a window: one run per window, whatever the
+    number of events or their deliveries."""
+    return str(uuid.uuid5(_BATCH_NAMESPACE, f"{tenant}/{rule}/{window}"))
 
 
 class TriggerIngest:
@@ -154,7 +170,11 @@ class TriggerIngest:
         )
         if not decision.allow:  # the policy cannot be evaluated: retried, then dead-lettered
             raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "; ".join(decision.reasons))
+        for closing in decision.result.get("closes") or []:
+            await self._close_batches(event, str(closing["rule"]))
         template = decision.result.get("run")
+        if template and template.get("batch"):
+            return await self._add_to_batch(event, str(decision.result.get("rule")), template)
         if not template:
             log.info("event %s on %s: no trigger", event.id, event.subject)
             return "ignored"
@@ -170,6 +190,72 @@ class TriggerIngest:
         await work.submit_run(self._client, run_id)
         log.info("event %s on %s started run %s", event.id, event.subject, run_id)
         return "started"
+
+    async def _add_to_batch(self, event: Event, rule: str, template: dict[str, Any]) -> str:
+        """Add the event's data as an item of its tenant's batch run for the rule and the event's
+        window (created with the first item); the event is acked once the item is durable. An item
+        for a batch that has closed is refused (dead-lettered with the reason), never dropped."""
+        batch = template["batch"]
+        window_s, close_after_s = float(batch["window_s"]), float(batch.get("close_after_s", 0))
+        try:
+            at = dt.datetime.fromisoformat(event.time)
+        except ValueError as exc:
+            raise EventError("time must be an RFC 3339 time") from exc
+        if at.tzinfo is None:
+            raise EventError("time needs a UTC offset")
+        window = int(at.timestamp() // window_s)
+        closes = dt.datetime.fromtimestamp((window + 1) * window_s + close_after_s, dt.UTC)
+        run_id = batch_run_id(event.tenant, rule, window)
+        try:
+            steps = parse_steps(
+                [
+                    {"id": COLLECT_STEP, "wait": {"batch": rule, "until": closes.isoformat()}},
+                    *[
+                        {**s, "after": [*s.get("after", []), COLLECT_STEP]}
+                        for s in template.get("steps") or []
+                    ],
+                ]
+            )
+        except PlanError as exc:
+            raise EventError(f"trigger {rule}: {exc.message}") from exc
+        request = {"batch": rule, "window": window, "closes": closes.isoformat()}
+        try:
+            created, added = await self._runs.add_batch_item(
+                run_id,
+                event.tenant,
+                batch_owner(rule),
+                request,
+                [s.to_dict() for s in steps],
+                event.id,
+                {**event.data, "event_id": event.id},
+            )
+        except BatchClosed as exc:
+            raise EventError(exc.message) from exc
+        if created:
+            await work.submit_run(self._client, run_id)
+            log.info("event %s started batch run %s (%s, window %d)", event.id, run_id, rule, window)
+        return "batched" if added else "ignored"
+
+    async def _close_batches(self, event: Event, rule: str) -> None:
+        """An event on a batch rule's close subject: close the tenant's open batches of the rule
+        and let their runs go on. A run that has not reached its collection yet is retried."""
+        for run_id in await self._runs.request_batch_close(event.tenant, batch_owner(rule)):
+            try:
+                seq = await self._runs.answer_wait(
+                    run_id,
+                    event.tenant,
+                    "batch",
+                    {"decision": "closed", "event": event.id},
+                    f"event:{event.source}",
+                    event="batch.close_requested",
+                    text=f"event {event.id} closes the batch of {rule}",
+                    awaited=f"batch:{COLLECT_STEP}",
+                )
+            except FleetError as exc:  # not parked at its collection yet: the event comes back
+                raise FleetError(
+                    ErrorCode.CONFLICT, f"batch run {run_id} is not at its collection yet", retryable=True
+                ) from exc
+            await work.submit_run(self._client, run_id, attempt=f"closed-{seq}")
 
     async def _deliver_to_waiting(self, event: Event) -> None:
         """Answer the waits of the tenant's runs that wait for this event (an event wait step), and

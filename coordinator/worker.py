@@ -136,6 +136,11 @@ def _expiry_event(wait: dict[str, Any]) -> dict[str, str]:
             "event": "approval.escalated",
             "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}: escalated",
         }
+    if wait.get("type") == "batch":
+        return {
+            "event": "batch.due",
+            "text": f"the batch window of {wait.get('awaited')} closed ({wait['deadline']})",
+        }
     if wait.get("type") == "event":
         return {
             "event": "wait.expired",
@@ -300,7 +305,11 @@ class RunWorker:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
         started = graph_input.get("limits") if isinstance(graph_input, dict) else None
         scope = RunScope(
-            self._ledger, lease, self._id, ActivityClock.of(started or snapshot.values.get("limits"))
+            self._ledger,
+            lease,
+            self._id,
+            ActivityClock.of(started or snapshot.values.get("limits")),
+            runs=self._store,
         )
         try:
             if snapshot.values.get("finished") and not snapshot.next:

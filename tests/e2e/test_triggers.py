@@ -5,6 +5,7 @@ Postgres and the coordinator's ingest, with the shipped policy bundle (rule ``in
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import uuid
 from typing import Any
@@ -13,9 +14,11 @@ import httpx
 import psycopg
 import pytest
 
-from fleet.events import DEAD_LETTER_STREAM, Event, publish_event, publish_raw
+from coordinator.triggers import batch_owner, batch_run_id
+from fleet.events import DEAD_LETTER_STREAM, Event, event_payload, publish_event, publish_raw
 from fleet.natsconn import connect
-from tests.e2e.conftest import Stack, fleet
+from tests.e2e.a2a_helpers import fresh_tenant
+from tests.e2e.conftest import Stack, all_events, fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -100,6 +103,8 @@ async def dead_letters(stack: Stack) -> list[dict[str, Any]]:
         js = client.jetstream()
         info = await js.stream_info(DEAD_LETTER_STREAM)
         found = []
+        if not info.state.messages:
+            return found
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             message = await js.get_msg(DEAD_LETTER_STREAM, seq)
             if message.data:
@@ -204,3 +209,105 @@ async def test_a_run_waits_for_an_event_of_its_tenant_and_goes_on_with_it(stack:
     assert gate["expired"] is False
     assert (gate["event"]["id"], gate["event"]["data"]) == (event_id, {"po": "PO-9"})
     assert set(outcome.result["steps"]) == {"gate", "after"}
+
+
+RECEIVED = "fleet.events.invoices.received"
+
+
+async def batch_count(stack: Stack, tenant: str) -> tuple[int, int]:
+    """(batch runs, their items) of the tenant."""
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn:
+        cursor = await conn.execute(
+            "SELECT count(DISTINCT r.run_id), count(i.event_id) FROM fleet_runs.runs r"
+            " LEFT JOIN fleet_runs.batch_items i USING (run_id) WHERE r.tenant = %s AND r.owner = %s",
+            (tenant, batch_owner("invoices-nightly")),
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_lets_go(stack: Stack) -> None:
+    """1,000 invoice events of one tenant (and repeats) become one batch run of 1,000 items, which
+    waits, holding no process, until the export-done event; it then reviews them in checkpointed
+    calls, opening one case per invoice. An invoice after the close is dead-lettered, not lost."""
+    tenant = fresh_tenant()
+    count = 1000
+    client = await connect(stack.endpoints["nats"], "test-producer")
+    try:
+        js = client.jetstream()
+        items = [
+            event_payload(
+                tenant=tenant,
+                source="erp",
+                type_="invoice.received",
+                data={"invoice": f"INV-{i}", "amount_cents": 100 * i},
+                event_id=f"inv-{tenant}-{i}",
+            )
+            for i in range(count)
+        ]
+        await asyncio.gather(*(js.publish(RECEIVED, p, headers={"Nats-Msg-Id": i}) for i, p in items))
+        # The same events again under other message ids (past the stream's de-duplication): the
+        # ingest keeps one item per event id.
+        await asyncio.gather(
+            *(js.publish(RECEIVED, p, headers={"Nats-Msg-Id": f"again-{i}"}) for i, p in items[:50])
+        )
+        async with asyncio.timeout(120):
+            while True:
+                if await batch_count(stack, tenant) == (1, count):
+                    break
+                await asyncio.sleep(0.3)
+        # The run's id derives from the tenant, the rule and the window of the events' time.
+        window = int(dt.datetime.fromisoformat(json.loads(items[0][1])["time"]).timestamp() // 86400)
+        run_id = batch_run_id(tenant, "invoices-nightly", window)
+        token = stack.token("coordinator", tenant=tenant)
+        async with httpx.AsyncClient(timeout=30) as http:
+            run = (
+                await http.get(
+                    f"{stack.endpoints['coordinator']}/v1/runs/{run_id}",
+                    headers={"Authorization": f"Bearer {token}"},
+                )
+            ).json()
+        assert run["state"] in ("submitted", "working", "waiting")
+
+        _, done = event_payload(
+            tenant=tenant, source="erp", type_="export.done", data={}, event_id=f"done-{tenant}"
+        )
+        await js.publish("fleet.events.invoices.export_done", done, headers={"Nats-Msg-Id": f"done-{tenant}"})
+        finished = await run_when(stack, run_id, ("completed", "failed"), tenant=tenant)
+        assert finished["state"] == "completed", finished
+
+        # One case per invoice, each opened once (counted at the tool).
+        async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn:
+            cursor = await conn.execute(
+                "SELECT count(*), count(DISTINCT subject), max(attempts) FROM tenant_data.cases WHERE tenant_id = %s",
+                (tenant,),
+            )
+            cases = await cursor.fetchone()
+        assert cases == (count, count, 1)
+        events = await all_events(stack, run_id, token)
+        closed = next(e for e in events if e["type"] == "batch.closed")
+        assert closed["payload"]["items"] == count
+        assert closed["payload"]["closed_by"] == f"event done-{tenant}"
+        progress = [e for e in events if e["type"] == "batch.progress"]
+        assert [e["payload"]["done"] for e in progress][-1] == count
+
+        # A late invoice of the same night: its batch has closed; it is dead-lettered with the reason.
+        late_id, late = event_payload(
+            tenant=tenant,
+            source="erp",
+            type_="invoice.received",
+            data={"invoice": "INV-late"},
+            event_id=f"late-{tenant}",
+        )
+        await js.publish(RECEIVED, late, headers={"Nats-Msg-Id": late_id})
+    finally:
+        await client.drain()
+    async with asyncio.timeout(30):
+        while True:
+            mine = [d for d in await dead_letters(stack) if f"late-{tenant}" in d["payload"]]
+            if mine:
+                break
+            await asyncio.sleep(0.3)
+    assert "closed" in mine[0]["reason"] and "too late" in mine[0]["reason"]
+    assert await batch_count(stack, tenant) == (1, count)

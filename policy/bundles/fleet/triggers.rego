@@ -2,7 +2,8 @@
 # Input: {subject, type, source, tenant, data} of an event on fleet.events.>.
 # data.config.triggers: rules, first match wins. A rule has a NATS-style subject pattern ("*" one
 # token, ">" the rest), optionally a type and a tenant list, and the template of the run: its steps
-# (inputs may take event fields with {"$event": "data.path"}) and a priority.
+# (inputs may take event fields with {"$event": "data.path"}) and a priority. A rule with "batch"
+# gathers events into one batch run per tenant and window (see closes below).
 package fleet.triggers
 
 subject_matches(pattern, subject) if {
@@ -36,16 +37,25 @@ matches contains i if {
 	applies(rule)
 }
 
+# A batch rule (with "batch": {window_s, close_after_s, close_subject?}) gathers the events of one
+# tenant and window into one run; an event on its close_subject closes the tenant's current batch.
+closes contains {"rule": rule.name, "batch": rule.batch} if {
+	some rule in data.config.triggers
+	subject_matches(object.get(object.get(rule, "batch", {}), "close_subject", ""), input.subject)
+	input.tenant in object.get(rule, "tenants", [input.tenant])
+}
+
 decision := {
 	"allow": true,
 	"reasons": [],
 	"rule": rule.name,
-	"run": {"steps": rule.steps, "priority": object.get(rule, "priority", 0)},
+	"run": {"steps": rule.steps, "priority": object.get(rule, "priority", 0), "batch": object.get(rule, "batch", null)},
+	"closes": sort(closes),
 } if {
 	count(matches) > 0
 	rule := data.config.triggers[min(matches)]
 }
 
-decision := {"allow": true, "reasons": ["no trigger rule matches the event"], "rule": null, "run": null} if {
+decision := {"allow": true, "reasons": ["no trigger rule matches the event"], "rule": null, "run": null, "closes": sort(closes)} if {
 	count(matches) == 0
 }

@@ -32,3 +32,15 @@ test_star_is_one_token_and_tenants_restrict if {
 		with data.config.triggers as rules
 	other.run == null
 }
+
+test_a_close_subject_names_the_batch_rule_it_closes if {
+	batch_rules := [{"name": "nightly", "subject": "fleet.events.invoices.received", "batch": {"window_s": 86400, "close_after_s": 60, "close_subject": "fleet.events.invoices.export_done"}, "steps": []}]
+	d := triggers.decision with input as {"subject": "fleet.events.invoices.export_done", "type": "t", "tenant": "acme", "data": {}}
+		with data.config.triggers as batch_rules
+	d.run == null
+	d.closes[0].rule == "nightly"
+	item := triggers.decision with input as {"subject": "fleet.events.invoices.received", "type": "t", "tenant": "acme", "data": {}}
+		with data.config.triggers as batch_rules
+	item.run.batch.window_s == 86400
+	item.closes == []
+}
