@@ -115,17 +115,17 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def stop_workers(endpoints: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """SIGTERM every worker process and wait for it to exit; their environments, to start them again."""
+    """Stop every worker process: SIGTERM, and SIGKILL for one still alive after 20 s (a worker
+    busy with a backlog may take longer to drain than a pause should wait). Their environments,
+    to start them again."""
     workers = {name: pid for name, pid in endpoints["processes"].items() if name.startswith("worker")}
     environments = {name: _environ(pid) for name, pid in workers.items()}
-    for pid in workers.values():
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    for pid in workers.values():
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
-            if "State:\tZ" in status:
-                break
+    for stop, grace_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        for pid in workers.values():
+            if _running(pid):
+                os.kill(pid, stop)
+        deadline = time.monotonic() + grace_s
+        while any(_running(pid) for pid in workers.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
     return environments
 
