@@ -78,7 +78,7 @@ WHY_DISK_MISSES = (
     "Why it misses 5 KB: about half is the LangGraph checkpoint a run resumes from (the checkpoint\n"
     "row with its channel versions, the blobs of the state's channels: the plan, the limits fixed\n"
     "at the start, the results so far; and the pending interrupt, which carries what the step asked),\n"
-    "and a third is the run's event log (nine events to the gate: submitted, plan, working, the\n"
+    "and a quarter is the run's event log (nine events to the gate: submitted, plan, working, the\n"
     "step's routed/started/completed, the operation's intent and result, waiting), which is the\n"
     "audit trail and is kept. Values this small are not compressed by Postgres. What would reach\n"
     "the target: resuming by replay from the ledger instead of a checkpoint (the ledger already\n"
