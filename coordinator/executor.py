@@ -37,26 +37,29 @@ YES = frozenset({"approve", "approved", "yes", "ok"})
 NO = frozenset({"reject", "rejected", "no", "deny"})
 
 
-def signal_of_message(task_id: str, texts: list[str], data: list[Any]) -> Signal:
+def signal_of_message(task_id: str, texts: list[str], data: list[Any], message_id: str = "") -> Signal:
     """The signal a follow-up message gives: a data part with an ``action`` is a signal as the run
     API takes it; other data is input; a text of ``approve``/``yes`` approves, ``reject``/``no``
-    rejects, and any other text is input (``{"text": ...}``)."""
+    rejects, and any other text is input (``{"text": ...}``). The message id is the signal's id,
+    so a client that sends the same message again (a retry) gets the first answer, and does not
+    answer whatever the run waits for by then."""
+    signal_id = f"a2a:{message_id}" if message_id else None
     objects = [d for d in data if isinstance(d, dict)]
     text = " ".join(texts).strip()
     for body in objects:
         if "action" in body:
-            return parse_signal(task_id, body, "a2a")
+            return parse_signal(task_id, body, "a2a", signal_id)
     if objects:
         merged: dict[str, Any] = {k: v for body in objects for k, v in body.items()}
-        return parse_signal(task_id, {"action": "input", "input": merged, "note": text}, "a2a")
+        return parse_signal(task_id, {"action": "input", "input": merged, "note": text}, "a2a", signal_id)
     word = text.lower().rstrip(".!")
     if word in YES:
-        return parse_signal(task_id, {"action": "approve"}, "a2a")
+        return parse_signal(task_id, {"action": "approve"}, "a2a", signal_id)
     if word in NO:
-        return parse_signal(task_id, {"action": "reject"}, "a2a")
+        return parse_signal(task_id, {"action": "reject"}, "a2a", signal_id)
     if not text:
         raise FleetError(ErrorCode.INVALID_REQUEST, "a follow-up message needs text or data")
-    return parse_signal(task_id, {"action": "input", "input": {"text": text}}, "a2a")
+    return parse_signal(task_id, {"action": "input", "input": {"text": text}}, "a2a", signal_id)
 
 
 class CoordinatorExecutor(AgentExecutor):
@@ -124,7 +127,8 @@ class CoordinatorExecutor(AgentExecutor):
         claims = claims_of(context.call_context)
         parts = list(context.message.parts) if context.message else []
         try:
-            signal = signal_of_message(task.id, get_text_parts(parts), get_data_parts(parts))
+            message_id = context.message.message_id if context.message else ""
+            signal = signal_of_message(task.id, get_text_parts(parts), get_data_parts(parts), message_id)
             outcome = await self._desk.apply(signal, claims)
         except FleetError as exc:
             raise InvalidParamsError(

@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
-from coordinator.plan import dependencies, resolve_input
+from coordinator.plan import RESERVED_INPUT, dependencies, resolve_input
 from coordinator.runs import CancelRequested, StaleLease
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
@@ -490,7 +490,10 @@ def await_gate(
                 return {**answer, "deadline": request["deadline"]}
             escalated = True
             awaited = f"{awaited}:escalated"
-            deadline += dt.timedelta(seconds=float(policy["escalate_for_s"]))
+            # From the deadline as it stood when it passed (extensions included): the answer
+            # records it, so every replay computes the same one.
+            passed = dt.datetime.fromisoformat(str(answer.get("deadline") or request["deadline"]))
+            deadline = passed + dt.timedelta(seconds=float(policy["escalate_for_s"]))
         # Otherwise the run was resumed for another wait (a parallel step's): ask again.
 
 
@@ -589,6 +592,11 @@ def build_graph(
 
         try:
             payload = resolve_input(step["input"], task["results"])
+            if RESERVED_INPUT in payload:  # e.g. from an earlier step's output: only a person approves
+                raise FleetError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"input.{RESERVED_INPUT} is reserved for approvals the fleet records",
+                )
         except FleetError as exc:
             _emit("step.failed", _failure(step, exc))
             return {"failure": _failure(step, exc)}
@@ -613,7 +621,7 @@ def build_graph(
                     return _gate_closed(step, answer, dispatcher.agent_id)
                 number += 1
                 payload = answered(payload, answer)
-                asked = dispatcher.agent
+                asked = dispatcher.agent if dispatcher.agent and dispatcher.agent.url else None  # still there
                 dispatcher = StepDispatcher(
                     delegator,
                     runtime.context,

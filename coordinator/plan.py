@@ -13,6 +13,9 @@ from policy import PolicyEngine
 MAX_STEPS = 20
 
 
+RESERVED_INPUT = "approval"
+
+
 class PlanError(FleetError):
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.INVALID_REQUEST, message)
@@ -91,6 +94,12 @@ def parse_steps(raw: Any) -> list[Step]:
         payload = item.get("input", {})
         if not isinstance(payload, dict):
             raise PlanError(f"step {step_id}: input must be an object")
+        if RESERVED_INPUT in payload:
+            # Set by the coordinator only, after a person approved the step (see graph.answered):
+            # a caller who could set it would approve their own step.
+            raise PlanError(
+                f"step {step_id}: input.{RESERVED_INPUT} is reserved for approvals the fleet records"
+            )
         earlier = {s.id for s in steps}
         _check_references(payload, earlier, step_id)
         after = item.get("after", [])

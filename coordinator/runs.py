@@ -385,14 +385,15 @@ class PostgresRunStore:
         async with self._pool.connection() as conn, conn.transaction():
             created = await _create(conn, run_id, tenant, owner, request, plan) is not None
             cursor = await conn.execute(
-                "SELECT batch_closed_at FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s FOR UPDATE",
+                "SELECT batch_closed_at, state, updated_at FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s"
+                " FOR UPDATE",
                 (run_id, tenant),
             )
             row = await cursor.fetchone()
             if row is None:
                 raise RunNotFound(run_id)  # the id is another tenant's: never add to it
-            if row[0] is not None:
-                raise BatchClosed(run_id, row[0])
+            if row[0] is not None or RunState(row[1]).terminal:  # closed, or the run ended (e.g. canceled)
+                raise BatchClosed(run_id, row[0] or row[2])
             cursor = await conn.execute(
                 "INSERT INTO fleet_runs.batch_items (run_id, event_id, item) VALUES (%s, %s, %s)"
                 " ON CONFLICT (run_id, event_id) DO NOTHING RETURNING n",
@@ -401,19 +402,20 @@ class PostgresRunStore:
             added = await cursor.fetchone() is not None
         return created, added
 
-    async def request_batch_close(self, tenant: str, owner: str) -> list[str]:
-        """Close the batches of ``tenant`` gathered by ``owner`` (a batch rule) whose collection has
-        not finished to new items; their run ids. Their collection waits are then to be answered
-        (the caller does that). Idempotent."""
+    async def request_batch_close(self, run_id: str, tenant: str) -> bool:
+        """Close the batch of ``run_id`` (of ``tenant``) to new items, if its collection has not
+        finished; whether it had not (its collection wait is then to be answered: the caller does
+        that). Idempotent."""
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
                 "UPDATE fleet_runs.runs SET batch_closed_at = COALESCE(batch_closed_at, now())"
-                " WHERE tenant = %s AND owner = %s AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')"
+                " WHERE run_id = %s AND tenant = %s"
+                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected')"
                 " AND NOT EXISTS (SELECT 1 FROM fleet_runs.events e WHERE e.run_id = runs.run_id"
                 " AND e.type = 'batch.closed') RETURNING run_id",
-                (tenant, owner),
+                (run_id, tenant),
             )
-            return [str(row[0]) for row in await cursor.fetchall()]
+            return await cursor.fetchone() is not None
 
     async def close_batch(self, run_id: str) -> list[dict[str, Any]]:
         """Close the batch of ``run_id`` (no item is added after this) and return its items in the
@@ -559,15 +561,18 @@ class PostgresRunStore:
         event: str = "wait.answered",
         text: str = "",
         awaited: str | None = None,
+        only_if_due: bool = False,
     ) -> int:
         """Record the answer to what a waiting run awaits, and hand the run back to the workers
         (it goes to ``submitted``; the caller submits it): one transaction, under the run's row
         lock, so concurrent answers are serialised and only the first one counts. Return the seq
-        of the event. Raise ``conflict`` if the run does not wait for a ``wait_type``."""
+        of the event. Raise ``conflict`` if the run does not wait for a ``wait_type`` (or, with
+        ``only_if_due``, if its deadline has not passed: it was extended meanwhile)."""
         async with self._pool.connection() as conn, conn.transaction():
+            due = " AND (wait->>'deadline')::timestamptz <= now()" if only_if_due else ""
             cursor = await conn.execute(
                 "SELECT last_seq, wait FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s"
-                " AND state = 'waiting' FOR UPDATE",
+                f" AND state = 'waiting'{due} FOR UPDATE",
                 (run_id, tenant),
             )
             row = await cursor.fetchone()

@@ -230,6 +230,10 @@ class SignalDesk:
         tenant does not have and ``forbidden`` for a signer policy refuses (both recorded)."""
         earlier = await self._recorded(claims.tenant, signal.signal_id)
         if earlier is not None:
+            if earlier.run_id != signal.run_id:
+                raise FleetError(ErrorCode.CONFLICT, f"signal id {signal.signal_id} was used for another run")
+            if earlier.outcome == "forbidden":
+                raise FleetError(ErrorCode.FORBIDDEN, "; ".join(earlier.reasons))
             return earlier
         try:
             run = await self._runs.get_run(signal.run_id, claims.tenant)
@@ -250,10 +254,16 @@ class SignalDesk:
             )
             return await self._record(signal, claims, outcome, signal.awaited, [why])
         awaited = gate.get("awaited") if gate is not None else None
+        # Input for an approval gate approves it: policy decides it as an approval.
+        action = (
+            "approve"
+            if signal.action == "input" and gate and gate.get("type") == "approval"
+            else signal.action
+        )
         decision = self._engine.decide(
             "fleet.approvals.decision",
             {
-                "action": signal.action,
+                "action": action,
                 "tenant": run.tenant,
                 "signer": {"sub": claims.sub, "tenant": claims.tenant, "scopes": sorted(claims.scopes)},
                 "run": {"owner": run.owner},
@@ -544,14 +554,15 @@ class SignalIngest:
 
 async def publish_signal(
     client: NATS, run_id: str, token: str, body: dict[str, Any], signal_id: str | None = None
-) -> str:
-    """Send a signal for ``run_id`` on NATS as the holder of ``token``; its id."""
+) -> tuple[str, bool]:
+    """Send a signal for ``run_id`` on NATS as the holder of ``token``: (its id, whether the
+    stream kept it; False when that id was sent within the hour, e.g. a retry)."""
     signal_id = signal_id or uuid.uuid4().hex
     js = client.jetstream()
     await ensure_signal_streams(js)
-    await js.publish(
+    ack = await js.publish(
         SIGNALS_PREFIX + run_id,
         json.dumps(body).encode(),
         headers={"Nats-Msg-Id": signal_id, "Authorization": f"Bearer {token}"},
     )
-    return signal_id
+    return signal_id, not ack.duplicate

@@ -77,6 +77,17 @@ COLLECT_STEP = "collect"
 _BATCH_NAMESPACE = uuid.UUID("0b6c7f0e-2d4a-4f7e-9b1e-3f5a8c9d2e71")
 
 
+def window_number(time: Any, window_s: float) -> int:
+    """The number of the window of ``window_s`` seconds that ``time`` (RFC 3339) falls in."""
+    try:
+        at = dt.datetime.fromisoformat(str(time))
+    except ValueError as exc:
+        raise EventError("time must be an RFC 3339 time") from exc
+    if at.tzinfo is None:
+        raise EventError("time needs a UTC offset")
+    return int(at.timestamp() // window_s)
+
+
 def batch_owner(rule: str) -> str:
     return f"batch:{rule}"
 
@@ -171,7 +182,7 @@ class TriggerIngest:
         if not decision.allow:  # the policy cannot be evaluated: retried, then dead-lettered
             raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "; ".join(decision.reasons))
         for closing in decision.result.get("closes") or []:
-            await self._close_batches(event, str(closing["rule"]))
+            await self._close_batch(event, str(closing["rule"]), closing["batch"])
         template = decision.result.get("run")
         if template and template.get("batch"):
             return await self._add_to_batch(event, str(decision.result.get("rule")), template)
@@ -197,13 +208,7 @@ class TriggerIngest:
         for a batch that has closed is refused (dead-lettered with the reason), never dropped."""
         batch = template["batch"]
         window_s, close_after_s = float(batch["window_s"]), float(batch.get("close_after_s", 0))
-        try:
-            at = dt.datetime.fromisoformat(event.time)
-        except ValueError as exc:
-            raise EventError("time must be an RFC 3339 time") from exc
-        if at.tzinfo is None:
-            raise EventError("time needs a UTC offset")
-        window = int(at.timestamp() // window_s)
+        window = window_number(event.time, window_s)
         closes = dt.datetime.fromtimestamp((window + 1) * window_s + close_after_s, dt.UTC)
         run_id = batch_run_id(event.tenant, rule, window)
         try:
@@ -236,26 +241,31 @@ class TriggerIngest:
             log.info("event %s started batch run %s (%s, window %d)", event.id, run_id, rule, window)
         return "batched" if added else "ignored"
 
-    async def _close_batches(self, event: Event, rule: str) -> None:
-        """An event on a batch rule's close subject: close the tenant's open batches of the rule
-        and let their runs go on. A run that has not reached its collection yet is retried."""
-        for run_id in await self._runs.request_batch_close(event.tenant, batch_owner(rule)):
-            try:
-                seq = await self._runs.answer_wait(
-                    run_id,
-                    event.tenant,
-                    "batch",
-                    {"decision": "closed", "event": event.id},
-                    f"event:{event.source}",
-                    event="batch.close_requested",
-                    text=f"event {event.id} closes the batch of {rule}",
-                    awaited=f"batch:{COLLECT_STEP}",
-                )
-            except FleetError as exc:  # not parked at its collection yet: the event comes back
-                raise FleetError(
-                    ErrorCode.CONFLICT, f"batch run {run_id} is not at its collection yet", retryable=True
-                ) from exc
-            await work.submit_run(self._client, run_id, attempt=f"closed-{seq}")
+    async def _close_batch(self, event: Event, rule: str, batch: dict[str, Any]) -> None:
+        """An event on a batch rule's close subject: close the tenant's batch of the window that
+        ``data.window_of`` (a time in it) names, by default the window of the event's own time, and
+        let its run go on. A run that has not reached its collection yet is retried."""
+        window_of = event.data.get("window_of", event.time)
+        run_id = batch_run_id(event.tenant, rule, window_number(window_of, float(batch["window_s"])))
+        if not await self._runs.request_batch_close(run_id, event.tenant):
+            log.info("event %s closes no open batch of %s", event.id, rule)
+            return
+        try:
+            seq = await self._runs.answer_wait(
+                run_id,
+                event.tenant,
+                "batch",
+                {"decision": "closed", "event": event.id},
+                f"event:{event.source}",
+                event="batch.close_requested",
+                text=f"event {event.id} closes the batch of {rule}",
+                awaited=f"batch:{COLLECT_STEP}",
+            )
+        except FleetError as exc:  # not parked at its collection yet: the event comes back
+            raise FleetError(
+                ErrorCode.CONFLICT, f"batch run {run_id} is not at its collection yet", retryable=True
+            ) from exc
+        await work.submit_run(self._client, run_id, attempt=f"closed-{seq}")
 
     async def _deliver_to_waiting(self, event: Event) -> None:
         """Answer the waits of the tenant's runs that wait for this event (an event wait step), and

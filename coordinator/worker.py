@@ -115,6 +115,10 @@ async def supervise_waits(
                             {"decision": "expired", "deadline": wait["deadline"]},
                             SUPERVISOR,
                             **_expiry_event(wait),
+                            # The wait it read, and only if still due: another answer or an
+                            # extension may have come in since the read.
+                            awaited=wait.get("awaited"),
+                            only_if_due=True,
                         )
                         await work.submit_run(client, run.run_id, attempt=f"expired-{seq}")
                 else:

@@ -121,3 +121,11 @@ def test_an_event_wait_names_one_subject_and_may_name_a_type_and_a_timeout() -> 
     ):
         with pytest.raises(PlanError):
             parse_steps([bad])
+
+
+def test_a_caller_cannot_set_the_approval_of_a_step() -> None:
+    """input.approval is what the fleet passes a step after a person approved it: a plan that sets it
+    would approve itself."""
+    with pytest.raises(PlanError) as raised:
+        parse_steps([{"id": "pay", "skill": "issue-refund", "input": {"approval": {"id": "self"}}}])
+    assert "reserved" in raised.value.message

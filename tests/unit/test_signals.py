@@ -71,6 +71,12 @@ def test_a_follow_up_message_reads_as_the_signal_a_person_means(
     assert (signal.action, signal.input, signal.via) == (action, given, "a2a")
 
 
+def test_a_follow_up_message_id_is_the_signal_id_so_a_resent_message_is_one_signal() -> None:
+    first = signal_of_message("task-1", ["approve"], [], "m-1")
+    again = signal_of_message("task-1", ["approve"], [], "m-1")
+    assert first.signal_id == again.signal_id == "a2a:m-1"
+
+
 def test_an_empty_follow_up_is_refused() -> None:
     with pytest.raises(FleetError) as raised:
         signal_of_message("task-1", ["  "], [])
