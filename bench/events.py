@@ -87,7 +87,7 @@ async def _to_run_latency(client: Any, dsn: str, seen: set[str]) -> list[float]:
         return latencies
 
 
-async def _delivery_latency(client: Any) -> list[float]:
+async def delivery_latency(client: Any, count: int = LATENCY_EVENTS) -> list[float]:
     """Seconds from publish to delivery to a core-NATS subscriber: what the broker alone costs."""
     got: asyncio.Queue[float] = asyncio.Queue()
 
@@ -96,7 +96,7 @@ async def _delivery_latency(client: Any) -> list[float]:
 
     subscription = await client.subscribe("bench.delivery", cb=on_message)
     latencies = []
-    for _ in range(LATENCY_EVENTS):
+    for _ in range(count):
         started = time.perf_counter()
         await client.publish("bench.delivery", b"{}")
         latencies.append(await asyncio.wait_for(got.get(), 10) - started)
@@ -119,7 +119,7 @@ async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
             cursor = await conn.execute("SELECT run_id FROM fleet_runs.runs")
             seen = {str(row[0]) for row in await cursor.fetchall()}
         to_run = await _to_run_latency(client, dsn, seen)
-        delivery = await _delivery_latency(client)
+        delivery = await delivery_latency(client)
         info = await js.stream_info(EVENTS_STREAM)
     finally:
         await client.drain()

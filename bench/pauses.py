@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 
 from bench._stack import running_stack
+from bench.events import delivery_latency
 from coordinator.runs import NOTIFY_CHANNEL
 from coordinator.signals import publish_signal
 from fleet.events import Event, publish_event
@@ -100,22 +101,12 @@ async def _approval_latency(layout: StackLayout, endpoints: dict[str, Any]) -> l
     return latencies
 
 
-async def _delivery_latency(nats_url: str) -> list[float]:
+async def _delivery_floor(nats_url: str) -> list[float]:
     client = await connect(nats_url, "bench-delivery")
-    got: asyncio.Queue[float] = asyncio.Queue()
-
-    async def on_message(_: Any) -> None:
-        got.put_nowait(time.perf_counter())
-
-    subscription = await client.subscribe("bench.delivery", cb=on_message)
-    latencies = []
-    for _ in range(LATENCY_RUNS):
-        started = time.perf_counter()
-        await client.publish("bench.delivery", b"{}")
-        latencies.append(await asyncio.wait_for(got.get(), 10) - started)
-    await subscription.unsubscribe()
-    await client.drain()
-    return latencies
+    try:
+        return await delivery_latency(client, LATENCY_RUNS)
+    finally:
+        await client.drain()
 
 
 def main(runs: int = RUNS) -> dict[str, Any]:
@@ -123,7 +114,7 @@ def main(runs: int = RUNS) -> dict[str, Any]:
         bundle = refund_policy(Path(tmp))
         with running_stack(Path(tmp) / "fleet", FLEET_POLICY_DIR=str(bundle)) as (layout, endpoints):
             latency = asyncio.run(_approval_latency(layout, endpoints))
-            delivery = asyncio.run(_delivery_latency(endpoints["nats"]))
+            delivery = asyncio.run(_delivery_floor(endpoints["nats"]))
             scale = asyncio.run(pause_and_resume(layout, endpoints, runs, timeout_s=3600))
     p50, floor = statistics.median(latency) * 1000, statistics.median(delivery) * 1000
     result = {

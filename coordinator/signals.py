@@ -43,14 +43,14 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged
 from fleet.errors import ErrorCode, FleetError
+from fleet.events import ensure_stream
 from fleet.tokens import Claims, TokenVerifier, bearer_token
 from policy import PolicyEngine
 
@@ -65,7 +65,6 @@ SIGNALS_SUBJECTS = "fleet.signals.>"
 SIGNALS_PREFIX = "fleet.signals."
 OUTCOMES_PREFIX = "fleet.signal_outcomes."
 DEAD_LETTER_SUBJECT = "fleet.dead.signals"
-DUPLICATE_WINDOW_S = 3600.0
 MAX_EXTEND_S = 30 * 24 * 3600.0
 MAX_NOTE = 2000
 CONSUMER = "signals"
@@ -388,24 +387,12 @@ _streams_ready: set[str] = set()
 
 
 async def ensure_signal_streams(js: JetStreamContext) -> None:
-    """The approval requests and signals streams (de-duplicated by ``Nats-Msg-Id``)."""
+    """The approval requests and signals streams (de-duplicated by ``Nats-Msg-Id``); looked up
+    once per process, as every parked run publishes."""
     for name, subjects in ((APPROVALS_STREAM, APPROVALS_SUBJECTS), (SIGNALS_STREAM, SIGNALS_SUBJECTS)):
-        if name in _streams_ready:
-            continue
-        try:
-            await js.stream_info(name)
-        except NotFoundError:
-            await js.add_stream(
-                StreamConfig(
-                    name=name,
-                    subjects=[subjects],
-                    retention=RetentionPolicy.LIMITS,
-                    storage=StorageType.FILE,
-                    duplicate_window=DUPLICATE_WINDOW_S,
-                    max_age=30 * 24 * 3600.0,
-                )
-            )
-        _streams_ready.add(name)
+        if name not in _streams_ready:
+            await ensure_stream(js, name, subjects, max_age_s=30 * 24 * 3600.0)
+            _streams_ready.add(name)
 
 
 def approvals_subject(tenant: str, run_id: str) -> str:

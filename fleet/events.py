@@ -121,20 +121,26 @@ def event_payload(
 
 async def ensure_event_streams(js: JetStreamContext) -> None:
     """The events stream (de-duplicated by ``Nats-Msg-Id``) and the dead-letter stream."""
-    for name, subjects in ((EVENTS_STREAM, [EVENTS_SUBJECTS]), (DEAD_LETTER_STREAM, ["fleet.dead.>"])):
-        try:
-            await js.stream_info(name)
-        except NotFoundError:
-            await js.add_stream(
-                StreamConfig(
-                    name=name,
-                    subjects=subjects,
-                    retention=RetentionPolicy.LIMITS,
-                    storage=StorageType.FILE,
-                    duplicate_window=DUPLICATE_WINDOW_S,
-                    max_age=7 * 24 * 3600.0,
-                )
+    await ensure_stream(js, EVENTS_STREAM, EVENTS_SUBJECTS, max_age_s=7 * 24 * 3600.0)
+    await ensure_stream(js, DEAD_LETTER_STREAM, "fleet.dead.>", max_age_s=7 * 24 * 3600.0)
+
+
+async def ensure_stream(js: JetStreamContext, name: str, subjects: str, *, max_age_s: float) -> None:
+    """A file-backed JetStream stream over ``subjects`` that drops a message whose ``Nats-Msg-Id``
+    it has seen within the de-duplication window; created if missing."""
+    try:
+        await js.stream_info(name)
+    except NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=name,
+                subjects=[subjects],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                duplicate_window=DUPLICATE_WINDOW_S,
+                max_age=max_age_s,
             )
+        )
 
 
 async def publish_event(
