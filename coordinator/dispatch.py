@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,9 +128,11 @@ class StepDispatcher:
         tenant: str,
         progress: Progress,
         announce: bool = False,
+        completes: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
-        """``announce``: log the step's ``step.routed``/``step.started`` and ``step.completed``
-        (a plain step; a batch's calls are announced by the batch)."""
+        """``announce``: log the step's ``step.started`` (with where it went) and ``step.completed``
+        (a plain step; a batch's calls are announced by the batch). ``completes``: whether a result
+        completes the step (one that asks a person first does not: no ``step.completed`` yet)."""
         self._delegator = delegator
         self._ledger = scope.ledger
         self._lease = scope.lease
@@ -141,6 +144,7 @@ class StepDispatcher:
         self._progress = progress
         self._activity = scope.activity
         self._announce = announce
+        self._completes = completes
         self._redispatches = 0
         self._known: Operation | None = None
         self._agent: AgentRecord | None = None
@@ -168,10 +172,12 @@ class StepDispatcher:
             return []
         step = {"step": self._step_id, "skill": self._skill, "agent": agent.id}
         text = f"step {self._step_id}: {self._skill} -> {agent.id}"
-        return [("step.routed", {**step, "text": text}), ("step.started", step)]
+        return [("step.started", {**step, "text": text})]
 
-    def _closing(self) -> list[Event]:
-        return [("step.completed", {"step": self._step_id, "agent": self.agent_id})] if self._announce else []
+    def _closing(self, result: dict[str, Any]) -> list[Event]:
+        if not self._announce or (self._completes is not None and not self._completes(result)):
+            return []
+        return [("step.completed", {"step": self._step_id, "agent": self.agent_id})]
 
     async def run(self, prefer: AgentRecord | None = None) -> dict[str, Any]:
         """The step's result, sending it at most as often as the rules above allow: to ``prefer``
@@ -212,9 +218,10 @@ class StepDispatcher:
         if op.args_hash != args_hash(self._args):
             await self._needs_human(op, "the step was replayed with other arguments than were sent")
         if op.status == OpStatus.SUCCEEDED:
-            _announce(self._closing())
+            result = dict(op.result or {})
+            _announce(self._closing(result))
             self.settled_at = op.updated_at
-            return dict(op.result or {})
+            return result
         if op.status == OpStatus.FAILED:
             error = op.error or {}
             code = ErrorCode(error.get("code", ErrorCode.SPECIALIST_FAILED))
@@ -260,7 +267,7 @@ class StepDispatcher:
             raise
         crash_point("worker.before_result", self._skill)
         crash_point("worker.before_result", self._step_id)  # one call of a step (e.g. after a gate)
-        await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
+        await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing(result))
         self.settled_at = dt.datetime.now(dt.UTC)
         return result
 
@@ -366,7 +373,7 @@ class StepDispatcher:
                     continue  # the agent is still at it; the wait was a long poll
                 case "succeeded":
                     result = status.get("result") or {}
-                    await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing())
+                    await self._record(op, OpStatus.SUCCEEDED, result=result, after=self._closing(result))
                     self.settled_at = dt.datetime.now(dt.UTC)
                     return dict(result)
                 case "failed" | "canceled":

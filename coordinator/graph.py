@@ -19,7 +19,6 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.runtime import Runtime
 from langgraph.types import Send, interrupt
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.delegation import Delegator
@@ -64,8 +63,8 @@ class StepTask(TypedDict):
     step: dict[str, Any]
     results: dict[str, Any]
     offset: int  # for a batch step: the items done already
-    batch: dict[str, int]  # for a batch step: call_size and checkpoint_every
-    approvals: dict[str, Any]  # deadlines of approvals, from policy when the run started
+    batch: dict[str, int]  # for a batch step: call_size and checkpoint_every ({} for others)
+    approval: dict[str, Any]  # the deadline policy of a gate on the step's skill, fixed at the run's start
 
 
 def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
@@ -78,13 +77,9 @@ def _failure(step: dict[str, Any], exc: FleetError) -> dict[str, Any]:
 
 
 def checkpoint_pool(dsn: str, max_size: int) -> AsyncConnectionPool[Any]:
-    """A connection pool configured as ``AsyncPostgresSaver`` requires (not yet opened)."""
-    return AsyncConnectionPool(
-        dsn,
-        max_size=max_size,
-        open=False,
-        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
-    )
+    """A connection pool of its own for the checkpointer (not yet opened): checkpoint saves run in
+    the background and must not wait behind the run's other writes."""
+    return AsyncConnectionPool(dsn, max_size=max_size, open=False, kwargs={"autocommit": True})
 
 
 def ready_steps(state: GraphState) -> list[dict[str, Any]]:
@@ -418,7 +413,6 @@ DEFAULT_APPROVAL_DEADLINE: dict[str, Any] = {
     "on_expired": "expire",
     "escalate_for_s": 3600.0,
 }
-GATE_CHOICES = {"approval": ["approve", "reject"], "input": ["input", "reject"]}
 
 
 def gate_of(result: Any) -> dict[str, Any] | None:
@@ -435,11 +429,22 @@ def gate_of(result: Any) -> dict[str, Any] | None:
         kind = "input"
     else:
         return None
-    why = next(
-        (str(result[k]) for k in ("why", "question", "message", "reason") if isinstance(result.get(k), str)),
-        "the step needs approval" if kind == "approval" else "the step needs input",
+    said = next((k for k in ("why", "question", "message", "reason") if isinstance(result.get(k), str)), None)
+    why = (
+        str(result[said])
+        if said
+        else "the step needs approval"
+        if kind == "approval"
+        else "the step needs input"
     )
-    return {"type": kind, "why": why, "asked": result}
+    # ``asked``: the rest of what the result says (the ledger keeps the result whole)
+    asked = {k: v for k, v in result.items() if k not in (said, "status", "user_input_required")}
+    return {"type": kind, "why": why, "asked": asked}
+
+
+def _completes(result: dict[str, Any]) -> bool:
+    """Whether a call's result completes its step: not if it asks a person first (a gate)."""
+    return gate_of(result) is None
 
 
 def approval_deadline(approvals: dict[str, Any], skill: str) -> dict[str, Any]:
@@ -453,14 +458,14 @@ def await_gate(
     gate: dict[str, Any],
     number: int,
     dispatcher: StepDispatcher,
-    approvals: dict[str, Any],
+    policy: dict[str, Any],
 ) -> dict[str, Any]:
     """Park the run until a person answers the gate (no process waits) and return the answer:
     ``approve``, ``input`` (with ``input``), ``reject``, or ``expired``. The wait is keyed
     ``approval:<step>:<n>``: the answer is delivered to this gate and no other. Its deadline
     counts from when the asking result was recorded (the same on every replay). At the deadline,
-    policy decides: expire, or escalate once (a new key, for escalate_for_s more) and then expire."""
-    policy = approval_deadline(approvals, step["skill"])
+    policy decides (``policy``, from :func:`approval_deadline`): expire, or escalate once (a new key,
+    for escalate_for_s more) and then expire."""
     asked_at = dispatcher.settled_at or dt.datetime.now(dt.UTC)
     awaited = f"approval:{step['id']}:{number}"
     deadline = asked_at + dt.timedelta(seconds=float(policy["timeout_s"]))
@@ -475,11 +480,10 @@ def await_gate(
             "op_id": dispatcher.op_id,
             "why": gate["why"],
             "asked": gate["asked"],
-            "choices": GATE_CHOICES[gate["type"]],
             "deadline": deadline.isoformat(),
             "warn_at": (deadline - dt.timedelta(seconds=float(policy["warn_before_s"]))).isoformat(),
             "on_expired": "escalate" if policy["on_expired"] == "escalate" and not escalated else "expire",
-            "escalated": escalated,
+            **({"escalated": True} if escalated else {}),
         }
         answer = interrupt(request)
         decision = answer.get("decision") if isinstance(answer, dict) else None
@@ -529,16 +533,19 @@ def _gate_closed(step: dict[str, Any], answer: dict[str, Any], agent_id: str) ->
 
 
 def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
+    """What the step's task needs, and no more: the task is written into the checkpoint (a ``Send``)
+    and stays there while the step waits at a gate."""
     results = state.get("results", {})
-    defaults = (state.get("limits") or {}).get("batch") or DEFAULT_BATCH
+    limits = state.get("limits") or {}
+    batch = {**(limits.get("batch") or DEFAULT_BATCH), **(step.get("batch") or {})}
     return StepTask(
         run_id=state["run_id"],
         tenant=state["tenant"],
         step=step,
         results={d: results[d] for d in dependencies(step) if d in results},
         offset=state.get("batches", {}).get(step["id"], 0),
-        batch={**defaults, **(step.get("batch") or {})},
-        approvals=(state.get("limits") or {}).get("approvals") or {},
+        batch=batch if step.get("for_each") is not None else {},
+        approval=approval_deadline(limits.get("approvals") or {}, step["skill"]),
     )
 
 
@@ -608,7 +615,8 @@ def build_graph(
             payload=payload,
             tenant=task["tenant"],
             progress=progress,
-            announce=True,  # routed and started with the intent, completed with the result
+            announce=True,  # started with the intent, completed with the result
+            completes=_completes,
         )
         try:
             result = await _run_or_wait(dispatcher, step["id"])
@@ -616,7 +624,7 @@ def build_graph(
             while (gate := gate_of(result)) is not None:
                 # The step asks a person first (approval, or input). Its answer goes into the
                 # step's next call, a new operation (its own id, so the ledger sends it once).
-                answer = await_gate(step, gate, number, dispatcher, task["approvals"])
+                answer = await_gate(step, gate, number, dispatcher, task["approval"])
                 if answer["decision"] in ("reject", "expired"):
                     return _gate_closed(step, answer, dispatcher.agent_id)
                 number += 1
@@ -631,6 +639,7 @@ def build_graph(
                     tenant=task["tenant"],
                     progress=progress,
                     announce=True,
+                    completes=_completes,
                 )
                 result = await _run_or_wait(dispatcher, step["id"], asked)
         except (StaleLease, CancelRequested):

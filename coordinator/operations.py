@@ -227,7 +227,7 @@ class Ledger:
         lease that is no longer current gets nothing."""
         op_id = operation_id(lease.run_id, step_id)
         digest = args_hash(args)
-        payload = {"op_id": op_id, "kind": kind, "target": target, "args_hash": digest}
+        payload = {"op_id": op_id, "kind": kind, "target": target}  # the arguments' hash is on the row
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(

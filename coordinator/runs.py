@@ -24,7 +24,13 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact
 
 NOTIFY_CHANNEL = "fleet_run_events"
-WAIT_SUMMARY = ("type", "awaited", "since", "deadline")  # of a wait, in the run.waiting event
+WAIT_SUMMARY = (
+    "type",
+    "awaited",
+    "deadline",
+)  # of a wait, in the run.waiting event (its time is the event's)
+# What a wait record says of the first request it stands for (its detail holds the rest of it).
+ON_THE_WAIT = ("type", "awaited", "deadline", "warn_at")
 FOLLOW_PAGE = 500
 
 
@@ -234,6 +240,10 @@ async def fenced_append(
     return int(row[0]), bool(row[1])
 
 
+def _outline(step: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in step.items() if key not in ("input", "for_each")}
+
+
 async def _create(
     conn: psycopg.AsyncConnection[Any],
     run_id: str,
@@ -243,9 +253,11 @@ async def _create(
     plan: list[dict[str, Any]] | None,
 ) -> Run | None:
     """Insert the run and its first events in the caller's transaction; None if it exists."""
-    events: list[tuple[str, dict[str, Any]]] = [("run.submitted", {"state": RunState.SUBMITTED.value})]
+    submitted: dict[str, Any] = {"state": RunState.SUBMITTED.value}
     if plan is not None:
-        events.append(("plan", {"steps": plan}))
+        # The first event shows the plan's shape; its inputs are in the run's record, once.
+        submitted["steps"] = [_outline(step) for step in plan]
+    events: list[tuple[str, dict[str, Any]]] = [("run.submitted", submitted)]
     cursor = conn.cursor(row_factory=dict_row)
     await cursor.execute(
         "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, plan, last_seq)"
@@ -305,11 +317,24 @@ async def hand_back(
     await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
 
 
+def wait_requests(wait: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What a wait record waits for, one request per interrupt: the first is the record's own
+    ``ON_THE_WAIT`` fields (its deadline as extended, if it was) with its ``detail``, and
+    ``detail.others`` are the rest (parallel steps may each wait). A record without ``detail`` is
+    its own request."""
+    detail = wait.get("detail")
+    if not isinstance(detail, Mapping) or not detail:
+        return [dict(wait)]
+    first = {key: value for key, value in detail.items() if key != "others"}
+    first.update({key: wait[key] for key in ON_THE_WAIT if wait.get(key) is not None})
+    return [first, *(dict(r) for r in detail.get("others") or [])]
+
+
 def _awaits(wait: dict[str, Any], wait_type: str, awaited: str | None) -> bool:
     """Whether a wait record awaits ``awaited`` (of ``wait_type``), or, without one, is of that type."""
     if awaited is None:
         return wait.get("type") == wait_type
-    requests = (wait.get("detail") or {}).get("requests") or [wait]
+    requests = wait_requests(wait)
     return any(r.get("type") == wait_type and r.get("awaited") == awaited for r in requests)
 
 
@@ -633,7 +658,10 @@ class PostgresRunStore:
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
                 "SELECT run_id, r->>'awaited' FROM fleet_runs.runs,"
-                " jsonb_array_elements(COALESCE(wait->'detail'->'requests', '[]')) AS r"
+                # the requests of the wait record (see wait_requests): its detail, then the others
+                " jsonb_array_elements(jsonb_build_array(COALESCE(wait->'detail', '{}')"
+                "  || jsonb_build_object('type', wait->'type', 'awaited', wait->'awaited'))"
+                "  || COALESCE(wait->'detail'->'others', '[]')) AS r"
                 " WHERE state = 'waiting' AND tenant = %s AND r->>'type' = 'event' AND r->>'subject' = %s"
                 " AND (r->>'event_type' IS NULL OR r->>'event_type' = %s)",
                 (tenant, subject, event_type),

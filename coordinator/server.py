@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 from a2a.types import AgentSkill
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -18,6 +17,7 @@ from starlette.routing import Route
 
 from coordinator import work
 from coordinator.card import JWKS_PATH, ExtendedCardForCaller, extended_card, with_fleet_capabilities
+from coordinator.checkpoints import CompactCheckpointer
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import checkpoint_pool
@@ -128,7 +128,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         max_attempts=settings.push_max_attempts,
     )
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
-    saver = AsyncPostgresSaver(pool_for_checkpoints)  # read here (debug bundles); workers write
+    saver = CompactCheckpointer(pool_for_checkpoints)  # read here (debug bundles); workers write
     submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
     desk = SignalDesk(run_pool, runs, engine, submitter.submit)
     handler = CoordinatorRequestHandler(

@@ -48,7 +48,7 @@ from nats.js.client import JetStreamContext
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged
+from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_requests
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import ensure_stream
 from fleet.tokens import Claims, TokenVerifier, bearer_token
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("approve", "reject", "input", "extend", "cancel")
 GATE_TYPES = ("approval", "input")
+GATE_CHOICES = {"approval": ["approve", "reject"], "input": ["input", "reject"]}  # what may answer a gate
 APPROVALS_STREAM = "FLEET_APPROVALS"
 APPROVALS_SUBJECTS = "fleet.approvals.>"
 SIGNALS_STREAM = "FLEET_SIGNALS"
@@ -188,8 +189,7 @@ def gate_waiting(run: Run, awaited: str | None) -> dict[str, Any] | None:
     """The gate request of a waiting run that ``awaited`` names (by default, the first gate)."""
     if run.state.value != "waiting" or not isinstance(run.wait, dict):
         return None
-    requests = (run.wait.get("detail") or {}).get("requests") or [run.wait]
-    for request in requests:
+    for request in wait_requests(run.wait):
         if request.get("type") in GATE_TYPES and awaited in (None, request.get("awaited")):
             return dict(request)
     return None
@@ -267,7 +267,8 @@ class SignalDesk:
                 "signer": {"sub": claims.sub, "tenant": claims.tenant, "scopes": sorted(claims.scopes)},
                 "run": {"owner": run.owner},
                 "wait": {
-                    key: gate.get(key) for key in ("type", "skill", "step", "escalated") if gate is not None
+                    **{key: gate.get(key) for key in ("type", "skill", "step") if gate is not None},
+                    "escalated": bool(gate and gate.get("escalated")),
                 },
             },
         )
@@ -402,7 +403,7 @@ def approvals_subject(tenant: str, run_id: str) -> str:
 
 def approval_requests(run_id: str, tenant: str, wait: dict[str, Any]) -> list[dict[str, Any]]:
     """The approval requests a parked run's wait record stands for: one per gate it waits at."""
-    requests = (wait.get("detail") or {}).get("requests") or [wait]
+    requests = wait_requests(wait)
     return [
         logged(
             {
@@ -415,7 +416,7 @@ def approval_requests(run_id: str, tenant: str, wait: dict[str, Any]) -> list[di
                 "agent": request.get("agent"),
                 "why": request.get("why"),
                 "asked": request.get("asked"),
-                "choices": request.get("choices"),
+                "choices": GATE_CHOICES.get(str(request.get("type"))),
                 "deadline": request.get("deadline"),
                 "escalated": request.get("escalated", False),
                 "signal_subject": SIGNALS_PREFIX + run_id,

@@ -192,7 +192,7 @@ def _run_state_of(event: RunEvent) -> RunState | None:
 
 def _message_parts(event: RunEvent) -> list[Part]:
     """What a person should read about this event: its text, and a failure's details."""
-    if event.type == "plan":
+    if event.type in ("run.submitted", "plan") and event.payload.get("steps"):  # the run's plan
         skills = " -> ".join(str(step.get("skill")) for step in event.payload.get("steps", []))
         return [new_text_part(f"plan: {skills}")] if skills else []
     text = event.payload.get("text")

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import httpx
 import psycopg
 from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, StateSnapshot
 from nats.aio.client import Client as NATS
@@ -33,11 +32,13 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from coordinator import signals, work
+from coordinator.checkpoints import CompactCheckpointer
 from coordinator.delegation import Delegator
 from coordinator.dispatch import ActivityClock, RunScope, settle_pending
 from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.operations import Ledger
 from coordinator.runs import (
+    ON_THE_WAIT,
     CancelRequested,
     Lease,
     PostgresRunStore,
@@ -62,7 +63,7 @@ T = TypeVar("T")
 # durable before anything is sent, the result before the run goes on; a durable commit also flushes
 # every earlier one). A crash of Postgres itself can lose the last of these, never a transition, an
 # operation or a gap.
-RELAXED_EVENTS = frozenset({"step.progress", "step.routed", "step.started", "step.completed"})
+RELAXED_EVENTS = frozenset({"step.progress", "step.started", "step.completed"})
 
 
 class WorkerSettings(ServiceSettings):
@@ -346,7 +347,7 @@ class RunWorker:
         prunes again (it is idempotent). A run that crashed keeps every checkpoint, for its debug
         bundle."""
         checkpointer = self._graph.checkpointer
-        if not isinstance(checkpointer, AsyncPostgresSaver):
+        if not isinstance(checkpointer, CompactCheckpointer):
             return
         run = await self._store.get_run_for_worker(run_id)
         if run.reason == ErrorCode.INTERNAL:
@@ -358,21 +359,23 @@ class RunWorker:
 
     async def _park(self, lease: Lease, tenant: str, awaiting: list[Any]) -> None:
         """Record that the run waits (what for, since when) and let go of it: no process waits.
-        The wait record names the first thing awaited; ``detail.all`` lists every one."""
+        The wait record names the first thing awaited (what, until when) and its ``detail`` holds
+        the rest of that request, with ``others`` when parallel steps wait too (see
+        :func:`coordinator.runs.wait_requests`)."""
         requests = [
             dict(a) if isinstance(a, dict) else {"type": "input", "awaited": str(a)} for a in awaiting
         ]
-        request = {**requests[0], "all": [r.get("awaited") for r in requests], "requests": requests}
-        now = dt.datetime.now(dt.UTC).isoformat()
+        request = requests[0]
+        detail = {k: v for k, v in request.items() if k not in ON_THE_WAIT}
+        if len(requests) > 1:
+            detail["others"] = requests[1:]
         wait = {
             "type": request.get("type", "input"),
             "awaited": request.get("awaited"),
-            "since": now,
-            "last_activity": now,
+            "since": dt.datetime.now(dt.UTC).isoformat(),
             "deadline": request.get("deadline"),
             "warn_at": request.get("warn_at"),
-            "lease": None,  # a parked run is held by no worker (the lease is released as it parks)
-            "detail": request,
+            "detail": detail,
         }
         text = f"waiting for a person: {request.get('why', wait['type'])}"
         await self._store.transition(lease, RunState.WAITING, self._id, {"text": text}, wait=wait)
@@ -509,7 +512,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         settings.pg_dsn, max_size=settings.concurrency + 2, open=False, kwargs={"autocommit": True}
     )
-    saver = AsyncPostgresSaver(pool_for_checkpoints)
+    saver = CompactCheckpointer(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
     delegator = Delegator(registry, http)

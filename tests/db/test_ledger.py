@@ -56,7 +56,7 @@ async def test_an_intent_is_recorded_once_and_bound_to_its_arguments(
         await ledger.record_intent(
             lease, "w1", step_id="s1", kind="delegate", target="agent", args={**ARGS, "input": {"n": 2}}
         )
-    assert await types(store) == [(1, "run.submitted"), (2, "plan"), (3, "operation.intent")]
+    assert await types(store) == [(1, "run.submitted"), (2, "operation.intent")]
 
 
 async def test_a_stale_worker_can_neither_record_an_intent_nor_an_outcome(

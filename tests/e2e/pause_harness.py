@@ -41,9 +41,7 @@ RUN_TABLES = (
     "fleet_runs.runs",
     "fleet_runs.events",
     "fleet_runs.operations",
-    "public.checkpoints",
-    "public.checkpoint_blobs",
-    "public.checkpoint_writes",
+    "fleet_runs.checkpoints",
 )
 RULE = {
     "name": "refund-requested",

@@ -43,7 +43,9 @@ async def test_a_run_records_every_transition_and_step_in_a_gap_free_log(stack: 
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert [e["id"] for e in events] == [e["seq"] for e in events]
     types = [e["type"] for e in events]
-    assert types[:3] == ["run.submitted", "plan", "run.working"]
+    assert types[:2] == ["run.submitted", "run.working"]
+    assert [s["skill"] for s in events[0]["payload"]["steps"]] == ["invoice-totals", "outliers"]  # the plan
+    assert all("input" not in s for s in events[0]["payload"]["steps"])  # its inputs are on the run
     assert types[-2:] == ["artifact", "run.completed"]
     steps = [
         (e["type"], e["payload"]["step"]) for e in events if e["type"] in ("step.started", "step.completed")

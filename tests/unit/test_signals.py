@@ -99,4 +99,16 @@ def test_a_result_asks_a_person_only_in_the_forms_the_gate_knows(result: Any, ki
     gate = gate_of(result)
     assert (gate["type"] if gate else None) == kind
     if gate is not None:
-        assert gate["asked"] == result and gate["why"]
+        assert gate["why"]
+
+
+def test_a_gate_lifts_the_reason_out_of_the_result_and_keeps_the_rest() -> None:
+    asking = {"status": "pending_approval", "why": "over the limit", "amount_cents": 20_000}
+    assert gate_of(asking) == {"type": "approval", "why": "over the limit", "asked": {"amount_cents": 20_000}}
+    asking = {"user_input_required": True, "question": "which channel?", "options": ["a", "b"]}
+    assert gate_of(asking) == {"type": "input", "why": "which channel?", "asked": {"options": ["a", "b"]}}
+    assert gate_of({"status": "auth_required"}) == {
+        "type": "input",
+        "why": "the step needs input",
+        "asked": {},
+    }
