@@ -170,9 +170,8 @@ class StepDispatcher:
     def _opening(self, agent: AgentRecord) -> list[Event]:
         if not self._announce:
             return []
-        step = {"step": self._step_id, "skill": self._skill, "agent": agent.id}
-        text = f"step {self._step_id}: {self._skill} -> {agent.id}"
-        return [("step.started", {**step, "text": text})]
+        # (its text, "step <id>: <skill> -> <agent>", is made where it is shown: task_events)
+        return [("step.started", {"step": self._step_id, "skill": self._skill, "agent": agent.id})]
 
     def _closing(self, result: dict[str, Any]) -> list[Event]:
         if not self._announce or (self._completes is not None and not self._completes(result)):

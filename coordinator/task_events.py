@@ -190,12 +190,20 @@ def _run_state_of(event: RunEvent) -> RunState | None:
     return _RUN_STATES.get(event.type.removeprefix("run.")) if event.type.startswith("run.") else None
 
 
+def _said(event: RunEvent) -> str:
+    """The text of an event that the log keeps without one (it would only repeat the payload)."""
+    payload = event.payload
+    if event.type == "step.started" and payload.get("agent"):
+        return f"step {payload.get('step')}: {payload.get('skill')} -> {payload['agent']}"
+    return ""
+
+
 def _message_parts(event: RunEvent) -> list[Part]:
     """What a person should read about this event: its text, and a failure's details."""
     if event.type in ("run.submitted", "plan") and event.payload.get("steps"):  # the run's plan
         skills = " -> ".join(str(step.get("skill")) for step in event.payload.get("steps", []))
         return [new_text_part(f"plan: {skills}")] if skills else []
-    text = event.payload.get("text")
+    text = event.payload.get("text") or _said(event)
     if not text:
         return []
     parts = [new_text_part(str(text))]

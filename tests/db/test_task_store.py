@@ -79,7 +79,9 @@ async def test_a_task_is_the_fold_of_its_runs_events_of_every_kind(
 ) -> None:
     lease = await new_task(runs, tasks, "r1")
     await runs.transition(lease, RunState.WORKING, "w", {})
-    await runs.append(lease, "step.started", "w", {"step": "s", "text": "step s started"})
+    await runs.append(
+        lease, "step.started", "w", {"step": "s", "skill": "x", "agent": "a1"}
+    )  # text made here
     await runs.append(lease, "operation.intent", "w", {"operation": "op1"})  # nothing to show
     await runs.append(lease, "operation.needs_human", "w", {"text": "cannot tell if op1 ran"})
     await runs.transition(lease, RunState.WAITING, "w", {"text": "approve the refund?"})
@@ -87,7 +89,13 @@ async def test_a_task_is_the_fold_of_its_runs_events_of_every_kind(
     assert task is not None
     assert task.context_id == "ctx-r1"
     assert task.status.state == TaskState.TASK_STATE_INPUT_REQUIRED
-    assert texts(task) == ["hi", "plan: x", "step s started", "cannot tell if op1 ran", "approve the refund?"]
+    assert texts(task) == [
+        "hi",
+        "plan: x",
+        "step s: x -> a1",
+        "cannot tell if op1 ran",
+        "approve the refund?",
+    ]
     assert event_id_of(task.metadata) == 6
 
     # A person's answer hands the run back (it names the state it moves the run to), then it works.
