@@ -97,7 +97,9 @@ def checkpoints_of(stack: Stack, thread_id: str) -> int:
     port = stack.endpoints["postgres_port"]
     dsn = f"postgresql://postgres:{password}@127.0.0.1:{port}/fleet"
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM checkpoints WHERE thread_id = %s", (thread_id,)).fetchone()
+        row = conn.execute(
+            "SELECT count(*) FROM fleet_runs.checkpoints WHERE thread_id = %s", (thread_id,)
+        ).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -211,7 +213,9 @@ async def test_stack_uses_the_broker_and_database_it_is_given(
         outcome = await send(stack, user_message(data=ONE_STEP), token=stack.token("coordinator"))
         assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
         with psycopg.connect(given_infra.pg_dsn) as conn:
-            row = conn.execute("SELECT count(*) FROM checkpoints WHERE thread_id = %s", (outcome.task_id,))
+            row = conn.execute(
+                "SELECT count(*) FROM fleet_runs.checkpoints WHERE thread_id = %s", (outcome.task_id,)
+            )
             assert (row.fetchone() or [0])[0] > 0
     finally:
         stop_stack(stack)
