@@ -225,6 +225,8 @@ class TokenVerifier:
             raise AuthError("token is not meant for this service") from exc
         except jwt.InvalidIssuerError as exc:
             raise AuthError("token from another issuer") from exc
+        except jwt.MissingRequiredClaimError as exc:
+            raise AuthError(f"token lacks the {exc.claim} claim") from exc
         except jwt.InvalidSignatureError as exc:
             raise AuthError("token signature does not verify") from exc
         except jwt.PyJWTError as exc:
