@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import batch, checkpoint_overhead, delegation, events, pauses, throughput
+from bench import batch, checkpoint_overhead, delegation, events, pauses, throughput, tokens
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 RESULTS = DOC.with_suffix(".json")  # the measurements the page was written from
@@ -53,6 +53,7 @@ BENCHMARKS = {
     "batch": batch.main,
     "events": events.main,
     "pauses": pauses.main,
+    "tokens": tokens.main,
 }
 
 
@@ -95,6 +96,12 @@ def write_doc(results: dict[str, Any]) -> None:
     checkpoint, delegated = results["checkpoint"], results["delegation"]
     runs, batched, evented = results["throughput"], results["batch"], results["events"]
     paused = results["pauses"]
+    token = results["tokens"]
+    verify_ok = token["verify_p50_us"] <= token["verify_target_us"]
+    issue_ok = (
+        min(token["grant_per_s_sequential"], token["grant_per_s_concurrent"]) >= token["issue_target_per_s"]
+    )
+    reach_ok = token["reach_max_s"] <= token["reach_target_s"]
     resumed_once = (
         paused["refunds"] == paused["distinct_subjects"] == paused["refunds_with_approval"] == paused["runs"]
         and paused["max_attempts_at_tool"] == 1
@@ -155,7 +162,16 @@ def write_doc(results: dict[str, Any]) -> None:
         f"| {paused['refunds']:,} refunds, at most {paused['max_attempts_at_tool']} attempt each | "
         f"| each run resumes once ({'meets' if resumed_once else 'MISSES'}) |\n"
         f"| disk per paused run, after pruning | | | {disk:,} bytes | "
-        f"| <= {paused['disk_target_bytes']:,} bytes ({'meets' if disk <= paused['disk_target_bytes'] else 'MISSES'}) |\n\n"
+        f"| <= {paused['disk_target_bytes']:,} bytes ({'meets' if disk <= paused['disk_target_bytes'] else 'MISSES'}) |\n"
+        f"| token verification, p50 | bare PyJWT `jwt.decode` | {token['verify_bare_pyjwt_p50_us']} us "
+        f"| {token['verify_p50_us']} us | {token['verify_ratio']}x | <= {token['verify_target_us']:.0f} us "
+        f"({'meets' if verify_ok else 'MISSES'}) |\n"
+        f"| token issuance (the whole client-credentials grant) | bare PyJWT signing | "
+        f"{token['bare_pyjwt_sign_per_s']:,}/s | {token['grant_per_s_sequential']:,}/s one at a time, "
+        f"{token['grant_per_s_concurrent']:,}/s {token['grant_concurrency']} at once | "
+        f"| >= {token['issue_target_per_s']:,.0f}/s ({'meets' if issue_ok else 'MISSES'}) |\n"
+        f"| revocation -> refused by every service (3 processes) | | | slowest {token['reach_max_s']} s "
+        f"of {token['reach_tries']} tries | | <= {token['reach_target_s']:.0f} s ({'meets' if reach_ok else 'MISSES'}) |\n\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
         "The baseline is a bare\n"
@@ -288,7 +304,31 @@ def write_doc(results: dict[str, Any]) -> None:
         "the signals consumer's fetch, the token check, the policy decision, the answer under the run's\n"
         "row lock, the work message, a worker's lease, the checkpoint read, the replay of the gated\n"
         f"call from the ledger, and the new intent. p50 {paused['approval_to_resumed_p50_ms']} ms, p95 "
-        f"{paused['approval_to_resumed_p95_ms']} ms.\n"
+        f"{paused['approval_to_resumed_p95_ms']} ms.\n\n"
+        "## Tokens\n\n"
+        f"Verification: {token['verify_tokens']:,} tokens, one at a time, through the fleet's verifier "
+        "(algorithm allow-list, required\n"
+        "claims, audience, issuer, key by `kid`, and the revocation check against a list of "
+        f"{token['revoked_in_list']} revoked keys followed\n"
+        "live from NATS) and through bare `jwt.decode` with the same key: p50 "
+        f"{token['verify_p50_us']} us against {token['verify_bare_pyjwt_p50_us']} us (p95 "
+        f"{token['verify_p95_us']} us).\n\n"
+        "Issuance: the token service's whole grant, in process against a real NATS (the assertion "
+        "verified against the\n"
+        "client's enrolled key, the key checked against the revocation list, the assertion's `jti` "
+        "used once in NATS KV, the\n"
+        f"grant checked, the token signed): {token['grant_per_s_sequential']:,}/s one at a time, "
+        f"{token['grant_per_s_concurrent']:,}/s with {token['grant_concurrency']} at once; signing "
+        f"alone {token['issue_per_s']:,}/s, bare PyJWT\n"
+        f"signing {token['bare_pyjwt_sign_per_s']:,}/s. The client's own assertion signing is not "
+        "counted (it is the client's cost).\n\n"
+        "Revocation reach: on a real stack, an identity holds tokens for the coordinator, the "
+        "registry and the SQL MCP\n"
+        "server; its key is revoked; each service is asked every 5 ms until it refuses. Slowest "
+        f"service per try: {', '.join(f'{s} s' for s in token['reach_slowest_s'])};\n"
+        "median by service: "
+        + ", ".join(f"{name} {delay} s" for name, delay in token["reach_median_s_by_service"].items())
+        + ".\n"
     )
 
 

@@ -158,6 +158,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
+            stack.push_async_callback(registry.aclose)
             await stack.enter_async_context(push_http)
             await stack.enter_async_context(run_pool)
             await stack.enter_async_context(pool_for_checkpoints)

@@ -536,6 +536,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
+            stack.push_async_callback(registry.aclose)
             await stack.enter_async_context(pool_for_checkpoints)
             await stack.enter_async_context(run_pool)
             await saver.setup()

@@ -102,6 +102,15 @@ def _parser() -> argparse.ArgumentParser:
     publish.add_argument("--tenant", default="default")
     publish.add_argument("--type", default=None, help="default: the subject after fleet.events.")
     publish.add_argument("--source", default="cli")
+    keys = sub.add_parser("keys", help="signing keys: revoke one, rotate the registry's, list revoked")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    revoke = with_dir(
+        keys_sub.add_parser("revoke", help="revoke a key: every service refuses it within seconds")
+    )
+    revoke.add_argument("kid", help="the key id (an RFC 7638 thumbprint)")
+    revoke.add_argument("--reason", default="", help="recorded with the revocation")
+    with_dir(keys_sub.add_parser("rotate-registry", help="the registry signs with a new key from now on"))
+    with_dir(keys_sub.add_parser("revoked", help="list the revoked keys"))
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -177,6 +186,12 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         return asyncio.run(
             operator_cli.publish_event(
                 layout, args.subject, args.data, args.id, args.tenant, type_, args.source
+            )
+        )
+    if command == "keys":
+        return asyncio.run(
+            operator_cli.keys(
+                layout, args.keys_command, getattr(args, "kid", ""), getattr(args, "reason", "")
             )
         )
     if command == "serve":

@@ -149,6 +149,45 @@ async def decide(
 EXIT_NO_OP = 4  # a signal that changed nothing (answered already, nothing awaited, the run ended)
 
 
+async def keys(layout: StackLayout, command: str, kid: str, reason: str) -> int:
+    """``fleet keys revoke KID``, ``fleet keys rotate-registry``, ``fleet keys revoked``, as the
+    operator (scope ``registry:admin``)."""
+    try:
+        endpoints = running_endpoints(layout)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    registry = endpoints["registry"]
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        client = operator_token_client(layout, registry + "/oauth/token", http)
+        headers = {
+            "Authorization": f"Bearer {await client.token('registry', 'default', ['registry:admin', 'registry:read'])}"
+        }
+        if command == "revoke":
+            response = await http.post(
+                f"{registry}/v1/keys/{kid}/revoke", json={"reason": reason}, headers=headers
+            )
+        elif command == "rotate-registry":
+            response = await http.post(f"{registry}/v1/issuer/rotate", headers=headers)
+        else:
+            response = await http.get(f"{registry}/v1/revocations", headers=headers)
+    answer: dict[str, Any] = response.json()
+    if response.status_code != 200:
+        error = answer.get("error", {})
+        print(f"fleet: [{error.get('code')}] {error.get('message')}", file=sys.stderr)
+        return EXIT_FAILED
+    if command == "revoke":
+        print(f"revoked {answer['kid']} (of {answer['identity']}): every service refuses it from now on")
+    elif command == "rotate-registry":
+        print(
+            f"the registry signs with {answer['kid']}; {', '.join(answer['retiring'])} verifies until its grace ends"
+        )
+    else:
+        for revoked in answer["revoked"]:
+            print(f"{revoked['kid']}  {revoked['identity']}  by {revoked['by']}  {revoked['reason']}")
+    return EXIT_OK
+
+
 async def send_signal(layout: StackLayout, run_id: str, body: dict[str, Any], tenant: str) -> int:
     """Send a signal for a run as the operator (approve, reject, extend); exit 0 if it was
     applied (a repeat of a signal id gets its first answer again), 4 if it was a recorded no-op."""

@@ -2,18 +2,24 @@
 ``private_key_jwt``, RFC 7523).
 
 Verification is deliberately strict: an explicit algorithm allow-list, required claims, one audience,
-a small leeway, and keys looked up by ``kid`` in the issuer's JWKS (cached; an unknown ``kid`` triggers
-one rate-limited refetch so that key rotation is picked up).
+a small leeway, and keys looked up by ``kid`` in the issuer's JWKS (cached for the JWKS's
+``max-age``; an unknown ``kid`` triggers one rate-limited refetch so that key rotation is picked up).
+A token signed by a revoked key, or issued to a client on a revoked key (``client_kid``), is refused
+as soon as the revocation reaches the process (:mod:`fleet.revocations`). Where a token must be used
+once, a :class:`ReplayGuard` refuses its ``jti`` the second time. Every refusal is logged (why, the
+key id, the audience, the claimed subject: never the token).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import jwt
@@ -21,6 +27,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
+from fleet.revocations import Revocations
+
+log = logging.getLogger(__name__)
 
 ALLOWED_ALGORITHMS = (ALGORITHM,)
 REQUIRED_CLAIMS = ("exp", "iat", "iss", "aud", "sub", "jti", "tenant")
@@ -46,10 +55,14 @@ class Claims:
 
 
 KeyLookup = Callable[[str], Awaitable[ec.EllipticCurvePublicKey | None]]
+_MAX_AGE = re.compile(r"max-age=(\d+)")
 
 
 class JwksCache:
-    """Public keys of one issuer, fetched from its JWKS URL and cached by ``kid``."""
+    """Public keys of one issuer, fetched from its JWKS URL and cached by ``kid``: for the
+    document's ``max-age`` (so a key the issuer retired stops being trusted), refetched at once
+    (rate-limited) for an unknown ``kid`` (so a new key is picked up), and forgotten at once when
+    revoked (:meth:`forget`)."""
 
     def __init__(
         self,
@@ -57,22 +70,48 @@ class JwksCache:
         http: httpx.AsyncClient,
         *,
         min_refresh_interval_s: float = 1.0,
+        default_max_age_s: float = 60.0,
     ) -> None:
         self._url = jwks_url
         self._http = http
         self._keys: dict[str, ec.EllipticCurvePublicKey] = {}
         self._last_fetch = 0.0
+        self._fresh_until = 0.0
         self._min_refresh = min_refresh_interval_s
+        self._default_max_age = default_max_age_s
+        self._forgotten: set[str] = set()
         self._lock = asyncio.Lock()
 
     async def get(self, kid: str) -> ec.EllipticCurvePublicKey | None:
+        if kid in self._forgotten:
+            return None
+        arrived = time.monotonic()
         key = self._keys.get(kid)
-        if key is not None:
+        if key is not None and arrived < self._fresh_until:
             return key
         async with self._lock:
-            if kid not in self._keys and time.monotonic() - self._last_fetch >= self._min_refresh:
-                await self._refresh()
-        return self._keys.get(kid)
+            fetched_since = self._last_fetch >= arrived  # another caller fetched while this one waited
+            stale = time.monotonic() >= self._fresh_until
+            if stale or (kid not in self._keys and not fetched_since):
+                # An unknown key may be one the issuer has just published (a rotation): look once
+                # more, at most once per ``min_refresh_interval_s``, waiting for the turn rather than
+                # refusing a good token. Callers that waited meanwhile use that one fetch.
+                pause = self._min_refresh - (time.monotonic() - self._last_fetch)
+                if not stale and pause > 0:
+                    await asyncio.sleep(pause)
+                try:
+                    await self._refresh()
+                except FleetError:
+                    if kid not in self._keys:
+                        raise
+                    # The issuer is unreachable: keep trusting what it published, for now.
+                    log.warning("JWKS %s unreachable; using the keys fetched before", self._url)
+        return None if kid in self._forgotten else self._keys.get(kid)
+
+    def forget(self, kid: str) -> None:
+        """Never trust ``kid`` again (it was revoked), whatever the issuer's JWKS still says."""
+        self._forgotten.add(kid)
+        self._keys.pop(kid, None)
 
     async def _refresh(self) -> None:
         self._last_fetch = time.monotonic()
@@ -91,6 +130,33 @@ class JwksCache:
             except (KeyError, ValueError):
                 continue
         self._keys = keys
+        found = _MAX_AGE.search(response.headers.get("cache-control", ""))
+        max_age = float(found.group(1)) if found else self._default_max_age
+        self._fresh_until = time.monotonic() + max_age
+
+
+class ReplayGuard(Protocol):
+    """Remembers the ``jti``s of single-use tokens until they expire."""
+
+    async def first_use(self, jti: str, expires_at: float) -> bool:
+        """True the first time ``jti`` is presented, False ever after (until it expires)."""
+        ...
+
+
+class MemoryReplayGuard:
+    """A :class:`ReplayGuard` for one process (a service that is its tokens' only verifier)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+
+    async def first_use(self, jti: str, expires_at: float) -> bool:
+        now = time.time()
+        if len(self._seen) > 10_000:
+            self._seen = {k: exp for k, exp in self._seen.items() if exp > now}
+        if jti in self._seen and self._seen[jti] > now:
+            return False
+        self._seen[jti] = expires_at
+        return True
 
 
 class TokenVerifier:
@@ -103,18 +169,30 @@ class TokenVerifier:
         issuer: str,
         audience: str,
         leeway_s: int = DEFAULT_LEEWAY_S,
+        revocations: Revocations | None = None,
+        single_use: ReplayGuard | None = None,
     ) -> None:
         self._keys = keys
         self._issuer = issuer
         self._audience = audience
         self._leeway = leeway_s
+        self._revocations = revocations
+        self._single_use = single_use
 
     @property
     def audience(self) -> str:
         return self._audience
 
     async def verify(self, token: str, *, required_scopes: Iterable[str] = ()) -> Claims:
-        """Return the token's claims, or raise :class:`AuthError` (never returns a partial result)."""
+        """Return the token's claims, or raise :class:`AuthError` (never returns a partial result).
+        Every refusal is logged."""
+        try:
+            return await self._verify(token, required_scopes)
+        except FleetError as exc:
+            _log_refusal(token, self._audience, exc)
+            raise
+
+    async def _verify(self, token: str, required_scopes: Iterable[str]) -> Claims:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError as exc:
@@ -124,6 +202,8 @@ class TokenVerifier:
         kid = header.get("kid")
         if not isinstance(kid, str):
             raise AuthError("token has no key id")
+        if self._revocations is not None and self._revocations.check(kid):
+            raise AuthError("token signed by a revoked key")
         key = await self._keys(kid)
         if key is None:
             raise AuthError("token signed by an unknown key")
@@ -139,15 +219,53 @@ class TokenVerifier:
             )
         except jwt.ExpiredSignatureError as exc:
             raise AuthError("token expired") from exc
+        except jwt.ImmatureSignatureError as exc:
+            raise AuthError("token not valid yet") from exc
         except jwt.InvalidAudienceError as exc:
             raise AuthError("token is not meant for this service") from exc
+        except jwt.InvalidIssuerError as exc:
+            raise AuthError("token from another issuer") from exc
+        except jwt.MissingRequiredClaimError as exc:
+            raise AuthError(f"token lacks the {exc.claim} claim") from exc
+        except jwt.InvalidSignatureError as exc:
+            raise AuthError("token signature does not verify") from exc
         except jwt.PyJWTError as exc:
             raise AuthError(f"invalid token: {type(exc).__name__}") from exc
         claims = _claims_of(raw, self._audience)
+        client_kid = raw.get("client_kid")
+        if (
+            self._revocations is not None
+            and isinstance(client_kid, str)
+            and self._revocations.check(client_kid)
+        ):
+            raise AuthError("token issued to a client whose key was revoked")
+        if self._single_use is not None and not await self._single_use.first_use(
+            claims.jti, claims.expires_at
+        ):
+            raise AuthError("token was already used")
         missing = [s for s in required_scopes if s not in claims.scopes]
         if missing:
             raise FleetError(ErrorCode.FORBIDDEN, f"token lacks scope {' '.join(missing)}")
         return claims
+
+
+def _log_refusal(token: str, audience: str, exc: FleetError) -> None:
+    """Log why a token was refused, with what identifies it (never the token itself)."""
+    try:
+        kid = jwt.get_unverified_header(token).get("kid")
+        unverified = jwt.decode(token, options={"verify_signature": False})
+    except jwt.PyJWTError:
+        kid, unverified = None, {}
+    log.warning(
+        "token refused (%s) at %s: %s; kid=%r sub=%r iss=%r jti=%r",
+        exc.code,
+        audience,
+        exc.message,
+        kid,
+        unverified.get("sub"),
+        unverified.get("iss"),
+        unverified.get("jti"),
+    )
 
 
 def _claims_of(raw: dict[str, Any], audience: str) -> Claims:
@@ -217,6 +335,10 @@ class TokenClient:
         self._key = key
         self._http = http
         self._cache: dict[tuple[str, str, str], _Cached] = {}
+
+    def use_key(self, key: SigningKey) -> None:
+        """Authenticate with ``key`` from now on (after a rotation); cached tokens stay valid."""
+        self._key = key
 
     async def token(self, audience: str, tenant: str, scopes: Iterable[str] = ()) -> str:
         scope = " ".join(sorted(set(scopes)))

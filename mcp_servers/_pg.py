@@ -71,7 +71,12 @@ def database_tool_app(
             await admin.execute(
                 sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
             )
-        async with http, pool, mcp.session_manager.run(), start_in_background(readiness, start):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(http)
+            stack.push_async_callback(registry.aclose)
+            await stack.enter_async_context(pool)
+            await stack.enter_async_context(mcp.session_manager.run())
+            await stack.enter_async_context(start_in_background(readiness, start))
             yield
 
     return build_app(mcp, readiness, lifespan)

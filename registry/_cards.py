@@ -76,7 +76,7 @@ def verify_card_signature(card: AgentCard, identity: IdentityRecord) -> None:
     """At least one signature must verify with a key enrolled by ``identity``."""
 
     def key_provider(kid: str | None, jku: str | None) -> jwt.PyJWK:
-        jwk = identity.keys.get(kid or "")
+        jwk = identity.usable_keys(time.time()).get(kid or "")
         if jwk is None:
             raise jwt.InvalidKeyError("card signed by a key that is not enrolled")
         return jwt.PyJWK(jwk, algorithm=ALGORITHM)

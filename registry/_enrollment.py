@@ -17,6 +17,7 @@ from registry._store import RegistryStore
 ENROLLMENT_AUDIENCE = "fleet-enrollment"
 OPERATOR_ISSUER = "operator"
 ENROLLABLE_KINDS = ("coordinator", "worker", "specialist", "mcp_server")
+KEY_GRACE_S = 600.0  # how long a replaced key still verifies (longer than any token it signed lives)
 
 
 def _refuse(message: str) -> FleetError:
@@ -43,14 +44,22 @@ class Enrollment:
             raise FleetError(ErrorCode.INVALID_REQUEST, "public_jwk is not an EC P-256 public key") from exc
         if not await self._store.use_nonce("enroll", str(claims["jti"])):
             raise _refuse("enrollment token was already used")
+        now = time.time()
         record = IdentityRecord(
             id=identity_id,
             kind=claims["kind"],
             keys={public["kid"]: public},
             scopes=[str(s) for s in claims.get("scopes", [])],
             tenants=[str(t) for t in claims.get("tenants", [])],
-            enrolled_at=time.time(),
+            enrolled_at=now,
         )
+        before = await self._store.identity(identity_id)
+        if before is not None and before.kind == record.kind:
+            # Enrolled again (a restart, or a new key): keys enrolled before stay usable for a grace
+            # period, so that what they signed a moment ago (tokens, cards) still verifies.
+            record = before.with_key(public, now, KEY_GRACE_S).model_copy(
+                update={"scopes": record.scopes, "tenants": record.tenants, "enrolled_at": now}
+            )
         await self._store.put_identity(record)
         return record
 

@@ -10,15 +10,43 @@ RecordKind = Literal["operator", "registry", "coordinator", "worker", "specialis
 
 
 class IdentityRecord(BaseModel):
-    """An enrolled identity: its public keys (by kid) and what it may ask the token service for."""
+    """An enrolled identity: its public keys (by kid) and what it may ask the token service for.
 
-    schema_version: int = 1
+    A key that was replaced (a rotation, or an enrollment with a new key) stays usable until its
+    time in ``retiring`` (what was signed with it before the change still verifies); a revoked key
+    is removed at once (and listed in ``fleet-revocations``, see :mod:`fleet.revocations`)."""
+
+    schema_version: int = 2
     id: str
     kind: RecordKind
     keys: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    retiring: dict[str, float] = Field(default_factory=dict)  # kid -> unusable after (epoch seconds)
     scopes: list[str] = Field(default_factory=list)
     tenants: list[str] = Field(default_factory=list)
     enrolled_at: float
+
+    def usable_keys(self, now: float) -> dict[str, dict[str, Any]]:
+        """The keys that verify now: the current ones, and the retiring ones not yet expired."""
+        return {kid: jwk for kid, jwk in self.keys.items() if self.retiring.get(kid, now + 1) > now}
+
+    def with_key(self, jwk: dict[str, Any], now: float, grace_s: float) -> IdentityRecord:
+        """This identity with ``jwk`` as its current key; the others retire after ``grace_s``."""
+        keys = {kid: key for kid, key in self.usable_keys(now).items()}
+        retiring = {
+            kid: min(self.retiring.get(kid, now + grace_s), now + grace_s)
+            for kid in keys
+            if kid != jwk["kid"]
+        }
+        keys[jwk["kid"]] = jwk
+        return self.model_copy(update={"keys": keys, "retiring": retiring})
+
+    def without_key(self, kid: str) -> IdentityRecord:
+        return self.model_copy(
+            update={
+                "keys": {k: v for k, v in self.keys.items() if k != kid},
+                "retiring": {k: v for k, v in self.retiring.items() if k != kid},
+            }
+        )
 
     def allows_tenant(self, tenant: str) -> bool:
         return "*" in self.tenants or tenant in self.tenants

@@ -12,11 +12,13 @@ from typing import Any
 import jwt
 
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
+from fleet.revocations import Revocations
 from fleet.tokens import ACCESS_TOKEN_TTL_S, CLIENT_ASSERTION_TYPE
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
 
 MAX_ASSERTION_LIFETIME_S = 300
+IDENTITY_CACHE_S = 2.0
 LEEWAY_S = 10
 REGISTRY_AUDIENCE = "registry"
 
@@ -41,25 +43,50 @@ class IssuedToken:
 class TokenService:
     """Verifies client assertions against enrolled keys and mints access tokens."""
 
-    def __init__(self, store: RegistryStore, key: SigningKey, issuer: str, token_url: str) -> None:
+    def __init__(
+        self,
+        store: RegistryStore,
+        key: SigningKey,
+        issuer: str,
+        token_url: str,
+        revocations: Revocations | None = None,
+    ) -> None:
         self._store = store
-        self._key = key
+        self.key = key  # the issuer's signing key; replaced when the registry rotates it
         self._issuer = issuer
         self._token_url = token_url
+        self._revocations = revocations
+        self._identities: dict[str, tuple[float, IdentityRecord]] = {}
+
+    async def _identity(self, identity_id: str, kid: str | None = None) -> IdentityRecord | None:
+        """The identity's record, read again at most every ``IDENTITY_CACHE_S``; at once if it does
+        not hold ``kid`` (a key enrolled a moment ago). A revoked key is refused by the revocation
+        list, which is followed live, whatever the cached record says."""
+        cached = self._identities.get(identity_id)
+        fresh = cached is not None and time.monotonic() - cached[0] < IDENTITY_CACHE_S
+        if cached is not None and fresh and (kid is None or kid in cached[1].keys):
+            return cached[1]
+        found = await self._store.identity(identity_id)
+        if found is None:
+            self._identities.pop(identity_id, None)
+        else:
+            self._identities[identity_id] = (time.monotonic(), found)
+        return found
 
     async def client_credentials(self, form: Mapping[str, str]) -> IssuedToken:
         if form.get("grant_type") != "client_credentials":
             raise OAuthError("unsupported_grant_type", "only client_credentials is supported")
         if form.get("client_assertion_type") != CLIENT_ASSERTION_TYPE:
             raise OAuthError("invalid_client", "a private_key_jwt client assertion is required", 401)
-        client = await self._authenticate(form.get("client_assertion", ""))
+        client, client_kid = await self._authenticate(form.get("client_assertion", ""))
         audience = form.get("audience", "")
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
         await self._check_grant(client, audience, tenant, scopes)
-        return self._issue(client.id, audience, tenant, scopes)
+        return self.issue(client.id, audience, tenant, scopes, client_kid)
 
-    async def _authenticate(self, assertion: str) -> IdentityRecord:
+    async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str]:
+        """The client and the key id it proved it holds."""
         try:
             header = jwt.get_unverified_header(assertion)
             unverified = jwt.decode(assertion, options={"verify_signature": False})
@@ -68,14 +95,17 @@ class TokenService:
         client_id = unverified.get("sub")
         if not isinstance(client_id, str) or unverified.get("iss") != client_id:
             raise OAuthError("invalid_client", "assertion iss and sub must name the client", 401)
-        identity = await self._store.identity(client_id)
-        jwk = identity.keys.get(str(header.get("kid"))) if identity else None
+        kid = str(header.get("kid"))
+        identity = await self._identity(client_id, kid)
+        jwk = identity.usable_keys(time.time()).get(kid) if identity else None
         if identity is None or jwk is None:
-            raise OAuthError("invalid_client", "unknown client or key", 401)
+            raise OAuthError("invalid_client", "unknown client or key (or a retired one)", 401)
+        if self._revocations is not None and self._revocations.check(kid):
+            raise OAuthError("invalid_client", "the client's key was revoked", 401)
         claims = self._verify_assertion(assertion, jwk)
         if not await self._store.use_nonce("assertion", f"{client_id}.{claims['jti']}"):
             raise OAuthError("invalid_client", "client assertion was already used", 401)
-        return identity
+        return identity, kid
 
     def _verify_assertion(self, assertion: str, jwk: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -105,7 +135,7 @@ class TokenService:
         if not tenant:
             raise OAuthError("invalid_request", "tenant is required")
         if audience != REGISTRY_AUDIENCE:
-            target = await self._store.identity(audience)
+            target = await self._identity(audience)
             if target is None or target.kind == "operator":
                 raise OAuthError("invalid_target", f"unknown audience {audience!r}")
         if not client.allows_tenant(tenant):
@@ -114,10 +144,14 @@ class TokenService:
         if refused:
             raise OAuthError("invalid_scope", f"scopes not granted to {client.id}: {' '.join(refused)}")
 
-    def _issue(self, subject: str, audience: str, tenant: str, scopes: list[str]) -> IssuedToken:
+    def issue(
+        self, subject: str, audience: str, tenant: str, scopes: list[str], client_kid: str
+    ) -> IssuedToken:
+        """An access token (the grant is checked already). ``client_kid``: the key the client
+        authenticated with; a verifier refuses the token once that key is revoked."""
         now = int(time.time())
         scope = " ".join(scopes)
-        token = self._key.sign(
+        token = self.key.sign(
             {
                 "iss": self._issuer,
                 "sub": subject,
@@ -129,6 +163,7 @@ class TokenService:
                 "nbf": now,
                 "exp": now + ACCESS_TOKEN_TTL_S,
                 "jti": uuid.uuid4().hex,
+                "client_kid": client_kid,
             },
             typ="at+jwt",
         )

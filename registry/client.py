@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
+from nats.aio.client import Client as NATS
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
+from fleet.natsconn import connect
+from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
 from fleet.tokens import JwksCache, TokenClient, TokenVerifier
 from registry._records import AgentRecord, McpServerRecord
@@ -48,6 +53,11 @@ class RegistryClient:
             http=http,
         )
         self.jwks = JwksCache(self._url + "/.well-known/jwks.json", http)
+        # Revoked keys, followed live from NATS once the service joins (see fleet.revocations):
+        # until then this service's verifiers refuse every token.
+        self.revocations = Revocations()
+        self.revocations.on_revoke(lambda revoked: self.jwks.forget(revoked.kid))
+        self._nats: NATS | None = None
 
     @property
     def url(self) -> str:
@@ -60,8 +70,24 @@ class RegistryClient:
     def verifier(self, audience: str | None = None) -> TokenVerifier:
         """A verifier for tokens addressed to this service (or to ``audience``)."""
         return TokenVerifier(
-            self.jwks.get, issuer=self._settings.issuer, audience=audience or self._settings.service_id
+            self.jwks.get,
+            issuer=self._settings.issuer,
+            audience=audience or self._settings.service_id,
+            revocations=self.revocations,
         )
+
+    async def follow_revocations(self) -> None:
+        """Read the revoked keys and follow new revocations (every service does, when it joins)."""
+        if self._nats is None:
+            self._nats = await connect(self._settings.nats_url, f"{self._settings.service_id}-revocations")
+        if not self.revocations.synced:
+            await self.revocations.follow(self._nats)
+
+    async def aclose(self) -> None:
+        await self.revocations.stop()
+        if self._nats is not None:
+            await self._nats.drain()
+            self._nats = None
 
     async def enroll(self) -> None:
         response = await self._http.post(
@@ -73,6 +99,33 @@ class RegistryClient:
             },
         )
         _raise_for(response, "enrollment refused")
+
+    async def rotate_key(self, new: SigningKey) -> None:
+        """Make ``new`` this identity's key: the registry checks a proof signed by the current key;
+        the current key keeps verifying for a grace period. Then this client signs with ``new``
+        (the caller keeps the new key, e.g. writes it over the key file)."""
+        now = int(time.time())
+        url = f"{self._url}/v1/identities/{self._settings.service_id}/keys"
+        proof = self.key.sign(
+            {
+                "iss": self._settings.service_id,
+                "sub": self._settings.service_id,
+                "aud": self.public_registry_url + f"/v1/identities/{self._settings.service_id}/keys",
+                "iat": now,
+                "exp": now + 60,
+                "jti": uuid.uuid4().hex,
+                "new_kid": new.kid,
+            }
+        )
+        response = await self._http.post(url, json={"public_jwk": new.public_jwk(), "proof": proof})
+        _raise_for(response, "key rotation refused")
+        self.key = new
+        self.tokens.use_key(new)
+
+    @property
+    def public_registry_url(self) -> str:
+        """The registry's URL as it names itself (the audience of what is sent to it)."""
+        return self._url
 
     async def _headers(self, scope: str) -> dict[str, str]:
         token = await self.tokens.token("registry", "default", [scope])
@@ -103,15 +156,18 @@ class RegistryClient:
 
     async def join_as_agent(self, base_url: str) -> AgentRecord:
         """Enroll this identity's key, then register the agent card served at ``base_url``."""
+        await _retry("revocations", self.follow_revocations)
         await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_agent(base_url))
 
     async def join_as_worker(self) -> None:
         """Enroll this identity's key (a worker registers nothing: it only calls others)."""
+        await _retry("revocations", self.follow_revocations)
         await _retry("enroll", self.enroll)
 
     async def join_as_mcp_server(self, url: str, tools: list[str]) -> McpServerRecord:
         """Enroll this identity's key, then register the MCP endpoint at ``url``."""
+        await _retry("revocations", self.follow_revocations)
         await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_mcp_server(url, tools))
 

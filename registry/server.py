@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
+import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,16 +22,21 @@ from starlette.routing import Route
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import connect
+from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims, TokenVerifier, bearer_token
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
+from registry._keys import KeyAdmin
 from registry._records import IdentityRecord, McpServerRecord
 from registry._store import RegistryStore
 from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
 
 log = logging.getLogger(__name__)
+
+
+ADMIN_SCOPE = "registry:admin"
 
 
 @dataclass(slots=True)
@@ -39,8 +45,19 @@ class RegistryState:
     tokens: TokenService
     enrollment: Enrollment
     verifier: TokenVerifier
-    key: SigningKey
+    keys: KeyAdmin
+    revocations: Revocations
+    issuer_keys: dict[str, ec.EllipticCurvePublicKey]  # the registry's usable signing keys, by kid
     http: httpx.AsyncClient
+
+    @property
+    def key(self) -> SigningKey:
+        return self.tokens.key
+
+    def trust_issuer_keys(self, identity: IdentityRecord) -> None:
+        self.issuer_keys = {
+            kid: public_key_from_jwk(jwk) for kid, jwk in identity.usable_keys(time.time()).items()
+        }
 
 
 def error_response(exc: FleetError) -> JSONResponse:
@@ -60,6 +77,8 @@ def _route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         try:
             return await handler(request, request.app.state.registry)
         except FleetError as exc:
+            if exc.http_status in (400, 401, 403, 409):
+                log.warning("%s %s refused (%s): %s", request.method, request.url.path, exc.code, exc.message)
             return error_response(exc)
 
     return endpoint
@@ -82,7 +101,12 @@ async def _json_body(request: Request) -> dict[str, object]:
 
 # ------------------------------------------------------------------------------------ handlers
 async def jwks(request: Request, state: RegistryState) -> Response:
-    return JSONResponse({"keys": [state.key.public_jwk()]}, headers={"Cache-Control": "max-age=60"})
+    """The registry's signing keys: the current one, and any retiring after a rotation (the tokens
+    they signed still verify until the grace ends). Cached 60 s by verifiers; a new key id makes
+    them fetch again at once."""
+    identity = await state.store.identity(state.keys.issuer_id)
+    keys = identity.usable_keys(time.time()) if identity else {state.key.kid: state.key.public_jwk()}
+    return JSONResponse({"keys": list(keys.values())}, headers={"Cache-Control": "max-age=60"})
 
 
 async def token(request: Request, state: RegistryState) -> Response:
@@ -90,6 +114,15 @@ async def token(request: Request, state: RegistryState) -> Response:
     try:
         issued = await state.tokens.client_credentials(form)
     except OAuthError as exc:
+        log.warning(
+            "token request refused (%s, %s): %s; client=%r audience=%r tenant=%r",
+            exc.error,
+            exc.status,
+            exc.description,
+            _claimed_client(form.get("client_assertion", "")),
+            form.get("audience"),
+            form.get("tenant"),
+        )
         return JSONResponse(
             {"error": exc.error, "error_description": exc.description}, status_code=exc.status
         )
@@ -102,6 +135,14 @@ async def token(request: Request, state: RegistryState) -> Response:
         },
         headers={"Cache-Control": "no-store"},
     )
+
+
+def _claimed_client(assertion: str) -> object:
+    """Who a client assertion says it is (unverified: for the log of a refusal only)."""
+    try:
+        return jwt.decode(assertion, options={"verify_signature": False}).get("sub")
+    except jwt.PyJWTError:
+        return None
 
 
 async def enroll(request: Request, state: RegistryState) -> Response:
@@ -170,11 +211,52 @@ async def get_agent(request: Request, state: RegistryState) -> Response:
 
 
 async def agent_keys(request: Request, state: RegistryState) -> Response:
-    """The public keys an agent signs its card with (public, like any JWKS)."""
+    """The public keys an agent signs its card with (public, like any JWKS): those usable now."""
     identity = await state.store.identity(request.path_params["agent_id"])
     if identity is None:
         raise FleetError(ErrorCode.NOT_FOUND, "no such identity")
-    return JSONResponse({"keys": list(identity.keys.values())})
+    return JSONResponse({"keys": list(identity.usable_keys(time.time()).values())})
+
+
+async def rotate_identity_key(request: Request, state: RegistryState) -> Response:
+    """An identity replaces its key, proving that it holds a current one (no bearer token: the
+    proof is the credential)."""
+    record = await state.keys.rotate_identity_key(
+        request.path_params["identity_id"], await _json_body(request)
+    )
+    log.info("identity %s rotated its key; retiring %s", record.id, sorted(record.retiring))
+    return JSONResponse({"id": record.id, "kids": list(record.keys), "retiring": record.retiring})
+
+
+async def revoke_key(request: Request, state: RegistryState) -> Response:
+    claims = await _authorize(request, state, ADMIN_SCOPE)
+    body = await _json_body(request)
+    revocation = await state.keys.revoke(
+        request.path_params["kid"], claims.sub, str(body.get("reason", "")), state.key.kid
+    )
+    if revocation.identity == state.keys.issuer_id:
+        identity = await state.store.identity(state.keys.issuer_id)
+        if identity is not None:
+            state.trust_issuer_keys(identity)
+    return JSONResponse(revocation.to_json())
+
+
+async def rotate_issuer_key(request: Request, state: RegistryState) -> Response:
+    """The registry signs with a new key from now on; the old one verifies what it signed until the
+    grace ends (revoke it to end that sooner)."""
+    claims = await _authorize(request, state, ADMIN_SCOPE)
+    old = state.key.kid
+    state.tokens.key = await state.keys.rotate_issuer_key(state.key)
+    identity = await state.store.identity(state.keys.issuer_id)
+    if identity is not None:
+        state.trust_issuer_keys(identity)
+    log.warning("%s rotated the registry's signing key: %s -> %s", claims.sub, old, state.key.kid)
+    return JSONResponse({"kid": state.key.kid, "retiring": [old]})
+
+
+async def list_revocations(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, "registry:read")
+    return JSONResponse({"revoked": [r.to_json() for r in state.revocations.revoked()]})
 
 
 async def get_mcp_server(request: Request, state: RegistryState) -> Response:
@@ -190,7 +272,8 @@ async def records(request: Request, state: RegistryState) -> Response:
     return JSONResponse(
         {
             "identities": [
-                {"id": i.id, "kind": i.kind, "kids": list(i.keys)} for i in await state.store.identities()
+                {"id": i.id, "kind": i.kind, "kids": list(i.keys), "retiring": i.retiring}
+                for i in await state.store.identities()
             ],
             "agents": [
                 {
@@ -218,20 +301,33 @@ def build_app(settings: ServiceSettings) -> Starlette:
             async with httpx.AsyncClient() as http:
                 store = await RegistryStore.open(nc)
                 operator_key = await _enroll_operator(store, settings)
-                public = key.private_key.public_key()
+                admin = KeyAdmin(store, nc, settings.service_id, settings.key_file, settings.public_url)
+                revocations = Revocations()
+                await revocations.follow(nc)
 
                 async def own_key(kid: str) -> ec.EllipticCurvePublicKey | None:
-                    return public if kid == key.kid else None
+                    registry: RegistryState = app.state.registry
+                    return registry.issuer_keys.get(kid)
 
-                app.state.registry = RegistryState(
+                state = RegistryState(
                     store=store,
-                    tokens=TokenService(store, key, settings.issuer, settings.public_url + "/oauth/token"),
+                    tokens=TokenService(
+                        store, key, settings.issuer, settings.public_url + "/oauth/token", revocations
+                    ),
                     enrollment=Enrollment(store, operator_key),
-                    verifier=TokenVerifier(own_key, issuer=settings.issuer, audience=REGISTRY_AUDIENCE),
-                    key=key,
+                    verifier=TokenVerifier(
+                        own_key, issuer=settings.issuer, audience=REGISTRY_AUDIENCE, revocations=revocations
+                    ),
+                    keys=admin,
+                    revocations=revocations,
+                    issuer_keys={},
                     http=http,
                 )
+                state.trust_issuer_keys(await admin.publish_issuer_key(key))
+                revocations.on_revoke(lambda revoked: _distrust(state, revoked.kid))
+                app.state.registry = state
                 yield
+                await revocations.stop()
         finally:
             await nc.drain()
 
@@ -247,8 +343,16 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/agents/{agent_id}/jwks.json", _route(agent_keys)),
         Route("/v1/mcp-servers/{server_id}", _route(get_mcp_server)),
         Route("/v1/mcp-servers/{server_id}", _route(register_mcp_server), methods=["PUT"]),
+        Route("/v1/identities/{identity_id}/keys", _route(rotate_identity_key), methods=["POST"]),
+        Route("/v1/keys/{kid}/revoke", _route(revoke_key), methods=["POST"]),
+        Route("/v1/issuer/rotate", _route(rotate_issuer_key), methods=["POST"]),
+        Route("/v1/revocations", _route(list_revocations)),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _distrust(state: RegistryState, kid: str) -> None:
+    state.issuer_keys.pop(kid, None)
 
 
 async def _enroll_operator(store: RegistryStore, settings: ServiceSettings) -> ec.EllipticCurvePublicKey:

@@ -548,6 +548,7 @@ def build_specialist_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
+            stack.push_async_callback(registry.aclose)
             await stack.enter_async_context(mcp_http)
             stack.callback(journal.close)
             pruner = asyncio.create_task(_prune_journal(journal), name="journal-pruner")

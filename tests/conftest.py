@@ -1,4 +1,4 @@
-"""Fixtures shared by every test: a real Postgres, started by the tests themselves."""
+"""Fixtures shared by every test: a real Postgres and a real NATS, started by the tests themselves."""
 
 from __future__ import annotations
 
@@ -62,3 +62,12 @@ def pg_dsn(pg_server: str) -> Iterator[str]:
     yield make_conninfo(pg_server, dbname=name)
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    """A real NATS server with JetStream, started for the session (``bench/_nats.py``)."""
+    from bench._nats import embedded_nats
+
+    with embedded_nats() as url:
+        yield url

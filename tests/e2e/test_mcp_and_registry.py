@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
 import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import httpx2
 import jwt
 import pytest
-import uvicorn
-from a2a.server.routes import create_agent_card_routes
-from a2a.types import AgentSkill
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from starlette.applications import Starlette
 
-from deploy.local_stack import ServiceSpec
-from fleet.a2a_support import build_card, sign_card
 from fleet.keys import SigningKey
-from fleet.supervisor import enrollment_token
 from fleet.tokens import client_assertion
 from tests.e2e.conftest import Stack
+from tests.e2e.identities import Impostor, serve_card
 
 pytestmark = pytest.mark.e2e
 
@@ -84,73 +73,6 @@ async def test_mcp_call_without_the_tool_scope_is_denied_by_policy(stack: Stack)
 
 
 # ----------------------------------------------------------------------------- registry
-@contextlib.asynccontextmanager
-async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -> AsyncIterator[str]:
-    """A throwaway agent that serves only a card (signed with ``card_key``)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    card = build_card(
-        name="Impostor",
-        description="test agent",
-        version="1",
-        base_url=host_in_card or base,
-        skills=[AgentSkill(id="impersonate", name="impersonate", description="x")],
-        token_url="http://127.0.0.1:1/oauth/token",
-        required_scope="agent:invoke",
-    )
-    app = Starlette(routes=create_agent_card_routes(sign_card(card, card_key)))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        yield base  # the socket already listens: requests wait in its backlog until uvicorn serves
-    finally:
-        server.should_exit = True
-        await task
-
-
-class Impostor:
-    """An identity enrolled with the operator's consent, used to probe the registry."""
-
-    def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.id = f"impostor-{uuid.uuid4().hex[:8]}"
-        self.key = SigningKey.generate()
-        self.registry = stack.endpoints["registry"]
-
-    def enrollment_token(self) -> str:
-        operator = SigningKey.load_or_create(self.stack.layout.key_file("operator"))
-        spec = ServiceSpec(self.id, "specialist", "x:y", scopes=("registry:write", "registry:read"))
-        return enrollment_token(operator, spec)
-
-    async def enroll(self, http: httpx.AsyncClient, token: str) -> httpx.Response:
-        body = {"id": self.id, "public_jwk": self.key.public_jwk(), "enrollment_token": token}
-        return await http.post(self.registry + "/v1/enroll", json=body)
-
-    async def request_token(
-        self, http: httpx.AsyncClient, scope: str = "registry:write", assertion: str | None = None
-    ) -> httpx.Response:
-        form = {
-            "grant_type": "client_credentials",
-            "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
-            "client_assertion": assertion
-            or client_assertion(self.key, self.id, self.registry + "/oauth/token"),
-            "audience": "registry",
-            "tenant": "acme",
-            "scope": scope,
-        }
-        return await http.post(self.registry + "/oauth/token", data=form)
-
-    async def register(self, http: httpx.AsyncClient, url: str) -> httpx.Response:
-        token = (await self.request_token(http)).json()["access_token"]
-        return await http.put(
-            f"{self.registry}/v1/agents/{self.id}",
-            json={"url": url},
-            headers={"Authorization": f"Bearer {token}"},
-        )
-
-
 @pytest.fixture
 async def impostor(stack: Stack) -> Impostor:
     identity = Impostor(stack)

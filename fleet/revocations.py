@@ -1,0 +1,149 @@
+"""Revoked keys, known to every process within a second of the revocation.
+
+The registry records a revocation in the NATS KV bucket ``fleet-revocations`` (key ``kid.<kid>``,
+value: who revoked it, when, why). Every service that verifies tokens keeps the whole list in memory
+and follows the bucket's stream (an ordered consumer from the first entry), so a revocation is
+pushed to it, not polled: a token signed by a revoked key, or issued to a client on a revoked key
+(its ``client_kid`` claim), is refused from then on, though it has not expired.
+
+Until the list has been read once, a verifier does not know what is revoked and refuses every token
+(``dependency_unavailable``, retryable): it fails closed. Once read, a broker outage keeps the last
+list (and is logged): revocations made meanwhile arrive when the connection is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.natsconn import key_value
+
+log = logging.getLogger(__name__)
+
+REVOCATIONS_BUCKET = "fleet-revocations"
+_STREAM = f"KV_{REVOCATIONS_BUCKET}"
+_PREFIX = f"$KV.{REVOCATIONS_BUCKET}.kid."
+
+
+@dataclass(frozen=True, slots=True)
+class Revocation:
+    kid: str
+    identity: str
+    revoked_at: float
+    by: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kid": self.kid,
+            "identity": self.identity,
+            "revoked_at": self.revoked_at,
+            "by": self.by,
+            "reason": self.reason,
+        }
+
+
+async def record_revocation(client: NATS, revocation: Revocation) -> None:
+    """Make ``revocation`` known to every process (the registry's half)."""
+    bucket = await key_value(client, REVOCATIONS_BUCKET, history=1)
+    await bucket.put(f"kid.{revocation.kid}", json.dumps(revocation.to_json()).encode())
+
+
+class Revocations:
+    """The revoked key ids, followed live from the bucket (see the module's doc)."""
+
+    def __init__(self) -> None:
+        self._revoked: dict[str, Revocation] = {}
+        self._synced = asyncio.Event()
+        self._listeners: list[Callable[[Revocation], None]] = []
+        self._subscription: Any = None
+
+    @property
+    def synced(self) -> bool:
+        """Whether the list has been read once (before that, nothing can be trusted)."""
+        return self._synced.is_set()
+
+    def on_revoke(self, listener: Callable[[Revocation], None]) -> None:
+        """Call ``listener`` for each revocation from now on (e.g. to drop a cached key)."""
+        self._listeners.append(listener)
+
+    def check(self, *kids: str | None) -> Revocation | None:
+        """The revocation of the first of ``kids`` that is revoked, if any. Refuses to answer
+        (``dependency_unavailable``) until the list has been read once."""
+        if not self.synced:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, "the list of revoked keys is not loaded yet", retryable=True
+            )
+        for kid in kids:
+            if kid is not None and kid in self._revoked:
+                return self._revoked[kid]
+        return None
+
+    def revoked(self) -> list[Revocation]:
+        return sorted(self._revoked.values(), key=lambda r: r.revoked_at)
+
+    async def follow(self, client: NATS, timeout_s: float = 10.0) -> None:
+        """Read every revocation so far, then keep following new ones; returns once synced."""
+        await key_value(client, REVOCATIONS_BUCKET, history=1)  # exists before anyone reads it
+        js = client.jetstream()
+        try:
+            info = await js.stream_info(_STREAM)
+            last = info.state.last_seq
+        except NotFoundError:
+            last = 0
+        if last == 0:
+            self._synced.set()
+
+        async def arrived(msg: Msg) -> None:
+            self._take(msg)
+            if msg.metadata.sequence.stream >= last:
+                self._synced.set()
+
+        self._subscription = await js.subscribe(
+            _PREFIX + ">", cb=arrived, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout_s)
+        except TimeoutError as exc:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, "cannot read the list of revoked keys", retryable=True
+            ) from exc
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+
+    def _take(self, msg: Msg) -> None:
+        if not msg.data:  # a deleted entry: revocations are never taken back
+            return
+        try:
+            body = json.loads(msg.data)
+            revocation = Revocation(
+                kid=str(body["kid"]),
+                identity=str(body.get("identity", "")),
+                revoked_at=float(body.get("revoked_at", time.time())),
+                by=str(body.get("by", "")),
+                reason=str(body.get("reason", "")),
+            )
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable revocation on %s", msg.subject)
+            return
+        if revocation.kid in self._revoked:
+            return
+        self._revoked[revocation.kid] = revocation
+        log.warning("key %s of %s revoked by %s: %s", revocation.kid, revocation.identity, revocation.by,
+                    revocation.reason or "no reason given")  # fmt: skip
+        for listener in self._listeners:
+            listener(revocation)

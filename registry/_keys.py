@@ -1,0 +1,160 @@
+"""Key lifecycle: an identity rotates its key (proving it holds the current one), the registry
+rotates its own signing key, and the operator revokes a key.
+
+* A replaced key keeps verifying for ``KEY_GRACE_S`` (what it signed a moment ago, a token or a
+  card, still verifies), then it is gone from the identity's keys and from the JWKS.
+* A revoked key stops verifying everywhere at once: it leaves the identity's record, and the
+  revocation is published (:mod:`fleet.revocations`), which every verifying process follows.
+  Tokens signed by it, or issued to a client on it, are refused before they expire.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from nats.aio.client import Client as NATS
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.keys import ALGORITHM, SigningKey, public_jwk_of, public_key_from_jwk
+from fleet.revocations import Revocation, record_revocation
+from registry._enrollment import KEY_GRACE_S
+from registry._records import IdentityRecord
+from registry._store import RegistryStore
+
+MAX_PROOF_LIFETIME_S = 300
+
+
+class KeyAdmin:
+    """Rotation and revocation against the registry's records (see the module's doc)."""
+
+    def __init__(
+        self,
+        store: RegistryStore,
+        nats: NATS,
+        issuer_id: str,
+        key_file: Path,
+        public_url: str,
+    ) -> None:
+        self._store = store
+        self._nats = nats
+        self.issuer_id = issuer_id
+        self._key_file = key_file
+        self._public_url = public_url.rstrip("/")
+
+    def rotation_url(self, identity_id: str) -> str:
+        """The audience of a rotation proof: this endpoint, for this identity."""
+        return f"{self._public_url}/v1/identities/{identity_id}/keys"
+
+    async def rotate_identity_key(self, identity_id: str, body: dict[str, Any]) -> IdentityRecord:
+        """Make ``public_jwk`` the identity's key, given a ``proof`` (a short JWT signed by a key
+        the identity holds now, naming the new key's id). The old keys retire after the grace."""
+        identity = await self._store.identity(identity_id)
+        if identity is None or identity.kind in ("operator", "registry"):
+            raise FleetError(ErrorCode.NOT_FOUND, f"no identity {identity_id!r} that can rotate its key")
+        jwk, proof = body.get("public_jwk"), body.get("proof")
+        if not isinstance(jwk, dict) or not isinstance(proof, str):
+            raise FleetError(ErrorCode.INVALID_REQUEST, "public_jwk and proof are required")
+        try:
+            new = public_jwk_of(public_key_from_jwk(jwk))
+        except (KeyError, ValueError, jwt.PyJWTError) as exc:
+            raise FleetError(ErrorCode.INVALID_REQUEST, "public_jwk is not an EC P-256 public key") from exc
+        now = time.time()
+        claims = self._verify_proof(proof, identity, now)
+        if claims.get("new_kid") != new["kid"]:
+            raise FleetError(ErrorCode.UNAUTHENTICATED, "the proof names another key")
+        if not await self._store.use_nonce("rotate", f"{identity_id}.{claims['jti']}"):
+            raise FleetError(ErrorCode.UNAUTHENTICATED, "the rotation proof was already used")
+        rotated = identity.with_key(new, now, KEY_GRACE_S)
+        await self._store.put_identity(rotated)
+        return rotated
+
+    def _verify_proof(self, proof: str, identity: IdentityRecord, now: float) -> dict[str, Any]:
+        try:
+            kid = jwt.get_unverified_header(proof).get("kid")
+        except jwt.PyJWTError as exc:
+            raise FleetError(ErrorCode.UNAUTHENTICATED, "malformed rotation proof") from exc
+        jwk = identity.usable_keys(now).get(str(kid))
+        if jwk is None:
+            raise FleetError(ErrorCode.UNAUTHENTICATED, "the proof is not signed by a key of the identity")
+        try:
+            claims: dict[str, Any] = jwt.decode(
+                proof,
+                public_key_from_jwk(jwk),
+                algorithms=[ALGORITHM],
+                audience=self.rotation_url(identity.id),
+                issuer=identity.id,
+                leeway=10,
+                options={"require": ["exp", "iat", "jti", "iss", "aud", "new_kid"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise FleetError(
+                ErrorCode.UNAUTHENTICATED, f"rotation proof rejected: {type(exc).__name__}"
+            ) from exc
+        if int(claims["exp"]) - int(claims["iat"]) > MAX_PROOF_LIFETIME_S:
+            raise FleetError(ErrorCode.UNAUTHENTICATED, "the rotation proof lives too long")
+        return claims
+
+    async def rotate_issuer_key(self, current: SigningKey) -> SigningKey:
+        """A new signing key for the registry (written over its key file), published beside the
+        old one, which verifies the tokens it signed until the grace ends."""
+        new = SigningKey.generate()
+        _replace_key_file(self._key_file, new)
+        identity = await self._issuer_identity(current)
+        await self._store.put_identity(identity.with_key(new.public_jwk(), time.time(), KEY_GRACE_S))
+        return new
+
+    async def publish_issuer_key(self, key: SigningKey) -> IdentityRecord:
+        """Record the registry's signing key as the registry identity's current key (at start)."""
+        identity = await self._issuer_identity(key)
+        current = identity.with_key(key.public_jwk(), time.time(), KEY_GRACE_S)
+        await self._store.put_identity(current)
+        return current
+
+    async def _issuer_identity(self, key: SigningKey) -> IdentityRecord:
+        found = await self._store.identity(self.issuer_id)
+        if found is not None:
+            return found
+        return IdentityRecord(
+            id=self.issuer_id,
+            kind="registry",
+            keys={key.kid: key.public_jwk()},
+            enrolled_at=time.time(),
+        )
+
+    async def revoke(self, kid: str, by: str, reason: str, signing_kid: str) -> Revocation:
+        """Revoke ``kid`` wherever it is enrolled. The registry's current signing key cannot be
+        revoked (rotate it first: then the old one can be)."""
+        if kid == signing_kid:
+            raise FleetError(
+                ErrorCode.CONFLICT,
+                "this is the registry's current signing key: rotate it, then revoke the old one",
+            )
+        holders = [i for i in await self._store.identities() if kid in i.keys]
+        if not holders:
+            raise FleetError(ErrorCode.NOT_FOUND, f"no identity holds key {kid!r}")
+        for identity in holders:
+            await self._store.put_identity(identity.without_key(kid))
+        revocation = Revocation(
+            kid=kid, identity=holders[0].id, revoked_at=time.time(), by=by, reason=reason[:200]
+        )
+        await record_revocation(self._nats, revocation)
+        return revocation
+
+
+def _replace_key_file(path: Path, key: SigningKey) -> None:
+    """Write ``key`` over ``path`` atomically (mode 0600): a crash leaves the old key or the new."""
+    pem = key.private_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    staged = path.with_suffix(path.suffix + ".new")
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(pem)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(staged, path)

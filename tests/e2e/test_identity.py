@@ -1,0 +1,365 @@
+"""Identity and trust on the real stack: a security suite of refused tokens, assertions and cards
+(each refused with the right status, and logged by the service that refused it), key rotation by an
+identity, and revocation reaching other processes while the revoked key's tokens are still unexpired.
+
+The registry's own key (rotation under load, revoking its old key) is tested on a stack of its own:
+revoking a registry key refuses every token it signed, in every service."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from fleet.keys import SigningKey
+from fleet.operator_cli import operator_token_client
+from fleet.tokens import client_assertion
+from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack
+from tests.e2e.identities import Impostor, serve_card
+
+pytestmark = pytest.mark.e2e
+
+
+async def runs_api(stack: Stack, token: str) -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.get(
+            stack.endpoints["coordinator"] + "/v1/runs", headers={"Authorization": f"Bearer {token}"}
+        )
+
+
+async def mcp_call(stack: Stack, server: str, token: str) -> httpx.Response:
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {token}",
+    }
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    async with httpx.AsyncClient() as http:
+        return await http.post(stack.endpoints["mcp_servers"][server], json=body, headers=headers)
+
+
+async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 10.0) -> str:
+    """The line of ``service``'s log that has every one of ``needles`` (waiting for it to be written)."""
+    path = stack.layout.log_file(service)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for line in path.read_text(errors="replace").splitlines():
+            if all(needle in line for needle in needles):
+                return line
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{service} logged no line with {needles}")
+        await asyncio.sleep(0.1)
+
+
+def _b64(data: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+def unsigned(claims: dict[str, Any]) -> str:
+    return f"{_b64({'alg': 'none', 'typ': 'JWT'})}.{_b64(claims)}."
+
+
+def tampered(token: str, **changes: Any) -> str:
+    header, payload, signature = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    return f"{header}.{_b64({**claims, **changes})}.{signature}"
+
+
+def hs256_with_the_public_key(stack: Stack, claims: dict[str, Any]) -> str:
+    """The classic confusion: the issuer's public key (PEM) used as an HMAC secret."""
+    key = SigningKey.load_or_create(stack.layout.key_file("registry"))
+    pem = key.private_key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    header = _b64({"alg": "HS256", "typ": "JWT", "kid": key.kid})
+    body = _b64(claims)
+    mac = hmac.new(pem, f"{header}.{body}".encode(), hashlib.sha256).digest()
+    return f"{header}.{body}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
+
+
+def claims_for(jti: str, **overrides: Any) -> dict[str, Any]:
+    now = int(time.time())
+    base = {
+        "iss": "fleet-registry",
+        "sub": "operator",
+        "aud": "coordinator",
+        "tenant": "acme",
+        "scope": "agent:invoke",
+        "iat": now,
+        "exp": now + 300,
+        "jti": jti,
+    }
+    return {k: v for k, v in {**base, **overrides}.items() if v is not None}
+
+
+# Each case: the token (made with its own jti), the status, and the reason the coordinator logs.
+FORGED: dict[str, tuple[Callable[[Stack, str], str], int, str]] = {
+    "expired": (lambda s, j: s.forge(jti=j, iat=1_700_000_000, exp=1_700_000_300), 401, "token expired"),
+    "not yet valid": (lambda s, j: s.forge(jti=j, nbf=int(time.time()) + 3600), 401, "token not valid yet"),
+    "wrong audience": (lambda s, j: s.forge(jti=j, aud="mcp-sql"), 401, "not meant for this service"),
+    "wrong issuer": (lambda s, j: s.forge(jti=j, iss="https://evil.example"), 401, "another issuer"),
+    "alg none": (lambda s, j: unsigned(claims_for(j)), 401, "algorithm not allowed"),
+    "HS256 with the public key": (
+        lambda s, j: hs256_with_the_public_key(s, claims_for(j)),
+        401,
+        "algorithm not allowed",
+    ),
+    "unknown key id": (lambda s, j: SigningKey.generate().sign(claims_for(j)), 401, "unknown key"),
+    "tampered payload": (
+        lambda s, j: tampered(s.forge(jti=j, tenant="acme"), tenant="globex"),
+        401,
+        "signature does not verify",
+    ),
+    "missing tenant": (lambda s, j: s.forge(jti=j, tenant=None), 401, "tenant"),
+    "missing scope": (lambda s, j: s.forge(jti=j, scope=""), 403, "lacks scope agent:invoke"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+async def test_a_bad_token_is_refused_with_its_status_and_logged(stack: Stack, case: str) -> None:
+    make, status, reason = FORGED[case]
+    jti = uuid.uuid4().hex
+    token = make(stack, jti)
+    response = await runs_api(stack, token)
+    assert response.status_code == status, response.text
+    line = await logged(stack, "coordinator", "token refused", reason, jti)
+    assert token not in line  # the log names the token, never holds it
+
+
+async def test_a_token_for_one_mcp_server_is_refused_by_another_and_logged(stack: Stack) -> None:
+    token = stack.token("mcp-sql", scopes=("sql:query",))
+    assert (await mcp_call(stack, "mcp-sql", token)).status_code == 200
+    refused = await mcp_call(stack, "mcp-cases", token)
+    assert refused.status_code == 401
+    jti = jwt.decode(token, options={"verify_signature": False})["jti"]
+    await logged(stack, "mcp-cases", "token refused", "not meant for this service", jti)
+
+
+async def test_scope_escalation_and_a_replayed_assertion_are_refused_at_the_token_service(
+    stack: Stack, impostor: Impostor
+) -> None:
+    async with httpx.AsyncClient() as http:
+        escalated = await impostor.request_token(http, scope="registry:write registry:admin")
+        assert (escalated.status_code, escalated.json()["error"]) == (400, "invalid_scope")
+        await logged(stack, "registry", "token request refused (invalid_scope", impostor.id)
+        assertion = client_assertion(impostor.key, impostor.id, impostor.registry + "/oauth/token")
+        assert (await impostor.request_token(http, assertion=assertion)).status_code == 200
+        replayed = await impostor.request_token(http, assertion=assertion)
+        assert (replayed.status_code, replayed.json()["error"]) == (401, "invalid_client")
+        await logged(stack, "registry", "already used", impostor.id)
+
+
+async def test_a_forged_card_signature_is_refused_and_logged(stack: Stack, impostor: Impostor) -> None:
+    async with httpx.AsyncClient() as http, serve_card(SigningKey.generate()) as url:
+        response = await impostor.register(http, url)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "card_invalid"
+    await logged(stack, "registry", f"/v1/agents/{impostor.id} refused (card_invalid)")
+
+
+@pytest.fixture
+async def impostor(stack: Stack) -> Impostor:
+    identity = Impostor(stack)
+    async with httpx.AsyncClient() as http:
+        response = await identity.enroll(http, identity.enrollment_token())
+    assert response.status_code == 201, response.text
+    return identity
+
+
+async def coordinator_token(
+    impostor: Impostor, http: httpx.AsyncClient, key: SigningKey | None = None
+) -> httpx.Response:
+    """An access token for the impostor at the coordinator (its enrollment allows registry scopes only,
+    so it asks for none: the coordinator then refuses it for lack of scope, after checking it)."""
+    form = {
+        "grant_type": "client_credentials",
+        "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
+        "client_assertion": client_assertion(
+            key or impostor.key, impostor.id, impostor.registry + "/oauth/token"
+        ),
+        "audience": "registry",
+        "tenant": "acme",
+        "scope": "registry:read",
+    }
+    return await http.post(impostor.registry + "/oauth/token", data=form)
+
+
+async def test_an_identity_rotates_its_key_and_the_old_one_verifies_until_the_grace_ends(
+    stack: Stack, impostor: Impostor
+) -> None:
+    new = SigningKey.generate()
+    rotate_url = f"{impostor.registry}/v1/identities/{impostor.id}/keys"
+
+    def proof(signer: SigningKey, names: SigningKey, jti: str | None = None) -> str:
+        now = int(time.time())
+        return signer.sign(
+            {"iss": impostor.id, "sub": impostor.id, "aud": rotate_url, "iat": now, "exp": now + 60,
+             "jti": jti or uuid.uuid4().hex, "new_kid": names.kid}
+        )  # fmt: skip
+
+    async with httpx.AsyncClient() as http:
+        # A proof signed by a key the identity does not hold, or naming another key: refused.
+        stranger = await http.post(
+            rotate_url, json={"public_jwk": new.public_jwk(), "proof": proof(new, new)}
+        )
+        assert stranger.status_code == 401
+        other = await http.post(
+            rotate_url,
+            json={"public_jwk": new.public_jwk(), "proof": proof(impostor.key, SigningKey.generate())},
+        )
+        assert other.status_code == 401
+        good = proof(impostor.key, new)
+        rotated = await http.post(rotate_url, json={"public_jwk": new.public_jwk(), "proof": good})
+        assert rotated.status_code == 200, rotated.text
+        assert set(rotated.json()["kids"]) == {impostor.key.kid, new.kid}
+        assert list(rotated.json()["retiring"]) == [impostor.key.kid]
+        again = await http.post(rotate_url, json={"public_jwk": new.public_jwk(), "proof": good})
+        assert again.status_code == 401  # a proof is good once
+        # Both keys authenticate during the grace: what the old one signed a moment ago still works.
+        assert (await coordinator_token(impostor, http)).status_code == 200
+        assert (await coordinator_token(impostor, http, new)).status_code == 200
+        keys = (await http.get(f"{impostor.registry}/v1/agents/{impostor.id}/jwks.json")).json()["keys"]
+        assert {k["kid"] for k in keys} == {impostor.key.kid, new.kid}
+
+
+async def test_a_revoked_client_key_stops_its_unexpired_tokens_in_other_processes(
+    stack: Stack, impostor: Impostor
+) -> None:
+    async with httpx.AsyncClient() as http:
+        issued = await coordinator_token(impostor, http)
+        token = issued.json()["access_token"]
+        registry_api = f"{impostor.registry}/v1/agents"
+        assert (await http.get(registry_api, headers={"Authorization": f"Bearer {token}"})).status_code == 200
+        # The token also reaches the coordinator, which checks it (and refuses it only for its scope).
+        before = await runs_api(stack, token)
+        assert before.status_code == 401 and "not meant for this service" in before.text
+
+        admin = stack.token("registry", scopes=("registry:admin", "registry:read"))
+        revoked = await http.post(
+            f"{impostor.registry}/v1/keys/{impostor.key.kid}/revoke",
+            json={"reason": "key leaked"},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert revoked.status_code == 200, revoked.text
+        assert revoked.json()["identity"] == impostor.id
+        # The registry itself refuses the unexpired token, and a new assertion with the key.
+        refused = await http.get(registry_api, headers={"Authorization": f"Bearer {token}"})
+        assert refused.status_code == 401
+        assert (await coordinator_token(impostor, http)).status_code == 401
+        listed = await http.get(
+            f"{impostor.registry}/v1/revocations", headers={"Authorization": f"Bearer {admin}"}
+        )
+        assert impostor.key.kid in {r["kid"] for r in listed.json()["revoked"]}
+    jti = jwt.decode(token, options={"verify_signature": False})["jti"]
+    await logged(stack, "registry", "token refused", "client whose key was revoked", jti)
+    # Another process (the coordinator) learned it by itself: its log says the key was revoked.
+    await logged(stack, "coordinator", impostor.key.kid, "revoked by operator")
+
+
+async def test_only_an_operator_revokes_and_the_registry_key_in_use_cannot_be(
+    stack: Stack, impostor: Impostor
+) -> None:
+    async with httpx.AsyncClient() as http:
+        token = (await coordinator_token(impostor, http)).json()["access_token"]
+        url = f"{impostor.registry}/v1/keys/{impostor.key.kid}/revoke"
+        forbidden = await http.post(url, json={}, headers={"Authorization": f"Bearer {token}"})
+        assert forbidden.status_code == 403
+        admin = stack.token("registry", scopes=("registry:admin",))
+        signing = SigningKey.load_or_create(stack.layout.key_file("registry")).kid
+        in_use = await http.post(
+            f"{impostor.registry}/v1/keys/{signing}/revoke",
+            json={},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert in_use.status_code == 409
+        unknown = await http.post(
+            f"{impostor.registry}/v1/keys/no-such-key/revoke",
+            json={},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert unknown.status_code == 404
+
+
+# ------------------------------------------------------------------ the registry's own key
+async def _hammer(stack: Stack, stop: asyncio.Event, outcomes: list[int]) -> None:
+    """Call the coordinator and an MCP server with tokens fetched fresh every few calls (so tokens
+    signed by the old key and by the new one are both in use around a rotation)."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        token_url = stack.endpoints["registry"] + "/oauth/token"
+        while not stop.is_set():
+            operator = operator_token_client(stack.layout, token_url, http)  # a new one: no cached token
+            coordinator = await operator.token("coordinator", "acme", ["agent:invoke"])
+            mcp = await operator.token("mcp-sql", "acme", ["sql:query"])
+            for _ in range(3):
+                answers = await asyncio.gather(runs_api(stack, coordinator), mcp_call(stack, "mcp-sql", mcp))
+                outcomes += [answer.status_code for answer in answers]
+
+
+async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_the_old_one_stops_its_tokens(
+    tmp_path: Path,
+) -> None:
+    stack = start_stack(tmp_path / "fleet")
+    try:
+        old_token = stack.token("coordinator")
+        old_mcp_token = stack.token("mcp-sql", scopes=("sql:query",))
+        stop, outcomes = asyncio.Event(), []
+        load = asyncio.gather(*(_hammer(stack, stop, outcomes) for _ in range(4)))
+        await asyncio.sleep(2)
+        admin = stack.token("registry", scopes=("registry:admin",))
+        async with httpx.AsyncClient() as http:
+            rotated = await http.post(
+                stack.endpoints["registry"] + "/v1/issuer/rotate",
+                headers={"Authorization": f"Bearer {admin}"},
+            )
+        assert rotated.status_code == 200, rotated.text
+        old_kid, new_kid = rotated.json()["retiring"][0], rotated.json()["kid"]
+        await asyncio.sleep(4)
+        stop.set()
+        await load
+        assert len(outcomes) > 100 and set(outcomes) == {200}, (len(outcomes), sorted(set(outcomes)))
+        new_token = stack.token("coordinator")
+        assert jwt.get_unverified_header(new_token)["kid"] == new_kid
+        assert (await runs_api(stack, old_token)).status_code == 200  # the old key verifies in its grace
+
+        revoked = await asyncio.to_thread(
+            fleet,
+            "keys",
+            "revoke",
+            old_kid,
+            "--reason",
+            "rotated out early",
+            "--data-dir",
+            stack.data_dir,
+            timeout=60,
+        )
+        assert revoked.returncode == 0 and f"revoked {old_kid}" in revoked.stdout, (
+            revoked.stdout + revoked.stderr
+        )
+        listed = await asyncio.to_thread(fleet, "keys", "revoked", "--data-dir", stack.data_dir, timeout=60)
+        assert old_kid in listed.stdout and "rotated out early" in listed.stdout
+        # Two other processes stop accepting what the old key signed, unexpired as it is.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            codes = (
+                (await runs_api(stack, old_token)).status_code,
+                (await mcp_call(stack, "mcp-sql", old_mcp_token)).status_code,
+            )
+            if codes == (401, 401):
+                break
+            await asyncio.sleep(0.05)
+        assert codes == (401, 401)
+        assert (await runs_api(stack, new_token)).status_code == 200
+    finally:
+        stop_stack(stack)
