@@ -49,6 +49,9 @@ class ServiceSettings(BaseSettings):
     heartbeat_s: float = Field(
         default=20.0, description="a specialist's heartbeat to its caller while a skill works (0: none)"
     )
+    card_refresh_s: float = Field(
+        default=30.0, description="the registry checks every agent's card again this often (0: never)"
+    )
 
     def local_state_dir(self) -> Path:
         """Local durable state of this service (e.g. a specialist's operation journal)."""

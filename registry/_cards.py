@@ -36,6 +36,10 @@ async def fetch_verified_card(
         raise FleetError(
             ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach {card_url}", retryable=True
         ) from exc
+    if response.status_code >= 500:
+        raise FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"{card_url} answered {response.status_code}", retryable=True
+        )
     if response.status_code != 200:
         raise _invalid(f"{card_url} answered {response.status_code}, not a card")
     try:

@@ -74,7 +74,37 @@ class AgentRecord(BaseModel):
     skills: list[SkillRecord]
     card: dict[str, Any]
     registered_at: float
+    # healthy: its card verified when last checked; unreachable: its card could not be fetched for
+    # a while (not offered by discovery until it answers again); quarantined: its card stopped
+    # verifying (forged, unsigned, swapped or moved): not offered until the agent registers again.
     status: str = "registered"
+    status_reason: str = ""
+    checked_at: float = 0.0
+    failures: int = 0  # fetches failed in a row
+    card_sha256: str = ""
+
+    @property
+    def offered(self) -> bool:
+        """Whether discovery may hand this agent out."""
+        return self.status not in ("quarantined", "unreachable")
+
+
+class CardVersion(BaseModel):
+    """One entry of an agent's card history."""
+
+    at: float
+    change: str  # registered, updated, refused, unreachable, answered
+    version: str = ""
+    card_sha256: str = ""
+    detail: str = ""
+
+
+class AgentHistory(BaseModel):
+    """What happened to an agent's card, newest last (bounded)."""
+
+    schema_version: int = 1
+    id: str
+    entries: list[CardVersion] = Field(default_factory=list)
 
 
 class McpServerRecord(BaseModel):

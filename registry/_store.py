@@ -11,7 +11,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from fleet.natsconn import key_value
-from registry._records import AgentRecord, IdentityRecord, McpServerRecord
+from registry._records import AgentHistory, AgentRecord, CardVersion, IdentityRecord, McpServerRecord
 
 RECORDS_BUCKET = "fleet-registry"
 NONCES_BUCKET = "fleet-nonces"
@@ -76,6 +76,14 @@ class RegistryStore:
 
     async def agents(self) -> list[AgentRecord]:
         return await self._list("agent", AgentRecord)
+
+    async def agent_history(self, agent_id: str) -> AgentHistory:
+        return await self._get(f"history.{agent_id}", AgentHistory) or AgentHistory(id=agent_id)
+
+    async def note_card(self, agent_id: str, entry: CardVersion, keep: int = 50) -> None:
+        history = await self.agent_history(agent_id)
+        history.entries = [*history.entries, entry][-keep:]
+        await self._put(f"history.{agent_id}", history)
 
     async def mcp_server(self, server_id: str) -> McpServerRecord | None:
         return await self._get(f"mcp.{server_id}", McpServerRecord)

@@ -4,6 +4,7 @@ signing key."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,6 +31,7 @@ from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
 from registry._records import IdentityRecord, McpServerRecord
+from registry._refresh import refresh, refresh_forever, registered
 from registry._store import RegistryStore
 from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
 
@@ -158,8 +160,9 @@ async def register_agent(request: Request, state: RegistryState) -> Response:
         raise FleetError(ErrorCode.FORBIDDEN, "an agent may register only itself")
     body = await _json_body(request)
     identity = await _identity(state, agent_id)
-    record = await fetch_verified_card(state.http, identity, str(body.get("url", "")))
-    await state.store.put_agent(record)
+    record = await registered(
+        state.store, await fetch_verified_card(state.http, identity, str(body.get("url", "")))
+    )
     log.info("registered agent %s with skills %s", agent_id, [s.id for s in record.skills])
     return JSONResponse(record.model_dump(mode="json"))
 
@@ -197,14 +200,32 @@ async def list_agents(request: Request, state: RegistryState) -> Response:
     await _authorize(request, state, "registry:read")
     skill = request.query_params.get("skill")
     agents = await state.store.agents()
-    if skill:
-        agents = [a for a in agents if any(s.id == skill for s in a.skills)]
+    if skill:  # discovery: only agents whose card verified when last checked, and that answer
+        agents = [a for a in agents if a.offered and any(s.id == skill for s in a.skills)]
     return JSONResponse({"agents": [a.model_dump(mode="json") for a in agents]})
 
 
 async def get_agent(request: Request, state: RegistryState) -> Response:
     await _authorize(request, state, "registry:read")
     record = await state.store.agent(request.path_params["agent_id"])
+    if record is None:
+        raise FleetError(ErrorCode.NOT_FOUND, "no such agent")
+    return JSONResponse(record.model_dump(mode="json"))
+
+
+async def agent_history(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, "registry:read")
+    history = await state.store.agent_history(request.path_params["agent_id"])
+    return JSONResponse(history.model_dump(mode="json"))
+
+
+async def refresh_agent(request: Request, state: RegistryState) -> Response:
+    """Check an agent's card now (the operator, or the agent itself), as the periodic check does."""
+    claims = await _authorize(request, state, "registry:write")
+    agent_id = request.path_params["agent_id"]
+    if claims.sub != agent_id and ADMIN_SCOPE not in claims.scopes:
+        raise FleetError(ErrorCode.FORBIDDEN, "only the agent itself or an operator may ask for a check")
+    record = await refresh(state.store, state.http, agent_id)
     if record is None:
         raise FleetError(ErrorCode.NOT_FOUND, "no such agent")
     return JSONResponse(record.model_dump(mode="json"))
@@ -326,7 +347,18 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 state.trust_issuer_keys(await admin.publish_issuer_key(key))
                 revocations.on_revoke(lambda revoked: _distrust(state, revoked.kid))
                 app.state.registry = state
+                checks = (
+                    asyncio.create_task(
+                        refresh_forever(store, http, settings.card_refresh_s), name="card-checks"
+                    )
+                    if settings.card_refresh_s > 0
+                    else None
+                )
                 yield
+                if checks is not None:
+                    checks.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await checks
                 await revocations.stop()
         finally:
             await nc.drain()
@@ -341,6 +373,8 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/agents/{agent_id}", _route(get_agent)),
         Route("/v1/agents/{agent_id}", _route(register_agent), methods=["PUT"]),
         Route("/v1/agents/{agent_id}/jwks.json", _route(agent_keys)),
+        Route("/v1/agents/{agent_id}/history", _route(agent_history)),
+        Route("/v1/agents/{agent_id}/refresh", _route(refresh_agent), methods=["POST"]),
         Route("/v1/mcp-servers/{server_id}", _route(get_mcp_server)),
         Route("/v1/mcp-servers/{server_id}", _route(register_mcp_server), methods=["PUT"]),
         Route("/v1/identities/{identity_id}/keys", _route(rotate_identity_key), methods=["POST"]),

@@ -8,12 +8,16 @@ import contextlib
 import socket
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import uvicorn
-from a2a.server.routes import create_agent_card_routes
 from a2a.types import AgentSkill
+from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from deploy.local_stack import ServiceSpec
 from fleet.a2a_support import build_card, sign_card
@@ -23,30 +27,56 @@ from fleet.tokens import client_assertion
 from tests.e2e.conftest import Stack
 
 
+class CardServer:
+    """A throwaway agent that serves only a card, which the test may swap while it runs."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.card: dict[str, Any] = {}
+
+    def serve(
+        self, card_key: SigningKey | None, *, host_in_card: str | None = None, version: str = "1"
+    ) -> None:
+        """Serve a card signed with ``card_key`` (unsigned if None) that names ``host_in_card``."""
+        card = build_card(
+            name="Impostor",
+            description="test agent",
+            version=version,
+            base_url=host_in_card or self.base,
+            skills=[AgentSkill(id="impersonate", name="impersonate", description="x")],
+            token_url="http://127.0.0.1:1/oauth/token",
+            required_scope="agent:invoke",
+        )
+        self.card = MessageToDict(sign_card(card, card_key) if card_key is not None else card)
+
+    def app(self) -> Starlette:
+        async def card(request: Request) -> JSONResponse:
+            return JSONResponse(self.card)
+
+        return Starlette(routes=[Route("/.well-known/agent-card.json", card)])
+
+
 @contextlib.asynccontextmanager
-async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -> AsyncIterator[str]:
-    """A throwaway agent that serves only a card (signed with ``card_key``)."""
+async def card_server() -> AsyncIterator[CardServer]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    card = build_card(
-        name="Impostor",
-        description="test agent",
-        version="1",
-        base_url=host_in_card or base,
-        skills=[AgentSkill(id="impersonate", name="impersonate", description="x")],
-        token_url="http://127.0.0.1:1/oauth/token",
-        required_scope="agent:invoke",
-    )
-    app = Starlette(routes=create_agent_card_routes(sign_card(card, card_key)))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    served = CardServer(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    server = uvicorn.Server(uvicorn.Config(served.app(), log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        yield base  # the socket already listens: requests wait in its backlog until uvicorn serves
+        yield served  # the socket already listens: requests wait in its backlog until uvicorn serves
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.asynccontextmanager
+async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -> AsyncIterator[str]:
+    """A throwaway agent that serves only a card (signed with ``card_key``); its base URL."""
+    async with card_server() as served:
+        served.serve(card_key, host_in_card=host_in_card)
+        yield served.base
 
 
 class Impostor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import hmac
 import json
@@ -27,7 +28,7 @@ from fleet.keys import SigningKey
 from fleet.operator_cli import operator_token_client
 from fleet.tokens import client_assertion
 from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack
-from tests.e2e.identities import Impostor, serve_card
+from tests.e2e.identities import Impostor, card_server, serve_card
 
 pytestmark = pytest.mark.e2e
 
@@ -363,3 +364,73 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
         assert (await runs_api(stack, new_token)).status_code == 200
     finally:
         stop_stack(stack)
+
+
+async def discovered(http: httpx.AsyncClient, stack: Stack, token: str) -> list[str]:
+    found = await http.get(
+        stack.endpoints["registry"] + "/v1/agents",
+        params={"skill": "impersonate"},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    return [a["id"] for a in found.json()["agents"]]
+
+
+async def test_a_card_swapped_after_registration_is_quarantined_and_no_longer_offered(
+    stack: Stack, impostor: Impostor
+) -> None:
+    reader = stack.token("registry", scopes=("registry:read",))
+    operator = stack.token("registry", scopes=("registry:write", "registry:admin"))
+    refresh_url = f"{impostor.registry}/v1/agents/{impostor.id}/refresh"
+    async with httpx.AsyncClient() as http, card_server() as agent:
+        agent.serve(impostor.key)
+        registered = await impostor.register(http, agent.base)
+        assert (registered.status_code, registered.json()["status"]) == (200, "healthy"), registered.text
+        assert impostor.id in await discovered(http, stack, reader)
+
+        # A new version, signed by the agent's key: checked, accepted, kept in the history.
+        agent.serve(impostor.key, version="2")
+        checked = await http.post(refresh_url, headers={"Authorization": f"Bearer {operator}"})
+        assert (checked.json()["status"], checked.json()["version"]) == ("healthy", "2")
+
+        # Swapped for a card signed by someone else: quarantined at once, not offered any more.
+        agent.serve(SigningKey.generate(), version="3")
+        checked = await http.post(refresh_url, headers={"Authorization": f"Bearer {operator}"})
+        assert checked.json()["status"] == "quarantined"
+        assert "signature does not verify" in checked.json()["status_reason"]
+        assert impostor.id not in await discovered(http, stack, reader)
+        # It stays quarantined though the card is fixed, until the agent registers again.
+        agent.serve(impostor.key, version="4")
+        again = await http.post(refresh_url, headers={"Authorization": f"Bearer {operator}"})
+        assert again.json()["status"] == "quarantined"
+        history = await http.get(
+            f"{impostor.registry}/v1/agents/{impostor.id}/history",
+            headers={"Authorization": f"Bearer {reader}"},
+        )
+        changes = [(e["change"], e["version"]) for e in history.json()["entries"]]
+        assert changes == [("registered", "1"), ("updated", "2"), ("refused", "")]
+        assert (await impostor.register(http, agent.base)).json()["status"] == "healthy"
+        assert impostor.id in await discovered(http, stack, reader)
+    await logged(stack, "registry", f"agent {impostor.id} quarantined")
+
+
+async def test_an_unsigned_card_or_one_moved_to_another_host_is_quarantined(
+    stack: Stack, impostor: Impostor
+) -> None:
+    operator = stack.token("registry", scopes=("registry:write", "registry:admin"))
+    async with httpx.AsyncClient() as http, card_server() as agent:
+        agent.serve(impostor.key)
+        assert (await impostor.register(http, agent.base)).status_code == 200
+        unsigned = functools.partial(agent.serve, None)
+        moved = functools.partial(agent.serve, impostor.key, host_in_card="http://evil.example")
+        for swap in (unsigned, moved):
+            swap()
+            checked = await http.post(
+                f"{impostor.registry}/v1/agents/{impostor.id}/refresh",
+                headers={"Authorization": f"Bearer {operator}"},
+            )
+            assert checked.json()["status"] == "quarantined", checked.text
+            assert (
+                await impostor.register(http, agent.base)
+            ).status_code == 400  # and refused at registration
+            agent.serve(impostor.key)
+            assert (await impostor.register(http, agent.base)).json()["status"] == "healthy"
