@@ -36,6 +36,9 @@ REQUIRED_CLAIMS = ("exp", "iat", "iss", "aud", "sub", "jti", "tenant")
 DEFAULT_LEEWAY_S = 10
 ACCESS_TOKEN_TTL_S = 300
 CLIENT_ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"  # RFC 8693
+ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
+RUN_GRANT_TYPE = "urn:fleet:params:oauth:token-type:run-grant"  # see registry._token_service
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,17 @@ class Claims:
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
+
+    @property
+    def actors(self) -> tuple[str, ...]:
+        """Who acts for ``sub``, the current actor first (RFC 8693 ``act``); empty for a token in the
+        client's own name."""
+        chain: list[str] = []
+        act = self.raw.get("act")
+        while isinstance(act, dict) and len(chain) < 16:
+            chain.append(str(act.get("sub", "")))
+            act = act.get("act")
+        return tuple(chain)
 
 
 KeyLookup = Callable[[str], Awaitable[ec.EllipticCurvePublicKey | None]]
@@ -171,7 +185,11 @@ class TokenVerifier:
         leeway_s: int = DEFAULT_LEEWAY_S,
         revocations: Revocations | None = None,
         single_use: ReplayGuard | None = None,
+        run_grants: bool = False,
     ) -> None:
+        """``run_grants``: accept the coordinator's run grants too (the token service does, as the
+        subject of an exchange); every other verifier refuses them, as they are no access tokens."""
+        self._run_grants = run_grants
         self._keys = keys
         self._issuer = issuer
         self._audience = audience
@@ -202,6 +220,8 @@ class TokenVerifier:
         kid = header.get("kid")
         if not isinstance(kid, str):
             raise AuthError("token has no key id")
+        if header.get("typ") == "run-grant+jwt" and not self._run_grants:
+            raise AuthError("a run grant is not an access token")
         if self._revocations is not None and self._revocations.check(kid):
             raise AuthError("token signed by a revoked key")
         key = await self._keys(kid)
@@ -231,6 +251,10 @@ class TokenVerifier:
             raise AuthError("token signature does not verify") from exc
         except jwt.PyJWTError as exc:
             raise AuthError(f"invalid token: {type(exc).__name__}") from exc
+        if raw.get("token_use", "access") != "access" and not (
+            self._run_grants and raw["token_use"] == "run_grant"
+        ):
+            raise AuthError("not an access token")
         claims = _claims_of(raw, self._audience)
         client_kid = raw.get("client_kid")
         if (
@@ -358,6 +382,46 @@ class TokenClient:
             },
             timeout=10.0,
         )
+        if response.status_code != 200:
+            raise _token_error(response)
+        body = response.json()
+        token = str(body["access_token"])
+        self._cache[cache_key] = _Cached(token, time.time() + float(body.get("expires_in", 60)))
+        return token
+
+    async def exchange(
+        self,
+        subject_token: str,
+        audience: str = "",
+        scopes: Iterable[str] = (),
+        *,
+        subject_type: str = ACCESS_TOKEN_TYPE,
+        requested_type: str = ACCESS_TOKEN_TYPE,
+        run_id: str = "",
+    ) -> str:
+        """A token for the next hop in the name of whoever ``subject_token`` names (RFC 8693 token
+        exchange; this client becomes the current actor of the ``act`` chain). With
+        ``requested_type=RUN_GRANT_TYPE`` (the coordinator, when a run is created): the run grant
+        for ``run_id``. Exchanged tokens are cached per subject token, audience and scopes."""
+        scope = " ".join(sorted(set(scopes)))
+        cache_key = (f"{subject_token[-43:]}|{requested_type}|{run_id}|{audience}", "", scope)
+        cached = self._cache.get(cache_key)
+        if cached is not None and cached.expires_at - 30 > time.time():
+            return cached.token
+        form = {
+            "grant_type": TOKEN_EXCHANGE,
+            "client_assertion_type": CLIENT_ASSERTION_TYPE,
+            "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
+            "subject_token": subject_token,
+            "subject_token_type": subject_type,
+            "requested_token_type": requested_type,
+            "scope": scope,
+        }
+        if audience:
+            form["audience"] = audience
+        if run_id:
+            form["run_id"] = run_id
+        response = await self._http.post(self._token_url, data=form, timeout=10.0)
         if response.status_code != 200:
             raise _token_error(response)
         body = response.json()

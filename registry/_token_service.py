@@ -1,5 +1,25 @@
-"""The token service: client credentials with ``private_key_jwt`` (RFC 7523) in, short-lived access
-tokens bound to one audience, one tenant and the granted scopes out."""
+"""The token service: short-lived access tokens bound to one audience, one tenant and the granted
+scopes, for a client authenticated with ``private_key_jwt`` (RFC 7523).
+
+Two grants:
+
+* ``client_credentials``: a token in the client's own name (``sub`` = the client).
+* token exchange (RFC 8693, ``urn:ietf:params:oauth:grant-type:token-exchange``): a token in the name
+  of whoever the ``subject_token`` names, for the next hop. The subject token must have been issued
+  here and addressed to the client (only the party a token was given to may pass it on); the new
+  token keeps the subject's ``sub`` and ``tenant`` (a hop never changes either) and records the
+  chain of acting parties in ``act`` (RFC 8693 section 4.1: the current actor outermost, earlier
+  actors nested), at most ``MAX_CHAIN`` deep. The scopes are those the client asks for and its
+  enrollment allows.
+
+  A run outlives its caller's token (a run may wait days for an approval), so the coordinator
+  exchanges the caller's token, when the run is created, for a **run grant**
+  (``requested_token_type`` ``urn:fleet:params:oauth:token-type:run-grant``): the same principal and
+  chain, bound to the run (``run_id``), addressed to the coordinator, living ``RUN_GRANT_TTL_S``.
+  It is not an access token (``token_use: run_grant``, ``typ: run-grant+jwt``: every verifier refuses
+  it as one) and is good only as the subject of an exchange, by the coordinator or one of its
+  workers, each authenticated with its own key: a copy of it alone is worth nothing.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +30,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import jwt
+from cryptography.hazmat.primitives.asymmetric import ec
 
+from fleet.errors import FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
-from fleet.tokens import ACCESS_TOKEN_TTL_S, CLIENT_ASSERTION_TYPE
+from fleet.tokens import (
+    ACCESS_TOKEN_TTL_S,
+    ACCESS_TOKEN_TYPE,
+    CLIENT_ASSERTION_TYPE,
+    RUN_GRANT_TYPE,
+    TOKEN_EXCHANGE,
+    KeyLookup,
+    TokenVerifier,
+)
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
 
+RUN_GRANT_TTL_S = 14 * 24 * 3600  # longer than any run may last (the budgets' max_seconds bound that)
+MAX_CHAIN = 5  # actors in one delegation chain, the subject's excluded
 MAX_ASSERTION_LIFETIME_S = 300
 IDENTITY_CACHE_S = 2.0
 LEEWAY_S = 10
@@ -38,6 +70,7 @@ class IssuedToken:
     access_token: str
     expires_in: int
     scope: str
+    issued_token_type: str = ACCESS_TOKEN_TYPE
 
 
 class TokenService:
@@ -50,13 +83,18 @@ class TokenService:
         issuer: str,
         token_url: str,
         revocations: Revocations | None = None,
+        keys: KeyLookup | None = None,
     ) -> None:
         self._store = store
+        self._keys: KeyLookup = keys or self._own_key
         self.key = key  # the issuer's signing key; replaced when the registry rotates it
         self._issuer = issuer
         self._token_url = token_url
         self._revocations = revocations
         self._identities: dict[str, tuple[float, IdentityRecord]] = {}
+
+    async def _own_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
+        return self.key.private_key.public_key() if kid == self.key.kid else None
 
     async def _identity(self, identity_id: str, kid: str | None = None) -> IdentityRecord | None:
         """The identity's record, read again at most every ``IDENTITY_CACHE_S``; at once if it does
@@ -73,17 +111,90 @@ class TokenService:
             self._identities[identity_id] = (time.monotonic(), found)
         return found
 
-    async def client_credentials(self, form: Mapping[str, str]) -> IssuedToken:
-        if form.get("grant_type") != "client_credentials":
-            raise OAuthError("unsupported_grant_type", "only client_credentials is supported")
+    async def grant(self, form: Mapping[str, str]) -> IssuedToken:
+        """Answer a token request (either grant; see the module's doc)."""
+        grant_type = form.get("grant_type")
+        if grant_type not in ("client_credentials", TOKEN_EXCHANGE):
+            raise OAuthError("unsupported_grant_type", "client_credentials or token exchange (RFC 8693)")
         if form.get("client_assertion_type") != CLIENT_ASSERTION_TYPE:
             raise OAuthError("invalid_client", "a private_key_jwt client assertion is required", 401)
         client, client_kid = await self._authenticate(form.get("client_assertion", ""))
+        if grant_type == TOKEN_EXCHANGE:
+            return await self._exchange(client, client_kid, form)
         audience = form.get("audience", "")
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
         await self._check_grant(client, audience, tenant, scopes)
         return self.issue(client.id, audience, tenant, scopes, client_kid)
+
+    async def client_credentials(self, form: Mapping[str, str]) -> IssuedToken:
+        return await self.grant({**form, "grant_type": "client_credentials"})
+
+    async def _exchange(
+        self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
+    ) -> IssuedToken:
+        subject_type = form.get("subject_token_type", "")
+        if subject_type not in (ACCESS_TOKEN_TYPE, RUN_GRANT_TYPE):
+            raise OAuthError("invalid_request", "subject_token_type must be an access token or a run grant")
+        subject = await self._subject(client, form.get("subject_token", ""), subject_type)
+        tenant = str(subject["tenant"])
+        if form.get("tenant", tenant) != tenant:
+            raise OAuthError("invalid_request", "an exchanged token keeps the subject's tenant")
+        if not client.allows_tenant(tenant):
+            raise OAuthError("unauthorized_client", f"{client.id} may not act for tenant {tenant!r}")
+        act: dict[str, Any] = {"sub": client.id}
+        if isinstance(subject.get("act"), dict):
+            act["act"] = subject["act"]
+        if len(actors_of(act)) > MAX_CHAIN:
+            raise OAuthError("invalid_request", f"the delegation chain is longer than {MAX_CHAIN}")
+        extra: dict[str, Any] = {"act": act}
+        if "run_id" in subject:
+            extra["run_id"] = subject["run_id"]
+        requested = form.get("requested_token_type", ACCESS_TOKEN_TYPE)
+        if requested == RUN_GRANT_TYPE:
+            run_id = form.get("run_id", "")
+            if client.kind != "coordinator" or subject_type != ACCESS_TOKEN_TYPE or not run_id:
+                raise OAuthError(
+                    "invalid_request",
+                    "a run grant is for the coordinator, from a caller's token, for a run_id",
+                )
+            scopes = sorted(str(subject.get("scope", "")).split())
+            return self._sign(
+                str(subject["sub"]), client.id, client.id, tenant, scopes, client_kid,
+                {**extra, "run_id": run_id, "token_use": "run_grant"}, RUN_GRANT_TTL_S, "run-grant+jwt",
+            )  # fmt: skip
+        if requested != ACCESS_TOKEN_TYPE:
+            raise OAuthError("invalid_request", f"cannot issue a {requested!r}")
+        audience = form.get("audience", "")
+        scopes = sorted(set(form.get("scope", "").split()))
+        await self._check_grant(client, audience, tenant, scopes)
+        return self._sign(str(subject["sub"]), client.id, audience, tenant, scopes, client_kid, extra)
+
+    async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:
+        """The verified claims of the token to exchange: issued here, unexpired, not revoked, and
+        given to ``client`` (a run grant: to the coordinator, redeemed by it or one of its workers)."""
+        try:
+            unverified = jwt.decode(token, options={"verify_signature": False})
+            typ = jwt.get_unverified_header(token).get("typ")
+        except jwt.PyJWTError as exc:
+            raise OAuthError("invalid_grant", "the subject token is malformed") from exc
+        audience = client.id
+        if kind == RUN_GRANT_TYPE:
+            if typ != "run-grant+jwt" or unverified.get("token_use") != "run_grant":
+                raise OAuthError("invalid_grant", "the subject token is not a run grant")
+            granted_to = await self._identity(str(unverified.get("aud", "")))
+            if client.kind == "worker" and granted_to is not None and granted_to.kind == "coordinator":
+                audience = granted_to.id
+        verifier = TokenVerifier(
+            self._keys, issuer=self._issuer, audience=audience, revocations=self._revocations, run_grants=True
+        )
+        try:
+            claims = await verifier.verify(token)
+        except FleetError as exc:
+            raise OAuthError("invalid_grant", f"the subject token is refused: {exc.message}") from exc
+        if kind == ACCESS_TOKEN_TYPE and claims.raw.get("token_use") == "run_grant":
+            raise OAuthError("invalid_grant", "a run grant is not an access token")
+        return claims.raw
 
     async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str]:
         """The client and the key id it proved it holds."""
@@ -147,24 +258,50 @@ class TokenService:
     def issue(
         self, subject: str, audience: str, tenant: str, scopes: list[str], client_kid: str
     ) -> IssuedToken:
-        """An access token (the grant is checked already). ``client_kid``: the key the client
-        authenticated with; a verifier refuses the token once that key is revoked."""
+        """An access token in the client's own name (the grant is checked already). ``client_kid``:
+        the key the client authenticated with; a verifier refuses the token once it is revoked."""
+        return self._sign(subject, subject, audience, tenant, scopes, client_kid)
+
+    def _sign(
+        self,
+        subject: str,
+        client_id: str,
+        audience: str,
+        tenant: str,
+        scopes: list[str],
+        client_kid: str,
+        extra: Mapping[str, Any] | None = None,
+        ttl_s: int = ACCESS_TOKEN_TTL_S,
+        typ: str = "at+jwt",
+    ) -> IssuedToken:
         now = int(time.time())
         scope = " ".join(scopes)
         token = self.key.sign(
             {
                 "iss": self._issuer,
                 "sub": subject,
-                "client_id": subject,
+                "client_id": client_id,
                 "aud": audience,
                 "tenant": tenant,
                 "scope": scope,
                 "iat": now,
                 "nbf": now,
-                "exp": now + ACCESS_TOKEN_TTL_S,
+                "exp": now + ttl_s,
                 "jti": uuid.uuid4().hex,
                 "client_kid": client_kid,
+                **(extra or {}),
             },
-            typ="at+jwt",
+            typ=typ,
         )
-        return IssuedToken(token, ACCESS_TOKEN_TTL_S, scope)
+        return IssuedToken(
+            token, ttl_s, scope, RUN_GRANT_TYPE if typ == "run-grant+jwt" else ACCESS_TOKEN_TYPE
+        )
+
+
+def actors_of(act: Mapping[str, Any] | None) -> list[str]:
+    """The acting parties of an ``act`` claim, the current one first."""
+    chain: list[str] = []
+    while isinstance(act, Mapping) and len(chain) <= MAX_CHAIN + 1:
+        chain.append(str(act.get("sub", "")))
+        act = act.get("act")
+    return chain

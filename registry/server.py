@@ -26,7 +26,7 @@ from fleet.natsconn import connect
 from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
-from fleet.tokens import Claims, TokenVerifier, bearer_token
+from fleet.tokens import RUN_GRANT_TYPE, Claims, TokenVerifier, bearer_token
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
@@ -114,7 +114,7 @@ async def jwks(request: Request, state: RegistryState) -> Response:
 async def token(request: Request, state: RegistryState) -> Response:
     form = {k: str(v) for k, v in (await request.form()).items()}
     try:
-        issued = await state.tokens.client_credentials(form)
+        issued = await state.tokens.grant(form)
     except OAuthError as exc:
         log.warning(
             "token request refused (%s, %s): %s; client=%r audience=%r tenant=%r",
@@ -131,7 +131,9 @@ async def token(request: Request, state: RegistryState) -> Response:
     return JSONResponse(
         {
             "access_token": issued.access_token,
-            "token_type": "Bearer",
+            # A run grant is not usable as a bearer token (RFC 8693 section 2.2.1: "N_A").
+            "token_type": "Bearer" if issued.issued_token_type != RUN_GRANT_TYPE else "N_A",
+            "issued_token_type": issued.issued_token_type,
             "expires_in": issued.expires_in,
             "scope": issued.scope,
         },
@@ -333,7 +335,12 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 state = RegistryState(
                     store=store,
                     tokens=TokenService(
-                        store, key, settings.issuer, settings.public_url + "/oauth/token", revocations
+                        store,
+                        key,
+                        settings.issuer,
+                        settings.public_url + "/oauth/token",
+                        revocations,
+                        own_key,
                     ),
                     enrollment=Enrollment(store, operator_key),
                     verifier=TokenVerifier(

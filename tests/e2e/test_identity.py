@@ -24,9 +24,10 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 
+from fleet.errors import FleetError
 from fleet.keys import SigningKey
 from fleet.operator_cli import operator_token_client
-from fleet.tokens import client_assertion
+from fleet.tokens import RUN_GRANT_TYPE, TokenClient, client_assertion
 from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack
 from tests.e2e.identities import Impostor, card_server, serve_card
 
@@ -434,3 +435,92 @@ async def test_an_unsigned_card_or_one_moved_to_another_host_is_quarantined(
             ).status_code == 400  # and refused at registration
             agent.serve(impostor.key)
             assert (await impostor.register(http, agent.base)).json()["status"] == "healthy"
+
+
+# ------------------------------------------------------------------ delegation (token exchange)
+def acting_as(stack: Stack, identity: str, http: httpx.AsyncClient) -> TokenClient:
+    """A token client with the key of one of the stack's services (as that service would hold it)."""
+    key = SigningKey.load_or_create(stack.layout.key_file(identity))
+    return TokenClient(
+        token_url=stack.endpoints["registry"] + "/oauth/token", client_id=identity, key=key, http=http
+    )
+
+
+def claims_of(token: str) -> dict[str, Any]:
+    return dict(jwt.decode(token, options={"verify_signature": False}))
+
+
+async def exchange_refused(client: TokenClient, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(FleetError) as refused:
+        await client.exchange(*args, **kwargs)
+    return refused.value.message
+
+
+async def test_a_token_passed_down_the_chain_keeps_the_caller_and_names_every_hop(stack: Stack) -> None:
+    caller = stack.token("coordinator", tenant="acme")  # the outside caller (here: the operator)
+    async with httpx.AsyncClient() as http:
+        coordinator, analyst = acting_as(stack, "coordinator", http), acting_as(stack, "sql-analyst", http)
+        for_specialist = await coordinator.exchange(caller, "sql-analyst", ["agent:invoke"])
+        hop = claims_of(for_specialist)
+        assert (hop["sub"], hop["tenant"], hop["aud"], hop["client_id"]) == (
+            "operator",
+            "acme",
+            "sql-analyst",
+            "coordinator",
+        )
+        assert hop["act"] == {"sub": "coordinator"}
+        for_tool = await analyst.exchange(for_specialist, "mcp-sql", ["sql:query"])
+        tool = claims_of(for_tool)
+        assert (tool["sub"], tool["tenant"], tool["aud"]) == ("operator", "acme", "mcp-sql")
+        assert tool["act"] == {"sub": "sql-analyst", "act": {"sub": "coordinator"}}
+        assert (await mcp_call(stack, "mcp-sql", for_tool)).status_code == 200
+
+        # Only the party a token was given to may pass it on; a hop never changes the tenant;
+        # scopes stay within what the actor was enrolled for.
+        assert "refused" in await exchange_refused(analyst, caller, "mcp-sql", ["sql:query"])
+        assert "scopes not granted" in await exchange_refused(
+            coordinator, caller, "mcp-sql", ["registry:admin"]
+        )
+    form = {
+        "grant_type": "urn:ietf:params:oauth:grant-type:token-exchange",
+        "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
+        "client_assertion": client_assertion(
+            SigningKey.load_or_create(stack.layout.key_file("coordinator")), "coordinator",
+            stack.endpoints["registry"] + "/oauth/token",
+        ),
+        "subject_token": caller,
+        "subject_token_type": "urn:ietf:params:oauth:token-type:access_token",
+        "audience": "sql-analyst",
+        "tenant": "globex",
+    }  # fmt: skip
+    async with httpx.AsyncClient() as http:
+        other_tenant = await http.post(stack.endpoints["registry"] + "/oauth/token", data=form)
+    assert (other_tenant.status_code, other_tenant.json()["error"]) == (400, "invalid_request")
+
+
+async def test_a_run_grant_outlives_the_caller_token_but_is_no_access_token(stack: Stack) -> None:
+    caller = stack.token("coordinator", tenant="acme")
+    async with httpx.AsyncClient() as http:
+        coordinator, worker = acting_as(stack, "coordinator", http), acting_as(stack, "worker-1", http)
+        grant = await coordinator.exchange(caller, requested_type=RUN_GRANT_TYPE, run_id="run-42")
+        claims = claims_of(grant)
+        assert (claims["sub"], claims["aud"], claims["run_id"], claims["token_use"]) == (
+            "operator", "coordinator", "run-42", "run_grant"
+        )  # fmt: skip
+        assert claims["exp"] - claims["iat"] > 24 * 3600  # a run may wait days for a person
+        # Not a bearer token anywhere, though signed by the registry and addressed to the coordinator.
+        refused = await runs_api(stack, grant)
+        assert refused.status_code == 401 and "run grant is not an access token" in refused.text
+        # A worker redeems it for the next hop, in the caller's name; the hop names the run.
+        hop = claims_of(
+            await worker.exchange(grant, "sql-analyst", ["agent:invoke"], subject_type=RUN_GRANT_TYPE)
+        )
+        assert (hop["sub"], hop["run_id"]) == ("operator", "run-42")
+        assert hop["act"] == {"sub": "worker-1", "act": {"sub": "coordinator"}}
+        # A specialist cannot redeem it, and only the coordinator can take one.
+        analyst = acting_as(stack, "sql-analyst", http)
+        assert "refused" in await exchange_refused(analyst, grant, "mcp-sql", subject_type=RUN_GRANT_TYPE)
+        specialist_token = await coordinator.exchange(caller, "sql-analyst", ["agent:invoke"])
+        assert "for the coordinator" in await exchange_refused(
+            analyst, specialist_token, requested_type=RUN_GRANT_TYPE, run_id="run-43"
+        )
