@@ -80,6 +80,7 @@ def authorize(
                 "tool": tool,
                 "tenant": claims.tenant,
                 "subject": claims.sub,
+                "actors": list(claims.actors),  # who passed the caller's token down, nearest first
                 "scopes": sorted(claims.scopes),
                 "arguments": arguments,
             },
@@ -88,9 +89,11 @@ def authorize(
         audit.warning("tool=%s sub=%s tenant=%s outcome=policy_unavailable", tool, claims.sub, claims.tenant)
         raise ToolError(f"[{exc.code}] policy could not be evaluated; the call was refused") from exc
     audit.info(
-        "tool=%s sub=%s tenant=%s allow=%s decision=%s revision=%s",
+        "tool=%s sub=%s actors=%s run=%s tenant=%s allow=%s decision=%s revision=%s",
         tool,
         claims.sub,
+        ">".join(claims.actors) or "-",
+        claims.raw.get("run_id", "-"),
         claims.tenant,
         decision.allow,
         decision.decision_id,

@@ -30,6 +30,7 @@ from fleet.operator_cli import operator_token_client
 from fleet.tokens import RUN_GRANT_TYPE, TokenClient, client_assertion
 from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack
 from tests.e2e.identities import Impostor, card_server, serve_card
+from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e
 
@@ -474,6 +475,12 @@ async def test_a_token_passed_down_the_chain_keeps_the_caller_and_names_every_ho
         assert (tool["sub"], tool["tenant"], tool["aud"]) == ("operator", "acme", "mcp-sql")
         assert tool["act"] == {"sub": "sql-analyst", "act": {"sub": "coordinator"}}
         assert (await mcp_call(stack, "mcp-sql", for_tool)).status_code == 200
+        called = await call_query(stack, for_tool, "SELECT 1")
+        assert not called.is_error, called.content
+    # The tool server's audit names the caller and the chain that brought its token.
+    await logged(stack, "mcp-sql", "tool=query sub=operator actors=sql-analyst>coordinator")
+    async with httpx.AsyncClient() as http:
+        coordinator, analyst = acting_as(stack, "coordinator", http), acting_as(stack, "sql-analyst", http)
 
         # Only the party a token was given to may pass it on; a hop never changes the tenant;
         # scopes stay within what the actor was enrolled for.

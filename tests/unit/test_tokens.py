@@ -59,8 +59,8 @@ async def test_valid_token_yields_its_claims(key: SigningKey, verifier: TokenVer
         ({"exp": int(time.time()) - 60}, "token expired"),
         ({"aud": "stats"}, "token is not meant for this service"),
         ({"iss": "someone-else"}, "token from another issuer"),
-        ({"tenant": None}, "invalid token: MissingRequiredClaimError"),
-        ({"jti": None}, "invalid token: MissingRequiredClaimError"),
+        ({"tenant": None}, "token lacks the tenant claim"),
+        ({"jti": None}, "token lacks the jti claim"),
     ],
 )
 async def test_bad_claims_are_rejected(
