@@ -367,21 +367,21 @@ class TokenClient:
     async def token(self, audience: str, tenant: str, scopes: Iterable[str] = ()) -> str:
         scope = " ".join(sorted(set(scopes)))
         cache_key = (audience, tenant, scope)
+        form = {"grant_type": "client_credentials", "audience": audience, "tenant": tenant, "scope": scope}
+        return await self._request(cache_key, form)
+
+    async def _request(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:
+        """The token cached under ``cache_key`` until shortly before it expires, or a new one from
+        the token endpoint for ``form`` (with this client's assertion)."""
         cached = self._cache.get(cache_key)
         if cached is not None and cached.expires_at - 30 > time.time():
             return cached.token
-        response = await self._http.post(
-            self._token_url,
-            data={
-                "grant_type": "client_credentials",
-                "client_assertion_type": CLIENT_ASSERTION_TYPE,
-                "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
-                "audience": audience,
-                "tenant": tenant,
-                "scope": scope,
-            },
-            timeout=10.0,
-        )
+        form = {
+            **form,
+            "client_assertion_type": CLIENT_ASSERTION_TYPE,
+            "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
+        }
+        response = await self._http.post(self._token_url, data=form, timeout=10.0)
         if response.status_code != 200:
             raise _token_error(response)
         body = response.json()
@@ -404,14 +404,10 @@ class TokenClient:
         ``requested_type=RUN_GRANT_TYPE`` (the coordinator, when a run is created): the run grant
         for ``run_id``. Exchanged tokens are cached per subject token, audience and scopes."""
         scope = " ".join(sorted(set(scopes)))
+        # keyed by the subject token's signature (its tail): another subject, another cache entry
         cache_key = (f"{subject_token[-43:]}|{requested_type}|{run_id}|{audience}", "", scope)
-        cached = self._cache.get(cache_key)
-        if cached is not None and cached.expires_at - 30 > time.time():
-            return cached.token
         form = {
             "grant_type": TOKEN_EXCHANGE,
-            "client_assertion_type": CLIENT_ASSERTION_TYPE,
-            "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
             "subject_token": subject_token,
             "subject_token_type": subject_type,
             "requested_token_type": requested_type,
@@ -421,13 +417,7 @@ class TokenClient:
             form["audience"] = audience
         if run_id:
             form["run_id"] = run_id
-        response = await self._http.post(self._token_url, data=form, timeout=10.0)
-        if response.status_code != 200:
-            raise _token_error(response)
-        body = response.json()
-        token = str(body["access_token"])
-        self._cache[cache_key] = _Cached(token, time.time() + float(body.get("expires_in", 60)))
-        return token
+        return await self._request(cache_key, form)
 
 
 def _token_error(response: httpx.Response) -> FleetError:

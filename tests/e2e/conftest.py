@@ -96,19 +96,25 @@ class Stack:
     def forge(self, **overrides: Any) -> str:
         """A token signed with the registry's real key but with claims the test chooses."""
         key = SigningKey.load_or_create(self.layout.key_file("registry"))
-        now = int(time.time())
-        claims: dict[str, Any] = {
-            "iss": "fleet-registry",
-            "sub": "operator",
-            "aud": "coordinator",
-            "tenant": "acme",
-            "scope": "agent:invoke",
-            "iat": now,
-            "exp": now + 300,
-            "jti": uuid.uuid4().hex,
-        }
-        claims.update(overrides)
-        return key.sign(claims)
+        return key.sign({**token_claims(), **overrides})
+
+
+def token_claims(**overrides: Any) -> dict[str, Any]:
+    """The claims of a good access token for the coordinator (as the operator, tenant ``acme``),
+    with ``overrides``; an override of None leaves the claim out."""
+    now = int(time.time())
+    claims: dict[str, Any] = {
+        "iss": "fleet-registry",
+        "sub": "operator",
+        "aud": "coordinator",
+        "tenant": "acme",
+        "scope": "agent:invoke",
+        "iat": now,
+        "exp": now + 300,
+        "jti": uuid.uuid4().hex,
+        **overrides,
+    }
+    return {k: v for k, v in claims.items() if v is not None}
 
 
 def start_stack(data_dir: Path, env: dict[str, str] | None = None) -> Stack:

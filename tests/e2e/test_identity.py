@@ -28,7 +28,7 @@ from fleet.errors import FleetError
 from fleet.keys import SigningKey
 from fleet.operator_cli import operator_token_client
 from fleet.tokens import RUN_GRANT_TYPE, TokenClient, client_assertion
-from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack
+from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack, token_claims
 from tests.e2e.identities import Impostor, card_server, serve_card
 from tests.e2e.test_mcp_and_registry import call_query
 
@@ -93,18 +93,7 @@ def hs256_with_the_public_key(stack: Stack, claims: dict[str, Any]) -> str:
 
 
 def claims_for(jti: str, **overrides: Any) -> dict[str, Any]:
-    now = int(time.time())
-    base = {
-        "iss": "fleet-registry",
-        "sub": "operator",
-        "aud": "coordinator",
-        "tenant": "acme",
-        "scope": "agent:invoke",
-        "iat": now,
-        "exp": now + 300,
-        "jti": jti,
-    }
-    return {k: v for k, v in {**base, **overrides}.items() if v is not None}
+    return token_claims(jti=jti, **overrides)
 
 
 # Each case: the token (made with its own jti), the status, and the reason the coordinator logs.
