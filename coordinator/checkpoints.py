@@ -24,13 +24,15 @@ is the better shape.
   ``aget_state``.
 
 Encoding (:func:`encode`): ``FORMAT`` (one byte), the serializer's type, then the serialized value
-compressed with zlib from a fixed dictionary of what every checkpoint repeats (``_DICTIONARY``): a
+compressed with zlib (the zlib format: it names the dictionary by checksum and checks the data, so a
+wrong dictionary or a damaged row is an error, never a wrong state) from a fixed dictionary of what every checkpoint repeats (``_DICTIONARY``): a
 pending run's checkpoint takes a few hundred bytes. The dictionary is part of the format: changing it
 needs a new format byte, and the old one kept to read old rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Sequence
@@ -173,6 +175,12 @@ _DICTIONARY = b"".join(
         ormsgpack.packb(_STATE),  # last: the nearest, cheapest to refer to
     ]
 )
+# The dictionary is part of FORMAT 1: a change to the templates above must not slip in unnoticed.
+_DICTIONARY_SHA256 = "d4039fbf408e0d31e97242ea920d94848d931b74bab6642e84914363167e46b8"
+if hashlib.sha256(_DICTIONARY).hexdigest() != _DICTIONARY_SHA256:
+    raise RuntimeError(
+        "the checkpoint dictionary changed: give the new one a new FORMAT byte and keep this one to read old rows"
+    )
 _LEVEL = 9  # the values are small: the best compression costs microseconds
 
 
@@ -186,7 +194,8 @@ def encode(typed: tuple[str, bytes]) -> bytes:
     the type (a byte of ``_KINDS``, or ``_NAMED``, the name and a NUL byte), the compressed value."""
     kind, data = typed
     label = bytes([_KINDS.index(kind)]) if kind in _KINDS else bytes([_NAMED]) + kind.encode() + b"\0"
-    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY)
+    # the zlib format, not raw deflate: it names the dictionary (by checksum) and checks the data
+    packer = zlib.compressobj(_LEVEL, zlib.DEFLATED, 15, 9, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY)
     return bytes([FORMAT]) + label + packer.compress(data) + packer.flush()
 
 
@@ -204,10 +213,13 @@ def decode(stored: bytes) -> tuple[str, bytes]:
     else:
         raise FleetError(ErrorCode.INTERNAL, f"a checkpoint of an unknown type ({stored[1]})")
     try:
-        unpacker = zlib.decompressobj(-15, zdict=_DICTIONARY)
-        return kind, unpacker.decompress(data) + unpacker.flush()
+        unpacker = zlib.decompressobj(15, zdict=_DICTIONARY)
+        value = unpacker.decompress(data) + unpacker.flush()
     except zlib.error as exc:
         raise FleetError(ErrorCode.INTERNAL, f"a damaged checkpoint: {exc}") from exc
+    if not unpacker.eof or unpacker.unused_data:
+        raise FleetError(ErrorCode.INTERNAL, "a damaged checkpoint: truncated or with trailing bytes")
+    return kind, value
 
 
 def _is_uuid(value: str) -> bool:

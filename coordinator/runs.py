@@ -325,6 +325,8 @@ def wait_requests(wait: Mapping[str, Any]) -> list[dict[str, Any]]:
     detail = wait.get("detail")
     if not isinstance(detail, Mapping) or not detail:
         return [dict(wait)]
+    if isinstance(detail.get("requests"), list):  # a record written before 2026-12 held them all
+        return [dict(r) for r in detail["requests"]]
     first = {key: value for key, value in detail.items() if key != "others"}
     first.update({key: wait[key] for key in ON_THE_WAIT if wait.get(key) is not None})
     return [first, *(dict(r) for r in detail.get("others") or [])]
@@ -661,7 +663,7 @@ class PostgresRunStore:
                 # the requests of the wait record (see wait_requests): its detail, then the others
                 " jsonb_array_elements(jsonb_build_array(COALESCE(wait->'detail', '{}')"
                 "  || jsonb_build_object('type', wait->'type', 'awaited', wait->'awaited'))"
-                "  || COALESCE(wait->'detail'->'others', '[]')) AS r"
+                "  || COALESCE(wait->'detail'->'others', wait->'detail'->'requests', '[]')) AS r"
                 " WHERE state = 'waiting' AND tenant = %s AND r->>'type' = 'event' AND r->>'subject' = %s"
                 " AND (r->>'event_type' IS NULL OR r->>'event_type' = %s)",
                 (tenant, subject, event_type),

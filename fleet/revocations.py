@@ -99,15 +99,15 @@ class Revocations:
         js = client.jetstream()
         try:
             info = await js.stream_info(_STREAM)
-            last = info.state.last_seq
+            empty = info.state.messages == 0
         except NotFoundError:
-            last = 0
-        if last == 0:
+            empty = True
+        if empty:
             self._synced.set()
 
         async def arrived(msg: Msg) -> None:
             self._take(msg)
-            if msg.metadata.sequence.stream >= last:
+            if msg.metadata.num_pending == 0:  # the last of what was there; new ones follow live
                 self._synced.set()
 
         self._subscription = await js.subscribe(
@@ -116,6 +116,7 @@ class Revocations:
         try:
             await asyncio.wait_for(self._synced.wait(), timeout_s)
         except TimeoutError as exc:
+            await self.stop()  # a retry subscribes afresh
             raise FleetError(
                 ErrorCode.DEPENDENCY_UNAVAILABLE, "cannot read the list of revoked keys", retryable=True
             ) from exc

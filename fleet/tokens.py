@@ -104,22 +104,25 @@ class JwksCache:
         if key is not None and arrived < self._fresh_until:
             return key
         async with self._lock:
-            fetched_since = self._last_fetch >= arrived  # another caller fetched while this one waited
-            stale = time.monotonic() >= self._fresh_until
-            if stale or (kid not in self._keys and not fetched_since):
-                # An unknown key may be one the issuer has just published (a rotation): look once
-                # more, at most once per ``min_refresh_interval_s``, waiting for the turn rather than
-                # refusing a good token. Callers that waited meanwhile use that one fetch.
-                pause = self._min_refresh - (time.monotonic() - self._last_fetch)
-                if not stale and pause > 0:
-                    await asyncio.sleep(pause)
-                try:
-                    await self._refresh()
-                except FleetError:
-                    if kid not in self._keys:
-                        raise
-                    # The issuer is unreachable: keep trusting what it published, for now.
-                    log.warning("JWKS %s unreachable; using the keys fetched before", self._url)
+            # Another caller fetched (or tried) while this one waited for the lock: use that.
+            if self._last_fetch < arrived:
+                stale = time.monotonic() >= self._fresh_until
+                if stale or kid not in self._keys:
+                    # An unknown key may be one the issuer has just published (a rotation): look
+                    # once more, at most once per ``min_refresh_interval_s``, waiting for the turn
+                    # rather than refusing a good token.
+                    pause = self._min_refresh - (time.monotonic() - self._last_fetch)
+                    if not stale and pause > 0:
+                        await asyncio.sleep(pause)
+                    try:
+                        await self._refresh()
+                    except FleetError:
+                        # The issuer is unreachable: keep what it published, and ask again only
+                        # after the refetch interval (not once per request).
+                        self._fresh_until = time.monotonic() + self._min_refresh
+                        if kid not in self._keys:
+                            raise
+                        log.warning("JWKS %s unreachable; using the keys fetched before", self._url)
         return None if kid in self._forgotten else self._keys.get(kid)
 
     def forget(self, kid: str) -> None:
@@ -256,13 +259,13 @@ class TokenVerifier:
         ):
             raise AuthError("not an access token")
         claims = _claims_of(raw, self._audience)
-        client_kid = raw.get("client_kid")
-        if (
-            self._revocations is not None
-            and isinstance(client_kid, str)
-            and self._revocations.check(client_kid)
-        ):
-            raise AuthError("token issued to a client whose key was revoked")
+        if self._revocations is not None:
+            # the client's key, and every key of the chain that passed the caller's token down
+            chain = raw.get("chain_kids")
+            listed: list[Any] = chain if isinstance(chain, list) else []
+            kids = [k for k in (raw.get("client_kid"), *listed) if isinstance(k, str)]
+            if self._revocations.check(*kids):
+                raise AuthError("token issued to a client whose key was revoked")
         if self._single_use is not None and not await self._single_use.first_use(
             claims.jti, claims.expires_at
         ):

@@ -25,8 +25,13 @@ from fleet.revocations import Revocation, record_revocation
 from registry._enrollment import KEY_GRACE_S
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
+from registry._token_service import RUN_GRANT_TTL_S
 
 MAX_PROOF_LIFETIME_S = 300
+# A retired registry key keeps verifying what it signed for as long as that lives: access tokens for
+# minutes, but run grants for RUN_GRANT_TTL_S (a run may wait that long at a gate). Revoke the key to
+# end that sooner.
+ISSUER_KEY_GRACE_S = float(RUN_GRANT_TTL_S)
 
 
 class KeyAdmin:
@@ -78,9 +83,13 @@ class KeyAdmin:
             kid = jwt.get_unverified_header(proof).get("kid")
         except jwt.PyJWTError as exc:
             raise FleetError(ErrorCode.UNAUTHENTICATED, "malformed rotation proof") from exc
-        jwk = identity.usable_keys(now).get(str(kid))
+        # Only a current key may name its successor: a key being retired (perhaps because it leaked)
+        # verifies what it signed before, and can hand the identity to no one.
+        jwk = identity.current_keys().get(str(kid))
         if jwk is None:
-            raise FleetError(ErrorCode.UNAUTHENTICATED, "the proof is not signed by a key of the identity")
+            raise FleetError(
+                ErrorCode.UNAUTHENTICATED, "the proof is not signed by a current key of the identity"
+            )
         try:
             claims: dict[str, Any] = jwt.decode(
                 proof,
@@ -105,13 +114,13 @@ class KeyAdmin:
         new = SigningKey.generate()
         _replace_key_file(self._key_file, new)
         identity = await self._issuer_identity(current)
-        await self._store.put_identity(identity.with_key(new.public_jwk(), time.time(), KEY_GRACE_S))
+        await self._store.put_identity(identity.with_key(new.public_jwk(), time.time(), ISSUER_KEY_GRACE_S))
         return new
 
     async def publish_issuer_key(self, key: SigningKey) -> IdentityRecord:
         """Record the registry's signing key as the registry identity's current key (at start)."""
         identity = await self._issuer_identity(key)
-        current = identity.with_key(key.public_jwk(), time.time(), KEY_GRACE_S)
+        current = identity.with_key(key.public_jwk(), time.time(), ISSUER_KEY_GRACE_S)
         await self._store.put_identity(current)
         return current
 

@@ -25,6 +25,10 @@ class IdentityRecord(BaseModel):
     tenants: list[str] = Field(default_factory=list)
     enrolled_at: float
 
+    def current_keys(self) -> dict[str, dict[str, Any]]:
+        """The keys not being retired (those that may name a successor)."""
+        return {kid: jwk for kid, jwk in self.keys.items() if kid not in self.retiring}
+
     def usable_keys(self, now: float) -> dict[str, dict[str, Any]]:
         """The keys that verify now: the current ones, and the retiring ones not yet expired."""
         return {kid: jwk for kid, jwk in self.keys.items() if self.retiring.get(kid, now + 1) > now}

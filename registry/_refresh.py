@@ -100,7 +100,12 @@ async def _failed(store: RegistryStore, record: AgentRecord, exc: FleetError, no
 
 
 async def refresh_all(store: RegistryStore, http: httpx.AsyncClient) -> None:
-    for agent in await store.agents():
+    try:
+        agents = await store.agents()
+    except Exception:  # the broker is away: the next round tries again
+        log.exception("could not list the agents to check their cards")
+        return
+    for agent in agents:
         try:
             await refresh(store, http, agent.id)
         except Exception:  # one agent's trouble must not stop the others' checks

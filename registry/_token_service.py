@@ -147,7 +147,10 @@ class TokenService:
             act["act"] = subject["act"]
         if len(actors_of(act)) > MAX_CHAIN:
             raise OAuthError("invalid_request", f"the delegation chain is longer than {MAX_CHAIN}")
-        extra: dict[str, Any] = {"act": act}
+        # Every key the chain authenticated with, so that revoking any of them (the caller's too)
+        # stops what was exchanged from its tokens.
+        chain_kids = [str(subject.get("client_kid", "")), *[str(k) for k in subject.get("chain_kids", [])]]
+        extra: dict[str, Any] = {"act": act, "chain_kids": [k for k in chain_kids if k]}
         if "run_id" in subject:
             extra["run_id"] = subject["run_id"]
         requested = form.get("requested_token_type", ACCESS_TOKEN_TYPE)

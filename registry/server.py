@@ -49,7 +49,8 @@ class RegistryState:
     verifier: TokenVerifier
     keys: KeyAdmin
     revocations: Revocations
-    issuer_keys: dict[str, ec.EllipticCurvePublicKey]  # the registry's usable signing keys, by kid
+    # the registry's signing keys, by kid, with when each stops verifying (None: the current one)
+    issuer_keys: dict[str, tuple[ec.EllipticCurvePublicKey, float | None]]
     http: httpx.AsyncClient
 
     @property
@@ -58,8 +59,16 @@ class RegistryState:
 
     def trust_issuer_keys(self, identity: IdentityRecord) -> None:
         self.issuer_keys = {
-            kid: public_key_from_jwk(jwk) for kid, jwk in identity.usable_keys(time.time()).items()
+            kid: (public_key_from_jwk(jwk), identity.retiring.get(kid))
+            for kid, jwk in identity.usable_keys(time.time()).items()
         }
+
+    def issuer_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
+        """A signing key of the registry that verifies now (a retired one until its grace ends)."""
+        found = self.issuer_keys.get(kid)
+        if found is None or (found[1] is not None and found[1] <= time.time()):
+            return None
+        return found[0]
 
 
 def error_response(exc: FleetError) -> JSONResponse:
@@ -87,8 +96,13 @@ def _route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 
 
 async def _authorize(request: Request, state: RegistryState, scope: str) -> Claims:
+    """The caller's claims. A change to the registry (registering, refreshing, revoking, rotating)
+    takes a token in the caller's own name: a delegated one (with ``act``) is refused."""
     token = bearer_token(request.headers.get("authorization"))
-    return await state.verifier.verify(token, required_scopes=[scope])
+    claims = await state.verifier.verify(token, required_scopes=[scope])
+    if scope != "registry:read" and claims.actors:
+        raise FleetError(ErrorCode.FORBIDDEN, "a delegated token cannot change the registry")
+    return claims
 
 
 async def _json_body(request: Request) -> dict[str, object]:
@@ -330,7 +344,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
 
                 async def own_key(kid: str) -> ec.EllipticCurvePublicKey | None:
                     registry: RegistryState = app.state.registry
-                    return registry.issuer_keys.get(kid)
+                    return registry.issuer_key(kid)
 
                 state = RegistryState(
                     store=store,

@@ -185,6 +185,8 @@ def test_a_stored_value_round_trips_and_damage_is_a_clear_error() -> None:
         b"\x07" + stored[1:],
         stored[:1] + b"\x42" + stored[2:],
         stored[:2] + b"\xff\xff\xff",
+        stored[:-3],  # truncated
+        stored[:-1] + bytes([stored[-1] ^ 1]),  # one bit off: the checksum says so
     ):
         with pytest.raises(FleetError) as refused:
             decode(damaged)

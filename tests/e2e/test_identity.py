@@ -219,6 +219,13 @@ async def test_an_identity_rotates_its_key_and_the_old_one_verifies_until_the_gr
         assert list(rotated.json()["retiring"]) == [impostor.key.kid]
         again = await http.post(rotate_url, json={"public_jwk": new.public_jwk(), "proof": good})
         assert again.status_code == 401  # a proof is good once
+        # The retiring key verifies what it signed, but cannot hand the identity to anyone (had it
+        # leaked, the thief could not take over the identity its owner has just moved to a new key).
+        third = SigningKey.generate()
+        hijack = await http.post(
+            rotate_url, json={"public_jwk": third.public_jwk(), "proof": proof(impostor.key, third)}
+        )
+        assert hijack.status_code == 401 and "current key" in hijack.text
         # Both keys authenticate during the grace: what the old one signed a moment ago still works.
         assert (await coordinator_token(impostor, http)).status_code == 200
         assert (await coordinator_token(impostor, http, new)).status_code == 200
@@ -520,3 +527,40 @@ async def test_a_run_grant_outlives_the_caller_token_but_is_no_access_token(stac
         assert "for the coordinator" in await exchange_refused(
             analyst, specialist_token, requested_type=RUN_GRANT_TYPE, run_id="run-43"
         )
+
+
+async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens(
+    stack: Stack, impostor: Impostor
+) -> None:
+    async with httpx.AsyncClient() as http:
+        form = {
+            "grant_type": "client_credentials",
+            "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
+            "client_assertion": client_assertion(
+                impostor.key, impostor.id, impostor.registry + "/oauth/token"
+            ),
+            "audience": "coordinator",
+            "tenant": "acme",
+            "scope": "",
+        }
+        caller = (await http.post(impostor.registry + "/oauth/token", data=form)).json()["access_token"]
+        coordinator = acting_as(stack, "coordinator", http)
+        passed_on = await coordinator.exchange(caller, "registry", ["registry:read", "registry:write"])
+        agents = f"{impostor.registry}/v1/agents"
+        assert (await http.get(agents, headers={"Authorization": f"Bearer {passed_on}"})).status_code == 200
+        # A delegated token reads the registry, but cannot change it in its subject's name.
+        change = await http.put(
+            f"{agents}/{impostor.id}",
+            json={"url": "http://127.0.0.1:1"},
+            headers={"Authorization": f"Bearer {passed_on}"},
+        )
+        assert change.status_code == 403 and "delegated" in change.text
+        admin = stack.token("registry", scopes=("registry:admin",))
+        revoked = await http.post(
+            f"{impostor.registry}/v1/keys/{impostor.key.kid}/revoke",
+            json={},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert revoked.status_code == 200
+        # The coordinator's own key is fine, but the caller's is revoked: what came from it stops.
+        assert (await http.get(agents, headers={"Authorization": f"Bearer {passed_on}"})).status_code == 401
