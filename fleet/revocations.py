@@ -141,6 +141,11 @@ class Revocations:
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable revocation on %s", msg.subject)
             return
+        self.note(revocation)
+
+    def note(self, revocation: Revocation) -> None:
+        """Take ``revocation`` into the list now (the process that made it need not wait for the
+        broker to bring it back); its arrival from the bucket later changes nothing."""
         if revocation.kid in self._revoked:
             return
         self._revoked[revocation.kid] = revocation

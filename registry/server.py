@@ -271,6 +271,7 @@ async def revoke_key(request: Request, state: RegistryState) -> Response:
     revocation = await state.keys.revoke(
         request.path_params["kid"], claims.sub, str(body.get("reason", "")), state.key.kid
     )
+    state.revocations.note(revocation)  # refused here from this answer on; elsewhere as it arrives
     if revocation.identity == state.keys.issuer_id:
         identity = await state.store.identity(state.keys.issuer_id)
         if identity is not None:
