@@ -147,7 +147,7 @@ async def issuance(nats_url: str) -> dict[str, Any]:
         forms = [form() for _ in range(ISSUE_N)]  # the client's signing is the client's cost
         started = time.perf_counter()
         for body in forms[: ISSUE_N // 4]:
-            await service.client_credentials(body)
+            await service.grant(body)
         sequential = (ISSUE_N // 4) / (time.perf_counter() - started)
 
         queue: asyncio.Queue[dict[str, str]] = asyncio.Queue()
@@ -156,7 +156,7 @@ async def issuance(nats_url: str) -> dict[str, Any]:
 
         async def worker() -> None:
             while not queue.empty():
-                await service.client_credentials(queue.get_nowait())
+                await service.grant(queue.get_nowait())
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(ISSUE_CONCURRENCY)))

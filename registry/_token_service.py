@@ -127,9 +127,6 @@ class TokenService:
         await self._check_grant(client, audience, tenant, scopes)
         return self.issue(client.id, audience, tenant, scopes, client_kid)
 
-    async def client_credentials(self, form: Mapping[str, str]) -> IssuedToken:
-        return await self.grant({**form, "grant_type": "client_credentials"})
-
     async def _exchange(
         self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
     ) -> IssuedToken:

@@ -110,7 +110,7 @@ class RegistryClient:
             {
                 "iss": self._settings.service_id,
                 "sub": self._settings.service_id,
-                "aud": self.public_registry_url + f"/v1/identities/{self._settings.service_id}/keys",
+                "aud": url,
                 "iat": now,
                 "exp": now + 60,
                 "jti": uuid.uuid4().hex,
@@ -121,11 +121,6 @@ class RegistryClient:
         _raise_for(response, "key rotation refused")
         self.key = new
         self.tokens.use_key(new)
-
-    @property
-    def public_registry_url(self) -> str:
-        """The registry's URL as it names itself (the audience of what is sent to it)."""
-        return self._url
 
     async def _headers(self, scope: str) -> dict[str, str]:
         token = await self.tokens.token("registry", "default", [scope])

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -24,6 +24,9 @@ from google.protobuf.json_format import ParseDict
 
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
+
+if TYPE_CHECKING:
+    from tests.e2e.identities import Impostor
 
 STACK_START_TIMEOUT_S = 180
 
@@ -140,6 +143,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     running = start_stack(tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS))
     yield running
     stop_stack(running)
+
+
+@pytest.fixture
+async def impostor(stack: Stack) -> Impostor:
+    """An identity enrolled on the shared stack, for probing the registry (``identities.py``)."""
+    from tests.e2e.identities import Impostor  # it builds on this module
+
+    identity = Impostor(stack)
+    async with httpx.AsyncClient() as http:
+        response = await identity.enroll(http, identity.enrollment_token())
+    assert response.status_code == 201, response.text
+    return identity
 
 
 @pytest.fixture

@@ -92,23 +92,19 @@ def hs256_with_the_public_key(stack: Stack, claims: dict[str, Any]) -> str:
     return f"{header}.{body}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
 
 
-def claims_for(jti: str, **overrides: Any) -> dict[str, Any]:
-    return token_claims(jti=jti, **overrides)
-
-
 # Each case: the token (made with its own jti), the status, and the reason the coordinator logs.
 FORGED: dict[str, tuple[Callable[[Stack, str], str], int, str]] = {
     "expired": (lambda s, j: s.forge(jti=j, iat=1_700_000_000, exp=1_700_000_300), 401, "token expired"),
     "not yet valid": (lambda s, j: s.forge(jti=j, nbf=int(time.time()) + 3600), 401, "token not valid yet"),
     "wrong audience": (lambda s, j: s.forge(jti=j, aud="mcp-sql"), 401, "not meant for this service"),
     "wrong issuer": (lambda s, j: s.forge(jti=j, iss="https://evil.example"), 401, "another issuer"),
-    "alg none": (lambda s, j: unsigned(claims_for(j)), 401, "algorithm not allowed"),
+    "alg none": (lambda s, j: unsigned(token_claims(jti=j)), 401, "algorithm not allowed"),
     "HS256 with the public key": (
-        lambda s, j: hs256_with_the_public_key(s, claims_for(j)),
+        lambda s, j: hs256_with_the_public_key(s, token_claims(jti=j)),
         401,
         "algorithm not allowed",
     ),
-    "unknown key id": (lambda s, j: SigningKey.generate().sign(claims_for(j)), 401, "unknown key"),
+    "unknown key id": (lambda s, j: SigningKey.generate().sign(token_claims(jti=j)), 401, "unknown key"),
     "tampered payload": (
         lambda s, j: tampered(s.forge(jti=j, tenant="acme"), tenant="globex"),
         401,
@@ -159,15 +155,6 @@ async def test_a_forged_card_signature_is_refused_and_logged(stack: Stack, impos
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "card_invalid"
     await logged(stack, "registry", f"/v1/agents/{impostor.id} refused (card_invalid)")
-
-
-@pytest.fixture
-async def impostor(stack: Stack) -> Impostor:
-    identity = Impostor(stack)
-    async with httpx.AsyncClient() as http:
-        response = await identity.enroll(http, identity.enrollment_token())
-    assert response.status_code == 201, response.text
-    return identity
 
 
 async def coordinator_token(

@@ -73,15 +73,6 @@ async def test_mcp_call_without_the_tool_scope_is_denied_by_policy(stack: Stack)
 
 
 # ----------------------------------------------------------------------------- registry
-@pytest.fixture
-async def impostor(stack: Stack) -> Impostor:
-    identity = Impostor(stack)
-    async with httpx.AsyncClient() as http:
-        response = await identity.enroll(http, identity.enrollment_token())
-    assert response.status_code == 201, response.text
-    return identity
-
-
 async def test_card_signed_by_a_key_that_is_not_enrolled_is_refused(impostor: Impostor) -> None:
     async with httpx.AsyncClient() as http, serve_card(SigningKey.generate()) as url:
         response = await impostor.register(http, url)
