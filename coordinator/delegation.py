@@ -1,5 +1,22 @@
-"""Delegating a step to a specialist: discovery by skill in the registry, a token minted for that
-specialist and the run's tenant, and one A2A streaming call."""
+"""Delegating a step to a specialist: discovery by skill in the registry, a token for that
+specialist, and one A2A streaming call.
+
+**Whose authority a step carries.** A run outlives its caller's token (an access token lives five
+minutes; a run may wait days for a person). So when a caller's request creates a run, the
+coordinator exchanges the caller's token at the registry for the run's **grant** (see
+``registry._token_service``): the caller as subject, the coordinator as actor, bound to the run.
+It is kept in ``fleet_runs.run_grants``, never in the event log, the run's record or an API answer;
+a copy alone is worth nothing, since only the coordinator and its workers, each authenticating with
+its own key, can redeem it. Every step the run sends to a specialist goes with a token exchanged
+from the grant for that specialist: ``sub`` is the caller, and ``act`` names the worker and the
+coordinator. The specialist exchanges that token in turn for each
+MCP server it calls (``specialists.kit.Toolbox``), so a tool sees the whole chain. Revoking the
+caller's key stops the run's next exchange: its step fails ``forbidden``. (Asking a specialist
+about an operation, or cancelling one, is the fleet's own supervision: it goes in the worker's name.)
+
+A run no caller started (a trigger's) has no grant: its calls go in the worker's own name (a
+client-credentials token for the run's tenant).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +43,7 @@ from google.protobuf.json_format import ParseDict, ParseError
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, OPERATION_METADATA_KEY, cancel_url, status_url
+from fleet.tokens import RUN_GRANT_TYPE, Claims
 from registry import AgentRecord, RegistryClient
 
 INVOKE_SCOPE = "agent:invoke"
@@ -44,6 +62,8 @@ ASKING_STATES = {
 
 Progress = Callable[[str], Awaitable[None]]
 Activity = Callable[[], None]
+GrantLookup = Callable[[str], Awaitable[str | None]]  # a run's grant, by run id
+GRANTS_CACHED = 4096
 # States a stream may end in only because it was cut short: the agent may still be at it.
 UNFINISHED_STATES = {
     TaskState.TASK_STATE_UNSPECIFIED,
@@ -61,9 +81,13 @@ class Assignment:
 class Delegator:
     """Finds specialists and calls them."""
 
-    def __init__(self, registry: RegistryClient, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self, registry: RegistryClient, http: httpx.AsyncClient, grants: GrantLookup | None = None
+    ) -> None:
         self._registry = registry
         self._http = http
+        self._grants = grants
+        self._grant_of: dict[str, str | None] = {}  # by run id; a run's grant never changes
         self._factory = ClientFactory(ClientConfig(streaming=True, httpx_client=http))
         self._known: dict[str, AgentRecord] = {}
         self._found: dict[str, tuple[float, list[AgentRecord]]] = {}  # by skill: (when, agents)
@@ -113,6 +137,7 @@ class Delegator:
         progress: Progress,
         operation_id: str | None = None,
         activity: Activity | None = None,
+        run_id: str = "",
     ) -> dict[str, Any]:
         """Run ``skill`` on ``agent``; return its result data or raise a step failure.
 
@@ -122,7 +147,8 @@ class Delegator:
         after it was sent, answered by a server error (5xx), a broken or unreadable stream, or a
         stream that ended before the task did. A refusal (4xx, a JSON-RPC error) and a task that
         failed are step failures. ``activity`` is called on every event the agent sends (its
-        heartbeats included)."""
+        heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
+        (see the module's doc)."""
         message = Message(
             role=Role.ROLE_USER,
             message_id=uuid.uuid4().hex,
@@ -132,7 +158,8 @@ class Delegator:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
         client = self._client(agent)
         try:
-            context = await self._context(agent, tenant)
+            token = await self._token(agent.id, tenant, run_id)
+            context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
             stream = client.send_message(SendMessageRequest(message=message), context=context)
             return await _collect(stream, agent.id, progress, activity or _idle)
         except A2AClientError as exc:
@@ -149,9 +176,29 @@ class Delegator:
         except A2AError as exc:
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
 
-    async def _context(self, agent: AgentRecord, tenant: str) -> ClientCallContext:
-        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
-        return ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+    async def run_grant(self, caller: Claims, run_id: str) -> str:
+        """The grant of the run ``caller`` starts: its token exchanged at the registry."""
+        return await self._registry.tokens.exchange(
+            caller.token, requested_type=RUN_GRANT_TYPE, run_id=run_id
+        )
+
+    async def _token(self, agent_id: str, tenant: str, run_id: str) -> str:
+        """A token for a call to ``agent_id`` for the run: from its grant if a caller started it."""
+        grant = await self._grant(run_id) if run_id else None
+        if grant is None:
+            return await self._registry.tokens.token(agent_id, tenant, [INVOKE_SCOPE])
+        return await self._registry.tokens.exchange(
+            grant, agent_id, [INVOKE_SCOPE], subject_type=RUN_GRANT_TYPE
+        )
+
+    async def _grant(self, run_id: str) -> str | None:
+        if self._grants is None:
+            return None
+        if run_id not in self._grant_of:
+            if len(self._grant_of) >= GRANTS_CACHED:
+                self._grant_of.clear()
+            self._grant_of[run_id] = await self._grants(run_id)
+        return self._grant_of[run_id]
 
     async def operation_status(
         self, agent: AgentRecord, operation_id: str, *, tenant: str, wait_s: float
@@ -184,7 +231,9 @@ class Delegator:
     ) -> dict[str, Any] | None:
         """One request of the operations extension to the URL ``template`` names, or None if the
         card names none. The URL must be on the agent's own origin; the agent may hold the answer
-        up to ``wait_s`` (a status query says so with ``?wait``; a cancel waits for its effect)."""
+        up to ``wait_s`` (a status query says so with ``?wait``; a cancel waits for its effect).
+        These are the fleet's own supervision of its operations, so they go in the worker's name
+        (a revoked caller does not stop a cancel or the reconciliation of what it started)."""
         if template is None:
             return None
         url = template.replace("{operation_id}", quote(operation_id, safe=""))

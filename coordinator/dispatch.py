@@ -289,6 +289,7 @@ class StepDispatcher:
                 progress=self._progress,
                 operation_id=op.op_id,
                 activity=touched,
+                run_id=self._lease.run_id,
             )
         )
         renewals = 0

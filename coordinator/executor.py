@@ -10,7 +10,7 @@ from typing import Any
 from a2a.helpers import get_data_parts, get_text_parts, new_task_from_user_message
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
-from a2a.types import InvalidParamsError, Task
+from a2a.types import InternalError, InvalidParamsError, Task
 from a2a.utils.errors import UnsupportedOperationError
 
 from coordinator.delegation import Delegator
@@ -109,7 +109,15 @@ class CoordinatorExecutor(AgentExecutor):
         assert context.message is not None
         task = new_task_from_user_message(context.message)
         plan = [s.to_dict() for s in steps]
-        await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan)
+        try:  # the caller's authority, for the run's life (see coordinator.delegation)
+            grant = await self._delegator.run_grant(claims, task.id)
+        except FleetError as exc:
+            log.warning("no run grant for %s's request: %s", claims.sub, exc)
+            raise InternalError(
+                message=f"[{exc.code}] the run could not be given its caller's authority: {exc.message}",
+                data={"code": str(exc.code)},
+            ) from exc
+        await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan, grant)
         if context.call_context is not None:  # its context id, before the task is shown to anyone
             await self._tasks.save(task, context.call_context)
         try:

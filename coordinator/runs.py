@@ -169,6 +169,11 @@ CREATE TABLE IF NOT EXISTS fleet_runs.batch_items (
     item     jsonb NOT NULL,
     PRIMARY KEY (run_id, event_id)
 );
+-- A run's grant (see coordinator.grants): never in the event log, the run's record or an API answer.
+CREATE TABLE IF NOT EXISTS fleet_runs.run_grants (
+    run_id      text PRIMARY KEY REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE,
+    grant_token text NOT NULL
+);
 """
 
 _FENCED_APPEND = """
@@ -388,12 +393,27 @@ class PostgresRunStore:
         owner: str,
         request: dict[str, Any],
         plan: list[dict[str, Any]] | None = None,
+        grant: str | None = None,
     ) -> Run:
         """Create the run in state ``submitted`` with its first events (submitted, and the plan if
-        there is one); idempotent for one run id."""
+        there is one), and its caller's ``grant`` if it has one (see :mod:`coordinator.grants`);
+        idempotent for one run id."""
         async with self._pool.connection() as conn, conn.transaction():
             created = await _create(conn, run_id, tenant, owner, request, plan)
+            if created is not None and grant is not None:
+                await conn.execute(
+                    "INSERT INTO fleet_runs.run_grants (run_id, grant_token) VALUES (%s, %s)", (run_id, grant)
+                )
         return created or await self.get_run(run_id, tenant)
+
+    async def run_grant(self, run_id: str) -> str | None:
+        """The grant of the caller who started ``run_id``; None for a run no caller started."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT grant_token FROM fleet_runs.run_grants WHERE run_id = %s", (run_id,)
+            )
+            row = await cursor.fetchone()
+        return str(row[0]) if row is not None else None
 
     async def add_batch_item(
         self,

@@ -515,7 +515,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     saver = CompactCheckpointer(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
-    delegator = Delegator(registry, http)
+    delegator = Delegator(registry, http, store.run_grant)
     worker = RunWorker(
         build_graph(delegator, saver),
         store,

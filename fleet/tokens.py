@@ -35,6 +35,8 @@ ALLOWED_ALGORITHMS = (ALGORITHM,)
 REQUIRED_CLAIMS = ("exp", "iat", "iss", "aud", "sub", "jti", "tenant")
 DEFAULT_LEEWAY_S = 10
 ACCESS_TOKEN_TTL_S = 300
+REUSE_FOR_S = 60  # a client reuses a token this long at most (see TokenClient)
+MAX_CACHED_TOKENS = 1024
 CLIENT_ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"  # RFC 8693
 ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
@@ -52,6 +54,9 @@ class Claims:
     jti: str
     expires_at: int
     raw: dict[str, Any] = field(repr=False)
+    # The verified token itself: what this service passes on in a token exchange (RFC 8693) to act
+    # for the same principal at the next hop. Never logged, never stored outside memory.
+    token: str = field(default="", repr=False, compare=False)
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
@@ -258,7 +263,7 @@ class TokenVerifier:
             self._run_grants and raw["token_use"] == "run_grant"
         ):
             raise AuthError("not an access token")
-        claims = _claims_of(raw, self._audience)
+        claims = _claims_of(raw, self._audience, token)
         if self._revocations is not None:
             # the client's key, and every key of the chain that passed the caller's token down
             chain = raw.get("chain_kids")
@@ -295,7 +300,7 @@ def _log_refusal(token: str, audience: str, exc: FleetError) -> None:
     )
 
 
-def _claims_of(raw: dict[str, Any], audience: str) -> Claims:
+def _claims_of(raw: dict[str, Any], audience: str, token: str) -> Claims:
     tenant = raw.get("tenant")
     if not isinstance(tenant, str) or not tenant:
         raise AuthError("token carries no tenant")
@@ -308,6 +313,7 @@ def _claims_of(raw: dict[str, Any], audience: str) -> Claims:
         jti=str(raw["jti"]),
         expires_at=int(raw["exp"]),
         raw=raw,
+        token=token,
     )
 
 
@@ -342,12 +348,14 @@ def client_assertion(key: SigningKey, client_id: str, token_url: str) -> str:
 @dataclass(frozen=True, slots=True)
 class _Cached:
     token: str
-    expires_at: float
+    use_until: float
 
 
 class TokenClient:
-    """Gets access tokens from the registry's token endpoint and caches them until shortly before
-    they expire. One instance per identity (the service's own key)."""
+    """Gets access tokens from the registry's token endpoint and reuses each for at most
+    ``REUSE_FOR_S`` (and never in its last 30 seconds): a token this service passes on leaves the
+    next hop most of its life to act with it (exchange it in turn). One instance per identity (the
+    service's own key)."""
 
     def __init__(
         self,
@@ -377,7 +385,7 @@ class TokenClient:
         """The token cached under ``cache_key`` until shortly before it expires, or a new one from
         the token endpoint for ``form`` (with this client's assertion)."""
         cached = self._cache.get(cache_key)
-        if cached is not None and cached.expires_at - 30 > time.time():
+        if cached is not None and cached.use_until > time.time():
             return cached.token
         form = {
             **form,
@@ -389,7 +397,11 @@ class TokenClient:
             raise _token_error(response)
         body = response.json()
         token = str(body["access_token"])
-        self._cache[cache_key] = _Cached(token, time.time() + float(body.get("expires_in", 60)))
+        now = time.time()
+        expires_in = float(body.get("expires_in", 60))
+        if len(self._cache) >= MAX_CACHED_TOKENS:  # exchanged tokens: one per subject; drop the stale
+            self._cache = {k: c for k, c in self._cache.items() if c.use_until > now}
+        self._cache[cache_key] = _Cached(token, now + min(REUSE_FOR_S, expires_in - 30))
         return token
 
     async def exchange(

@@ -126,21 +126,44 @@ class _ContextBearer(httpx2.Auth):
 
 
 class Toolbox:
-    """Calls MCP tools with a token minted for that server, the caller's tenant and the tool's scope.
+    """Calls MCP tools with a token for that server, the caller's tenant and the tool's scopes.
+
+    Bound to a skill's caller (:meth:`for_skill`), it gets that token by exchanging the caller's
+    token at the registry (RFC 8693): the tool server sees who the work is for (``sub``) and every
+    agent that passed it on (``act``), never this specialist alone. The caller's token is good for
+    that while it lives: every hop reuses a token for at most a minute, so a skill has at least
+    four minutes from its call (``fleet.tokens.REUSE_FOR_S``). Unbound (outside a skill), it acts
+    in this specialist's own name.
 
     A skill's toolbox reports its calls to the skill's :class:`ToolCalls`, so that a cancel never cuts
     a call in flight and no call starts after a cancel."""
 
     def __init__(
-        self, registry: RegistryClient, http: httpx2.AsyncClient, calls: ToolCalls | None = None
+        self,
+        registry: RegistryClient,
+        http: httpx2.AsyncClient,
+        calls: ToolCalls | None = None,
+        caller: Claims | None = None,
     ) -> None:
         self._registry = registry
         self._http = http
         self._calls = calls
+        self._caller = caller
 
-    def for_skill(self, calls: ToolCalls) -> Toolbox:
-        """The same toolbox, reporting its calls to ``calls`` (one running skill's)."""
-        return Toolbox(self._registry, self._http, calls)
+    def for_skill(self, calls: ToolCalls, caller: Claims | None = None) -> Toolbox:
+        """The same toolbox, reporting its calls to ``calls`` (one running skill's) and acting for
+        ``caller`` (the verified claims the skill was called with)."""
+        return Toolbox(self._registry, self._http, calls, caller)
+
+    async def _token(self, audience: str, tenant: str, scopes: Sequence[str]) -> str:
+        caller = self._caller
+        if caller is None or not caller.token:
+            return await self._registry.tokens.token(audience, tenant, scopes)
+        if tenant != caller.tenant:
+            raise SkillError(
+                ErrorCode.FORBIDDEN, f"a skill called for {caller.tenant!r} cannot act for {tenant!r}"
+            )
+        return await self._registry.tokens.exchange(caller.token, audience, scopes)
 
     async def call(
         self,
@@ -156,7 +179,7 @@ class Toolbox:
         is then unknown to the caller: the tool may still complete it). After a cancel of the skill,
         no call starts (:class:`asyncio.CancelledError`)."""
         server = await self._registry.mcp_server(server_id)
-        token = await self._registry.tokens.token(server.audience, tenant, scopes)
+        token = await self._token(server.audience, tenant, scopes)
         if self._calls is not None:
             self._calls.start()
         answered = False
@@ -266,7 +289,7 @@ class SkillExecutor(AgentExecutor):
         try:
             if op_id is not None:
                 return await self._run_once(skill, claims, op_id, payload, progress, calls)
-            ctx = SkillContext(claims, self._tools.for_skill(calls), progress)
+            ctx = SkillContext(claims, self._tools.for_skill(calls, claims), progress)
             return await _run_stoppable(skill, ctx, payload, calls)
         finally:
             if beating is not None:
@@ -310,7 +333,7 @@ class SkillExecutor(AgentExecutor):
         key = (claims.tenant, op_id)
         self._by_operation[key] = calls
         try:
-            context = SkillContext(claims, self._tools.for_skill(calls), progress, op_id)
+            context = SkillContext(claims, self._tools.for_skill(calls, claims), progress, op_id)
             return await _run_stoppable(skill, context, payload, calls, record)
         finally:
             del self._by_operation[key]

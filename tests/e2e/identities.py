@@ -88,9 +88,9 @@ class Impostor:
         self.key = SigningKey.generate()
         self.registry = stack.endpoints["registry"]
 
-    def enrollment_token(self) -> str:
+    def enrollment_token(self, scopes: tuple[str, ...] = ("registry:write", "registry:read")) -> str:
         operator = SigningKey.load_or_create(self.stack.layout.key_file("operator"))
-        spec = ServiceSpec(self.id, "specialist", "x:y", scopes=("registry:write", "registry:read"))
+        spec = ServiceSpec(self.id, "specialist", "x:y", scopes=scopes)
         return enrollment_token(operator, spec)
 
     async def enroll(self, http: httpx.AsyncClient, token: str) -> httpx.Response:
@@ -98,14 +98,18 @@ class Impostor:
         return await http.post(self.registry + "/v1/enroll", json=body)
 
     async def request_token(
-        self, http: httpx.AsyncClient, scope: str = "registry:write", assertion: str | None = None
+        self,
+        http: httpx.AsyncClient,
+        scope: str = "registry:write",
+        assertion: str | None = None,
+        audience: str = "registry",
     ) -> httpx.Response:
         form = {
             "grant_type": "client_credentials",
             "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
             "client_assertion": assertion
             or client_assertion(self.key, self.id, self.registry + "/oauth/token"),
-            "audience": "registry",
+            "audience": audience,
             "tenant": "acme",
             "scope": scope,
         }

@@ -28,7 +28,16 @@ from fleet.errors import FleetError
 from fleet.keys import SigningKey
 from fleet.operator_cli import operator_token_client
 from fleet.tokens import RUN_GRANT_TYPE, TokenClient, client_assertion
-from tests.e2e.conftest import Stack, fleet, start_stack, stop_stack, token_claims
+from tests.e2e.conftest import (
+    Stack,
+    all_events,
+    fleet,
+    send,
+    start_stack,
+    stop_stack,
+    token_claims,
+    user_message,
+)
 from tests.e2e.identities import Impostor, card_server, serve_card
 from tests.e2e.test_mcp_and_registry import call_query
 
@@ -551,3 +560,42 @@ async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens
         assert revoked.status_code == 200
         # The coordinator's own key is fine, but the caller's is revoked: what came from it stops.
         assert (await http.get(agents, headers={"Authorization": f"Bearer {passed_on}"})).status_code == 401
+
+
+async def test_a_run_acts_for_its_caller_at_every_hop_until_the_callers_key_is_revoked(stack: Stack) -> None:
+    caller = Impostor(stack)  # an outside agent, enrolled to call the coordinator
+    async with httpx.AsyncClient() as http:
+        enrolled = await caller.enroll(http, caller.enrollment_token(scopes=("agent:invoke",)))
+        assert enrolled.status_code == 201, enrolled.text
+        issued = await caller.request_token(http, "agent:invoke", audience="coordinator")
+        token = issued.json()["access_token"]
+    marker = uuid.uuid4().hex[:12]
+    plan = {
+        "steps": [
+            {"id": "first", "skill": "sql-query", "input": {"sql": f"SELECT '{marker}' AS m"}},
+            {"id": "pause", "wait": {"for_s": 4}, "after": ["first"]},
+            {"id": "second", "skill": "sql-query", "input": {"sql": "SELECT 2 AS n"}, "after": ["pause"]},
+        ]
+    }
+    running = asyncio.create_task(send(stack, user_message(data=plan), token=token))
+    # The first step's tool call is made in the caller's name, and names each hop and the run.
+    line = await logged(stack, "mcp-sql", "tool=query", f"sub={caller.id} actors=sql-analyst>worker-")
+    assert ">coordinator run=" in line, line
+    run_id = line.split(" run=")[1].split()[0]
+    # While the run pauses, the caller's key is revoked: its next step cannot act in its name.
+    async with httpx.AsyncClient() as http:
+        admin = stack.token("registry", scopes=("registry:admin",))
+        revoked = await http.post(
+            f"{caller.registry}/v1/keys/{caller.key.kid}/revoke",
+            json={"reason": "caller compromised"},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert revoked.status_code == 200, revoked.text
+    outcome = await asyncio.wait_for(running, 60)
+    assert outcome.task_id == run_id
+    assert outcome.state_name == "TASK_STATE_FAILED", outcome
+    assert "forbidden" in outcome.final_text and "revoked" in outcome.final_text, outcome.final_text
+    # The grant itself never shows: not in the run's events.
+    operator = stack.token("coordinator")
+    events = json.dumps(await all_events(stack, run_id, operator))
+    assert "run-grant" not in events and "eyJ" not in events
