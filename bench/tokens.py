@@ -44,6 +44,7 @@ from fleet.operator_cli import operator_token_client
 from fleet.revocations import Revocation, Revocations, record_revocation
 from fleet.supervisor import enrollment_token
 from fleet.tokens import CLIENT_ASSERTION_TYPE, TokenVerifier, client_assertion
+from policy import RegorusEngine
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
 from registry._token_service import TokenService
@@ -132,7 +133,10 @@ async def issuance(nats_url: str) -> dict[str, Any]:
         )
         revocations = Revocations()
         await revocations.follow(client)
-        service = TokenService(store, issuer_key, ISSUER, token_url, revocations)
+        # with the fleet's policy, as the registry runs it: every token is a fleet.tokens decision
+        service = TokenService(
+            store, issuer_key, ISSUER, token_url, revocations, policy=RegorusEngine.from_dir()
+        )
 
         def form() -> dict[str, str]:
             return {

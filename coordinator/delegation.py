@@ -158,10 +158,19 @@ class Delegator:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
         client = self._client(agent)
         try:
-            token = await self._token(agent.id, tenant, run_id)
-            context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
-            stream = client.send_message(SendMessageRequest(message=message), context=context)
-            return await _collect(stream, agent.id, progress, activity or _idle)
+            for attempt in (1, 2):
+                token = await self._token(agent.id, tenant, run_id)
+                context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+                stream = client.send_message(SendMessageRequest(message=message), context=context)
+                try:
+                    return await _collect(stream, agent.id, progress, activity or _idle)
+                except A2AClientError as exc:
+                    if attempt == 2 or not _unauthenticated(exc):
+                        raise
+                    # Refused before it was read (a 401): the token went stale in the cache (a
+                    # revocation, a rotation). Once more with a new one, which says why if it can't.
+                    self._registry.tokens.discard(token)
+            raise AssertionError("unreachable")
         except A2AClientError as exc:
             cause = exc.__cause__
             if isinstance(cause, httpx.ConnectError):
@@ -290,6 +299,11 @@ class CallInterrupted(FleetError):
 
 def _idle() -> None:
     return None
+
+
+def _unauthenticated(exc: A2AClientError) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 401
 
 
 def _fate_open(exc: A2AClientError) -> bool:

@@ -375,6 +375,10 @@ class TokenClient:
         """Authenticate with ``key`` from now on (after a rotation); cached tokens stay valid."""
         self._key = key
 
+    def discard(self, token: str) -> None:
+        """Stop reusing ``token`` (a service refused it: it was revoked, or its key rotated away)."""
+        self._cache = {k: c for k, c in self._cache.items() if c.token != token}
+
     async def token(self, audience: str, tenant: str, scopes: Iterable[str] = ()) -> str:
         scope = " ".join(sorted(set(scopes)))
         cache_key = (audience, tenant, scope)

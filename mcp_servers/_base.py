@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -62,13 +62,25 @@ def current_claims() -> Claims:
     return claims
 
 
-def authorize_call(engine: PolicyEngine, server_id: str, tool: str, arguments: dict[str, Any]) -> Claims:
-    """Ask policy whether the current caller may run ``tool``; raise a tool error if not."""
-    return authorize(engine, server_id, tool, arguments)[0]
+def authorize_call(
+    engine: PolicyEngine,
+    server_id: str,
+    tool: str,
+    arguments: dict[str, Any],
+    declared_scopes: Sequence[str] = (),
+) -> Claims:
+    """Ask policy whether the current caller may run ``tool``; raise a tool error if not.
+    ``declared_scopes``: what the server declares the tool needs (policy uses it for a server that
+    its data does not name, see ``fleet.tools``)."""
+    return authorize(engine, server_id, tool, arguments, declared_scopes)[0]
 
 
 def authorize(
-    engine: PolicyEngine, server_id: str, tool: str, arguments: dict[str, Any]
+    engine: PolicyEngine,
+    server_id: str,
+    tool: str,
+    arguments: dict[str, Any],
+    declared_scopes: Sequence[str] = (),
 ) -> tuple[Claims, Decision]:
     """:func:`authorize_call`, with the decision (e.g. whether the call needs an approval)."""
     claims = current_claims()
@@ -82,6 +94,7 @@ def authorize(
                 "subject": claims.sub,
                 "actors": list(claims.actors),  # who passed the caller's token down, nearest first
                 "scopes": sorted(claims.scopes),
+                "declared_scopes": list(declared_scopes),
                 "arguments": arguments,
             },
         )
@@ -118,6 +131,19 @@ def build_app(
         routes=[Route("/healthz", readiness.endpoint), Mount("/", app=mcp_app)],
         lifespan=lifespan,
     )
+
+
+async def declared_tools(mcp: MCPServer, scopes: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
+    """What the server registers of its tools: each one's name, description and the scopes a token
+    needs to call it (``scopes``, by tool name). Agents load these from the registry."""
+    return [
+        {
+            "name": tool.name,
+            "description": (tool.description or "")[:2000],
+            "scopes": list(scopes.get(tool.name, ())),
+        }
+        for tool in await mcp.list_tools()
+    ]
 
 
 def auth_settings(settings: ServiceSettings) -> AuthSettings:

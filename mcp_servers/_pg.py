@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from fleet.service import Readiness, start_in_background
 from fleet.settings import ServiceSettings
-from mcp_servers._base import MCP_PATH, build_app, new_http
+from mcp_servers._base import MCP_PATH, build_app, declared_tools, new_http
 from policy import RegorusEngine
 from registry import RegistryClient
 
@@ -39,7 +39,7 @@ def database_tool_app(
     settings: ServiceSettings,
     *,
     role: str,
-    tools: Sequence[str],
+    tools: Mapping[str, Sequence[str]],
     prepare: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
     make_server: Callable[[RegistryClient, RegorusEngine, AsyncConnectionPool[Any]], MCPServer],
 ) -> Starlette:
@@ -62,7 +62,7 @@ def database_tool_app(
     readiness = Readiness(settings.service_id, "mcp_server")
 
     async def start() -> None:
-        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, list(tools))
+        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, await declared_tools(mcp, tools))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

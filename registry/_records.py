@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 RecordKind = Literal["operator", "registry", "coordinator", "worker", "specialist", "mcp_server"]
 
@@ -111,12 +112,37 @@ class AgentHistory(BaseModel):
     entries: list[CardVersion] = Field(default_factory=list)
 
 
-class McpServerRecord(BaseModel):
-    """A registered MCP server: the URL of its Streamable HTTP endpoint and its audience."""
+class McpToolRecord(BaseModel):
+    """A tool as its server declares it: the scopes a token needs to call it."""
 
-    schema_version: int = 1
+    name: str = Field(min_length=1, max_length=100)
+    description: str = Field(default="", max_length=2000)
+    scopes: list[str] = Field(default_factory=list, max_length=16)
+
+
+class McpServerRecord(BaseModel):
+    """A registered MCP server: the URL of its Streamable HTTP endpoint, its audience, and its
+    tools (schema 1 named the tools only; they read as tools that declare no scope)."""
+
+    schema_version: int = 2
     id: str
     url: str
     audience: str
-    tools: list[str] = Field(default_factory=list)
+    tools: list[McpToolRecord] = Field(default_factory=list, max_length=200)
     registered_at: float
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _named_tools(cls, tools: Any) -> Any:
+        if isinstance(tools, list):
+            return [{"name": t} if isinstance(t, str) else t for t in tools]
+        return tools
+
+    @property
+    def declared_scopes(self) -> set[str]:
+        return {scope for tool in self.tools for scope in tool.scopes}
+
+    def usable_by(self, allows_scope: Callable[[str], bool]) -> McpServerRecord:
+        """The record with only the tools whose every scope ``allows_scope``."""
+        tools = [t for t in self.tools if all(allows_scope(s) for s in t.scopes)]
+        return self.model_copy(update={"tools": tools})

@@ -9,8 +9,13 @@ Two grants:
   here and addressed to the client (only the party a token was given to may pass it on); the new
   token keeps the subject's ``sub`` and ``tenant`` (a hop never changes either) and records the
   chain of acting parties in ``act`` (RFC 8693 section 4.1: the current actor outermost, earlier
-  actors nested), at most ``MAX_CHAIN`` deep. The scopes are those the client asks for and its
-  enrollment allows.
+  actors nested), at most ``MAX_CHAIN`` deep.
+
+Either way the token carries exactly the scopes asked for, and only if the client's enrollment
+allows each of them (the ceiling) and policy grants them (``fleet.tokens``, asked for every token:
+which scopes the audience acts on, what may never be delegated, which tenant may reach which
+service). A request for a scope that either refuses fails ``invalid_scope`` with the reasons; a
+policy that cannot be evaluated fails it ``temporarily_unavailable`` (never a token by default).
 
   A run outlives its caller's token (a run may wait days for an approval), so the coordinator
   exchanges the caller's token, when the run is created, for a **run grant**
@@ -44,6 +49,7 @@ from fleet.tokens import (
     KeyLookup,
     TokenVerifier,
 )
+from policy import PolicyEngine
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
 
@@ -84,14 +90,18 @@ class TokenService:
         token_url: str,
         revocations: Revocations | None = None,
         keys: KeyLookup | None = None,
+        *,
+        policy: PolicyEngine,
     ) -> None:
         self._store = store
+        self._policy = policy
         self._keys: KeyLookup = keys or self._own_key
         self.key = key  # the issuer's signing key; replaced when the registry rotates it
         self._issuer = issuer
         self._token_url = token_url
         self._revocations = revocations
         self._identities: dict[str, tuple[float, IdentityRecord]] = {}
+        self._servers: dict[str, tuple[float, set[str]]] = {}  # MCP servers' declared scopes
 
     async def _own_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
         return self.key.private_key.public_key() if kid == self.key.kid else None
@@ -124,7 +134,7 @@ class TokenService:
         audience = form.get("audience", "")
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
-        await self._check_grant(client, audience, tenant, scopes)
+        await self._check_grant(client, audience, tenant, scopes, client.id, [])
         return self.issue(client.id, audience, tenant, scopes, client_kid)
 
     async def _exchange(
@@ -167,7 +177,7 @@ class TokenService:
             raise OAuthError("invalid_request", f"cannot issue a {requested!r}")
         audience = form.get("audience", "")
         scopes = sorted(set(form.get("scope", "").split()))
-        await self._check_grant(client, audience, tenant, scopes)
+        await self._check_grant(client, audience, tenant, scopes, str(subject["sub"]), actors_of(act))
         return self._sign(str(subject["sub"]), client.id, audience, tenant, scopes, client_kid, extra)
 
     async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:
@@ -195,6 +205,18 @@ class TokenService:
         if kind == ACCESS_TOKEN_TYPE and claims.raw.get("token_use") == "run_grant":
             raise OAuthError("invalid_grant", "a run grant is not an access token")
         return claims.raw
+
+    async def _declared_scopes(self, server_id: str) -> set[str]:
+        """The scopes an MCP server's registered tools declare (read again at most every
+        ``IDENTITY_CACHE_S``: a server registered a moment ago is known at once)."""
+        cached = self._servers.get(server_id)
+        if cached is not None and time.monotonic() - cached[0] < IDENTITY_CACHE_S:
+            return cached[1]
+        record = await self._store.mcp_server(server_id)
+        declared = record.declared_scopes if record is not None else set()
+        if record is not None:
+            self._servers[server_id] = (time.monotonic(), declared)
+        return declared
 
     async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str]:
         """The client and the key id it proved it holds."""
@@ -239,21 +261,51 @@ class TokenService:
         return claims
 
     async def _check_grant(
-        self, client: IdentityRecord, audience: str, tenant: str, scopes: list[str]
+        self,
+        client: IdentityRecord,
+        audience: str,
+        tenant: str,
+        scopes: list[str],
+        subject: str,
+        actors: list[str],
     ) -> None:
+        """Refuse the token unless the audience exists, the client may act for the tenant, its
+        enrollment allows every scope, and policy grants them (see the module's doc)."""
         if not audience:
             raise OAuthError("invalid_request", "audience is required")
         if not tenant:
             raise OAuthError("invalid_request", "tenant is required")
+        target: dict[str, Any] = {"id": audience, "kind": "registry"}
         if audience != REGISTRY_AUDIENCE:
-            target = await self._identity(audience)
-            if target is None or target.kind == "operator":
+            identity = await self._identity(audience)
+            if identity is None or identity.kind == "operator":
                 raise OAuthError("invalid_target", f"unknown audience {audience!r}")
+            target["kind"] = identity.kind
+            if identity.kind == "mcp_server":  # the scopes its registered tools declare
+                target["scopes"] = sorted(await self._declared_scopes(audience))
         if not client.allows_tenant(tenant):
             raise OAuthError("unauthorized_client", f"{client.id} may not act for tenant {tenant!r}")
         refused = [scope for scope in scopes if not client.allows_scope(scope)]
         if refused:
             raise OAuthError("invalid_scope", f"scopes not granted to {client.id}: {' '.join(refused)}")
+        request = {
+            "grant": "token_exchange" if actors else "client_credentials",
+            "client": {"id": client.id, "kind": client.kind, "scopes": list(client.scopes)},
+            "subject": subject,
+            "actors": actors,
+            "audience": target,
+            "tenant": tenant,
+            "scopes": scopes,
+        }
+        try:
+            decision = self._policy.decide("fleet.tokens.decision", request)
+        except FleetError as exc:
+            raise OAuthError(
+                "temporarily_unavailable", f"token policy unavailable: {exc.message}", 503
+            ) from exc
+        if not decision.allow:
+            reasons = "; ".join(decision.reasons) or "no rule grants it"
+            raise OAuthError("invalid_scope", f"policy refuses: {reasons} (decision {decision.decision_id})")
 
     def issue(
         self, subject: str, audience: str, tenant: str, scopes: list[str], client_kid: str

@@ -135,7 +135,8 @@ class RegistryClient:
         _raise_for(response, "registration refused")
         return AgentRecord.model_validate(response.json())
 
-    async def register_mcp_server(self, url: str, tools: list[str]) -> McpServerRecord:
+    async def register_mcp_server(self, url: str, tools: list[dict[str, Any]]) -> McpServerRecord:
+        """Register this MCP server's endpoint and its tools (name, description, scopes each)."""
         response = await self._http.put(
             f"{self._url}/v1/mcp-servers/{self._settings.service_id}",
             json={"url": url, "tools": tools},
@@ -160,7 +161,7 @@ class RegistryClient:
         await _retry("revocations", self.follow_revocations)
         await _retry("enroll", self.enroll)
 
-    async def join_as_mcp_server(self, url: str, tools: list[str]) -> McpServerRecord:
+    async def join_as_mcp_server(self, url: str, tools: list[dict[str, Any]]) -> McpServerRecord:
         """Enroll this identity's key, then register the MCP endpoint at ``url``."""
         await _retry("revocations", self.follow_revocations)
         await _retry("enroll", self.enroll)
@@ -186,6 +187,14 @@ class RegistryClient:
         )
         _raise_for(response, f"MCP server {server_id}")
         return McpServerRecord.model_validate(response.json())
+
+    async def mcp_servers(self) -> list[McpServerRecord]:
+        """The MCP servers this identity may use, each with the tools it has the scopes for."""
+        response = await self._http.get(
+            self._url + "/v1/mcp-servers", headers=await self._headers("registry:read")
+        )
+        _raise_for(response, "MCP servers")
+        return [McpServerRecord.model_validate(m) for m in response.json()["mcp_servers"]]
 
     async def agent_keys(self, agent_id: str) -> list[dict[str, Any]]:
         response = await self._http.get(f"{self._url}/v1/agents/{agent_id}/jwks.json")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,6 +28,7 @@ from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tokens import RUN_GRANT_TYPE, Claims, TokenVerifier, bearer_token
+from policy import RegorusEngine
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
@@ -192,17 +194,34 @@ async def register_mcp_server(request: Request, state: RegistryState) -> Respons
     identity = await _identity(state, server_id)
     if identity.kind != "mcp_server":
         raise FleetError(ErrorCode.FORBIDDEN, f"{server_id} is not enrolled as an MCP server")
-    tools = body.get("tools", [])
-    record = McpServerRecord(
-        id=server_id,
-        url=str(body.get("url", "")),
-        audience=server_id,
-        tools=[str(t) for t in tools] if isinstance(tools, list) else [],
-        registered_at=time.time(),
-    )
+    try:
+        record = McpServerRecord.model_validate(
+            {
+                "id": server_id,
+                "url": str(body.get("url", "")),
+                "audience": server_id,
+                "tools": body.get("tools", []),
+                "registered_at": time.time(),
+            }
+        )
+    except ValidationError as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"invalid tools: {exc.errors()[0]['msg']}") from exc
     await state.store.put_mcp_server(record)
-    log.info("registered MCP server %s at %s", server_id, record.url)
+    log.info(
+        "registered MCP server %s at %s with tools %s", server_id, record.url, [t.name for t in record.tools]
+    )
     return JSONResponse(record.model_dump(mode="json"))
+
+
+async def list_mcp_servers(request: Request, state: RegistryState) -> Response:
+    """The MCP servers the caller may use, each with only the tools its enrollment has the scopes
+    for: what an agent loads to see its tools (a server registered since shows on its next load)."""
+    claims = await _authorize(request, state, "registry:read")
+    caller = await state.store.identity(str(claims.raw.get("client_id", claims.sub)))
+    if caller is None:
+        raise FleetError(ErrorCode.FORBIDDEN, "the caller is not enrolled")
+    usable = [m.usable_by(caller.allows_scope) for m in await state.store.mcp_servers()]
+    return JSONResponse({"mcp_servers": [m.model_dump(mode="json") for m in usable if m.tools]})
 
 
 async def _identity(state: RegistryState, identity_id: str) -> IdentityRecord:
@@ -356,6 +375,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                         settings.public_url + "/oauth/token",
                         revocations,
                         own_key,
+                        policy=RegorusEngine.from_dir(settings.policy_dir),
                     ),
                     enrollment=Enrollment(store, operator_key),
                     verifier=TokenVerifier(
@@ -397,6 +417,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/agents/{agent_id}/jwks.json", _route(agent_keys)),
         Route("/v1/agents/{agent_id}/history", _route(agent_history)),
         Route("/v1/agents/{agent_id}/refresh", _route(refresh_agent), methods=["POST"]),
+        Route("/v1/mcp-servers", _route(list_mcp_servers)),
         Route("/v1/mcp-servers/{server_id}", _route(get_mcp_server)),
         Route("/v1/mcp-servers/{server_id}", _route(register_mcp_server), methods=["PUT"]),
         Route("/v1/identities/{identity_id}/keys", _route(rotate_identity_key), methods=["POST"]),

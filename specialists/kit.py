@@ -2,7 +2,8 @@
 
 A specialist is a module that declares its skills and calls :func:`serve_specialist`. The kit gives it
 an identity (its own key, enrolled with the registry), a signed card, bearer-JWT auth on every call,
-registration, an MCP client that mints a token per server and tenant, and progress events.
+registration, the MCP servers it may use (:class:`ToolCatalog`, loaded from the registry), an MCP
+client that acts for the skill's caller (a token exchanged per server), and progress events.
 
     SKILLS = [Skill("echo", "Echo", "Returns its input", echo)]
 
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ from fleet.operation_ext import (
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
-from registry import RegistryClient
+from registry import McpServerRecord, RegistryClient
 from specialists.cancellation import ToolCalls
 from specialists.journal import Entry, Journal, JournalStatus
 
@@ -125,6 +127,38 @@ class _ContextBearer(httpx2.Auth):
         yield request
 
 
+CATALOG_TTL_S = 5.0  # how stale an agent's list of MCP servers may be (a new server shows within it)
+TOOLS_PATH = "/v1/tools"
+
+
+class ToolCatalog:
+    """The MCP servers this agent may use, as the registry lists them: each with the tools this
+    agent's enrollment has the scopes for. Loaded again when older than ``CATALOG_TTL_S``, so a
+    server a team registers shows on the agent's next load, with no restart of anything."""
+
+    def __init__(self, registry: RegistryClient) -> None:
+        self._registry = registry
+        self._loaded_at = -CATALOG_TTL_S
+        self._servers: dict[str, McpServerRecord] = {}
+        self._lock = asyncio.Lock()
+
+    async def servers(self, max_age_s: float = CATALOG_TTL_S) -> dict[str, McpServerRecord]:
+        async with self._lock:
+            if time.monotonic() - self._loaded_at >= max_age_s:
+                self._servers = {m.id: m for m in await self._registry.mcp_servers()}
+                self._loaded_at = time.monotonic()
+            return self._servers
+
+    async def server(self, server_id: str) -> McpServerRecord:
+        """The server, from the catalog (loaded again at once if it is not there: it may be new)."""
+        found = (await self.servers()).get(server_id) or (await self.servers(max_age_s=1.0)).get(server_id)
+        if found is None:
+            raise SkillError(
+                ErrorCode.TOOL_FAILED, f"no MCP server {server_id!r} whose tools this agent may use"
+            )
+        return found
+
+
 class Toolbox:
     """Calls MCP tools with a token for that server, the caller's tenant and the tool's scopes.
 
@@ -144,16 +178,22 @@ class Toolbox:
         http: httpx2.AsyncClient,
         calls: ToolCalls | None = None,
         caller: Claims | None = None,
+        catalog: ToolCatalog | None = None,
     ) -> None:
         self._registry = registry
         self._http = http
         self._calls = calls
         self._caller = caller
+        self.catalog = catalog or ToolCatalog(registry)
 
     def for_skill(self, calls: ToolCalls, caller: Claims | None = None) -> Toolbox:
         """The same toolbox, reporting its calls to ``calls`` (one running skill's) and acting for
         ``caller`` (the verified claims the skill was called with)."""
-        return Toolbox(self._registry, self._http, calls, caller)
+        return Toolbox(self._registry, self._http, calls, caller, self.catalog)
+
+    async def available(self) -> list[McpServerRecord]:
+        """The MCP servers and tools this agent may use now (see :class:`ToolCatalog`)."""
+        return list((await self.catalog.servers()).values())
 
     async def _token(self, audience: str, tenant: str, scopes: Sequence[str]) -> str:
         caller = self._caller
@@ -178,7 +218,7 @@ class Toolbox:
         """Call ``tool``; a call that exceeds ``timeout_s`` raises :class:`TimeoutError` (its outcome
         is then unknown to the caller: the tool may still complete it). After a cancel of the skill,
         no call starts (:class:`asyncio.CancelledError`)."""
-        server = await self._registry.mcp_server(server_id)
+        server = await self.catalog.server(server_id)
         token = await self._token(server.audience, tenant, scopes)
         if self._calls is not None:
             self._calls.start()
@@ -533,6 +573,17 @@ def operation_routes(journal: Journal, executor: SkillExecutor) -> list[Route]:
     ]
 
 
+def tools_route(tools: Toolbox) -> Route:
+    """``GET /v1/tools``: the MCP servers and tools this agent may use now (as its skills see them)."""
+
+    async def listing(request: Request) -> JSONResponse:
+        request_claims(request)  # a verified caller (the middleware checked the token)
+        servers = await tools.available()
+        return JSONResponse({"mcp_servers": [m.model_dump(mode="json") for m in servers]})
+
+    return Route(TOOLS_PATH, listing)
+
+
 def build_specialist_app(
     settings: ServiceSettings,
     *,
@@ -556,7 +607,8 @@ def build_specialist_app(
     )
     journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
-    executor = SkillExecutor(skills, Toolbox(registry, mcp_http), journal, heartbeat_s=settings.heartbeat_s)
+    tools = Toolbox(registry, mcp_http)
+    executor = SkillExecutor(skills, tools, journal, heartbeat_s=settings.heartbeat_s)
     handler = DefaultRequestHandler(
         agent_executor=executor,
         task_store=InMemoryTaskStore(),
@@ -587,8 +639,8 @@ def build_specialist_app(
         verifier=registry.verifier(),
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
-        extra_routes=operation_routes(journal, executor),
-        protected_prefixes=(RPC_PATH, OPERATIONS_PATH),
+        extra_routes=[*operation_routes(journal, executor), tools_route(tools)],
+        protected_prefixes=(RPC_PATH, OPERATIONS_PATH, TOOLS_PATH),
     )
 
 

@@ -42,7 +42,10 @@ from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
-TOOLS = ["open_case", "open_cases", "case_status", "post_note", "issue_refund"]
+# each tool, with the scopes a token needs to call it
+TOOLS = {
+    name: ["cases:write"] for name in ("open_case", "open_cases", "case_status", "post_note", "issue_refund")
+}
 MAX_BULK = 500
 WRITER_ROLE = "fleet_cases_writer"
 TENANT_SETTING = "fleet.tenant"

@@ -32,7 +32,7 @@ from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
-TOOLS = ["query"]
+TOOLS = {"query": ["sql:query"]}  # each tool, with the scopes a token needs to call it
 
 
 class SqlServerSettings(ServiceSettings):

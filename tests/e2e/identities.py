@@ -8,12 +8,14 @@ import contextlib
 import socket
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 from a2a.types import AgentSkill
 from google.protobuf.json_format import MessageToDict
+from mcp.server.mcpserver import MCPServer
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -22,8 +24,20 @@ from starlette.routing import Route
 from deploy.local_stack import ServiceSpec
 from fleet.a2a_support import build_card, sign_card
 from fleet.keys import SigningKey
+from fleet.service import Readiness
+from fleet.settings import ServiceSettings
 from fleet.supervisor import enrollment_token
 from fleet.tokens import client_assertion
+from mcp_servers._base import (
+    MCP_PATH,
+    RegistryTokenVerifier,
+    auth_settings,
+    authorize_call,
+    build_app,
+    declared_tools,
+)
+from policy import RegorusEngine
+from registry import RegistryClient
 from tests.e2e.conftest import Stack
 
 
@@ -122,3 +136,58 @@ class Impostor:
             json={"url": url},
             headers={"Authorization": f"Bearer {token}"},
         )
+
+
+@contextlib.asynccontextmanager
+async def team_mcp_server(stack: Stack, tmp: Path, scope: str) -> AsyncIterator[str]:
+    """An MCP server another team deploys while the fleet runs: its own identity (enrolled with the
+    operator's consent), one tool ``whoami`` that declares ``scope`` and answers with what the
+    server sees of its caller, registered with the registry. Yields its id once it is registered."""
+    server_id = f"mcp-team-{uuid.uuid4().hex[:6]}"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    operator = SigningKey.load_or_create(stack.layout.key_file("operator"))
+    spec = ServiceSpec(server_id, "mcp_server", "x:y", scopes=("registry:read", "registry:write"))
+    settings = ServiceSettings(
+        service_id=server_id,
+        key_file=tmp / f"{server_id}.key",
+        public_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+        registry_url=stack.endpoints["registry"],
+        nats_url=stack.endpoints["nats"],
+        enrollment_token=enrollment_token(operator, spec),
+    )
+    scopes = {"whoami": [scope]}
+    engine = RegorusEngine.from_dir()  # the fleet's bundle, as every server of the fleet loads it
+    async with httpx.AsyncClient() as http:
+        registry = RegistryClient(settings, http)
+        mcp = MCPServer(
+            "team",
+            token_verifier=RegistryTokenVerifier(registry, server_id),
+            auth=auth_settings(settings),
+        )
+
+        @mcp.tool()
+        async def whoami() -> dict[str, Any]:
+            """Who this server sees calling: the subject, the tenant and the chain of actors."""
+            claims = authorize_call(engine, server_id, "whoami", {}, scopes["whoami"])
+            return {"sub": claims.sub, "tenant": claims.tenant, "actors": list(claims.actors)}
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with mcp.session_manager.run():
+                yield
+
+        server = uvicorn.Server(
+            uvicorn.Config(build_app(mcp, Readiness(server_id, "mcp_server"), lifespan), log_level="warning")
+        )
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            await registry.join_as_mcp_server(
+                settings.public_url + MCP_PATH, await declared_tools(mcp, scopes)
+            )
+            yield server_id
+        finally:
+            server.should_exit = True
+            await task
+            await registry.aclose()

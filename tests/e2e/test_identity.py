@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from fleet.errors import FleetError
 from fleet.keys import SigningKey
@@ -38,7 +41,7 @@ from tests.e2e.conftest import (
     token_claims,
     user_message,
 )
-from tests.e2e.identities import Impostor, card_server, serve_card
+from tests.e2e.identities import Impostor, card_server, serve_card, team_mcp_server
 from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e
@@ -156,6 +159,19 @@ async def test_scope_escalation_and_a_replayed_assertion_are_refused_at_the_toke
         replayed = await impostor.request_token(http, assertion=assertion)
         assert (replayed.status_code, replayed.json()["error"]) == (401, "invalid_client")
         await logged(stack, "registry", "already used", impostor.id)
+
+
+async def test_policy_grants_only_the_scopes_the_audience_acts_on_even_to_the_operator(stack: Stack) -> None:
+    # The operator is enrolled for every scope; policy still gives a token only what its one
+    # audience acts on (fleet.tokens), and says why not.
+    async with httpx.AsyncClient() as http:
+        operator = operator_token_client(stack.layout, stack.endpoints["registry"] + "/oauth/token", http)
+        assert await operator.token("mcp-sql", "acme", ["sql:query"])
+        with pytest.raises(FleetError) as refused:
+            await operator.token("mcp-sql", "acme", ["sql:query", "cases:write"])
+    assert "invalid_scope" in refused.value.message
+    assert "cases:write is not one that mcp-sql (mcp_server) acts on" in refused.value.message
+    await logged(stack, "registry", "token request refused (invalid_scope", "policy refuses", "'operator'")
 
 
 async def test_a_forged_card_signature_is_refused_and_logged(stack: Stack, impostor: Impostor) -> None:
@@ -541,14 +557,21 @@ async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens
         }
         caller = (await http.post(impostor.registry + "/oauth/token", data=form)).json()["access_token"]
         coordinator = acting_as(stack, "coordinator", http)
-        passed_on = await coordinator.exchange(caller, "registry", ["registry:read", "registry:write"])
+        passed_on = await coordinator.exchange(caller, "registry", ["registry:read"])
         agents = f"{impostor.registry}/v1/agents"
         assert (await http.get(agents, headers={"Authorization": f"Bearer {passed_on}"})).status_code == 200
-        # A delegated token reads the registry, but cannot change it in its subject's name.
+        # A delegated token reads the registry, but cannot change it in its subject's name: policy
+        # grants no such token, and the registry refuses one all the same (here: forged).
+        assert "registry:write cannot be delegated" in await exchange_refused(
+            coordinator, caller, "registry", ["registry:read", "registry:write"]
+        )
+        forged = stack.forge(
+            sub=impostor.id, aud="registry", scope="registry:write", act={"sub": "coordinator"}
+        )
         change = await http.put(
             f"{agents}/{impostor.id}",
             json={"url": "http://127.0.0.1:1"},
-            headers={"Authorization": f"Bearer {passed_on}"},
+            headers={"Authorization": f"Bearer {forged}"},
         )
         assert change.status_code == 403 and "delegated" in change.text
         admin = stack.token("registry", scopes=("registry:admin",))
@@ -599,3 +622,52 @@ async def test_a_run_acts_for_its_caller_at_every_hop_until_the_callers_key_is_r
     operator = stack.token("coordinator")
     events = json.dumps(await all_events(stack, run_id, operator))
     assert "run-grant" not in events and "eyJ" not in events
+
+
+async def call_tool(url: str, token: str, tool: str) -> Any:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        result = await client.call_tool(tool, {})
+    assert not result.is_error, result.content
+    return result.structured_content
+
+
+async def agent_tools(stack: Stack, agent: str) -> dict[str, list[dict[str, Any]]]:
+    """What ``agent`` says it may use now: its MCP servers and their tools."""
+    async with httpx.AsyncClient() as http:
+        response = await http.get(
+            stack.endpoints["specialists"][agent] + "/v1/tools",
+            headers={"Authorization": f"Bearer {stack.token(agent)}"},
+        )
+    assert response.status_code == 200, response.text
+    return {m["id"]: m["tools"] for m in response.json()["mcp_servers"]}
+
+
+async def test_an_mcp_server_registered_at_run_time_shows_to_the_agents_whose_scopes_allow_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    before = await agent_tools(stack, "sql-analyst")
+    assert [t["scopes"] for t in before["mcp-sql"]] == [["sql:query"]]
+    async with team_mcp_server(stack, tmp_path, "sql:query") as server:
+        assert server not in before
+        deadline = time.monotonic() + 15
+        while server not in (seen := await agent_tools(stack, "sql-analyst")):
+            assert time.monotonic() < deadline, f"sql-analyst never saw {server}: {sorted(seen)}"
+            await asyncio.sleep(0.5)
+        assert [(t["name"], t["scopes"]) for t in seen[server]] == [("whoami", ["sql:query"])]
+        # The case desk is not enrolled for sql:query: it does not see the tool.
+        assert server not in await agent_tools(stack, "case-desk")
+        async with httpx.AsyncClient() as http:
+            analyst = acting_as(stack, "sql-analyst", http)
+            # Acting for a caller, the analyst gets a token for the new server: the scope its
+            # tool declares, and nothing else.
+            caller = stack.token("sql-analyst", tenant="globex")
+            token = await analyst.exchange(caller, server, ["sql:query"])
+            assert "is not one that" in await exchange_refused(analyst, caller, server, ["registry:read"])
+            url = (await http.get(stack.endpoints["registry"] + f"/v1/mcp-servers/{server}", headers={
+                "Authorization": f"Bearer {stack.token('registry', scopes=('registry:read',))}"
+            })).json()["url"]  # fmt: skip
+        answer = await call_tool(url, token, "whoami")
+        assert answer == {"sub": "operator", "tenant": "globex", "actors": ["sql-analyst"]}

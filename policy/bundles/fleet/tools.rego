@@ -1,8 +1,17 @@
 # Tool authorization: may this caller run this tool, on this server, for this tenant?
-# Input: {server, tool, tenant, subject, scopes: [..], arguments: {sql_length: n, amount_cents: n, ...}}
+# Input: {server, tool, tenant, subject, actors: [..], scopes: [..], declared_scopes: [..],
+#         arguments: {sql_length: n, amount_cents: n, ...}}
 package fleet.tools
 
+# The tool's rule in data. The tools of a server that data does not name (one registered at run
+# time) are governed by the scopes their server declares for each, if it declares any: a tool
+# that declares none is not allowed.
 rule := data.config.tools[input.server][input.tool]
+
+rule := {"scopes": input.declared_scopes} if {
+	not data.config.tools[input.server]
+	count(object.get(input, "declared_scopes", [])) > 0
+}
 
 deny contains "the call carries no tenant" if {
 	not input.tenant

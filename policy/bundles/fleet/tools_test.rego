@@ -46,3 +46,16 @@ test_an_amount_over_the_threshold_needs_approval if {
 	large.allow
 	large.approval_required
 }
+
+test_a_server_data_does_not_name_is_governed_by_the_scopes_it_declares if {
+	dynamic := object.union(good, {"server": "mcp-warehouse", "tool": "table_stats", "declared_scopes": ["sql:query"]})
+	tools.decision.allow with input as dynamic
+	d := tools.decision with input as object.union(dynamic, {"scopes": ["cases:write"]})
+	d.reasons == ["the token lacks scope sql:query"]
+	not tools.decision.allow with input as object.union(dynamic, {"declared_scopes": []})
+}
+
+test_a_server_named_in_data_gets_no_tool_by_declaring_it if {
+	d := tools.decision with input as object.union(good, {"tool": "drop_everything", "declared_scopes": ["sql:query"]})
+	d.reasons == ["tool mcp-sql/drop_everything is not allowed by policy"]
+}

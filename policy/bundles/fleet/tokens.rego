@@ -1,0 +1,53 @@
+# What an access token may carry. The registry's token service asks this for every token it issues
+# (client credentials and token exchange); it refuses the request unless the decision allows every
+# requested scope. Policy narrows within the enrollment: a scope the client was not enrolled for is
+# refused before this is asked.
+#
+# Input: {grant: "client_credentials" | "token_exchange",
+#         client: {id, kind, scopes: [..]},   the party asking (for an exchange: the next actor)
+#         subject: id,                        who the token is for (the client itself, or the caller)
+#         actors: [id, ..],                   who passes it on, nearest first (empty: the client's own)
+#         audience: {id, kind, scopes?},      the one service the token is for (an MCP server:
+#                                             with the scopes its registered tools declare)
+#         tenant, scopes: [..]}               what is asked for
+package fleet.tokens
+
+cfg := data.config.tokens
+
+# The scopes each kind of service acts on; an MCP server: the scopes its tools need (fleet.tools),
+# or, for a server that data does not name, those its registered tools declare.
+fits(scope) if scope in cfg.audience_scopes[input.audience.kind]
+
+fits(scope) if {
+	input.audience.kind == "mcp_server"
+	some rule in data.config.tools[input.audience.id]
+	scope in rule.scopes
+}
+
+fits(scope) if {
+	input.audience.kind == "mcp_server"
+	not data.config.tools[input.audience.id]
+	scope in object.get(input.audience, "scopes", [])
+}
+
+deny contains msg if {
+	some scope in input.scopes
+	not fits(scope)
+	msg := sprintf("scope %s is not one that %s (%s) acts on", [scope, input.audience.id, input.audience.kind])
+}
+
+# What changes the registry, or administers it, is never done in someone else's name.
+deny contains msg if {
+	count(input.actors) > 0
+	some scope in input.scopes
+	scope in cfg.never_delegated
+	msg := sprintf("scope %s cannot be delegated", [scope])
+}
+
+# Per tenant: services that tenant's tokens may not reach (e.g. a tenant kept off a tool server).
+deny contains msg if {
+	input.audience.id in object.get(cfg.tenant_denied_audiences, input.tenant, [])
+	msg := sprintf("tenant %s may not use %s", [input.tenant, input.audience.id])
+}
+
+decision := {"allow": count(deny) == 0, "reasons": sort(deny)}

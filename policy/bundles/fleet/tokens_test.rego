@@ -1,0 +1,56 @@
+package fleet.tokens_test
+
+import data.fleet.tokens
+
+request(audience, kind, scopes) := {
+	"grant": "client_credentials",
+	"client": {"id": "worker-1", "kind": "worker", "scopes": ["*"]},
+	"subject": "worker-1",
+	"actors": [],
+	"audience": {"id": audience, "kind": kind},
+	"tenant": "acme",
+	"scopes": scopes,
+}
+
+test_a_specialist_token_carries_invoke if {
+	tokens.decision.allow with input as request("sql-analyst", "specialist", ["agent:invoke"])
+}
+
+test_a_scope_the_audience_does_not_act_on_is_refused if {
+	d := tokens.decision with input as request("sql-analyst", "specialist", ["registry:admin"])
+	not d.allow
+	d.reasons == ["scope registry:admin is not one that sql-analyst (specialist) acts on"]
+}
+
+test_a_tool_server_gets_the_scopes_of_its_own_tools_only if {
+	tokens.decision.allow with input as request("mcp-sql", "mcp_server", ["sql:query"])
+	not tokens.decision.allow with input as request("mcp-sql", "mcp_server", ["cases:write"])
+}
+
+test_registry_changes_are_never_delegated if {
+	exchanged := object.union(request("registry", "registry", ["registry:read", "registry:write"]), {
+		"grant": "token_exchange",
+		"subject": "operator",
+		"actors": ["coordinator"],
+	})
+	d := tokens.decision with input as exchanged
+	d.reasons == ["scope registry:write cannot be delegated"]
+	tokens.decision.allow with input as request("registry", "registry", ["registry:read", "registry:write"])
+}
+
+test_a_tenant_kept_off_a_server_is_refused if {
+	d := tokens.decision with input as request("mcp-cases", "mcp_server", ["cases:write"])
+		with data.config.tokens.tenant_denied_audiences as {"acme": ["mcp-cases"]}
+	d.reasons == ["tenant acme may not use mcp-cases"]
+}
+
+test_a_server_registered_at_run_time_gets_the_scopes_its_tools_declare if {
+	registered := object.union(request("mcp-warehouse", "mcp_server", ["sql:query"]), {
+		"audience": {"id": "mcp-warehouse", "kind": "mcp_server", "scopes": ["sql:query"]},
+	})
+	tokens.decision.allow with input as registered
+	not tokens.decision.allow with input as object.union(registered, {"scopes": ["cases:write"]})
+	# a server named in data gets only what data says, whatever it declares
+	named := object.union(registered, {"audience": {"id": "mcp-sql", "kind": "mcp_server", "scopes": ["cases:write"]}})
+	not tokens.decision.allow with input as object.union(named, {"scopes": ["cases:write"]})
+}
