@@ -179,6 +179,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         handler=handler,
         readiness=readiness,
         verifier=registry.verifier(),
+        rpc_verifier=registry.federated_verifier(),  # outside callers: over A2A only
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
         extra_routes=[

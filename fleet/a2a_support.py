@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fleet.errors import FleetError
 from fleet.keys import ALGORITHM, SigningKey
 from fleet.service import Readiness
-from fleet.tokens import Claims, TokenVerifier, bearer_token
+from fleet.tokens import BearerVerifier, Claims, bearer_token
 
 RPC_PATH = "/a2a/jsonrpc"
 
@@ -55,12 +55,16 @@ class BearerAuthMiddleware:
     def __init__(
         self,
         app: ASGIApp,
-        verifier: TokenVerifier,
+        verifier: BearerVerifier,
         required_scope: str,
         protected_prefixes: tuple[str, ...] = (RPC_PATH,),
+        rpc_verifier: BearerVerifier | None = None,
     ) -> None:
+        """``rpc_verifier``: another verifier for the A2A JSON-RPC path only (the coordinator's,
+        which also takes outside issuers' tokens there, and nowhere else)."""
         self._app = app
         self._verifier = verifier
+        self._rpc_verifier = rpc_verifier or verifier
         self._scope = required_scope
         self._prefixes = protected_prefixes
 
@@ -70,8 +74,9 @@ class BearerAuthMiddleware:
             return
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        verifier = self._rpc_verifier if scope["path"].startswith(RPC_PATH) else self._verifier
         try:
-            claims = await self._verifier.verify(bearer_token(authorization), required_scopes=[self._scope])
+            claims = await verifier.verify(bearer_token(authorization), required_scopes=[self._scope])
         except FleetError as exc:
             await _deny(send, exc)
             return
@@ -201,11 +206,12 @@ def a2a_app(
     card: AgentCard,
     handler: DefaultRequestHandler,
     readiness: Readiness,
-    verifier: TokenVerifier,
+    verifier: BearerVerifier,
     required_scope: str,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]],
     extra_routes: Sequence[BaseRoute] = (),
     protected_prefixes: tuple[str, ...] = (RPC_PATH,),
+    rpc_verifier: BearerVerifier | None = None,
 ) -> Starlette:
     """An A2A agent's app: ``/healthz`` and the card are public; JSON-RPC (and any other
     ``protected_prefixes``) need a token for this agent."""
@@ -223,6 +229,7 @@ def a2a_app(
         verifier=verifier,
         required_scope=required_scope,
         protected_prefixes=protected_prefixes,
+        rpc_verifier=rpc_verifier,
     )
     return app
 

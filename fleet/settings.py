@@ -8,10 +8,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_ISSUER = "fleet-registry"
+
+
+class ExternalIssuer(BaseModel):
+    """An identity provider outside the fleet whose access tokens the coordinator accepts (from
+    ``FLEET_EXTERNAL_ISSUERS``, a JSON list of these). Its tokens are verified against its JWKS
+    and mapped: the caller becomes ``NAME:SUB``, acts in ``tenant`` (whatever the token claims)
+    with ``scopes`` (the provider authenticates; this mapping authorises)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
+    issuer: str = Field(min_length=1)
+    jwks_url: str = Field(pattern=r"^https?://")
+    audience: str = Field(min_length=1, description="the aud its tokens must name for this fleet")
+    tenant: str = Field(min_length=1)
+    scopes: list[str] = Field(default_factory=lambda: ["agent:invoke"])
+    algorithms: list[str] = Field(default_factory=lambda: ["ES256", "RS256"])
+    max_lifetime_s: int = Field(default=3600, gt=0, description="refuse tokens that live longer")
+
+    def principal(self, sub: str) -> str:
+        return f"{self.name}:{sub}"
 
 
 class FleetSettings(BaseSettings):
@@ -51,6 +70,10 @@ class ServiceSettings(BaseSettings):
     )
     card_refresh_s: float = Field(
         default=30.0, description="the registry checks every agent's card again this often (0: never)"
+    )
+    external_issuers: list[ExternalIssuer] = Field(
+        default_factory=list,
+        description="identity providers outside the fleet whose tokens the coordinator accepts (JSON)",
     )
 
     def local_state_dir(self) -> Path:

@@ -13,6 +13,8 @@ key id, the audience, the claimed subject: never the token).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import re
 import time
@@ -23,11 +25,13 @@ from typing import Any, Protocol
 
 import httpx
 import jwt
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from jwt.algorithms import RSAAlgorithm
 
 from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
+from fleet.settings import ExternalIssuer
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +77,22 @@ class Claims:
         return tuple(chain)
 
 
-KeyLookup = Callable[[str], Awaitable[ec.EllipticCurvePublicKey | None]]
+PublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
+KeyLookup = Callable[[str], Awaitable[PublicKey | None]]
+KeyParser = Callable[[dict[str, Any]], PublicKey]
+MIN_RSA_BITS = 2048
+
+
+def any_public_key(jwk: dict[str, Any]) -> PublicKey:
+    """An EC P-256 or an RSA (at least 2048-bit) public key from a JWK: what outside issuers use."""
+    if jwk.get("kty") == "RSA":
+        key = RSAAlgorithm.from_jwk(json.dumps({k: jwk[k] for k in ("kty", "n", "e")}))
+        if not isinstance(key, rsa.RSAPublicKey) or key.key_size < MIN_RSA_BITS:
+            raise ValueError("an RSA JWK must be a public key of at least 2048 bits")
+        return key
+    return public_key_from_jwk(jwk)
+
+
 _MAX_AGE = re.compile(r"max-age=(\d+)")
 
 
@@ -90,10 +109,14 @@ class JwksCache:
         *,
         min_refresh_interval_s: float = 1.0,
         default_max_age_s: float = 60.0,
+        parse: KeyParser = public_key_from_jwk,
     ) -> None:
+        """``parse``: how a JWK becomes a key (the fleet's own: EC P-256 only); one it refuses is
+        left out."""
         self._url = jwks_url
         self._http = http
-        self._keys: dict[str, ec.EllipticCurvePublicKey] = {}
+        self._parse = parse
+        self._keys: dict[str, PublicKey] = {}
         self._last_fetch = 0.0
         self._fresh_until = 0.0
         self._min_refresh = min_refresh_interval_s
@@ -101,7 +124,7 @@ class JwksCache:
         self._forgotten: set[str] = set()
         self._lock = asyncio.Lock()
 
-    async def get(self, kid: str) -> ec.EllipticCurvePublicKey | None:
+    async def get(self, kid: str) -> PublicKey | None:
         if kid in self._forgotten:
             return None
         arrived = time.monotonic()
@@ -145,10 +168,10 @@ class JwksCache:
             raise FleetError(
                 ErrorCode.DEPENDENCY_UNAVAILABLE, "cannot fetch the issuer's JWKS", retryable=True
             ) from exc
-        keys: dict[str, ec.EllipticCurvePublicKey] = {}
+        keys: dict[str, PublicKey] = {}
         for jwk in document.get("keys", []):
             try:
-                keys[jwk["kid"]] = public_key_from_jwk(jwk)
+                keys[jwk["kid"]] = self._parse(jwk)
             except (KeyError, ValueError):
                 continue
         self._keys = keys
@@ -209,6 +232,10 @@ class TokenVerifier:
     def audience(self) -> str:
         return self._audience
 
+    @property
+    def issuer(self) -> str:
+        return self._issuer
+
     async def verify(self, token: str, *, required_scopes: Iterable[str] = ()) -> Claims:
         """Return the token's claims, or raise :class:`AuthError` (never returns a partial result).
         Every refusal is logged."""
@@ -235,30 +262,9 @@ class TokenVerifier:
         key = await self._keys(kid)
         if key is None:
             raise AuthError("token signed by an unknown key")
-        try:
-            raw: dict[str, Any] = jwt.decode(
-                token,
-                key,
-                algorithms=list(ALLOWED_ALGORITHMS),
-                audience=self._audience,
-                issuer=self._issuer,
-                leeway=self._leeway,
-                options={"require": list(REQUIRED_CLAIMS)},
-            )
-        except jwt.ExpiredSignatureError as exc:
-            raise AuthError("token expired") from exc
-        except jwt.ImmatureSignatureError as exc:
-            raise AuthError("token not valid yet") from exc
-        except jwt.InvalidAudienceError as exc:
-            raise AuthError("token is not meant for this service") from exc
-        except jwt.InvalidIssuerError as exc:
-            raise AuthError("token from another issuer") from exc
-        except jwt.MissingRequiredClaimError as exc:
-            raise AuthError(f"token lacks the {exc.claim} claim") from exc
-        except jwt.InvalidSignatureError as exc:
-            raise AuthError("token signature does not verify") from exc
-        except jwt.PyJWTError as exc:
-            raise AuthError(f"invalid token: {type(exc).__name__}") from exc
+        raw = _decode(
+            token, key, list(ALLOWED_ALGORITHMS), self._audience, self._issuer, self._leeway, REQUIRED_CLAIMS
+        )
         if raw.get("token_use", "access") != "access" and not (
             self._run_grants and raw["token_use"] == "run_grant"
         ):
@@ -279,6 +285,146 @@ class TokenVerifier:
         if missing:
             raise FleetError(ErrorCode.FORBIDDEN, f"token lacks scope {' '.join(missing)}")
         return claims
+
+
+def _decode(
+    token: str,
+    key: PublicKey,
+    algorithms: list[str],
+    audience: str,
+    issuer: str,
+    leeway: int,
+    required: Iterable[str],
+) -> dict[str, Any]:
+    """The verified claims, or :class:`AuthError` saying which check failed."""
+    try:
+        raw: dict[str, Any] = jwt.decode(
+            token,
+            key,
+            algorithms=algorithms,
+            audience=audience,
+            issuer=issuer,
+            leeway=leeway,
+            options={"require": list(required)},
+        )
+    except jwt.ExpiredSignatureError as exc:
+        raise AuthError("token expired") from exc
+    except jwt.ImmatureSignatureError as exc:
+        raise AuthError("token not valid yet") from exc
+    except jwt.InvalidAudienceError as exc:
+        raise AuthError("token is not meant for this service") from exc
+    except jwt.InvalidIssuerError as exc:
+        raise AuthError("token from another issuer") from exc
+    except jwt.MissingRequiredClaimError as exc:
+        raise AuthError(f"token lacks the {exc.claim} claim") from exc
+    except jwt.InvalidSignatureError as exc:
+        raise AuthError("token signature does not verify") from exc
+    except jwt.PyJWTError as exc:
+        raise AuthError(f"invalid token: {type(exc).__name__}") from exc
+    return raw
+
+
+class BearerVerifier(Protocol):
+    """What verifies the bearer tokens of a service (:class:`TokenVerifier` and its kin)."""
+
+    async def verify(self, token: str, *, required_scopes: Iterable[str] = ()) -> Claims: ...
+
+
+EXTERNAL_ALGORITHMS = ("ES256", "RS256")
+EXTERNAL_REQUIRED_CLAIMS = ("exp", "iat", "iss", "aud", "sub")
+
+
+class ExternalTokenVerifier:
+    """Verifies access tokens of one :class:`~fleet.settings.ExternalIssuer` and maps them into the
+    fleet: the caller is ``NAME:SUB`` in the issuer's tenant with its scopes. Nothing else of the
+    token is taken (a ``tenant``, ``act`` or ``run_id`` it carries means nothing here). Tokens
+    that live longer than ``max_lifetime_s`` are refused: an outside token is a bearer credential
+    the fleet cannot revoke."""
+
+    def __init__(
+        self,
+        issuer: ExternalIssuer,
+        http: httpx.AsyncClient,
+        *,
+        revocations: Revocations | None = None,
+        leeway_s: int = DEFAULT_LEEWAY_S,
+    ) -> None:
+        self.issuer = issuer
+        self._jwks = JwksCache(issuer.jwks_url, http, parse=any_public_key)
+        self._revocations = revocations
+        self._leeway = leeway_s
+        self._algorithms = [a for a in issuer.algorithms if a in EXTERNAL_ALGORITHMS]
+
+    async def verify(self, token: str, *, required_scopes: Iterable[str] = ()) -> Claims:
+        try:
+            return await self._verify(token, required_scopes)
+        except FleetError as exc:
+            _log_refusal(token, self.issuer.audience, exc)
+            raise
+
+    async def _verify(self, token: str, required_scopes: Iterable[str]) -> Claims:
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError as exc:
+            raise AuthError("malformed token") from exc
+        alg = header.get("alg")
+        if alg not in self._algorithms:
+            raise AuthError("token algorithm not allowed")
+        kid = header.get("kid")
+        if not isinstance(kid, str):
+            raise AuthError("token has no key id")
+        if self._revocations is not None and self._revocations.check(kid):
+            raise AuthError("token signed by a revoked key")
+        key = await self._jwks.get(kid)
+        if key is None:
+            raise AuthError("token signed by an unknown key")
+        if (alg == "ES256") != isinstance(key, ec.EllipticCurvePublicKey):
+            raise AuthError("token algorithm does not match its key")
+        issuer = self.issuer
+        raw = _decode(
+            token, key, [str(alg)], issuer.audience, issuer.issuer, self._leeway, EXTERNAL_REQUIRED_CLAIMS
+        )
+        if int(raw["exp"]) - int(raw["iat"]) > issuer.max_lifetime_s:
+            raise AuthError(f"token lives longer than {issuer.max_lifetime_s} s")
+        principal = issuer.principal(str(raw["sub"]))
+        scopes = frozenset(issuer.scopes)
+        jti = str(raw.get("jti") or hashlib.sha256(token.encode()).hexdigest()[:32])
+        mapped = {
+            "iss": raw["iss"],
+            "sub": principal,
+            "tenant": issuer.tenant,
+            "scope": " ".join(sorted(scopes)),
+            "exp": int(raw["exp"]),
+            "jti": jti,
+            "ext_issuer": issuer.name,
+            "ext_kid": kid,
+        }
+        missing = [s for s in required_scopes if s not in scopes]
+        if missing:
+            raise FleetError(ErrorCode.FORBIDDEN, f"token lacks scope {' '.join(missing)}")
+        return Claims(principal, issuer.tenant, issuer.audience, scopes, jti, int(raw["exp"]), mapped, token)
+
+
+class FederatedVerifier:
+    """The fleet's own tokens, and those of the configured outside issuers (each to its own
+    verifier, chosen by the token's ``iss``; any other issuer is the fleet's verifier's to refuse)."""
+
+    def __init__(self, own: TokenVerifier, external: Iterable[ExternalTokenVerifier]) -> None:
+        self._own = own
+        self._external = {v.issuer.issuer: v for v in external}
+
+    async def verify(self, token: str, *, required_scopes: Iterable[str] = ()) -> Claims:
+        try:
+            issuer = jwt.decode(token, options={"verify_signature": False}).get("iss")
+        except jwt.PyJWTError:
+            issuer = None
+        if isinstance(issuer, str) and issuer in self._external:
+            return await self._external[issuer].verify(token, required_scopes=required_scopes)
+        if isinstance(issuer, str) and issuer != self._own.issuer:
+            refused = AuthError("token from another issuer (not one this service trusts)")
+            _log_refusal(token, self._own.audience, refused)
+            raise refused
+        return await self._own.verify(token, required_scopes=required_scopes)
 
 
 def _log_refusal(token: str, audience: str, exc: FleetError) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ from fleet.tokens import (
     CLIENT_ASSERTION_TYPE,
     RUN_GRANT_TYPE,
     TOKEN_EXCHANGE,
+    ExternalTokenVerifier,
     KeyLookup,
     TokenVerifier,
 )
@@ -92,9 +93,11 @@ class TokenService:
         keys: KeyLookup | None = None,
         *,
         policy: PolicyEngine,
+        external: Iterable[ExternalTokenVerifier] = (),
     ) -> None:
         self._store = store
         self._policy = policy
+        self._external = {v.issuer.issuer: v for v in external}
         self._keys: KeyLookup = keys or self._own_key
         self.key = key  # the issuer's signing key; replaced when the registry rotates it
         self._issuer = issuer
@@ -188,6 +191,8 @@ class TokenService:
             typ = jwt.get_unverified_header(token).get("typ")
         except jwt.PyJWTError as exc:
             raise OAuthError("invalid_grant", "the subject token is malformed") from exc
+        if kind == ACCESS_TOKEN_TYPE and unverified.get("iss") in self._external:
+            return await self._outside_subject(client, token, self._external[str(unverified["iss"])])
         audience = client.id
         if kind == RUN_GRANT_TYPE:
             if typ != "run-grant+jwt" or unverified.get("token_use") != "run_grant":
@@ -217,6 +222,21 @@ class TokenService:
         if record is not None:
             self._servers[server_id] = (time.monotonic(), declared)
         return declared
+
+    async def _outside_subject(
+        self, client: IdentityRecord, token: str, verifier: ExternalTokenVerifier
+    ) -> dict[str, Any]:
+        """The subject of an outside issuer's token, as the coordinator accepted it: only the
+        coordinator may pass one on (it is the one the fleet's outside callers address), and only
+        what the issuer's mapping says is taken (see ``fleet.tokens.ExternalTokenVerifier``)."""
+        if client.kind != "coordinator":
+            raise OAuthError("invalid_grant", "only the coordinator passes on an outside issuer's token")
+        try:
+            claims = await verifier.verify(token)
+        except FleetError as exc:
+            raise OAuthError("invalid_grant", f"the subject token is refused: {exc.message}") from exc
+        mapped = claims.raw
+        return {k: mapped[k] for k in ("sub", "tenant", "scope")} | {"client_kid": mapped["ext_kid"]}
 
     async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str]:
         """The client and the key id it proved it holds."""

@@ -18,7 +18,14 @@ from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
-from fleet.tokens import JwksCache, TokenClient, TokenVerifier
+from fleet.tokens import (
+    BearerVerifier,
+    ExternalTokenVerifier,
+    FederatedVerifier,
+    JwksCache,
+    TokenClient,
+    TokenVerifier,
+)
 from registry._records import AgentRecord, McpServerRecord
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,15 @@ class RegistryClient:
             audience=audience or self._settings.service_id,
             revocations=self.revocations,
         )
+
+    def federated_verifier(self) -> BearerVerifier:
+        """:meth:`verifier`, that also takes the tokens of the configured outside issuers
+        (``external_issuers``), each mapped to its tenant."""
+        external = [
+            ExternalTokenVerifier(issuer, self._http, revocations=self.revocations)
+            for issuer in self._settings.external_issuers
+        ]
+        return FederatedVerifier(self.verifier(), external) if external else self.verifier()
 
     async def follow_revocations(self) -> None:
         """Read the revoked keys and follow new revocations (every service does, when it joins)."""

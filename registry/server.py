@@ -27,7 +27,7 @@ from fleet.natsconn import connect
 from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
-from fleet.tokens import RUN_GRANT_TYPE, Claims, TokenVerifier, bearer_token
+from fleet.tokens import RUN_GRANT_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
 from policy import RegorusEngine
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
@@ -376,6 +376,10 @@ def build_app(settings: ServiceSettings) -> Starlette:
                         revocations,
                         own_key,
                         policy=RegorusEngine.from_dir(settings.policy_dir),
+                        external=[
+                            ExternalTokenVerifier(issuer, http, revocations=revocations)
+                            for issuer in settings.external_issuers
+                        ],
                     ),
                     enrollment=Enrollment(store, operator_key),
                     verifier=TokenVerifier(

@@ -26,7 +26,7 @@ from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 
 if TYPE_CHECKING:
-    from tests.e2e.identities import Impostor
+    from tests.e2e.identities import Impostor, PartnerIdp
 
 STACK_START_TIMEOUT_S = 180
 
@@ -138,9 +138,20 @@ TEST_PUSH_HOSTS = {"FLEET_PUSH_ALLOWED_HOSTS": "127.0.0.1"}
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def partner_idp() -> Iterator[PartnerIdp]:
+    """An identity provider outside the fleet that the shared stack trusts (``identities.py``)."""
+    from tests.e2e.identities import PartnerIdp  # it builds on this module
+
+    idp = PartnerIdp()
+    yield idp
+    idp.close()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, partner_idp: PartnerIdp) -> Iterator[Stack]:
     """One stack shared by the tests that do not break it."""
-    running = start_stack(tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS))
+    outside = {"FLEET_EXTERNAL_ISSUERS": json.dumps([partner_idp.config()])}
+    running = start_stack(tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS, **outside))
     yield running
     stop_stack(running)
 

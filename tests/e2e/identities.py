@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jwt
 import uvicorn
 from a2a.types import AgentSkill
+from cryptography.hazmat.primitives.asymmetric import rsa
 from google.protobuf.json_format import MessageToDict
+from jwt.algorithms import RSAAlgorithm
 from mcp.server.mcpserver import MCPServer
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -191,3 +198,69 @@ async def team_mcp_server(stack: Stack, tmp: Path, scope: str) -> AsyncIterator[
             server.should_exit = True
             await task
             await registry.aclose()
+
+
+class PartnerIdp:
+    """An identity provider outside the fleet (a partner company's): an RS256 and an ES256 key, and
+    its JWKS served over HTTP from a thread (it outlives every test's event loop). The shared stack
+    trusts it (``FLEET_EXTERNAL_ISSUERS``), mapped to the tenant ``globex``."""
+
+    name = "partner"
+    issuer = "https://idp.partner.example"
+    audience = "agent-fleet"
+    tenant = "globex"
+
+    def __init__(self) -> None:
+        self.es_key = SigningKey.generate()
+        self.rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        rsa_jwk = json.loads(RSAAlgorithm.to_jwk(self.rsa_key.public_key()))
+        jwks = json.dumps(
+            {"keys": [self.es_key.public_jwk(), {**rsa_jwk, "kid": "partner-rsa", "alg": "RS256"}]}
+        )
+
+        class Jwks(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(jwks.encode())
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Jwks)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.jwks_url = f"http://127.0.0.1:{self._server.server_address[1]}/jwks.json"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "issuer": self.issuer,
+            "jwks_url": self.jwks_url,
+            "audience": self.audience,
+            "tenant": self.tenant,
+        }
+
+    def claims(self, sub: str = "alice", **overrides: Any) -> dict[str, Any]:
+        now = int(time.time())
+        claims = {
+            "iss": self.issuer,
+            "sub": sub,
+            "aud": self.audience,
+            "iat": now,
+            "exp": now + 600,
+            **overrides,
+        }
+        return {k: v for k, v in claims.items() if v is not None}
+
+    def token(self, sub: str = "alice", **overrides: Any) -> str:
+        """An RS256 token, as most providers sign them."""
+        claims = self.claims(sub, **overrides)
+        return jwt.encode(claims, self.rsa_key, algorithm="RS256", headers={"kid": "partner-rsa"})
+
+    def es256_token(self, sub: str = "alice", **overrides: Any) -> str:
+        return self.es_key.sign(self.claims(sub, **overrides))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -41,7 +41,7 @@ from tests.e2e.conftest import (
     token_claims,
     user_message,
 )
-from tests.e2e.identities import Impostor, card_server, serve_card, team_mcp_server
+from tests.e2e.identities import Impostor, PartnerIdp, card_server, serve_card, team_mcp_server
 from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e
@@ -671,3 +671,70 @@ async def test_an_mcp_server_registered_at_run_time_shows_to_the_agents_whose_sc
             })).json()["url"]  # fmt: skip
         answer = await call_tool(url, token, "whoami")
         assert answer == {"sub": "operator", "tenant": "globex", "actors": ["sql-analyst"]}
+
+
+async def rpc_status(stack: Stack, token: str, path: str = "/a2a/jsonrpc") -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "GetTask", "params": {"id": "x"}}
+        return await http.post(
+            stack.endpoints["coordinator"] + path, json=body, headers={"Authorization": f"Bearer {token}"}
+        )
+
+
+async def test_an_outside_issuers_caller_acts_in_its_mapped_tenant_down_the_chain(
+    stack: Stack, partner_idp: PartnerIdp
+) -> None:
+    # The partner's token claims another tenant and a chain of its own: neither means anything here.
+    token = partner_idp.token("alice", tenant="acme", act={"sub": "coordinator"})
+    plan = {
+        "steps": [
+            {"skill": "sql-query", "input": {"sql": "SELECT DISTINCT tenant_id FROM tenant_data.invoices"}}
+        ]
+    }
+    outcome = await send(stack, user_message(data=plan), token=token)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome
+    assert "globex" in json.dumps(outcome.result) and "acme" not in json.dumps(outcome.result)
+    line = await logged(stack, "mcp-sql", "tool=query sub=partner:alice actors=sql-analyst>worker-")
+    assert f"coordinator run={outcome.task_id} tenant=globex" in line, line
+    assert (await rpc_status(stack, partner_idp.es256_token("bob"))).status_code != 401  # ES256 too
+
+
+OUTSIDE_REFUSED: dict[str, tuple[Callable[[PartnerIdp], str], str]] = {
+    "wrong audience": (lambda idp: idp.token(aud="coordinator"), "not meant for this service"),
+    "expired": (lambda idp: idp.token(iat=1_700_000_000, exp=1_700_000_300), "token expired"),
+    "lives too long": (lambda idp: idp.token(exp=int(time.time()) + 7200), "lives longer than 3600"),
+    "unknown key": (
+        lambda idp: SigningKey.generate().sign(idp.claims()),
+        "unknown key",
+    ),
+    "another outside issuer": (
+        lambda idp: idp.token(iss="https://idp.elsewhere.example"),
+        "another issuer",
+    ),
+    "HS256": (
+        lambda idp: jwt.encode(idp.claims(), "secret-of-32-bytes-at-least-0123456789", algorithm="HS256"),
+        "algorithm not allowed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTSIDE_REFUSED))
+async def test_a_bad_outside_token_is_refused_and_logged(
+    stack: Stack, partner_idp: PartnerIdp, case: str
+) -> None:
+    make, reason = OUTSIDE_REFUSED[case]
+    token = make(partner_idp)
+    refused = await rpc_status(stack, token)
+    assert refused.status_code == 401, refused.text
+    assert reason in refused.text
+    await logged(stack, "coordinator", reason, jwt.decode(token, options={"verify_signature": False})["iss"])
+
+
+async def test_an_outside_token_is_good_for_a2a_only_and_cannot_be_passed_on_by_a_specialist(
+    stack: Stack, partner_idp: PartnerIdp
+) -> None:
+    token = partner_idp.token("alice")
+    assert (await rpc_status(stack, token, "/v1/runs")).status_code == 401  # the run API: fleet tokens only
+    async with httpx.AsyncClient() as http:
+        analyst = acting_as(stack, "sql-analyst", http)
+        assert "only the coordinator" in await exchange_refused(analyst, token, "mcp-sql", ["sql:query"])
