@@ -16,10 +16,27 @@ about an operation, or cancelling one, is the fleet's own supervision: it goes i
 
 A run no caller started (a trigger's) has no grant: its calls go in the worker's own name (a
 client-credentials token for the run's tenant).
+
+**Agents outside the fleet.** An agent whose identity was enrolled as external (another
+organisation runs it) is called differently:
+
+* its token comes from its card: the OAuth 2 client-credentials scheme of its security schemes
+  names the token endpoint and the scopes (card-driven auth: no per-agent client configuration).
+  The worker authenticates there with its own key (``private_key_jwt``; the assertion is addressed
+  to that endpoint, so it is worth nothing anywhere else), asking for the scheme's scopes with the
+  agent's URL as ``resource`` and ``audience``. The caller's grant never leaves the fleet: the
+  outside agent sees the worker, not who asked.
+* what is sent passes the egress policy (``fleet.egress.decision``): it may refuse the step, and
+  names the input fields to withhold; secrets are redacted from the rest whatever it says.
+* its answer passes ``fleet.egress.answer``: it may refuse it (e.g. too large), and says whether
+  later steps may act on it; one they may not is kept, marked :data:`~coordinator.plan.UNTRUSTED`,
+  and a later step that takes input from it fails ``policy_denied``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,10 +58,15 @@ from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
 
+from coordinator.plan import UNTRUSTED
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, OPERATION_METADATA_KEY, cancel_url, status_url
-from fleet.tokens import RUN_GRANT_TYPE, Claims
+from fleet.redact import redact
+from fleet.tokens import RUN_GRANT_TYPE, Claims, TokenClient
+from policy import Decision, PolicyEngine
 from registry import AgentRecord, RegistryClient
+
+log = logging.getLogger(__name__)
 
 INVOKE_SCOPE = "agent:invoke"
 DISCOVERY_TTL_S = 5.0  # how stale a skill's list of specialists may be (a registry change shows within it)
@@ -82,11 +104,19 @@ class Delegator:
     """Finds specialists and calls them."""
 
     def __init__(
-        self, registry: RegistryClient, http: httpx.AsyncClient, grants: GrantLookup | None = None
+        self,
+        registry: RegistryClient,
+        http: httpx.AsyncClient,
+        grants: GrantLookup | None = None,
+        engine: PolicyEngine | None = None,
     ) -> None:
+        """``engine``: the policy that steps to agents outside the fleet pass (without one, such
+        steps are refused: closed)."""
         self._registry = registry
         self._http = http
         self._grants = grants
+        self._engine = engine
+        self._outside: dict[str, TokenClient] = {}  # token clients of outside token endpoints, by URL
         self._grant_of: dict[str, str | None] = {}  # by run id; a run's grant never changes
         self._factory = ClientFactory(ClientConfig(streaming=True, httpx_client=http))
         self._known: dict[str, AgentRecord] = {}
@@ -149,27 +179,29 @@ class Delegator:
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
         (see the module's doc)."""
+        sent = self._egress(agent, skill, payload, tenant) if agent.external else payload
         message = Message(
             role=Role.ROLE_USER,
             message_id=uuid.uuid4().hex,
-            parts=[new_data_part({"skill": skill, "input": payload})],
+            parts=[new_data_part({"skill": skill, "input": sent})],
         )
         if operation_id is not None:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
         client = self._client(agent)
         try:
             for attempt in (1, 2):
-                token = await self._token(agent.id, tenant, run_id)
+                token = await self._agent_token(agent, tenant, run_id)
                 context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
-                    return await _collect(stream, agent.id, progress, activity or _idle)
+                    result = await _collect(stream, agent.id, progress, activity or _idle)
+                    return self._answer(agent, skill, tenant, result) if agent.external else result
                 except A2AClientError as exc:
                     if attempt == 2 or not _unauthenticated(exc):
                         raise
                     # Refused before it was read (a 401): the token went stale in the cache (a
                     # revocation, a rotation). Once more with a new one, which says why if it can't.
-                    self._registry.tokens.discard(token)
+                    self._token_client(agent).discard(token)
             raise AssertionError("unreachable")
         except A2AClientError as exc:
             cause = exc.__cause__
@@ -190,6 +222,79 @@ class Delegator:
         return await self._registry.tokens.exchange(
             caller.token, requested_type=RUN_GRANT_TYPE, run_id=run_id
         )
+
+    def _token_client(self, agent: AgentRecord) -> TokenClient:
+        """Where tokens for ``agent`` come from: the fleet's registry, or (an agent outside the
+        fleet) the token endpoint its card names."""
+        if not agent.external:
+            return self._registry.tokens
+        token_url, _ = _card_oauth(agent)
+        if token_url == self._registry.token_url:
+            return self._registry.tokens
+        client = self._outside.get(token_url)
+        if client is None:
+            client = self._registry.tokens_at(token_url)
+            self._outside[token_url] = client
+        return client
+
+    async def _agent_token(self, agent: AgentRecord, tenant: str, run_id: str) -> str:
+        if not agent.external:
+            return await self._token(agent.id, tenant, run_id)
+        _, scopes = _card_oauth(agent)
+        return await self._token_client(agent).token(agent.url, tenant, scopes, resource=agent.url)
+
+    def _egress(self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str) -> dict[str, Any]:
+        """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``."""
+        decision = self._decide(
+            "fleet.egress.decision",
+            {
+                "tenant": tenant,
+                "agent": {"id": agent.id, "url": agent.url},
+                "skill": skill,
+                "fields": sorted(payload),
+            },
+        )
+        if not decision.allow:
+            raise FleetError(
+                ErrorCode.POLICY_DENIED,
+                f"egress to {agent.id} refused: {'; '.join(decision.reasons)} (decision {decision.decision_id})",
+            )
+        withheld = {str(f) for f in decision.result.get("withhold", [])}
+        log.info(
+            "egress to %s (%s): withheld %s (decision %s)",
+            agent.id,
+            skill,
+            sorted(withheld),
+            decision.decision_id,
+        )
+        sent: dict[str, Any] = redact({k: v for k, v in payload.items() if k not in withheld})[0]
+        return sent
+
+    def _answer(self, agent: AgentRecord, skill: str, tenant: str, result: dict[str, Any]) -> dict[str, Any]:
+        """``agent``'s answer as the egress policy lets it be used (see the module's doc)."""
+        if result.get("status") in ASKING_STATES.values():
+            return result  # a question for a person, who sees it before anything acts on it
+        decision = self._decide(
+            "fleet.egress.answer",
+            {
+                "tenant": tenant,
+                "agent": {"id": agent.id, "url": agent.url},
+                "skill": skill,
+                "fields": sorted(result),
+                "size": len(json.dumps(result, default=str)),
+            },
+        )
+        if not decision.allow:
+            raise FleetError(
+                ErrorCode.POLICY_DENIED,
+                f"the answer of {agent.id} is refused: {'; '.join(decision.reasons)} (decision {decision.decision_id})",
+            )
+        return result if decision.result.get("act") is True else {**result, UNTRUSTED: agent.id}
+
+    def _decide(self, path: str, document: dict[str, Any]) -> Decision:
+        if self._engine is None:
+            raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "no egress policy here: nothing leaves the fleet")
+        return self._engine.decide(path, document)
 
     async def _token(self, agent_id: str, tenant: str, run_id: str) -> str:
         """A token for a call to ``agent_id`` for the run: from its grant if a caller started it."""
@@ -250,7 +355,7 @@ class Delegator:
             raise FleetError(
                 ErrorCode.CARD_INVALID, f"{agent.id} names an operation {what} URL outside its own origin"
             )
-        token = await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
+        token = await self._agent_token(agent, tenant, "")
         try:
             response = await self._http.request(
                 method,
@@ -320,6 +425,34 @@ def _fate_open(exc: A2AClientError) -> bool:
 def _origin(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     return parts.scheme, parts.netloc
+
+
+def _card_oauth(agent: AgentRecord) -> tuple[str, list[str]]:
+    """The token endpoint and scopes of the OAuth 2 client-credentials scheme ``agent``'s card names
+    (the first one, in the order of its security requirements), or ``card_invalid``."""
+    card = _card(agent)
+    for requirement in card.security_requirements:
+        for name in requirement.schemes:
+            scheme = card.security_schemes.get(name)
+            if scheme is None or not scheme.HasField("oauth2_security_scheme"):
+                continue
+            flows = scheme.oauth2_security_scheme.flows
+            if flows.HasField("client_credentials") and flows.client_credentials.token_url:
+                token_url = flows.client_credentials.token_url
+                if not _acceptable_token_url(token_url):
+                    raise FleetError(
+                        ErrorCode.CARD_INVALID, f"{agent.id} names a token endpoint over plain HTTP"
+                    )
+                return token_url, sorted(flows.client_credentials.scopes)
+    raise FleetError(ErrorCode.CARD_INVALID, f"{agent.id}'s card names no OAuth 2 client-credentials scheme")
+
+
+def _acceptable_token_url(url: str) -> bool:
+    """HTTPS, or HTTP to this machine (a local stack): a client assertion never travels in clear."""
+    parts = urlsplit(url)
+    return parts.scheme == "https" or (
+        parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1")
+    )
 
 
 def _card(agent: AgentRecord) -> AgentCard:

@@ -228,12 +228,24 @@ def _check_references(value: Any, earlier: set[str], step_id: str) -> None:
             _check_references(item, earlier, step_id)
 
 
+# Marks the result of an agent outside the fleet that policy does not let later steps act on (see
+# fleet.egress): the value is the agent's id.
+UNTRUSTED = "$untrusted"
+
+
 def resolve_input(value: Any, results: dict[str, Any]) -> Any:
-    """Replace every ``{"$from": "step.path.to.field"}`` with that part of an earlier result."""
+    """Replace every ``{"$from": "step.path.to.field"}`` with that part of an earlier result; a
+    result marked :data:`UNTRUSTED` cannot be taken (``policy_denied``)."""
     if isinstance(value, dict):
         if "$from" in value:
             step_id, _, path = str(value["$from"]).partition(".")
             current: Any = results.get(step_id)
+            if isinstance(current, dict) and UNTRUSTED in current:
+                raise FleetError(
+                    ErrorCode.POLICY_DENIED,
+                    f"{value['$from']}: step {step_id} was answered by {current[UNTRUSTED]}, outside the"
+                    " fleet, and the egress policy does not let its answer be acted on",
+                )
             for key in path.split(".") if path else []:
                 if not isinstance(current, dict) or key not in current:
                     raise PlanError(f"{value['$from']} is not in the result of step {step_id}")

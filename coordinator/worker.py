@@ -515,13 +515,14 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     saver = CompactCheckpointer(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
-    delegator = Delegator(registry, http, store.run_grant)
+    engine = RegorusEngine.from_dir(settings.policy_dir)
+    delegator = Delegator(registry, http, store.run_grant, engine)
     worker = RunWorker(
         build_graph(delegator, saver),
         store,
         ledger,
         delegator,
-        RegorusEngine.from_dir(settings.policy_dir),
+        engine,
         worker_id=f"{settings.service_id}:{os.getpid()}",
         lease_ttl_s=settings.lease_ttl_s,
     )

@@ -111,6 +111,21 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("--reason", default="", help="recorded with the revocation")
     with_dir(keys_sub.add_parser("rotate-registry", help="the registry signs with a new key from now on"))
     with_dir(keys_sub.add_parser("revoked", help="list the revoked keys"))
+    enroll = with_dir(
+        keys_sub.add_parser(
+            "enrollment-token",
+            help="print a one-time token with which an identity enrolls its key (valid 10 minutes)",
+        )
+    )
+    enroll.add_argument("identity", help="the identity's id, e.g. partner-fraud-check")
+    enroll.add_argument("--kind", default="specialist", choices=["specialist", "mcp_server", "worker"])
+    enroll.add_argument("--scope", action="append", default=[], help="a scope it may ask for (repeat)")
+    enroll.add_argument("--tenant", action="append", default=[], help="a tenant it may act for (repeat)")
+    enroll.add_argument(
+        "--external",
+        action="store_true",
+        help="run by another organisation: calls to it pass the egress policy",
+    )
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -187,6 +202,10 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
             operator_cli.publish_event(
                 layout, args.subject, args.data, args.id, args.tenant, type_, args.source
             )
+        )
+    if command == "keys" and args.keys_command == "enrollment-token":
+        return operator_cli.print_enrollment_token(
+            layout, args.identity, args.kind, args.scope, args.tenant, external=args.external
         )
     if command == "keys":
         return asyncio.run(

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -66,6 +66,32 @@ def operator_token_client(layout: StackLayout, token_url: str, http: httpx.Async
         key=SigningKey.load_or_create(key_file),
         http=http,
     )
+
+
+def print_enrollment_token(
+    layout: StackLayout,
+    identity: str,
+    kind: str,
+    scopes: list[str],
+    tenants: list[str],
+    *,
+    external: bool,
+) -> int:
+    """Print a one-time enrollment token for ``identity``, signed with the operator key of the data
+    dir: whoever holds it may enroll one key under that id, with those scopes and tenants."""
+    from deploy.local_stack import ServiceKind, ServiceSpec
+    from fleet.supervisor import enrollment_token
+
+    key_file = layout.key_file(OPERATOR_ID)
+    if not key_file.exists():
+        print(f"fleet: no operator key in {layout.keys_dir}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    if not tenants:
+        print("fleet: name at least one --tenant (or '*')", file=sys.stderr)
+        return EXIT_USAGE
+    spec = ServiceSpec(identity, cast("ServiceKind", kind), "", scopes=tuple(scopes), tenants=tuple(tenants))
+    print(enrollment_token(SigningKey.load_or_create(key_file), spec, external=external))
+    return EXIT_OK
 
 
 async def token(layout: StackLayout, audience: str, tenant: str, scopes: list[str]) -> int:

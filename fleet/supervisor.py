@@ -341,8 +341,9 @@ class Supervisor:
         return url
 
 
-def enrollment_token(operator: SigningKey, spec: ServiceSpec) -> str:
-    """A one-time enrollment token: the operator vouches that ``spec.id`` may enroll a key."""
+def enrollment_token(operator: SigningKey, spec: ServiceSpec, *, external: bool = False) -> str:
+    """A one-time enrollment token: the operator vouches that ``spec.id`` may enroll a key
+    (``external``: an agent another organisation runs; see ``IdentityRecord.external``)."""
     now = int(time.time())
     return operator.sign(
         {
@@ -355,6 +356,7 @@ def enrollment_token(operator: SigningKey, spec: ServiceSpec) -> str:
             "kind": spec.kind,
             "scopes": list(spec.scopes),
             "tenants": list(spec.tenants),
+            "external": external,
         },
         typ="enrollment+jwt",
     )

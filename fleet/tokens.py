@@ -525,10 +525,16 @@ class TokenClient:
         """Stop reusing ``token`` (a service refused it: it was revoked, or its key rotated away)."""
         self._cache = {k: c for k, c in self._cache.items() if c.token != token}
 
-    async def token(self, audience: str, tenant: str, scopes: Iterable[str] = ()) -> str:
+    async def token(
+        self, audience: str, tenant: str, scopes: Iterable[str] = (), *, resource: str = ""
+    ) -> str:
+        """A client-credentials token for ``audience``, ``tenant`` and ``scopes`` (and the RFC 8707
+        ``resource``, for a token endpoint outside the fleet that wants one)."""
         scope = " ".join(sorted(set(scopes)))
         cache_key = (audience, tenant, scope)
         form = {"grant_type": "client_credentials", "audience": audience, "tenant": tenant, "scope": scope}
+        if resource:
+            form["resource"] = resource
         return await self._request(cache_key, form)
 
     async def _request(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:

@@ -61,6 +61,7 @@ async def fetch_verified_card(
         ],
         card=MessageToDict(card),
         registered_at=time.time(),
+        external=identity.external,
     )
 
 

@@ -52,13 +52,19 @@ class Enrollment:
             scopes=[str(s) for s in claims.get("scopes", [])],
             tenants=[str(t) for t in claims.get("tenants", [])],
             enrolled_at=now,
+            external=claims.get("external") is True,
         )
         before = await self._store.identity(identity_id)
         if before is not None and before.kind == record.kind:
             # Enrolled again (a restart, or a new key): keys enrolled before stay usable for a grace
             # period, so that what they signed a moment ago (tokens, cards) still verifies.
             record = before.with_key(public, now, KEY_GRACE_S).model_copy(
-                update={"scopes": record.scopes, "tenants": record.tenants, "enrolled_at": now}
+                update={
+                    "scopes": record.scopes,
+                    "tenants": record.tenants,
+                    "enrolled_at": now,
+                    "external": record.external,
+                }
             )
         await self._store.put_identity(record)
         return record

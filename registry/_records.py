@@ -25,6 +25,9 @@ class IdentityRecord(BaseModel):
     scopes: list[str] = Field(default_factory=list)
     tenants: list[str] = Field(default_factory=list)
     enrolled_at: float
+    # Run by another organisation (a partner's agent): what the fleet sends it passes the egress
+    # policy, and its card says where to get a token for it (see coordinator.delegation).
+    external: bool = False
 
     def current_keys(self) -> dict[str, dict[str, Any]]:
         """The keys not being retired (those that may name a successor)."""
@@ -87,6 +90,7 @@ class AgentRecord(BaseModel):
     checked_at: float = 0.0
     failures: int = 0  # fetches failed in a row
     card_sha256: str = ""
+    external: bool = False  # its identity's (see IdentityRecord.external)
 
     @property
     def offered(self) -> bool:

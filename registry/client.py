@@ -66,6 +66,13 @@ class RegistryClient:
         self.revocations.on_revoke(lambda revoked: self.jwks.forget(revoked.kid))
         self._nats: NATS | None = None
 
+    def tokens_at(self, token_url: str) -> TokenClient:
+        """Tokens from another token endpoint (an outside agent's, named by its card), for which this
+        identity authenticates with its own key (``private_key_jwt``)."""
+        return TokenClient(
+            token_url=token_url, client_id=self._settings.service_id, key=self.key, http=self._http
+        )
+
     @property
     def url(self) -> str:
         return self._url
