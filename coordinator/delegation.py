@@ -245,20 +245,14 @@ class Delegator:
 
     def _egress(self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str) -> dict[str, Any]:
         """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``."""
-        decision = self._decide(
+        decision = self._egress_decision(
             "fleet.egress.decision",
-            {
-                "tenant": tenant,
-                "agent": {"id": agent.id, "url": agent.url},
-                "skill": skill,
-                "fields": sorted(payload),
-            },
+            f"egress to {agent.id} refused",
+            agent,
+            skill,
+            tenant,
+            fields=sorted(payload),
         )
-        if not decision.allow:
-            raise FleetError(
-                ErrorCode.POLICY_DENIED,
-                f"egress to {agent.id} refused: {'; '.join(decision.reasons)} (decision {decision.decision_id})",
-            )
         withheld = {str(f) for f in decision.result.get("withhold", [])}
         log.info(
             "egress to %s (%s): withheld %s (decision %s)",
@@ -274,27 +268,34 @@ class Delegator:
         """``agent``'s answer as the egress policy lets it be used (see the module's doc)."""
         if result.get("status") in ASKING_STATES.values():
             return result  # a question for a person, who sees it before anything acts on it
-        decision = self._decide(
+        decision = self._egress_decision(
             "fleet.egress.answer",
-            {
-                "tenant": tenant,
-                "agent": {"id": agent.id, "url": agent.url},
-                "skill": skill,
-                "fields": sorted(result),
-                "size": len(json.dumps(result, default=str)),
-            },
+            f"the answer of {agent.id} is refused",
+            agent,
+            skill,
+            tenant,
+            fields=sorted(result),
+            size=len(json.dumps(result, default=str)),
         )
-        if not decision.allow:
-            raise FleetError(
-                ErrorCode.POLICY_DENIED,
-                f"the answer of {agent.id} is refused: {'; '.join(decision.reasons)} (decision {decision.decision_id})",
-            )
         return result if decision.result.get("act") is True else {**result, UNTRUSTED: agent.id}
 
-    def _decide(self, path: str, document: dict[str, Any]) -> Decision:
+    def _egress_decision(
+        self, path: str, refused: str, agent: AgentRecord, skill: str, tenant: str, **facts: Any
+    ) -> Decision:
+        """The egress policy's decision at ``path``; ``policy_denied`` (``refused``: why) if it
+        does not allow, ``policy_unavailable`` if there is no policy here (closed)."""
         if self._engine is None:
             raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "no egress policy here: nothing leaves the fleet")
-        return self._engine.decide(path, document)
+        agent_facts = {"id": agent.id, "url": agent.url}
+        decision = self._engine.decide(
+            path, {"tenant": tenant, "agent": agent_facts, "skill": skill, **facts}
+        )
+        if not decision.allow:
+            reasons = "; ".join(decision.reasons)
+            raise FleetError(
+                ErrorCode.POLICY_DENIED, f"{refused}: {reasons} (decision {decision.decision_id})"
+            )
+        return decision
 
     async def _token(self, agent_id: str, tenant: str, run_id: str) -> str:
         """A token for a call to ``agent_id`` for the run: from its grant if a caller started it."""

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -246,15 +246,7 @@ class TokenVerifier:
             raise
 
     async def _verify(self, token: str, required_scopes: Iterable[str]) -> Claims:
-        try:
-            header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError as exc:
-            raise AuthError("malformed token") from exc
-        if header.get("alg") not in ALLOWED_ALGORITHMS:
-            raise AuthError("token algorithm not allowed")
-        kid = header.get("kid")
-        if not isinstance(kid, str):
-            raise AuthError("token has no key id")
+        header, kid = _header_of(token, ALLOWED_ALGORITHMS)
         if header.get("typ") == "run-grant+jwt" and not self._run_grants:
             raise AuthError("a run grant is not an access token")
         if self._revocations is not None and self._revocations.check(kid):
@@ -285,6 +277,21 @@ class TokenVerifier:
         if missing:
             raise FleetError(ErrorCode.FORBIDDEN, f"token lacks scope {' '.join(missing)}")
         return claims
+
+
+def _header_of(token: str, algorithms: Collection[str]) -> tuple[dict[str, Any], str]:
+    """The token's header and key id, or :class:`AuthError` (malformed, an algorithm not in
+    ``algorithms``, no key id)."""
+    try:
+        header = jwt.get_unverified_header(token)
+    except jwt.PyJWTError as exc:
+        raise AuthError("malformed token") from exc
+    if header.get("alg") not in algorithms:
+        raise AuthError("token algorithm not allowed")
+    kid = header.get("kid")
+    if not isinstance(kid, str):
+        raise AuthError("token has no key id")
+    return header, kid
 
 
 def _decode(
@@ -363,16 +370,8 @@ class ExternalTokenVerifier:
             raise
 
     async def _verify(self, token: str, required_scopes: Iterable[str]) -> Claims:
-        try:
-            header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError as exc:
-            raise AuthError("malformed token") from exc
-        alg = header.get("alg")
-        if alg not in self._algorithms:
-            raise AuthError("token algorithm not allowed")
-        kid = header.get("kid")
-        if not isinstance(kid, str):
-            raise AuthError("token has no key id")
+        header, kid = _header_of(token, self._algorithms)
+        alg = str(header["alg"])
         if self._revocations is not None and self._revocations.check(kid):
             raise AuthError("token signed by a revoked key")
         key = await self._jwks.get(kid)

@@ -7,7 +7,15 @@ from typing import Any
 import pytest
 
 from coordinator.graph import ready_steps
-from coordinator.plan import TIMER_SKILL, PlanError, dependencies, parse_steps, plan_request, resolve_input
+from coordinator.plan import (
+    TIMER_SKILL,
+    UNTRUSTED,
+    PlanError,
+    dependencies,
+    parse_steps,
+    plan_request,
+    resolve_input,
+)
 from fleet.errors import ErrorCode, FleetError
 from policy import RegorusEngine
 
@@ -45,6 +53,14 @@ def test_references_take_fields_of_earlier_results() -> None:
 def test_reference_to_a_missing_field_is_an_error() -> None:
     with pytest.raises(PlanError, match="not in the result"):
         resolve_input({"$from": "totals.nope"}, {"totals": {}})
+
+
+def test_an_answer_policy_does_not_let_be_acted_on_cannot_feed_a_step() -> None:
+    results = {"score": {"query": "DROP TABLE x", UNTRUSTED: "partner-1"}}
+    with pytest.raises(FleetError, match="answered by partner-1, outside the fleet") as refused:
+        resolve_input({"sql": {"$from": "score.query"}}, results)
+    assert refused.value.code == ErrorCode.POLICY_DENIED
+    assert resolve_input({"sql": "SELECT 1"}, results) == {"sql": "SELECT 1"}  # only a reference is refused
 
 
 def test_explicit_steps_win_over_text() -> None:

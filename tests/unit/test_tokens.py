@@ -6,13 +6,15 @@ import time
 import uuid
 from typing import Any
 
+import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import SigningKey
-from fleet.tokens import TokenVerifier, bearer_token
+from fleet.settings import ExternalIssuer
+from fleet.tokens import ExternalTokenVerifier, FederatedVerifier, TokenVerifier, bearer_token
 
 ISSUER = "fleet-registry"
 
@@ -101,3 +103,57 @@ async def test_missing_scope_is_forbidden_not_unauthenticated(
 def test_authorization_header_must_be_a_bearer_token(header: str | None) -> None:
     with pytest.raises(AuthError):
         bearer_token(header)
+
+
+def _outside(**overrides: Any) -> ExternalIssuer:
+    return ExternalIssuer.model_validate(
+        {
+            "name": "partner",
+            "issuer": "https://idp.partner.example",
+            "jwks_url": "http://127.0.0.1:1/jwks.json",
+            "audience": "agent-fleet",
+            "tenant": "globex",
+            **overrides,
+        }
+    )
+
+
+async def test_an_outside_token_is_mapped_and_nothing_else_of_it_is_taken(key: SigningKey) -> None:
+    verifier = ExternalTokenVerifier(_outside(), httpx.AsyncClient())
+    public = key.private_key.public_key()
+
+    async def lookup(kid: str) -> ec.EllipticCurvePublicKey | None:
+        return public if kid == key.kid else None
+
+    verifier._jwks.get = lookup  # type: ignore[method-assign]  # the keys, without an HTTP server
+    now = int(time.time())
+    outside = {
+        "iss": "https://idp.partner.example",
+        "aud": "agent-fleet",
+        "sub": "alice",
+        "iat": now,
+        "exp": now + 60,
+    }
+    token = key.sign(
+        {**outside, "tenant": "acme", "act": {"sub": "coordinator"}, "run_id": "r", "scope": "*"}
+    )
+    claims = await verifier.verify(token, required_scopes=["agent:invoke"])
+    assert (claims.sub, claims.tenant, claims.scopes) == (
+        "partner:alice",
+        "globex",
+        frozenset({"agent:invoke"}),
+    )
+    assert claims.actors == () and "run_id" not in claims.raw and claims.token == token
+    with pytest.raises(AuthError, match="lives longer than 3600"):
+        await verifier.verify(key.sign({**outside, "exp": now + 7200}))
+    with pytest.raises(AuthError, match="algorithm not allowed"):
+        await ExternalTokenVerifier(_outside(algorithms=["RS256"]), httpx.AsyncClient()).verify(token)
+
+
+async def test_a_federated_verifier_refuses_an_issuer_it_does_not_know(
+    verifier: TokenVerifier, key: SigningKey
+) -> None:
+    federated = FederatedVerifier(verifier, [ExternalTokenVerifier(_outside(), httpx.AsyncClient())])
+    assert (await federated.verify(key.sign(claims()))).sub == "operator"  # the fleet's own
+    with pytest.raises(AuthError, match="another issuer"):
+        await federated.verify(key.sign(claims(iss="https://idp.elsewhere.example")))
