@@ -31,14 +31,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
-from deploy.local_stack import ServiceSpec
 from fleet.a2a_support import RPC_PATH, a2a_app, build_card, sign_card
 from fleet.errors import AuthError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.service import Readiness
-from fleet.supervisor import enrollment_token
 from fleet.tokens import Claims, client_assertion
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, fleet
 
 SKILL = "fraud-score"
 SCOPE = "partner:score"
@@ -176,13 +174,16 @@ async def partner_agent(stack: Stack) -> AsyncIterator[tuple[str, PartnerRecord]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        operator = SigningKey.load_or_create(stack.layout.key_file("operator"))
-        spec = ServiceSpec(agent_id, "specialist", "", scopes=("registry:write",), tenants=("*",))
+        # The operator hands the partner a one-time enrollment token, as an operator would.
+        issued = fleet(
+            "keys", "enrollment-token", agent_id, "--data-dir", stack.data_dir,
+            "--scope", "registry:write", "--tenant", "*", "--external", timeout=60,
+        )  # fmt: skip
+        assert issued.returncode == 0, issued.stderr
         registry = stack.endpoints["registry"]
         async with httpx.AsyncClient() as http:
             enrolled = await http.post(registry + "/v1/enroll", json={
-                "id": agent_id, "public_jwk": key.public_jwk(),
-                "enrollment_token": enrollment_token(operator, spec, external=True),
+                "id": agent_id, "public_jwk": key.public_jwk(), "enrollment_token": issued.stdout.strip(),
             })  # fmt: skip
             assert enrolled.status_code == 201, enrolled.text
             form = {
