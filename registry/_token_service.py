@@ -28,6 +28,7 @@ policy that cannot be evaluated fails it ``temporarily_unavailable`` (never a to
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -50,7 +51,7 @@ from fleet.tokens import (
     KeyLookup,
     TokenVerifier,
 )
-from policy import PolicyEngine
+from policy import Decision, PolicyEngine
 from registry._records import IdentityRecord
 from registry._store import RegistryStore
 
@@ -58,6 +59,8 @@ RUN_GRANT_TTL_S = 14 * 24 * 3600  # longer than any run may last (the budgets' m
 MAX_CHAIN = 5  # actors in one delegation chain, the subject's excluded
 MAX_ASSERTION_LIFETIME_S = 300
 IDENTITY_CACHE_S = 2.0
+DECISION_CACHE_S = 10.0
+DECISIONS_CACHED = 4096
 LEEWAY_S = 10
 REGISTRY_AUDIENCE = "registry"
 
@@ -105,6 +108,7 @@ class TokenService:
         self._revocations = revocations
         self._identities: dict[str, tuple[float, IdentityRecord]] = {}
         self._servers: dict[str, tuple[float, set[str]]] = {}  # MCP servers' declared scopes
+        self._decisions: dict[str, tuple[float, Decision]] = {}  # token decisions, by facts
 
     async def _own_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
         return self.key.private_key.public_key() if kid == self.key.kid else None
@@ -210,6 +214,21 @@ class TokenService:
         if kind == ACCESS_TOKEN_TYPE and claims.raw.get("token_use") == "run_grant":
             raise OAuthError("invalid_grant", "a run grant is not an access token")
         return claims.raw
+
+    def _token_decision(self, request: dict[str, Any]) -> Decision:
+        """``fleet.tokens.decision`` for ``request``. The same facts under the same bundle revision
+        get the same decision, so one is kept for up to ``DECISION_CACHE_S`` (a client asks for the
+        same token again and again; a new revision is a new key)."""
+        key = json.dumps([self._policy.revision, request], sort_keys=True)
+        now = time.monotonic()
+        cached = self._decisions.get(key)
+        if cached is not None and now - cached[0] < DECISION_CACHE_S:
+            return cached[1]
+        decision = self._policy.decide("fleet.tokens.decision", request)
+        if len(self._decisions) >= DECISIONS_CACHED:
+            self._decisions.clear()
+        self._decisions[key] = (now, decision)
+        return decision
 
     async def _declared_scopes(self, server_id: str) -> set[str]:
         """The scopes an MCP server's registered tools declare (read again at most every
@@ -318,7 +337,7 @@ class TokenService:
             "scopes": scopes,
         }
         try:
-            decision = self._policy.decide("fleet.tokens.decision", request)
+            decision = self._token_decision(request)
         except FleetError as exc:
             raise OAuthError(
                 "temporarily_unavailable", f"token policy unavailable: {exc.message}", 503
