@@ -11,12 +11,6 @@ Two grants:
   chain of acting parties in ``act`` (RFC 8693 section 4.1: the current actor outermost, earlier
   actors nested), at most ``MAX_CHAIN`` deep.
 
-Either way the token carries exactly the scopes asked for, and only if the client's enrollment
-allows each of them (the ceiling) and policy grants them (``fleet.tokens``, asked for every token:
-which scopes the audience acts on, what may never be delegated, which tenant may reach which
-service). A request for a scope that either refuses fails ``invalid_scope`` with the reasons; a
-policy that cannot be evaluated fails it ``temporarily_unavailable`` (never a token by default).
-
   A run outlives its caller's token (a run may wait days for an approval), so the coordinator
   exchanges the caller's token, when the run is created, for a **run grant**
   (``requested_token_type`` ``urn:fleet:params:oauth:token-type:run-grant``): the same principal and
@@ -24,6 +18,16 @@ policy that cannot be evaluated fails it ``temporarily_unavailable`` (never a to
   It is not an access token (``token_use: run_grant``, ``typ: run-grant+jwt``: every verifier refuses
   it as one) and is good only as the subject of an exchange, by the coordinator or one of its
   workers, each authenticated with its own key: a copy of it alone is worth nothing.
+
+  The subject may also be an access token of an outside identity provider the fleet trusts
+  (``external``; only the coordinator may pass one on): its mapped principal and tenant, nothing
+  else of it (see ``fleet.tokens.ExternalTokenVerifier``).
+
+Either way the token carries exactly the scopes asked for, and only if the client's enrollment
+allows each of them (the ceiling) and policy grants them (``fleet.tokens``, asked for every token:
+which scopes the audience acts on, what may never be delegated, which tenant may reach which
+service). A request for a scope that either refuses fails ``invalid_scope`` with the reasons; a
+policy that cannot be evaluated fails it ``temporarily_unavailable`` (never a token by default).
 """
 
 from __future__ import annotations
