@@ -42,7 +42,7 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from fleet.errors import FleetError
+from fleet.errors import AuthError, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
 from fleet.tokens import (
@@ -54,6 +54,7 @@ from fleet.tokens import (
     ExternalTokenVerifier,
     KeyLookup,
     TokenVerifier,
+    peek,
 )
 from policy import Decision, PolicyEngine
 from registry._records import IdentityRecord
@@ -195,9 +196,9 @@ class TokenService:
         """The verified claims of the token to exchange: issued here, unexpired, not revoked, and
         given to ``client`` (a run grant: to the coordinator, redeemed by it or one of its workers)."""
         try:
-            unverified = jwt.decode(token, options={"verify_signature": False})
-            typ = jwt.get_unverified_header(token).get("typ")
-        except jwt.PyJWTError as exc:
+            header, unverified = peek(token)
+            typ = header.get("typ")
+        except AuthError as exc:
             raise OAuthError("invalid_grant", "the subject token is malformed") from exc
         if kind == ACCESS_TOKEN_TYPE and unverified.get("iss") in self._external:
             return await self._outside_subject(client, token, self._external[str(unverified["iss"])])
@@ -264,9 +265,8 @@ class TokenService:
     async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str]:
         """The client and the key id it proved it holds."""
         try:
-            header = jwt.get_unverified_header(assertion)
-            unverified = jwt.decode(assertion, options={"verify_signature": False})
-        except jwt.PyJWTError as exc:
+            header, unverified = peek(assertion)
+        except AuthError as exc:
             raise OAuthError("invalid_client", "malformed client assertion", 401) from exc
         client_id = unverified.get("sub")
         if not isinstance(client_id, str) or unverified.get("iss") != client_id:
