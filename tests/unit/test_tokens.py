@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any
@@ -14,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.settings import ExternalIssuer
-from fleet.tokens import ExternalTokenVerifier, FederatedVerifier, TokenVerifier, bearer_token
+from fleet.tokens import ExternalTokenVerifier, FederatedVerifier, TokenVerifier, bearer_token, decode_es256
 
 ISSUER = "fleet-registry"
 
@@ -157,3 +158,94 @@ async def test_a_federated_verifier_refuses_an_issuer_it_does_not_know(
     assert (await federated.verify(key.sign(claims()))).sub == "operator"  # the fleet's own
     with pytest.raises(AuthError, match="another issuer"):
         await federated.verify(key.sign(claims(iss="https://idp.elsewhere.example")))
+
+
+def _pyjwt_accepts(token: str, key: SigningKey) -> bool:
+    try:
+        jwt.decode(
+            token,
+            key.private_key.public_key(),
+            algorithms=["ES256"],
+            audience="coordinator",
+            issuer=ISSUER,
+            leeway=10,
+            options={"require": ["exp", "iat", "iss", "aud", "sub", "jti", "tenant"]},
+        )
+    except jwt.PyJWTError:
+        return False
+    return True
+
+
+def _ours_accepts(token: str, key: SigningKey) -> bool:
+    required = ("exp", "iat", "iss", "aud", "sub", "jti", "tenant")
+    try:
+        decode_es256(token, key.private_key.public_key(), "coordinator", ISSUER, 10, required)
+    except AuthError:
+        return False
+    return True
+
+
+def _variants(key: SigningKey) -> dict[str, str]:
+    """Tokens that differ from a good one in one way each: what a forger or a bug would produce."""
+    now = int(time.time())
+    good = key.sign(claims())
+    header, payload, signature = good.split(".")
+    other = SigningKey.generate()
+    made = {
+        "good": good,
+        "aud as a list with ours": key.sign(claims(aud=["mcp-sql", "coordinator"])),
+        "aud as a list without ours": key.sign(claims(aud=["mcp-sql"])),
+        "aud empty": key.sign(claims(aud="")),
+        "aud not a string": key.sign(claims(aud=7)),
+        "wrong audience": key.sign(claims(aud="mcp-sql")),
+        "wrong issuer": key.sign(claims(iss="https://evil.example")),
+        "expired": key.sign(claims(iat=now - 900, exp=now - 600)),
+        "expired within leeway": key.sign(claims(exp=now - 5)),
+        "nbf in the future": key.sign(claims(nbf=now + 600)),
+        "nbf within leeway": key.sign(claims(nbf=now + 5)),
+        "iat in the future": key.sign(claims(iat=now + 600)),
+        "exp a float": key.sign(claims(exp=now + 300.5)),
+        "exp a list": key.sign(claims(exp=[now + 300])),
+        "sub not a string": key.sign(claims(sub=42)),
+        "jti not a string": key.sign(claims(jti=42)),
+        "another key": other.sign(claims()),
+        "tampered payload": f"{header}.{key.sign(claims(tenant='globex')).split('.')[1]}.{signature}",
+        "signature cut": f"{header}.{payload}.{signature[:-4]}",
+        "signature of another token": f"{header}.{payload}.{key.sign(claims()).split('.')[2]}",
+        "padding added": f"{header}.{payload}=.{signature}",
+        "a character outside base64url": f"{header}.{payload[:-1]}+.{signature}",
+        "four parts": f"{good}.x",
+        "payload not an object": key.sign({"x": 1}).split(".")[0]
+        + "."
+        + base64.urlsafe_b64encode(b"[1]").decode().rstrip("=")
+        + "."
+        + signature,
+        "HS256": jwt.encode(claims(), "k" * 32, algorithm="HS256", headers={"kid": key.kid}),
+        "alg none": jwt.encode(claims(), None, algorithm="none"),
+    }
+    for claim in ("exp", "iat", "iss", "aud", "sub", "jti", "tenant"):
+        made[f"no {claim}"] = key.sign(claims(**{claim: None}))
+    return made
+
+
+def test_the_fast_es256_path_decides_as_pyjwt_does_on_every_variant(key: SigningKey) -> None:
+    disagreements = {
+        name: (ours, theirs)
+        for name, token in _variants(key).items()
+        if (ours := _ours_accepts(token, key)) != (theirs := _pyjwt_accepts(token, key))
+    }
+    assert disagreements == {}
+    accepted = {name for name, token in _variants(key).items() if _ours_accepts(token, key)}
+    assert accepted == {
+        "good",
+        "aud as a list with ours",
+        "expired within leeway",
+        "nbf within leeway",
+        "exp a float",
+    }
+
+
+def test_the_fast_path_is_stricter_than_pyjwt_only_about_times_that_are_not_numbers(key: SigningKey) -> None:
+    token = key.sign(claims(iat=str(int(time.time()))))
+    assert _pyjwt_accepts(token, key)  # PyJWT takes int("...") of a string
+    assert not _ours_accepts(token, key)
