@@ -260,7 +260,7 @@ class TokenVerifier:
             raise AuthError("token signed by an unknown key")
         if not isinstance(key, ec.EllipticCurvePublicKey):
             raise AuthError("token algorithm does not match its key")
-        raw = decode_es256(token, key, self._audience, self._issuer, self._leeway, REQUIRED_CLAIMS)
+        raw = decode_es256(token, key, self._audience, self._issuer, self._leeway, REQUIRED_CLAIMS, header)
         if raw.get("token_use", "access") != "access" and not (
             self._run_grants and raw["token_use"] == "run_grant"
         ):
@@ -300,9 +300,14 @@ def peek(token: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _header_of(token: str, algorithms: Collection[str]) -> tuple[dict[str, Any], str]:
-    """The token's header and key id, or :class:`AuthError` (malformed, an algorithm not in
-    ``algorithms``, no key id)."""
-    header = peek(token)[0]
+    """The token's header (unverified) and key id, or :class:`AuthError` (malformed, an algorithm
+    not in ``algorithms``, no key id)."""
+    try:
+        header = json.loads(_segment(token.split(".", 1)[0]))
+    except (ValueError, AuthError) as exc:
+        raise AuthError("malformed token") from exc
+    if not isinstance(header, dict) or token.count(".") != 2:
+        raise AuthError("malformed token")
     if header.get("alg") not in algorithms:
         raise AuthError("token algorithm not allowed")
     kid = header.get("kid")
@@ -332,19 +337,22 @@ def decode_es256(
     issuer: str,
     leeway: int,
     required: Iterable[str],
+    header: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The verified claims of an ES256 compact JWS signed by ``key`` (the fleet's own tokens), or
     :class:`AuthError` saying which check failed. The same checks as PyJWT's ``jwt.decode`` with
     ``algorithms=["ES256"]`` and these options, in the same order (signature; then required
     claims, ``iat``, ``nbf``, ``exp``, ``iss``, ``aud``, ``sub``, ``jti``), done directly with
     ``cryptography``: PyJWT checks each segment's alphabet in Python, a character at a time, which
-    costs more than the signature. ``tests/unit/test_tokens.py`` holds the two to the same answers."""
+    costs more than the signature. ``tests/unit/test_tokens.py`` holds the two to the same answers.
+    ``header``: the token's header, if the caller has read it already (it is signed over as sent)."""
     parts = token.split(".")
     if len(parts) != 3:
         raise AuthError("malformed token")
     header_part, claims_part, signature_part = parts
     try:
-        header = json.loads(_segment(header_part))
+        if header is None:
+            header = json.loads(_segment(header_part))
         claims = json.loads(_segment(claims_part))
     except ValueError as exc:
         raise AuthError("invalid token: DecodeError") from exc
