@@ -39,11 +39,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fleet.errors import AuthError, FleetError
-from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
+from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
 from fleet.tokens import (
     ACCESS_TOKEN_TTL_S,
@@ -54,6 +53,7 @@ from fleet.tokens import (
     ExternalTokenVerifier,
     KeyLookup,
     TokenVerifier,
+    decode_es256,
     peek,
 )
 from policy import Decision, PolicyEngine
@@ -66,6 +66,8 @@ MAX_ASSERTION_LIFETIME_S = 300
 IDENTITY_CACHE_S = 2.0
 DECISION_CACHE_S = 10.0
 DECISIONS_CACHED = 4096
+CLIENT_KEYS_CACHED = 4096
+ASSERTION_CLAIMS = ("exp", "iat", "jti", "iss", "sub", "aud")
 LEEWAY_S = 10
 REGISTRY_AUDIENCE = "registry"
 
@@ -114,6 +116,7 @@ class TokenService:
         self._identities: dict[str, tuple[float, IdentityRecord]] = {}
         self._servers: dict[str, tuple[float, set[str]]] = {}  # MCP servers' declared scopes
         self._decisions: dict[str, tuple[float, Decision]] = {}  # token decisions, by facts
+        self._client_keys: dict[str, ec.EllipticCurvePublicKey] = {}  # by kid (a thumbprint)
 
     async def _own_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
         return self.key.private_key.public_key() if kid == self.key.kid else None
@@ -278,25 +281,23 @@ class TokenService:
             raise OAuthError("invalid_client", "unknown client or key (or a retired one)", 401)
         if self._revocations is not None and self._revocations.check(kid):
             raise OAuthError("invalid_client", "the client's key was revoked", 401)
-        claims = self._verify_assertion(assertion, jwk)
+        claims = self._verify_assertion(assertion, client_id, kid, jwk)
         if not await self._store.use_nonce("assertion", f"{client_id}.{claims['jti']}"):
             raise OAuthError("invalid_client", "client assertion was already used", 401)
         return identity, kid
 
-    def _verify_assertion(self, assertion: str, jwk: dict[str, Any]) -> dict[str, Any]:
+    def _verify_assertion(
+        self, assertion: str, client_id: str, kid: str, jwk: dict[str, Any]
+    ) -> dict[str, Any]:
+        key = self._client_keys.get(kid)
+        if key is None:  # parsed once per key (a JWK's members never change under its thumbprint)
+            if len(self._client_keys) >= CLIENT_KEYS_CACHED:
+                self._client_keys.clear()
+            key = self._client_keys[kid] = public_key_from_jwk(jwk)
         try:
-            claims: dict[str, Any] = jwt.decode(
-                assertion,
-                public_key_from_jwk(jwk),
-                algorithms=[ALGORITHM],
-                audience=self._token_url,
-                leeway=LEEWAY_S,
-                options={"require": ["exp", "iat", "jti", "iss", "sub", "aud"]},
-            )
-        except jwt.PyJWTError as exc:
-            raise OAuthError(
-                "invalid_client", f"client assertion rejected: {type(exc).__name__}", 401
-            ) from exc
+            claims = decode_es256(assertion, key, self._token_url, client_id, LEEWAY_S, ASSERTION_CLAIMS)
+        except AuthError as exc:
+            raise OAuthError("invalid_client", f"client assertion rejected: {exc.message}", 401) from exc
         if int(claims["exp"]) - int(claims["iat"]) > MAX_ASSERTION_LIFETIME_S:
             raise OAuthError("invalid_client", "client assertion lives too long", 401)
         if not all(c.isalnum() or c in "-_" for c in str(claims["jti"])):

@@ -186,7 +186,10 @@ async def test_client_assertion_for_another_token_endpoint_is_refused(impostor: 
     async with httpx.AsyncClient() as http:
         response = await impostor.request_token(http, assertion=lookalike)
     assert response.status_code == 401
-    assert response.json()["error_description"] == "client assertion rejected: InvalidAudienceError"
+    assert (
+        response.json()["error_description"]
+        == "client assertion rejected: token is not meant for this service"
+    )
 
 
 async def test_enrollment_publishes_only_the_public_key_under_its_thumbprint(stack: Stack) -> None:
