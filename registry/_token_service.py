@@ -32,10 +32,11 @@ policy that cannot be evaluated fails it ``temporarily_unavailable`` (never a to
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +144,29 @@ class TokenService:
             raise OAuthError("unsupported_grant_type", "client_credentials or token exchange (RFC 8693)")
         if form.get("client_assertion_type") != CLIENT_ASSERTION_TYPE:
             raise OAuthError("invalid_client", "a private_key_jwt client assertion is required", 401)
-        client, client_kid = await self._authenticate(form.get("client_assertion", ""))
+        client, client_kid, jti = await self._authenticate(form.get("client_assertion", ""))
+        # The assertion is used up (in NATS KV, so for every replica) while the grant is decided
+        # and signed; the token is given only once that write says it was the first use.
+        first_use = asyncio.ensure_future(self._store.use_nonce("assertion", f"{client.id}.{jti}"))
+        try:
+            issued = await self._decide_grant(grant_type, client, client_kid, form)
+        except OAuthError:
+            await self._first_use(first_use)  # a replay is refused as such, whatever else is wrong
+            raise
+        except BaseException:
+            first_use.cancel()
+            raise
+        await self._first_use(first_use)
+        return issued
+
+    @staticmethod
+    async def _first_use(first_use: Awaitable[bool]) -> None:
+        if not await first_use:
+            raise OAuthError("invalid_client", "client assertion was already used", 401)
+
+    async def _decide_grant(
+        self, grant_type: str, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
+    ) -> IssuedToken:
         if grant_type == TOKEN_EXCHANGE:
             return await self._exchange(client, client_kid, form)
         audience = form.get("audience", "")
@@ -265,8 +288,9 @@ class TokenService:
         mapped = claims.raw
         return {k: mapped[k] for k in ("sub", "tenant", "scope")} | {"client_kid": mapped["ext_kid"]}
 
-    async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str]:
-        """The client and the key id it proved it holds."""
+    async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str, str]:
+        """The client, the key id it proved it holds, and the assertion's ``jti`` (not yet used:
+        see :meth:`grant`)."""
         try:
             header, unverified = peek(assertion)
         except AuthError as exc:
@@ -282,9 +306,7 @@ class TokenService:
         if self._revocations is not None and self._revocations.check(kid):
             raise OAuthError("invalid_client", "the client's key was revoked", 401)
         claims = self._verify_assertion(assertion, client_id, kid, jwk)
-        if not await self._store.use_nonce("assertion", f"{client_id}.{claims['jti']}"):
-            raise OAuthError("invalid_client", "client assertion was already used", 401)
-        return identity, kid
+        return identity, kid, str(claims["jti"])
 
     def _verify_assertion(
         self, assertion: str, client_id: str, kid: str, jwk: dict[str, Any]
