@@ -319,6 +319,13 @@ async def _hammer(stack: Stack, stop: asyncio.Event, outcomes: list[int]) -> Non
                 outcomes += [answer.status_code for answer in answers]
 
 
+async def _until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the load did not reach its count"
+        await asyncio.sleep(0.05)
+
+
 async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_the_old_one_stops_its_tokens(
     tmp_path: Path,
 ) -> None:
@@ -328,7 +335,7 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
         old_mcp_token = stack.token("mcp-sql", scopes=("sql:query",))
         stop, outcomes = asyncio.Event(), []
         load = asyncio.gather(*(_hammer(stack, stop, outcomes) for _ in range(4)))
-        await asyncio.sleep(2)
+        await _until(lambda: len(outcomes) >= 40)  # load before the rotation (however fast this host)
         admin = stack.token("registry", scopes=("registry:admin",))
         async with httpx.AsyncClient() as http:
             rotated = await http.post(
@@ -337,10 +344,12 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
             )
         assert rotated.status_code == 200, rotated.text
         old_kid, new_kid = rotated.json()["retiring"][0], rotated.json()["kid"]
-        await asyncio.sleep(4)
+        before = len(outcomes)
+        await asyncio.sleep(2)  # at least this long with tokens of both keys about
+        await _until(lambda: len(outcomes) >= before + 80)
         stop.set()
         await load
-        assert len(outcomes) > 100 and set(outcomes) == {200}, (len(outcomes), sorted(set(outcomes)))
+        assert len(outcomes) >= before + 80 and set(outcomes) == {200}, (len(outcomes), sorted(set(outcomes)))
         new_token = stack.token("coordinator")
         assert jwt.get_unverified_header(new_token)["kid"] == new_kid
         assert (await runs_api(stack, old_token)).status_code == 200  # the old key verifies in its grace
