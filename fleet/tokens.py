@@ -376,9 +376,12 @@ def decode_es256(
     for claim in ("iat", "nbf", "exp"):
         if claim in claims:
             value = claims[claim]
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise AuthError(f"invalid token: the {claim} claim is not a number")
-            times[claim] = int(value)
+            try:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(claim)
+                times[claim] = int(value)  # JSON's Infinity and NaN do not convert
+            except (ValueError, OverflowError) as exc:
+                raise AuthError(f"invalid token: the {claim} claim is not a number") from exc
     if times.get("iat", 0) > now + leeway or times.get("nbf", 0) > now + leeway:
         raise AuthError("token not valid yet")
     if "exp" in times and times["exp"] <= now - leeway:

@@ -206,6 +206,7 @@ def _variants(key: SigningKey) -> dict[str, str]:
         "iat in the future": key.sign(claims(iat=now + 600)),
         "exp a float": key.sign(claims(exp=now + 300.5)),
         "exp a list": key.sign(claims(exp=[now + 300])),
+        "exp infinite": key.sign(claims(exp=float("inf"))),
         "sub not a string": key.sign(claims(sub=42)),
         "jti not a string": key.sign(claims(jti=42)),
         "another key": other.sign(claims()),
