@@ -116,7 +116,6 @@ class Delegator:
         self._http = http
         self._grants = grants
         self._engine = engine
-        self._outside: dict[str, TokenClient] = {}  # token clients of outside token endpoints, by URL
         self._grant_of: dict[str, str | None] = {}  # by run id; a run's grant never changes
         self._factory = ClientFactory(ClientConfig(streaming=True, httpx_client=http))
         self._known: dict[str, AgentRecord] = {}
@@ -231,17 +230,20 @@ class Delegator:
         token_url, _ = _card_oauth(agent)
         if token_url == self._registry.token_url:
             return self._registry.tokens
-        client = self._outside.get(token_url)
-        if client is None:
-            client = self._registry.tokens_at(token_url)
-            self._outside[token_url] = client
-        return client
+        return self._registry.tokens_at(token_url)
 
     async def _agent_token(self, agent: AgentRecord, tenant: str, run_id: str) -> str:
-        if not agent.external:
-            return await self._token(agent.id, tenant, run_id)
-        _, scopes = _card_oauth(agent)
-        return await self._token_client(agent).token(agent.url, tenant, scopes, resource=agent.url)
+        """A token for a call to ``agent`` for the run: from its grant if a caller started it; for
+        an agent outside the fleet, from the token endpoint its card names."""
+        if agent.external:
+            _, scopes = _card_oauth(agent)
+            return await self._token_client(agent).token(agent.url, tenant, scopes, resource=agent.url)
+        grant = await self._grant(run_id) if run_id else None
+        if grant is None:
+            return await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
+        return await self._registry.tokens.exchange(
+            grant, agent.id, [INVOKE_SCOPE], subject_type=RUN_GRANT_TYPE
+        )
 
     def _egress(self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str) -> dict[str, Any]:
         """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``."""
@@ -296,15 +298,6 @@ class Delegator:
                 ErrorCode.POLICY_DENIED, f"{refused}: {reasons} (decision {decision.decision_id})"
             )
         return decision
-
-    async def _token(self, agent_id: str, tenant: str, run_id: str) -> str:
-        """A token for a call to ``agent_id`` for the run: from its grant if a caller started it."""
-        grant = await self._grant(run_id) if run_id else None
-        if grant is None:
-            return await self._registry.tokens.token(agent_id, tenant, [INVOKE_SCOPE])
-        return await self._registry.tokens.exchange(
-            grant, agent_id, [INVOKE_SCOPE], subject_type=RUN_GRANT_TYPE
-        )
 
     async def _grant(self, run_id: str) -> str | None:
         if self._grants is None:

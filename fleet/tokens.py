@@ -288,26 +288,29 @@ def peek(token: str) -> tuple[dict[str, Any], dict[str, Any]]:
     (which key, which issuer), never to trust. ``AuthError`` if it is not three parts of base64url
     JSON objects. (PyJWT's own unverified reads check the alphabet in Python, a character at a
     time; the verified decode that follows checks everything again.)"""
-    try:
-        header_part, claims_part, _ = token.split(".")
-        header = json.loads(base64.urlsafe_b64decode(header_part + "=" * (-len(header_part) % 4)))
-        claims = json.loads(base64.urlsafe_b64decode(claims_part + "=" * (-len(claims_part) % 4)))
-    except (ValueError, TypeError) as exc:  # binascii.Error and JSONDecodeError are ValueErrors
-        raise AuthError("malformed token") from exc
-    if not isinstance(header, dict) or not isinstance(claims, dict):
+    parts = token.split(".")
+    if len(parts) != 3:
         raise AuthError("malformed token")
-    return header, claims
+    return _json_object(parts[0], "malformed token"), _json_object(parts[1], "malformed token")
+
+
+def _json_object(part: str, refusal: str) -> dict[str, Any]:
+    """A base64url segment that holds a JSON object, or :class:`AuthError` (``refusal``)."""
+    try:
+        value = json.loads(_segment(part))
+    except (ValueError, AuthError) as exc:
+        raise AuthError(refusal) from exc
+    if not isinstance(value, dict):
+        raise AuthError(refusal)
+    return value
 
 
 def _header_of(token: str, algorithms: Collection[str]) -> tuple[dict[str, Any], str]:
     """The token's header (unverified) and key id, or :class:`AuthError` (malformed, an algorithm
     not in ``algorithms``, no key id)."""
-    try:
-        header = json.loads(_segment(token.split(".", 1)[0]))
-    except (ValueError, AuthError) as exc:
-        raise AuthError("malformed token") from exc
-    if not isinstance(header, dict) or token.count(".") != 2:
+    if token.count(".") != 2:
         raise AuthError("malformed token")
+    header = _json_object(token.split(".", 1)[0], "malformed token")
     if header.get("alg") not in algorithms:
         raise AuthError("token algorithm not allowed")
     kid = header.get("kid")
@@ -350,14 +353,9 @@ def decode_es256(
     if len(parts) != 3:
         raise AuthError("malformed token")
     header_part, claims_part, signature_part = parts
-    try:
-        if header is None:
-            header = json.loads(_segment(header_part))
-        claims = json.loads(_segment(claims_part))
-    except ValueError as exc:
-        raise AuthError("invalid token: DecodeError") from exc
-    if not isinstance(header, dict) or not isinstance(claims, dict):
-        raise AuthError("invalid token: DecodeError")
+    if header is None:
+        header = _json_object(header_part, "invalid token: DecodeError")
+    claims = _json_object(claims_part, "invalid token: DecodeError")
     if header.get("alg") != ALGORITHM or "crit" in header or "b64" in header:
         raise AuthError("token algorithm not allowed")
     signature = _segment(signature_part)

@@ -53,6 +53,7 @@ class RegistryClient:
         self._http = http
         self._url = settings.registry_url.rstrip("/")
         self.key = SigningKey.load_or_create(settings.key_file)
+        self._outside_tokens: dict[str, TokenClient] = {}  # by token URL (see tokens_at)
         self.tokens = TokenClient(
             token_url=self.token_url,
             client_id=settings.service_id,
@@ -68,10 +69,15 @@ class RegistryClient:
 
     def tokens_at(self, token_url: str) -> TokenClient:
         """Tokens from another token endpoint (an outside agent's, named by its card), for which this
-        identity authenticates with its own key (``private_key_jwt``)."""
-        return TokenClient(
-            token_url=token_url, client_id=self._settings.service_id, key=self.key, http=self._http
-        )
+        identity authenticates with its own key (``private_key_jwt``; one client per endpoint,
+        which follows this identity's key rotations)."""
+        client = self._outside_tokens.get(token_url)
+        if client is None:
+            client = TokenClient(
+                token_url=token_url, client_id=self._settings.service_id, key=self.key, http=self._http
+            )
+            self._outside_tokens[token_url] = client
+        return client
 
     @property
     def url(self) -> str:
@@ -143,7 +149,8 @@ class RegistryClient:
         response = await self._http.post(url, json={"public_jwk": new.public_jwk(), "proof": proof})
         _raise_for(response, "key rotation refused")
         self.key = new
-        self.tokens.use_key(new)
+        for client in (self.tokens, *self._outside_tokens.values()):
+            client.use_key(new)
 
     async def _headers(self, scope: str) -> dict[str, str]:
         token = await self.tokens.token("registry", "default", [scope])
