@@ -11,7 +11,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import batch, checkpoint_overhead, delegation, events, pauses, throughput, tokens
+from bench import (
+    batch,
+    checkpoint_overhead,
+    delegation,
+    events,
+    memory,
+    pauses,
+    policy_plane,
+    throughput,
+    tokens,
+    tool_plane,
+)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 RESULTS = DOC.with_suffix(".json")  # the measurements the page was written from
@@ -54,6 +65,9 @@ BENCHMARKS = {
     "events": events.main,
     "pauses": pauses.main,
     "tokens": tokens.main,
+    "tool_plane": tool_plane.main,
+    "policy_plane": policy_plane.main,
+    "memory": memory.main,
 }
 
 
@@ -337,6 +351,173 @@ def write_doc(results: dict[str, Any]) -> None:
         "median by service: "
         + ", ".join(f"{name} {delay} s" for name, delay in token["reach_median_s_by_service"].items())
         + ".\n"
+        + (_tool_plane(results["tool_plane"]) if "tool_plane" in results else "")
+        + (_policy_plane(results["policy_plane"]) if "policy_plane" in results else "")
+        + (_memory(results["memory"]) if "memory" in results else "")
+    )
+
+
+def _tool_plane(tool: dict[str, Any]) -> str:
+    def verdict(ok: bool) -> str:
+        return "meets" if ok else "MISSES"
+
+    gate_ok = max(tool["gate_ratio_p50"], tool["gate_ratio_p99"]) <= tool["gate_target_ratio"]
+    sandbox_ok = tool["sandbox_overhead_ms_p50"] <= tool["sandbox_target_ms"]
+    fleet, bare, uncached = tool["gate_fleet"], tool["gate_baseline"], tool["gate_uncached"]
+    inside, outside, cold = tool["sandbox_fleet"], tool["sandbox_baseline"], tool["sandbox_cold"]
+    rows = "\n".join(
+        f"| `{tool[key]['statement']}` | {tool[key]['baseline']['p50_ms']} ms | {tool[key]['fleet']['p50_ms']} ms "
+        f"| {tool[key]['ratio_p50']}x |"
+        for key in ("sql_aggregate", "sql_lookup")
+    )
+    return (
+        "\n## The tool plane (`bench/tool_plane.py`)\n\n"
+        f"{tool['measured_on']}\n\n"
+        "| what | baseline | baseline | fleet | ratio | target |\n|---|---|---|---|---|---|\n"
+        f"| MCP tool call, token verified and policy asked | same server, no auth | p50 {bare['p50_ms']} ms, "
+        f"p99 {bare['p99_ms']} ms | p50 {fleet['p50_ms']} ms, p99 {fleet['p99_ms']} ms "
+        f"| **{tool['gate_ratio_p50']}x / {tool['gate_ratio_p99']}x** | <= {tool['gate_target_ratio']}x "
+        f"({verdict(gate_ok)}) |\n"
+        f"| the same, every call's decision evaluated (no memo) | same server, no auth | as above "
+        f"| p50 {uncached['p50_ms']} ms, p99 {uncached['p99_ms']} ms "
+        f"| {tool['gate_uncached_ratio_p50']}x / {tool['gate_uncached_ratio_p99']}x | (not a target) |\n"
+        f"| sandbox call (`pass`), its slot's sandbox started ahead | the same interpreter, no sandbox "
+        f"| {outside['p50_ms']} ms | {inside['p50_ms']} ms | **{tool['sandbox_overhead_ms_p50']:+} ms** "
+        f"| <= +{tool['sandbox_target_ms']} ms ({verdict(sandbox_ok)}) |\n"
+        f"| sandbox call (`pass`), cold: nothing started ahead | the same | {outside['p50_ms']} ms "
+        f"| {cold['p50_ms']} ms | {tool['sandbox_cold_overhead_ms_p50']:+} ms "
+        f"| ({verdict(tool['sandbox_cold_overhead_ms_p50'] <= tool['sandbox_target_ms'])} it too) |\n\n"
+        "Gate: the servers in one process on loopback (client and servers share one core's event loop), "
+        "the same tool\n(the SQL tool's shape, 40 statements in turn, answering a fixed record), calls "
+        "interleaved in 20 rounds of 100,\nlogging to a file at INFO as a server does. The gated server runs "
+        "the fleet's code: the ES256 verifier, then the\n`ToolGate` (`fleet.tools.decision` of the real "
+        "bundle through the live policy, whose decision log goes to NATS, the rate limit, an audit event to NATS: "
+        f"{tool['gate_audit_messages']}\nmessages stored). The verifier's and the engine's memos "
+        "are on, as in the fleet; the second row gives every call\na distinct argument summary so that "
+        "the engine evaluates each decision.\n\n"
+        "Sandbox: bubblewrap with every namespace, the launcher, rlimits, the (empty) workspace handed "
+        "back, as the caller waits\nfor it. A slot keeps one sandbox started ahead, used for one call "
+        f"and replaced; {tool['sandbox_started_ahead']} calls found theirs ready.\nAfter a call, the "
+        f"slot's next sandbox is ready in {tool['sandbox_refill']['p50_ms']} ms (p50): one slot keeps up "
+        "with about\n1000 / that many calls a second; a faster caller waits for the start under way "
+        "(at worst the cold start).\nThe interpreter's start is paid before the call, so the "
+        "started-ahead call can be quicker than the bare interpreter.\n\n"
+        f"SQL tool on {tool['sql_rows']:,} rows of {tool['sql_tenants']} tenants, as one tenant "
+        "(its login role, row-level security, the read-only\ncursor), against the same statement with an "
+        "explicit tenant filter as the table's owner on a plain connection (p50):\n\n"
+        "| statement | owner, filtered | SQL tool | ratio |\n|---|---|---|---|\n"
+        f"{rows}\n"
+    )
+
+
+def _policy_plane(result: dict[str, Any]) -> str:
+    def row(name: str, what: str) -> str:
+        r = result[name]
+        return f"| {what} | {r['p50_ms']} ms | {r['p99_ms']} ms | {r['per_s']:,} |"
+
+    embedded_ok = result["embedded"]["p50_ms"] <= result["embedded_target_p50_ms"]
+    pushed = result["push"]
+    push_ok = pushed["enforced"]["max_ms"] / 1000 <= pushed["enforced_target_s"]
+    verdict = {True: "meets", False: "MISSES"}
+    return (
+        "\n## The policy plane (`bench/policy_plane.py`)\n\n"
+        f"{result['measured_on']}\n\n"
+        "One decision at a time through `LivePolicy.decide` (the engine, the timeout, the decision log "
+        "record), on a mix of\nthe fleet's decisions (tools, routing, budgets), every input new:\n\n"
+        "| engine | p50 | p99 | decisions/s |\n|---|---|---|---|\n"
+        + row("regorus_bare", "baseline: regorus evaluating the same rule, bare")
+        + "\n"
+        + row(
+            "embedded",
+            f"**embedded** (target p50 <= {result['embedded_target_p50_ms']} ms: {verdict[embedded_ok]})",
+        )
+        + "\n"
+        + row("embedded_repeated", "embedded, inputs repeated (the memo answers)")
+        + "\n"
+        + row("http_floor", "baseline: `GET /health` to the decision point, same client")
+        + "\n"
+        + row("opa_rest", "**OPA REST** (`opa-python-client` to `fleet policy serve`)")
+        + "\n\n"
+        f"Push to enforced, across {pushed['followers']} processes (each a `LivePolicy` on its own "
+        f"connection), {pushed['pushes']} pushes: the last\nprocess had the new revision in force "
+        f"{pushed['enforced']['p50_ms']} ms after the push at p50, {pushed['enforced']['max_ms']} ms at "
+        f"worst (target <= {pushed['enforced_target_s']} s: {verdict[push_ok]}).\nBaseline: the push "
+        f"reached the slowest process after {pushed['arrived']['p50_ms']} ms at p50, "
+        f"{pushed['arrived']['max_ms']} ms at worst; the rest is compiling\nthe bundle in each process.\n"
+    )
+
+
+def _int8_rows(result: dict[str, Any]) -> str:
+    """The same rows for the model with int8 compute (FLEET_EMBEDDINGS=local-int8), if measured."""
+    fast = result.get("int8_compute")
+    if not fast:
+        return ""
+    w, r, q = fast["writes"], fast["recall"], fast["retrieval"]
+    verdict = {True: "meets", False: "MISSES"}
+    return (
+        f"| *with int8 compute*: writes, batches of {w['batch']} | {w['ungoverned_per_s']}/s "
+        f"| {w['governed_per_s']}/s | {w['batched_cost_ratio']}x "
+        f"| >= {w['writes_target_per_s']:.0f}/s ({verdict[w['governed_per_s'] >= w['writes_target_per_s']]}) |\n"
+        f"| *with int8 compute*: one write, p50 | {w['single_ungoverned_p50_ms']} ms "
+        f"| {w['single_governed_p50_ms']} ms | {w['single_cost_ratio']}x "
+        f"| <= {w['single_target_ms']:.0f} ms ({verdict[w['single_governed_p50_ms'] <= w['single_target_ms']]}) |\n"
+        f"| *with int8 compute*: recall at {r['vectors']:,} vectors, p50 | {r['ungoverned_p50_ms']} ms "
+        f"| {r['recall_p50_ms']} ms (p99 {r['recall_p99_ms']} ms) | {r['recall_cost_ratio']}x "
+        f"| <= {r['recall_target_ms']:.0f} ms ({verdict[r['recall_p50_ms'] <= r['recall_target_ms']]}) |\n"
+        f"| *with int8 compute*: recall@1 / recall@5 on the retrieval set | | {q['recall_at_1']} / "
+        f"{q['recall_at_5']} | | |\n"
+    )
+
+
+def _memory(result: dict[str, Any]) -> str:
+    w, r, q, scan = result["writes"], result["recall"], result["retrieval"], result["scanner"]
+    verdict = {True: "meets", False: "MISSES"}
+    batched_ok = w["governed_per_s"] >= w["writes_target_per_s"]
+    single_ok = w["single_governed_p50_ms"] <= w["single_target_ms"]
+    recall_ok = r["recall_p50_ms"] <= r["recall_target_ms"]
+    search_ok = r["search_only_p50_ms"] <= r["recall_target_ms"]
+    corpora = "".join(
+        f"| `{name}.jsonl` | {c['texts']} | {c['sensitive']} | {len(c['missed'])} | {c['clean']} "
+        f"| {len(c['clean_flagged'])} ({c['false_positive_rate']:.1%}) | {c['scan_p50_ms']} ms |\n"
+        for name, c in scan.items()
+    )
+    return (
+        "\n## Governed memory (`bench/memory.py`)\n\n"
+        f"{result['measured_on']}\n\n"
+        f"The embedding model is {result['model']} (int8 ONNX, in process). The baseline writes the same "
+        "texts, embedded by the same model,\nto the same kind of store (Qdrant's embedded engine) with "
+        "no gate: no scan, no policy decision, no redaction, no\nprovenance, no audit.\n\n"
+        "| measure | ungoverned baseline | governed | cost | target |\n|---|---|---|---|---|\n"
+        f"| writes, batches of {w['batch']} | {w['ungoverned_per_s']}/s | {w['governed_per_s']}/s "
+        f"| {w['batched_cost_ratio']}x | >= {w['writes_target_per_s']:.0f}/s ({verdict[batched_ok]}) |\n"
+        f"| one write, p50 | {w['single_ungoverned_p50_ms']} ms | {w['single_governed_p50_ms']} ms "
+        f"| {w['single_cost_ratio']}x | <= {w['single_target_ms']:.0f} ms ({verdict[single_ok]}) |\n"
+        f"| recall at {r['vectors']:,} vectors, p50 (embed the query, read decisions, search) "
+        f"| {r['ungoverned_p50_ms']} ms | {r['recall_p50_ms']} ms (p99 {r['recall_p99_ms']} ms) "
+        f"| {r['recall_cost_ratio']}x | <= {r['recall_target_ms']:.0f} ms ({verdict[recall_ok]}) |\n"
+        f"| the search alone at {r['vectors']:,} vectors, p50 | | {r['search_only_p50_ms']} ms | "
+        f"| <= {r['recall_target_ms']:.0f} ms ({verdict[search_ok]}) |\n" + _int8_rows(result) + "\n"
+        "With the default (exact) model, the model is the ceiling: on these 2 cores all-MiniLM-L6-v2 "
+        "embeds about 250 short\nnotes/s at best (two one-thread sessions in parallel, batches of 16 "
+        "texts of similar length), so no write path\nthat embeds reaches 300/s, and embedding one query "
+        "takes about 5 ms, so recall end to end cannot be under\n5 ms. The same model with int8 matrix "
+        "products (`FLEET_EMBEDDINGS=local-int8`) embeds about 1.5 times as fast, and then\nthe gate is "
+        "what stands between the baseline and 300/s: its scan (presidio, pure Python, about 0.6 ms a "
+        "note) and\ndecision run on one core. The search in the store is about 1 ms at 100,000 vectors "
+        f"(HNSW, built in {r['index_build_s']} s after\nloading them in {r['load_s']} s). The vectors: "
+        "2,000 real embeddings, each with 49 noisy neighbours, all in the caller's tenant\n(the worst case "
+        "for a tenant-confined search).\n\n"
+        f"Retrieval quality of the default model on `tests/memory/retrieval_set.json` ({q['queries']} "
+        f"paraphrased queries, {q['documents']}\ndocuments written through the gate, asked through "
+        f"recall): recall@1 **{q['recall_at_1']}**, recall@5 **{q['recall_at_5']}**.\n\n"
+        "The scanner on the labelled corpora (a sensitive text counts as missed unless every sensitive "
+        "item in it is covered\nby a finding, or a secret anywhere in it denies the write):\n\n"
+        "| corpus | texts | sensitive | missed | clean | clean flagged (false positives) | scan p50 |\n"
+        "|---|---|---|---|---|---|---|\n"
+        f"{corpora}\n"
+        "The scanner was tuned on both corpora, so these are not independent measures: on its first "
+        "pass the held-out set\n(written by another author, without seeing the scanner) had 11 of its "
+        "sensitive texts missed and no clean text flagged.\n"
     )
 
 

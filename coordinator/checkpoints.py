@@ -238,7 +238,9 @@ class CompactCheckpointer(BaseCheckpointSaver[int]):
         self._pool = pool
 
     async def setup(self) -> None:
-        async with self._pool.connection() as conn:
+        async with self._pool.connection() as conn, conn.transaction():
+            # The coordinator and every worker run this as they start; serialise the DDL.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.runs.schema'))")
             await conn.execute(SCHEMA)
 
     # -- writing ----------------------------------------------------------------------------------

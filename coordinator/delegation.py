@@ -178,7 +178,7 @@ class Delegator:
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
         (see the module's doc)."""
-        sent = self._egress(agent, skill, payload, tenant) if agent.external else payload
+        sent = await self._egress(agent, skill, payload, tenant) if agent.external else payload
         message = Message(
             role=Role.ROLE_USER,
             message_id=uuid.uuid4().hex,
@@ -194,7 +194,7 @@ class Delegator:
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
                     result = await _collect(stream, agent.id, progress, activity or _idle)
-                    return self._answer(agent, skill, tenant, result) if agent.external else result
+                    return await self._answer(agent, skill, tenant, result) if agent.external else result
                 except A2AClientError as exc:
                     if attempt == 2 or not _unauthenticated(exc):
                         raise
@@ -245,9 +245,11 @@ class Delegator:
             grant, agent.id, [INVOKE_SCOPE], subject_type=RUN_GRANT_TYPE
         )
 
-    def _egress(self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str) -> dict[str, Any]:
+    async def _egress(
+        self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str
+    ) -> dict[str, Any]:
         """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``."""
-        decision = self._egress_decision(
+        decision = await self._egress_decision(
             "fleet.egress.decision",
             f"egress to {agent.id} refused",
             agent,
@@ -266,11 +268,13 @@ class Delegator:
         sent: dict[str, Any] = redact({k: v for k, v in payload.items() if k not in withheld})[0]
         return sent
 
-    def _answer(self, agent: AgentRecord, skill: str, tenant: str, result: dict[str, Any]) -> dict[str, Any]:
+    async def _answer(
+        self, agent: AgentRecord, skill: str, tenant: str, result: dict[str, Any]
+    ) -> dict[str, Any]:
         """``agent``'s answer as the egress policy lets it be used (see the module's doc)."""
         if result.get("status") in ASKING_STATES.values():
             return result  # a question for a person, who sees it before anything acts on it
-        decision = self._egress_decision(
+        decision = await self._egress_decision(
             "fleet.egress.answer",
             f"the answer of {agent.id} is refused",
             agent,
@@ -281,7 +285,7 @@ class Delegator:
         )
         return result if decision.result.get("act") is True else {**result, UNTRUSTED: agent.id}
 
-    def _egress_decision(
+    async def _egress_decision(
         self, path: str, refused: str, agent: AgentRecord, skill: str, tenant: str, **facts: Any
     ) -> Decision:
         """The egress policy's decision at ``path``; ``policy_denied`` (``refused``: why) if it
@@ -289,7 +293,7 @@ class Delegator:
         if self._engine is None:
             raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "no egress policy here: nothing leaves the fleet")
         agent_facts = {"id": agent.id, "url": agent.url}
-        decision = self._engine.decide(
+        decision = await self._engine.decide(
             path, {"tenant": tenant, "agent": agent_facts, "skill": skill, **facts}
         )
         if not decision.allow:

@@ -90,7 +90,9 @@ class CoordinatorExecutor(AgentExecutor):
         message = context.message
         parts = list(message.parts) if message else []
         try:
-            steps = plan_request(get_data_parts(parts), " ".join(get_text_parts(parts)), self._engine, tenant)
+            steps = await plan_request(
+                get_data_parts(parts), " ".join(get_text_parts(parts)), self._engine, tenant
+            )
             for step in steps:
                 if step.wait is None and not await self._delegator.discover(step.skill):
                     raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {step.skill!r}")

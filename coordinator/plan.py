@@ -257,14 +257,14 @@ def resolve_input(value: Any, results: dict[str, Any]) -> Any:
     return value
 
 
-def plan_request(data: list[Any], text: str, engine: PolicyEngine, tenant: str) -> list[Step]:
+async def plan_request(data: list[Any], text: str, engine: PolicyEngine, tenant: str) -> list[Step]:
     """The plan for a request: explicit steps win; otherwise the routing policy decides."""
     for part in data:
         if isinstance(part, dict) and "steps" in part:
             return parse_steps(part["steps"])
     if not text.strip():
         raise PlanError('send text or a data part {"steps": [{"skill": ..., "input": {...}}]}')
-    decision = engine.decide("fleet.routing.decision", {"text": text, "tenant": tenant})
+    decision = await engine.decide("fleet.routing.decision", {"text": text, "tenant": tenant})
     if not decision.allow:
         raise FleetError(
             ErrorCode.NO_SPECIALIST,

@@ -23,6 +23,7 @@ from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
 from coordinator.signals import SignalDesk, parse_signal
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
+from policy import PolicyEngine
 
 RUNS_PREFIX = "/v1/"
 RESOLVE_SCOPE = "runs:resolve"
@@ -61,7 +62,7 @@ def run_routes(
     submit: Callable[[str, str], Awaitable[None]],
     listen_dsn: str,
     saver: BaseCheckpointSaver[Any],
-    policy_revision: str,
+    policy: PolicyEngine,
     desk: SignalDesk,
 ) -> list[Route]:
     async def resubmit(run_id: str, attempt: str) -> None:
@@ -105,7 +106,7 @@ def run_routes(
             run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
         except RunNotFound as exc:
             return _error(exc)
-        files = await bundle(store, ledger, saver, run, policy_revision)
+        files = await bundle(store, ledger, saver, run, policy.revision)
         return JSONResponse({"run": _run_json(run), "files": files})
 
     async def operations(request: Request) -> Response:

@@ -38,7 +38,7 @@ from fleet.a2a_support import (
 from fleet.keys import SigningKey
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
-from policy import RegorusEngine
+from policy.live import enforcing, live_policy
 from registry import RegistryClient
 
 VERSION = "0.1.0"
@@ -96,7 +96,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
     push_http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
     registry = RegistryClient(settings, http)
-    engine = RegorusEngine.from_dir(settings.policy_dir)
+    engine = live_policy(settings)
     delegator = Delegator(registry, http)
     card = build_card(
         name="Fleet coordinator",
@@ -169,6 +169,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             await saver.setup()
             await desk.setup()
             await stack.enter_async_context(submitter)
+            await stack.enter_async_context(enforcing(engine, submitter.client))
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
             await stack.enter_async_context(background(*jobs))
             await stack.enter_async_context(start_in_background(readiness, start))
@@ -184,7 +185,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         lifespan=lifespan,
         extra_routes=[
             jwks_route(registry.key),
-            *run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine.revision, desk),
+            *run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine, desk),
         ],
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )

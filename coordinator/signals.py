@@ -259,7 +259,7 @@ class SignalDesk:
             if signal.action == "input" and gate and gate.get("type") == "approval"
             else signal.action
         )
-        decision = self._engine.decide(
+        decision = await self._engine.decide(
             "fleet.approvals.decision",
             {
                 "action": action,

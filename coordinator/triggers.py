@@ -169,7 +169,7 @@ class TriggerIngest:
 
     async def _start(self, event: Event) -> str:
         await self._deliver_to_waiting(event)
-        decision = self._engine.decide(
+        decision = await self._engine.decide(
             "fleet.triggers.decision",
             {
                 "subject": event.subject,
@@ -194,7 +194,11 @@ class TriggerIngest:
         except PlanError as exc:
             raise EventError(f"trigger {decision.result.get('rule')}: {exc.message}") from exc
         run_id = event.run_id()
-        request = {"event": event.envelope(), "trigger": decision.result.get("rule")}
+        request = {
+            "event": event.envelope(),
+            "trigger": decision.result.get("rule"),
+            "policy_decision": decision.decision_id,
+        }
         await self._runs.create_run(
             run_id, event.tenant, f"event:{event.source}", request, [s.to_dict() for s in steps]
         )

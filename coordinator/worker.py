@@ -36,6 +36,7 @@ from coordinator.checkpoints import CompactCheckpointer
 from coordinator.delegation import Delegator
 from coordinator.dispatch import ActivityClock, RunScope, settle_pending
 from coordinator.graph import build_graph, checkpoint_pool
+from coordinator.memory_hook import RunMemory
 from coordinator.operations import Ledger
 from coordinator.runs import (
     ON_THE_WAIT,
@@ -51,7 +52,8 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
-from policy import PolicyEngine, PolicyError, RegorusEngine
+from policy import PolicyEngine, PolicyError
+from policy.live import enforcing, live_policy
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -170,7 +172,9 @@ class RunWorker:
         engine: PolicyEngine,
         worker_id: str,
         lease_ttl_s: float,
+        memory: RunMemory | None = None,
     ) -> None:
+        self._memory = memory
         self._delegator = delegator
         self._engine = engine
         self._graph = graph
@@ -206,6 +210,8 @@ class RunWorker:
             return
         if run.state.terminal:
             await self.prune(run_id)
+            if run.state == RunState.COMPLETED:  # in case the worker that finished it died first
+                await self.consolidate(run.tenant, run_id, message)
             await message.ack()
             return
         if run.state == RunState.WAITING:
@@ -229,7 +235,31 @@ class RunWorker:
         finally:
             await self._store.release_lease(lease)
         await self.prune(run_id)
+        ended = await self._store.get_run_for_worker(run_id)
+        if ended.state == RunState.COMPLETED:
+            await self.consolidate(ended.tenant, run_id, message)
         await message.ack()
+
+    async def consolidate(self, tenant: str, run_id: str, message: Msg) -> None:
+        """Turn the finished run's episodes into facts and rules, through the memory gate (see
+        :mod:`coordinator.memory_hook`; it never fails the run). The work message is kept from
+        redelivery meanwhile, however long the memory server (and its model) takes."""
+        if self._memory is None:
+            return
+
+        async def keep_message() -> None:
+            while True:
+                await asyncio.sleep(max(1.0, self._ttl / 3))
+                with contextlib.suppress(Exception):
+                    await message.in_progress()
+
+        keeper = asyncio.create_task(keep_message())
+        try:
+            await self._memory.consolidate(tenant, run_id)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
 
     @contextlib.asynccontextmanager
     async def _heartbeat(self, lease: Lease, message: Msg) -> AsyncIterator[RunSignals]:
@@ -294,7 +324,7 @@ class RunWorker:
             await self._store.append(lease, "run.resumed", self._id, {"at": ["schedule"]})
         elif not snapshot.values:
             try:
-                limits = run_limits(self._engine, run.tenant)
+                limits = await run_limits(self._engine, run.tenant)
             except PolicyError as exc:  # fail closed, with the reason, rather than retry forever
                 text = f"[{exc.code}] {exc.message}"
                 await self._store.transition(
@@ -489,19 +519,20 @@ def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
+async def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
     """The run's budget and convergence limits and the deadlines of its approvals, decided by
     policy when the run starts; a policy
     that cannot be evaluated or is invalid fails the start (closed, with a clear reason)."""
-    decision = engine.decide("fleet.budgets.decision", {"tenant": tenant})
+    decision = await engine.decide("fleet.budgets.decision", {"tenant": tenant})
     if not decision.allow:
         raise PolicyError(f"the budget policy is invalid: {'; '.join(decision.reasons)}")
-    approvals = engine.decide("fleet.approvals.deadlines", {"tenant": tenant})
+    approvals = await engine.decide("fleet.approvals.deadlines", {"tenant": tenant})
     if not approvals.allow:
         raise PolicyError(f"the approvals policy is invalid: {'; '.join(approvals.reasons)}")
     return {
         **{key: decision.result[key] for key in ("limits", "convergence", "batch")},
         "approvals": {key: approvals.result[key] for key in ("default", "skills")},
+        "decisions": {"budgets": decision.decision_id, "approvals": approvals.decision_id},
     }
 
 
@@ -515,7 +546,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     saver = CompactCheckpointer(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
-    engine = RegorusEngine.from_dir(settings.policy_dir)
+    engine = live_policy(settings)
     delegator = Delegator(registry, http, store.run_grant, engine)
     worker = RunWorker(
         build_graph(delegator, saver),
@@ -525,6 +556,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
         engine,
         worker_id=f"{settings.service_id}:{os.getpid()}",
         lease_ttl_s=settings.lease_ttl_s,
+        memory=RunMemory(registry),
     )
     readiness = Readiness(settings.service_id, "worker")
     enrolled = asyncio.Event()
@@ -545,6 +577,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await ledger.setup()
             nc = await connect(settings.nats_url, settings.service_id)
             stack.push_async_callback(nc.drain)
+            await stack.enter_async_context(enforcing(engine, nc))
             worker.approvals = nc.jetstream()
             # One pull subscription per consumer task: they must not share an inbox.
             subscriptions = [

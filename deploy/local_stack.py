@@ -26,6 +26,7 @@ class ServiceSpec:
 
 
 REGISTRY = ServiceSpec("registry", "registry", "registry.server:main")
+MEMORY = ("memory:read", "memory:write")  # what an agent may do with its tenant's long-term memory
 
 SERVICES: tuple[ServiceSpec, ...] = (
     REGISTRY,
@@ -46,22 +47,44 @@ SERVICES: tuple[ServiceSpec, ...] = (
         database="fleet_data",
     ),
     ServiceSpec(
+        "mcp-sandbox",
+        "mcp_server",
+        "mcp_servers.sandbox.server:main",
+        scopes=("registry:read", "registry:write"),
+        mcp_path="/mcp",
+    ),
+    ServiceSpec(
+        "mcp-outbox",
+        "mcp_server",
+        "mcp_servers.outbox.server:main",
+        scopes=("registry:read", "registry:write"),
+        mcp_path="/mcp",
+        database="fleet_data",
+    ),
+    ServiceSpec(
+        "mcp-memory",
+        "mcp_server",
+        "mcp_servers.memory.server:main",
+        scopes=("registry:read", "registry:write"),
+        mcp_path="/mcp",
+    ),
+    ServiceSpec(
         "sql-analyst",
         "specialist",
         "specialists.sql_analyst.agent:main",
-        scopes=("registry:read", "registry:write", "sql:query"),
+        scopes=("registry:read", "registry:write", "sql:query", *MEMORY),
     ),
     ServiceSpec(
         "stats",
         "specialist",
         "specialists.stats.agent:main",
-        scopes=("registry:read", "registry:write"),
+        scopes=("registry:read", "registry:write", *MEMORY),
     ),
     ServiceSpec(
         "case-desk",
         "specialist",
         "specialists.case_desk.agent:main",
-        scopes=("registry:read", "registry:write", "cases:write"),
+        scopes=("registry:read", "registry:write", "cases:write", *MEMORY),
     ),
     ServiceSpec(
         "coordinator",
@@ -75,7 +98,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             f"worker-{n}",
             "worker",
             "coordinator.worker:main",
-            scopes=("registry:read", "agent:invoke"),
+            scopes=("registry:read", "agent:invoke", "memory:consolidate"),  # a completed run's memory
             database="fleet",
         )
         for n in (1, 2)

@@ -126,6 +126,60 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run by another organisation: calls to it pass the egress policy",
     )
+    policy = sub.add_parser("policy", help="the fleet's Rego bundle: test, push, roll back, watch")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    ptest = policy_sub.add_parser("test", help="run the bundle's Rego unit tests (like opa test)")
+    ptest.add_argument("dir", nargs="?", type=Path, default=None, help="default: the installed bundle")
+    ptest.add_argument("-v", "--verbose", action="store_true", help="list every test, not only failures")
+    ptest.add_argument("--coverage", action="store_true", help="the policies' lines the tests reach")
+    ptest.add_argument("--json", action="store_true")
+    peval = policy_sub.add_parser("eval", help="evaluate a query (e.g. data.fleet.tools.decision)")
+    peval.add_argument("query")
+    peval.add_argument("--input", type=Path, default=None, help="a JSON file: the input document")
+    peval.add_argument("--dir", type=Path, default=None, help="the bundle (default: the installed one)")
+    ppush = with_dir(policy_sub.add_parser("push", help="test the bundle and make it every process's policy"))
+    ppush.add_argument("dir", nargs="?", type=Path, default=None, help="default: the installed bundle")
+    ppush.add_argument("--note", default="", help="recorded with the push")
+    ppush.add_argument("--wait", type=float, default=10.0, help="seconds to wait for every process (10)")
+    prollback = with_dir(policy_sub.add_parser("rollback", help="push the previous revision again"))
+    prollback.add_argument("--wait", type=float, default=10.0)
+    pstatus = with_dir(policy_sub.add_parser("status", help="the revision each process enforces"))
+    pstatus.add_argument("--json", action="store_true")
+    plog = with_dir(policy_sub.add_parser("log", help="the decision log"))
+    plog.add_argument("--follow", "-f", action="store_true")
+    plog.add_argument("--json", action="store_true")
+    plog.add_argument("--last", type=int, default=50, help="how many past decisions to show (50; 0: all)")
+    pserve = policy_sub.add_parser("serve", help="serve OPA's REST API over the embedded engine")
+    pserve.add_argument("dir", nargs="?", type=Path, default=None, help="a bundle to load first")
+    pserve.add_argument("--host", default="127.0.0.1")
+    pserve.add_argument("--port", type=int, default=8181)
+    memory = sub.add_parser(
+        "memory", help="a tenant's long-term memory: search, show, forget, approve, audit"
+    )
+    memory_sub = memory.add_subparsers(dest="memory_command", required=True)
+    msearch = with_dir(memory_sub.add_parser("search", help="the memories nearest to a query"))
+    msearch.add_argument("query")
+    msearch.add_argument(
+        "--tier", action="append", default=[], choices=["episodic", "semantic", "procedural"]
+    )
+    msearch.add_argument("--limit", type=int, default=10)
+    mshow = with_dir(memory_sub.add_parser("show", help="memories by id, with their provenance"))
+    mshow.add_argument("ids", nargs="+")
+    mforget = with_dir(memory_sub.add_parser("forget", help="delete memories (audited)"))
+    which = mforget.add_mutually_exclusive_group(required=True)
+    which.add_argument("--id", dest="ids", action="append", default=[])
+    which.add_argument("--run", default="", help="what one run wrote")
+    which.add_argument("--all", action="store_true", help="all of the tenant's memory")
+    mforget.add_argument("--reason", default="")
+    mapprove = with_dir(memory_sub.add_parser("approve", help="approve a held procedural rule"))
+    mapprove.add_argument("id")
+    maudit = with_dir(memory_sub.add_parser("audit", help="the memory server's audit events"))
+    maudit.add_argument("--last", type=int, default=50, help="how many (50; 0: all)")
+    for command in (msearch, mshow, mforget, mapprove):
+        command.add_argument("--tenant", required=True, help="whose memory")
+    maudit.add_argument("--tenant", default=None, help="only this tenant's events")
+    for command in (msearch, mshow, mforget, mapprove, maudit):
+        command.add_argument("--json", action="store_true")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -213,8 +267,64 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
                 layout, args.keys_command, getattr(args, "kid", ""), getattr(args, "reason", "")
             )
         )
+    if command == "policy":
+        return _policy(args, layout)
+    if command == "memory":
+        return _memory(args, layout)
     if command == "serve":
         return serve(args.service_id)
+    return EXIT_USAGE
+
+
+def _memory(args: argparse.Namespace, layout: StackLayout) -> int:
+    from fleet import memory_cli
+
+    which: str = args.memory_command
+    if which == "search":
+        return asyncio.run(
+            memory_cli.search(layout, args.tenant, args.query, args.tier, args.limit, as_json=args.json)
+        )
+    if which == "show":
+        return asyncio.run(memory_cli.show(layout, args.tenant, args.ids, as_json=args.json))
+    if which == "forget":
+        return asyncio.run(
+            memory_cli.forget(
+                layout,
+                args.tenant,
+                ids=args.ids,
+                run_id=args.run,
+                everything=args.all,
+                reason=args.reason,
+                as_json=args.json,
+            )
+        )
+    if which == "approve":
+        return asyncio.run(memory_cli.approve(layout, args.tenant, args.id, as_json=args.json))
+    if which == "audit":
+        return asyncio.run(memory_cli.audit(layout, args.tenant, args.last, as_json=args.json))
+    return EXIT_USAGE
+
+
+def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
+    from fleet import policy_cli
+
+    which: str = args.policy_command
+    if which == "test":
+        return policy_cli.test(args.dir, verbose=args.verbose, coverage=args.coverage, as_json=args.json)
+    if which == "eval":
+        return policy_cli.evaluate(args.query, args.input, args.dir)
+    if which == "push":
+        return asyncio.run(policy_cli.push_bundle(layout, args.dir, args.note, args.wait))
+    if which == "rollback":
+        return asyncio.run(policy_cli.roll_back(layout, args.wait))
+    if which == "status":
+        return asyncio.run(policy_cli.status(layout, as_json=args.json))
+    if which == "serve":
+        return policy_cli.serve(args.dir, args.host, args.port)
+    if which == "log":
+        return asyncio.run(
+            policy_cli.decision_log(layout, follow=args.follow, as_json=args.json, limit=args.last)
+        )
     return EXIT_USAGE
 
 

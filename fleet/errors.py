@@ -32,6 +32,8 @@ class ErrorCode(StrEnum):
     APPROVAL_EXPIRED = "approval_expired"
     CANCELED = "canceled"
     APPROVAL_REJECTED = "approval_rejected"
+    TOO_LARGE = "too_large"
+    UNSCANNABLE = "unscannable"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -41,6 +43,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.CARD_INVALID: 400,
     ErrorCode.PUSH_URL_REFUSED: 400,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.UNSCANNABLE: 422,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.NO_SPECIALIST: 404,
     ErrorCode.CONFLICT: 409,

@@ -6,7 +6,7 @@ Library code never reads the environment; it takes a settings object or plain ar
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +63,12 @@ class ServiceSettings(BaseSettings):
     enrollment_token: str = ""
     operator_jwk_file: Path | None = None
     policy_dir: Path | None = None
+    policy_engine: Literal["embedded", "opa"] = Field(
+        default="embedded", description="where decisions are evaluated: in process, or an OPA server"
+    )
+    opa_url: str = Field(default="", description="the OPA server of the opa engine, http(s)://host:port")
+    opa_token: str = Field(default="", description="a bearer token for that OPA server, if it wants one")
+    policy_timeout_s: float = Field(default=2.0, gt=0, description="a decision not made by then is a denial")
     log_level: str = "info"
     state_dir: Path | None = Field(default=None, description="where this service keeps local state")
     heartbeat_s: float = Field(

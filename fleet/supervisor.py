@@ -77,12 +77,29 @@ def _free_port(preferred_port: int | None) -> int:
         return port
 
 
+START_ORDER: tuple[str, ...] = ("registry", "mcp_server", "specialist", "coordinator", "worker")
 STOP_TIERS: tuple[frozenset[str], ...] = (
     frozenset({"coordinator", "worker"}),
     frozenset({"specialist"}),
     frozenset({"mcp_server"}),
     frozenset({"registry"}),
 )
+
+
+def start_tiers(services: tuple[ServiceSpec, ...]) -> list[list[ServiceSpec]]:
+    """The services in tiers that start one after another, the services of a tier at once: the
+    registry first (everything enrolls with it), then the MCP servers, the specialists, the
+    coordinator (it creates the run tables), and the workers. A tier starts when every service of
+    the one before answers its health check."""
+    tiers: list[list[ServiceSpec]] = []
+    for kind in START_ORDER:
+        tier = [spec for spec in services if spec.kind == kind]
+        if tier:
+            tiers.append(tier)
+    missing = {spec.id for spec in services} - {spec.id for tier in tiers for spec in tier}
+    if missing:
+        raise ValueError(f"services of no start tier: {sorted(missing)}")
+    return tiers
 
 
 def _kind(name: str) -> str | None:
@@ -152,12 +169,26 @@ class Supervisor:
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
         }
-        for spec in SERVICES:
-            env = {**env_common, "FLEET_PG_DSN": dsns[spec.database]} if spec.database else env_common
-            url = await self._start_service(spec, operator, env, previous)
-            self._record(endpoints, spec, url)
-            if spec.kind == "registry":
-                env_common["FLEET_REGISTRY_URL"] = url
+        for tier in start_tiers(SERVICES):
+            envs = [
+                {**env_common, "FLEET_PG_DSN": dsns[spec.database]} if spec.database else dict(env_common)
+                for spec in tier
+            ]
+            started = await asyncio.gather(
+                *(
+                    self._start_service(spec, operator, env, previous)
+                    for spec, env in zip(tier, envs, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            for outcome in started:  # every start has ended, so stop() finds no process half-spawned
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for spec, url in zip(tier, started, strict=True):
+                assert isinstance(url, str)
+                self._record(endpoints, spec, url)
+                if spec.kind == "registry":
+                    env_common["FLEET_REGISTRY_URL"] = url
         endpoints["processes"] = {c.name: c.process.pid for c in self.children}
         self.endpoints = endpoints
         self.layout.write_endpoints(endpoints)

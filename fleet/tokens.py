@@ -20,6 +20,7 @@ import logging
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ DEFAULT_LEEWAY_S = 10
 ACCESS_TOKEN_TTL_S = 300
 REUSE_FOR_S = 60  # a client reuses a token this long at most (see TokenClient)
 MAX_CACHED_TOKENS = 1024
+VERIFIED_MEMO_SIZE = 4096  # tokens a verifier remembers having checked the signature of
 CLIENT_ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"  # RFC 8693
 ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
@@ -208,8 +210,22 @@ class MemoryReplayGuard:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """A token whose signature, issuer, audience and claims checked out once."""
+
+    claims: Claims
+    kids: tuple[str, ...]  # its signing key, its client's key and its chain's: checked every time
+    expires_at: float
+
+
 class TokenVerifier:
-    """Verifies access tokens issued by one issuer for one audience."""
+    """Verifies access tokens issued by one issuer for one audience.
+
+    Every request's token is verified; a token this verifier has verified before (the very same
+    bytes) skips only the signature and the parse of its claims, which cannot have changed: its
+    expiry, the revocation of every key it involves and the scopes asked for are checked again each
+    time. A single-use verifier remembers nothing (the replay guard must see every use)."""
 
     def __init__(
         self,
@@ -231,6 +247,7 @@ class TokenVerifier:
         self._leeway = leeway_s
         self._revocations = revocations
         self._single_use = single_use
+        self._memo: OrderedDict[str, _Verified] | None = OrderedDict() if single_use is None else None
 
     @property
     def audience(self) -> str:
@@ -250,6 +267,14 @@ class TokenVerifier:
             raise
 
     async def _verify(self, token: str, required_scopes: Iterable[str]) -> Claims:
+        memo = self._memo
+        seen = memo.get(token) if memo is not None else None
+        if seen is not None and memo is not None:
+            revoked = self._revocations is not None and self._revocations.check(*seen.kids)
+            if not revoked and time.time() <= seen.expires_at + self._leeway:
+                memo.move_to_end(token)
+                return _with_scopes(seen.claims, required_scopes)
+            del memo[token]  # the full check below says why it no longer passes
         header, kid = _header_of(token, ALLOWED_ALGORITHMS)
         if header.get("typ") == "run-grant+jwt" and not self._run_grants:
             raise AuthError("a run grant is not an access token")
@@ -266,21 +291,28 @@ class TokenVerifier:
         ):
             raise AuthError("not an access token")
         claims = _claims_of(raw, self._audience, token)
-        if self._revocations is not None:
-            # the client's key, and every key of the chain that passed the caller's token down
-            chain = raw.get("chain_kids")
-            listed: list[Any] = chain if isinstance(chain, list) else []
-            kids = [k for k in (raw.get("client_kid"), *listed) if isinstance(k, str)]
-            if self._revocations.check(*kids):
-                raise AuthError("token issued to a client whose key was revoked")
+        # the client's key, and every key of the chain that passed the caller's token down
+        chain = raw.get("chain_kids")
+        listed: list[Any] = chain if isinstance(chain, list) else []
+        kids = [k for k in (raw.get("client_kid"), *listed) if isinstance(k, str)]
+        if self._revocations is not None and self._revocations.check(*kids):
+            raise AuthError("token issued to a client whose key was revoked")
         if self._single_use is not None and not await self._single_use.first_use(
             claims.jti, claims.expires_at
         ):
             raise AuthError("token was already used")
-        missing = [s for s in required_scopes if s not in claims.scopes]
-        if missing:
-            raise FleetError(ErrorCode.FORBIDDEN, f"token lacks scope {' '.join(missing)}")
-        return claims
+        if self._memo is not None:
+            self._memo[token] = _Verified(claims, (kid, *kids), float(claims.expires_at))
+            if len(self._memo) > VERIFIED_MEMO_SIZE:
+                self._memo.popitem(last=False)
+        return _with_scopes(claims, required_scopes)
+
+
+def _with_scopes(claims: Claims, required_scopes: Iterable[str]) -> Claims:
+    missing = [s for s in required_scopes if s not in claims.scopes]
+    if missing:
+        raise FleetError(ErrorCode.FORBIDDEN, f"token lacks scope {' '.join(missing)}")
+    return claims
 
 
 def peek(token: str) -> tuple[dict[str, Any], dict[str, Any]]:

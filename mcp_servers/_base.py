@@ -1,11 +1,14 @@
 """What every MCP server of the fleet shares: JWT verification on every request against the registry's
-JWKS, the caller's verified claims inside a tool, the per-call policy decision, and an audit line."""
+JWKS, the caller's verified claims inside a tool, and the gate every call passes (a policy decision,
+the agent's rate limit, an audit event on NATS)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -14,28 +17,39 @@ from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from nats.aio.client import Client as NATS
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
-from fleet.errors import FleetError
-from fleet.service import Readiness
+from fleet import tokens as fleet_tokens
+from fleet.errors import ErrorCode, FleetError
+from fleet.eventlog import EventLog, read_records
+from fleet.natsconn import connect, key_value
+from fleet.service import Readiness, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
 from policy import Decision, PolicyEngine
+from policy.live import enforcing, live_policy
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("fleet.audit")
 
 MCP_PATH = "/mcp"
+# What a tool tells its callers about retrying it (MCP tool annotations): the client retries a call
+# whose outcome it did not see only when the tool says a repeat is harmless.
+READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False)
+KEYED_WRITE = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True)
 
 
-class RegistryTokenVerifier(TokenVerifier):
+class FleetTokenVerifier(TokenVerifier):
     """Adapts the fleet's strict verifier to the MCP SDK: a bad token is ``None`` (401)."""
 
-    def __init__(self, registry: RegistryClient, audience: str) -> None:
-        self._verifier = registry.verifier(audience)
+    def __init__(self, verifier: fleet_tokens.TokenVerifier) -> None:
+        self._verifier = verifier
 
     async def verify_token(self, token: str) -> AccessToken | None:
         try:
@@ -53,6 +67,13 @@ class RegistryTokenVerifier(TokenVerifier):
         )
 
 
+class RegistryTokenVerifier(FleetTokenVerifier):
+    """:class:`FleetTokenVerifier` for tokens addressed to ``audience``, keys from the registry's JWKS."""
+
+    def __init__(self, registry: RegistryClient, audience: str) -> None:
+        super().__init__(registry.verifier(audience))
+
+
 def current_claims() -> Claims:
     """The verified claims of the request being served (never from tool arguments)."""
     token = get_access_token()
@@ -62,59 +83,241 @@ def current_claims() -> Claims:
     return claims
 
 
-def authorize_call(
-    engine: PolicyEngine,
-    server_id: str,
-    tool: str,
-    arguments: dict[str, Any],
-    declared_scopes: Sequence[str] = (),
-) -> Claims:
-    """Ask policy whether the current caller may run ``tool``; raise a tool error if not.
-    ``declared_scopes``: what the server declares the tool needs (policy uses it for a server that
-    its data does not name, see ``fleet.tools``)."""
-    return authorize(engine, server_id, tool, arguments, declared_scopes)[0]
+AUDIT_STREAM = "FLEET_AUDIT"
+AUDIT_MAX_AGE_S = 90 * 24 * 3600.0
+AUDIT_MAX_PENDING = 10_000  # events not yet stored; beyond that, calls are refused, not run unaudited
 
 
-def authorize(
-    engine: PolicyEngine,
-    server_id: str,
-    tool: str,
-    arguments: dict[str, Any],
-    declared_scopes: Sequence[str] = (),
-) -> tuple[Claims, Decision]:
-    """:func:`authorize_call`, with the decision (e.g. whether the call needs an approval)."""
-    claims = current_claims()
-    try:
-        decision = engine.decide(
-            "fleet.tools.decision",
-            {
-                "server": server_id,
-                "tool": tool,
-                "tenant": claims.tenant,
-                "subject": claims.sub,
-                "actors": list(claims.actors),  # who passed the caller's token down, nearest first
-                "scopes": sorted(claims.scopes),
-                "declared_scopes": list(declared_scopes),
-                "arguments": arguments,
-            },
+class AuditTrail(EventLog):
+    """One event per tool call, kept in the JetStream stream ``FLEET_AUDIT`` (subject
+    ``fleet.audit.tools.<server>``): who called which tool for which tenant, on whose behalf, with what
+    summary of its arguments, and what the gate decided (decision id and bundle revision). Batched
+    (see :mod:`fleet.eventlog`); when the broker stays away until ``AUDIT_MAX_PENDING`` events wait,
+    the gate refuses calls: nothing runs unaudited."""
+
+    def __init__(self, server_id: str, max_pending: int = AUDIT_MAX_PENDING) -> None:
+        super().__init__(
+            AUDIT_STREAM,
+            "fleet.audit.>",
+            f"fleet.audit.tools.{server_id}",
+            max_age_s=AUDIT_MAX_AGE_S,
+            max_pending=max_pending,
         )
-    except FleetError as exc:
-        audit.warning("tool=%s sub=%s tenant=%s outcome=policy_unavailable", tool, claims.sub, claims.tenant)
-        raise ToolError(f"[{exc.code}] policy could not be evaluated; the call was refused") from exc
-    audit.info(
-        "tool=%s sub=%s actors=%s run=%s tenant=%s allow=%s decision=%s revision=%s",
-        tool,
-        claims.sub,
-        ">".join(claims.actors) or "-",
-        claims.raw.get("run_id", "-"),
-        claims.tenant,
-        decision.allow,
-        decision.decision_id,
-        decision.revision,
-    )
-    if not decision.allow:
-        raise ToolError(f"[policy_denied] {'; '.join(decision.reasons)} (decision {decision.decision_id})")
-    return claims, decision
+
+    def keep(self, event: dict[str, Any]) -> None:
+        """Record ``event``, or refuse the call it is about (a :class:`ToolError`)."""
+        try:
+            self.record(event)
+        except FleetError:
+            raise ToolError(
+                "[dependency_unavailable] the audit trail cannot keep up (is NATS down?); the call was refused"
+            ) from None
+
+
+async def read_audit(client: NATS, server_id: str, *, wait_s: float = 1.0) -> list[dict[str, Any]]:
+    """Every audit event of ``server_id`` the stream holds, oldest first."""
+    return await read_records(client, f"fleet.audit.tools.{server_id}", wait_s=wait_s)
+
+
+class RateLimits:
+    """Token buckets per (tenant, agent, tool), sized by what policy says for each call
+    (``rate_limit``: ``per_minute``, ``burst``). In memory: every replica of a server limits on its
+    own, so a fleet-wide limit is this times the replicas."""
+
+    MAX_BUCKETS = 100_000
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[tuple[str, str, str], tuple[float, float]] = {}
+
+    def take(self, key: tuple[str, str, str], limit: Mapping[str, Any] | None) -> float:
+        """Take one call from ``key``'s bucket: 0.0 if it may go now, else the seconds to wait."""
+        if not limit:
+            return 0.0
+        per_s = float(limit.get("per_minute", 0)) / 60.0
+        burst = max(1.0, float(limit.get("burst", 1)))
+        now = self._clock()
+        tokens, then = self._buckets.get(key, (burst, now))
+        tokens = min(burst, tokens + (now - then) * per_s)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return (1.0 - tokens) / per_s if per_s > 0 else float("inf")
+        if len(self._buckets) >= self.MAX_BUCKETS and key not in self._buckets:
+            self._buckets.clear()  # a flood of new keys: start over rather than grow without end
+        self._buckets[key] = (tokens - 1.0, now)
+        return 0.0
+
+
+RUN_CALLS_BUCKET = "fleet-run-tool-calls"
+RUN_CALLS_TTL_S = 14 * 24 * 3600.0
+
+
+class RunCalls:
+    """How many tool calls each run has made, over every MCP server of the fleet (NATS KV, one key per
+    tenant and run, raised by compare-and-set). Counted only for calls whose decision names a cap."""
+
+    def __init__(self) -> None:
+        self._bucket: Any = None
+
+    async def open(self, client: NATS) -> None:
+        self._bucket = await key_value(client, RUN_CALLS_BUCKET, history=1, ttl_s=RUN_CALLS_TTL_S)
+
+    async def count(self, tenant: str, run_id: str) -> int:
+        """Count one more call of the run; the number it is (1 for the first)."""
+        if self._bucket is None:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, "the run call counter is not open", retryable=True
+            )
+        key = hashlib.sha256(f"{tenant}\0{run_id}".encode()).hexdigest()
+        for _ in range(50):
+            try:
+                entry = await self._bucket.get(key)
+                current, revision = int(entry.value or b"0"), entry.revision
+            except KeyNotFoundError:
+                current, revision = 0, None
+            try:
+                if revision is None:
+                    await self._bucket.create(key, str(current + 1).encode())
+                else:
+                    await self._bucket.update(key, str(current + 1).encode(), last=revision)
+                return current + 1
+            except (KeyWrongLastSequenceError, BadRequestError):
+                continue  # another call counted first: count again
+        raise FleetError(ErrorCode.CONFLICT, f"too many concurrent calls of run {run_id}", retryable=True)
+
+
+class ToolGate:
+    """What every call of one server's tools passes before it runs: the caller's verified claims
+    (the tenant comes from the token, never from arguments), a policy decision (tenant, agent,
+    actors, tool, a summary of the arguments), the agent's rate limit from that decision, and an
+    audit event whatever the outcome."""
+
+    def __init__(
+        self,
+        engine: PolicyEngine,
+        server_id: str,
+        trail: AuditTrail | None = None,
+        limits: RateLimits | None = None,
+        run_calls: RunCalls | None = None,
+    ) -> None:
+        """``trail``: where audit events go (None: only the log, for a server with no broker);
+        ``run_calls``: the fleet's count of each run's calls (None: a cap policy names is refused)."""
+        self.engine = engine
+        self.server_id = server_id
+        self.trail = trail
+        self.limits = limits or RateLimits()
+        self.run_calls = run_calls
+
+    async def allow(
+        self, tool: str, arguments: dict[str, Any], declared_scopes: Sequence[str] = ()
+    ) -> Claims:
+        """:meth:`authorize`, for a tool that needs only the caller's claims."""
+        return (await self.authorize(tool, arguments, declared_scopes))[0]
+
+    async def authorize(
+        self, tool: str, arguments: dict[str, Any], declared_scopes: Sequence[str] = ()
+    ) -> tuple[Claims, Decision]:
+        """The current caller's claims and the decision to let it run ``tool``; a :class:`ToolError`
+        (``policy_denied``, ``policy_unavailable``, ``rate_limited``) if it may not.
+        ``declared_scopes``: what the server declares the tool needs (policy uses it for a server
+        that its data does not name, see ``fleet.tools``)."""
+        claims = current_claims()
+        agent = claims.actors[0] if claims.actors else claims.sub  # who makes this call
+        event: dict[str, Any] = {
+            "server": self.server_id,
+            "tool": tool,
+            "tenant": claims.tenant,
+            "agent": agent,
+            "subject": claims.sub,
+            "actors": list(claims.actors),
+            "run_id": claims.raw.get("run_id"),
+            "arguments": arguments,
+        }
+        try:
+            decision = await self.engine.decide(
+                "fleet.tools.decision",
+                {
+                    "server": self.server_id,
+                    "tool": tool,
+                    "tenant": claims.tenant,
+                    "subject": claims.sub,
+                    "agent": agent,
+                    "actors": list(claims.actors),  # who passed the caller's token down, nearest first
+                    "scopes": sorted(claims.scopes),
+                    "declared_scopes": list(declared_scopes),
+                    "arguments": arguments,
+                },
+                log_decision=self.trail is None,  # else its audit event records it
+            )
+        except FleetError as exc:
+            self._audit(event, "policy_unavailable", None)
+            raise ToolError(f"[{exc.code}] policy could not be evaluated; the call was refused") from exc
+        if not decision.allow:
+            self._audit(event, "denied", decision)
+            raise ToolError(
+                f"[policy_denied] {'; '.join(decision.reasons)} (decision {decision.decision_id})"
+            )
+        wait_s = self.limits.take((claims.tenant, agent, tool), decision.result.get("rate_limit"))
+        if wait_s:
+            self._audit(event, "rate_limited", decision)
+            raise ToolError(
+                f"[rate_limited] {agent} calls {self.server_id}/{tool} more often than policy"
+                f" allows; retry in {min(wait_s, 3600):.1f} s"
+            )
+        cap = decision.result.get("run_call_limit")
+        if cap is not None:
+            if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+                self._audit(event, "policy_unavailable", decision)
+                raise ToolError(f"[policy_unavailable] run_call_limit must be a whole number, not {cap!r}")
+            await self._count_run_call(event, decision, cap)
+        self._audit(event, "allowed", decision)
+        return claims, decision
+
+    async def _count_run_call(self, event: dict[str, Any], decision: Decision, cap: int) -> None:
+        """Count the call against its run's cap (policy's ``run_call_limit``); refuse it beyond."""
+        run_id = event["run_id"]
+        if not run_id:
+            return  # a call outside any run has no run budget
+        try:
+            if self.run_calls is None:
+                raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, "no run call counter here")
+            made = await self.run_calls.count(event["tenant"], str(run_id))
+        except FleetError as exc:
+            self._audit(event, "policy_unavailable", decision)
+            raise ToolError(
+                f"[{exc.code}] the run's tool calls cannot be counted; the call was refused"
+            ) from exc
+        except Exception as exc:
+            self._audit(event, "policy_unavailable", decision)
+            raise ToolError(
+                f"[{ErrorCode.DEPENDENCY_UNAVAILABLE}] the run's tool calls cannot be counted ({exc!r});"
+                " the call was refused"
+            ) from exc
+        if made > cap:
+            self._audit(event, "run_limit", decision)
+            raise ToolError(
+                f"[policy_denied] run {run_id} has made the {cap} tool calls policy allows it"
+                f" (decision {decision.decision_id})"
+            )
+
+    def _audit(self, event: dict[str, Any], outcome: str, decision: Decision | None) -> None:
+        event["outcome"] = outcome
+        if decision is not None:
+            event["decision_id"], event["revision"] = decision.decision_id, decision.revision
+            event["reasons"] = list(decision.reasons)
+        if outcome != "allowed" or self.trail is None:
+            audit.info(
+                "tool=%s sub=%s actors=%s run=%s tenant=%s outcome=%s decision=%s",
+                event["tool"],
+                event["subject"],
+                ">".join(event["actors"]) or "-",
+                event["run_id"] or "-",
+                event["tenant"],
+                outcome,
+                event.get("decision_id", "-"),
+            )
+        if self.trail is not None:
+            self.trail.keep(event)
 
 
 def build_app(
@@ -135,15 +338,75 @@ def build_app(
 
 async def declared_tools(mcp: MCPServer, scopes: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
     """What the server registers of its tools: each one's name, description and the scopes a token
-    needs to call it (``scopes``, by tool name). Agents load these from the registry."""
+    needs to call it (``scopes``, by tool name), and whether a repeated call is harmless (its
+    annotations: the client retries only those). Agents load these from the registry."""
     return [
         {
             "name": tool.name,
             "description": (tool.description or "")[:2000],
             "scopes": list(scopes.get(tool.name, ())),
+            "read_only": bool(tool.annotations and tool.annotations.read_only_hint),
+            "idempotent": bool(tool.annotations and tool.annotations.idempotent_hint),
         }
         for tool in await mcp.list_tools()
     ]
+
+
+def tool_server_app(
+    settings: ServiceSettings,
+    *,
+    tools: Mapping[str, Sequence[str]],
+    make_server: Callable[[RegistryClient, ToolGate], MCPServer],
+    resources: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
+) -> Starlette:
+    """The whole app of one MCP server process: the registry client and the gate its tools use (the
+    policy engine, rate limits, the audit trail on NATS), ``resources`` (database pools, stores)
+    entered before it serves, and its registration (with each tool's scopes from ``tools``) once it
+    accepts requests."""
+    if not settings.nats_url:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "an MCP server needs FLEET_NATS_URL (its audit trail)")
+    http = new_http()
+    registry = RegistryClient(settings, http)
+    policy = live_policy(settings)
+    gate = ToolGate(policy, settings.service_id, AuditTrail(settings.service_id), run_calls=RunCalls())
+    mcp = make_server(registry, gate)
+    readiness = Readiness(settings.service_id, "mcp_server")
+
+    async def start() -> None:
+        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, await declared_tools(mcp, tools))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(http)
+            stack.push_async_callback(registry.aclose)
+            broker = await connect(settings.nats_url, f"{settings.service_id}-audit")
+            stack.push_async_callback(broker.close)
+            assert gate.trail is not None
+            await stack.enter_async_context(gate.trail.publishing(broker))
+            await stack.enter_async_context(enforcing(policy, broker))
+            assert gate.run_calls is not None
+            await gate.run_calls.open(broker)
+            if resources is not None:
+                await stack.enter_async_context(resources())
+            await stack.enter_async_context(mcp.session_manager.run())
+            await stack.enter_async_context(start_in_background(readiness, start))
+            yield
+
+    return build_app(mcp, readiness, lifespan)
+
+
+def fleet_mcp_server(
+    name: str, settings: ServiceSettings, registry: RegistryClient, instructions: str | None = None
+) -> MCPServer:
+    """An MCP server that verifies every request's token (addressed to this service, keys from the
+    registry's JWKS) before any tool runs."""
+    return MCPServer(
+        name,
+        instructions=instructions,
+        token_verifier=RegistryTokenVerifier(registry, settings.service_id),
+        auth=auth_settings(settings),
+    )
 
 
 def auth_settings(settings: ServiceSettings) -> AuthSettings:

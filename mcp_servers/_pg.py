@@ -14,10 +14,8 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
-from fleet.service import Readiness, start_in_background
 from fleet.settings import ServiceSettings
-from mcp_servers._base import MCP_PATH, build_app, declared_tools, new_http
-from policy import RegorusEngine
+from mcp_servers._base import ToolGate, tool_server_app
 from registry import RegistryClient
 
 
@@ -41,14 +39,13 @@ def database_tool_app(
     role: str,
     tools: Mapping[str, Sequence[str]],
     prepare: Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]],
-    make_server: Callable[[RegistryClient, RegorusEngine, AsyncConnectionPool[Any]], MCPServer],
+    make_server: Callable[[RegistryClient, ToolGate, AsyncConnectionPool[Any]], MCPServer],
+    more: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
 ) -> Starlette:
-    """The app of an MCP server whose tools work on its database through ``role``: a login role
-    without superuser or BYPASSRLS, whose password only this process knows (set anew at every
-    start, after ``prepare`` has made the schema with the service's own login)."""
-    http = new_http()
-    registry = RegistryClient(settings, http)
-    engine = RegorusEngine.from_dir(settings.policy_dir)
+    """The app of an MCP server whose tools run fixed statements on its database through ``role``: a
+    login role without superuser or BYPASSRLS, whose password only this process knows (set anew at
+    every start, after ``prepare`` has made the schema with the service's own login). ``more``: other
+    resources the tools need, entered after the pool."""
     password = secrets.token_urlsafe(24)
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         make_conninfo(settings.pg_dsn, user=role, password=password),
@@ -58,25 +55,20 @@ def database_tool_app(
         kwargs={"prepare_threshold": None},
         reset=discard_session_state,
     )
-    mcp = make_server(registry, engine, pool)
-    readiness = Readiness(settings.service_id, "mcp_server")
-
-    async def start() -> None:
-        await registry.join_as_mcp_server(settings.public_url + MCP_PATH, await declared_tools(mcp, tools))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def resources() -> AsyncIterator[None]:
         async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
             await prepare(admin)
             await admin.execute(
                 sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
             )
-        async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(http)
-            stack.push_async_callback(registry.aclose)
-            await stack.enter_async_context(pool)
-            await stack.enter_async_context(mcp.session_manager.run())
-            await stack.enter_async_context(start_in_background(readiness, start))
+        async with pool, more() if more is not None else contextlib.nullcontext():
             yield
 
-    return build_app(mcp, readiness, lifespan)
+    return tool_server_app(
+        settings,
+        tools=tools,
+        make_server=lambda registry, gate: make_server(registry, gate, pool),
+        resources=resources,
+    )

@@ -33,14 +33,25 @@ class Bundle:
         modules = tuple(
             (str(path.relative_to(root)), path.read_text()) for path in sorted(root.rglob("*.rego"))
         )
-        data = _load_data(root)
+        return cls.of(root, modules, _load_data(root), str(_manifest(root).get("revision", "dev")))
+
+    @classmethod
+    def of(cls, root: Path, modules: tuple[tuple[str, str], ...], data: dict[str, Any], label: str) -> Bundle:
+        """A bundle of these sources and data; its revision is ``label`` (the manifest's revision)
+        plus a hash of the content, so that the same name never covers two contents."""
         digest = hashlib.sha256()
         for name, source in modules:
             digest.update(name.encode() + b"\0" + source.encode() + b"\0")
         digest.update(json.dumps(data, sort_keys=True).encode())
-        manifest = _manifest(root)
-        revision = f"{manifest.get('revision', 'dev')}+{digest.hexdigest()[:12]}"
-        return cls(root, modules, data, revision)
+        return cls(root, modules, data, f"{label.split('+')[0]}+{digest.hexdigest()[:12]}")
+
+    def with_data(self, data: dict[str, Any], label: str | None = None) -> Bundle:
+        """The same modules with ``data`` (a new revision)."""
+        return Bundle.of(self.root, self.modules, data, label or self.revision)
+
+    def with_modules(self, modules: tuple[tuple[str, str], ...], label: str | None = None) -> Bundle:
+        """These modules with the same data (a new revision)."""
+        return Bundle.of(self.root, modules, self.data, label or self.revision)
 
 
 def _manifest(root: Path) -> dict[str, Any]:

@@ -25,6 +25,10 @@ class PolicyEngine(Protocol):
     @property
     def revision(self) -> str: ...
 
-    def decide(self, path: str, input_document: dict[str, Any]) -> Decision:
-        """Evaluate the rule at ``path`` (e.g. ``fleet.tools.decision``); fail closed on errors."""
+    async def decide(
+        self, path: str, input_document: dict[str, Any], *, log_decision: bool = True
+    ) -> Decision:
+        """Evaluate the rule at ``path`` (e.g. ``fleet.tools.decision``); fail closed on errors.
+        ``log_decision``: log it (False when the caller records the decision itself, e.g. in an
+        audit event)."""
         ...

@@ -2,12 +2,19 @@
 
 A regorus engine must be used from the thread that created it, so this class creates one per thread
 on first use. Evaluation is ~25 microseconds, cheap enough to run inline on the event loop.
+
+A bundle is a pure function of its input unless it calls a builtin whose answer changes (the time,
+randomness, HTTP, the runtime). For a pure bundle the engine remembers the results of the last
+``MEMO_SIZE`` distinct inputs: a repeated input gets the same result without evaluating again, as a
+new decision (its own id, logged like any other). A bundle that names such a builtin anywhere is
+evaluated every time.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -18,6 +25,17 @@ from policy.engine import Decision
 from policy.errors import PolicyError
 
 log = logging.getLogger(__name__)
+
+MEMO_SIZE = 4096
+# Builtins whose answer is not a function of the input and the bundle (OPA's non-deterministic ones).
+_IMPURE = re.compile(
+    r"\b(time\.now_ns|rand\.|uuid\.|http\.send|opa\.runtime|net\.lookup|io\.jwt\.decode_verify|crypto\.x509)"
+)
+
+
+def is_pure(bundle: Bundle) -> bool:
+    """Whether every decision of ``bundle`` depends on its input alone (no impure builtin named)."""
+    return not any(_IMPURE.search(source) for _, source in bundle.policies)
 
 
 def _new_engine(bundle: Bundle, with_tests: bool) -> Any:
@@ -33,6 +51,9 @@ def _new_engine(bundle: Bundle, with_tests: bool) -> Any:
     return engine
 
 
+_UNKNOWN = object()
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).split("\n\nStack backtrace")[0].strip()
     return " ".join(line.strip() for line in text.splitlines()[:4])
@@ -46,6 +67,8 @@ class RegorusEngine:
         self._bundle = bundle
         self._with_tests = with_tests
         self._local = threading.local()
+        self._memo: dict[tuple[str, str], Any] | None = {} if is_pure(bundle) else None
+        self._memo_lock = threading.Lock()
         self._engine()  # compile now so a broken bundle fails at start-up, not at first call
 
     @classmethod
@@ -65,6 +88,10 @@ class RegorusEngine:
         result: str = self._engine().get_ast_as_json()
         return result
 
+    def raw_engine(self) -> Any:
+        """This thread's regorus engine (e.g. to turn coverage on; only the test runner needs it)."""
+        return self._engine()
+
     def _engine(self) -> Any:
         engine = getattr(self._local, "engine", None)
         if engine is None:
@@ -74,34 +101,61 @@ class RegorusEngine:
 
     def evaluate(self, path: str, input_document: dict[str, Any]) -> Any:
         """The raw value of ``data.<path>`` for ``input_document`` (None if undefined)."""
+        text = json.dumps(input_document)  # the same caller builds its input in the same key order
+        memo = self._memo
+        if memo is not None:
+            known = memo.get((path, text), _UNKNOWN)
+            if known is not _UNKNOWN:
+                return json.loads(known)  # a fresh copy: a caller may change what it gets
         engine = self._engine()
         try:
-            engine.set_input_json(json.dumps(input_document))
-            return json.loads(engine.eval_rule_as_json(f"data.{path}"))
+            engine.set_input_json(text)
+            result = engine.eval_rule_as_json(f"data.{path}")
         except RuntimeError as exc:
             raise PolicyError(f"cannot evaluate {path}: {_first_line(exc)}") from exc
+        if memo is not None:
+            with self._memo_lock:
+                memo[(path, text)] = result
+                if len(memo) > MEMO_SIZE:
+                    del memo[next(iter(memo))]  # the oldest
+        return json.loads(result)
 
-    def decide(self, path: str, input_document: dict[str, Any]) -> Decision:
+    async def decide(
+        self, path: str, input_document: dict[str, Any], *, log_decision: bool = True
+    ) -> Decision:
+        """See :class:`~policy.engine.PolicyEngine` (evaluated inline: it takes microseconds)."""
+        return self.decide_now(path, input_document, log_decision=log_decision)
+
+    def decide_now(self, path: str, input_document: dict[str, Any], *, log_decision: bool = True) -> Decision:
+        """:meth:`decide`, from synchronous code."""
         started = time.perf_counter()
-        result = self.evaluate(path, input_document)
-        if not isinstance(result, dict) or not isinstance(result.get("allow"), bool):
-            raise PolicyError(f"{path} did not return a decision object with a boolean allow")
-        reasons = result.get("reasons", [])
-        decision = Decision(
-            decision_id=uuid.uuid4().hex,
-            query=path,
-            revision=self.revision,
-            allow=result["allow"],
-            reasons=tuple(str(r) for r in reasons) if isinstance(reasons, list) else (),
-            result=result,
-            latency_us=int((time.perf_counter() - started) * 1e6),
+        decision = decision_of(
+            path, self.evaluate(path, input_document), self.revision, uuid.uuid4().hex, started
         )
-        log.info(
-            "decision %s %s allow=%s reasons=%s revision=%s",
-            decision.decision_id,
-            path,
-            decision.allow,
-            list(decision.reasons),
-            decision.revision,
-        )
+        if log_decision:
+            log.info(
+                "decision %s %s allow=%s reasons=%s revision=%s",
+                decision.decision_id,
+                path,
+                decision.allow,
+                list(decision.reasons),
+                decision.revision,
+            )
         return decision
+
+
+def decision_of(path: str, result: Any, revision: str, decision_id: str, started: float) -> Decision:
+    """The decision a rule's ``result`` is, or :class:`PolicyError` if it is none (undefined, or
+    not an object with a boolean ``allow``): whatever the engine, that fails closed."""
+    if not isinstance(result, dict) or not isinstance(result.get("allow"), bool):
+        raise PolicyError(f"{path} did not return a decision object with a boolean allow")
+    reasons = result.get("reasons", [])
+    return Decision(
+        decision_id=decision_id,
+        query=path,
+        revision=revision,
+        allow=result["allow"],
+        reasons=tuple(str(r) for r in reasons) if isinstance(reasons, list) else (),
+        result=result,
+        latency_us=int((time.perf_counter() - started) * 1e6),
+    )

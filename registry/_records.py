@@ -117,11 +117,14 @@ class AgentHistory(BaseModel):
 
 
 class McpToolRecord(BaseModel):
-    """A tool as its server declares it: the scopes a token needs to call it."""
+    """A tool as its server declares it: the scopes a token needs to call it, and whether a repeat
+    of a call is harmless (its MCP annotations; a tool that says nothing is neither)."""
 
     name: str = Field(min_length=1, max_length=100)
     description: str = Field(default="", max_length=2000)
     scopes: list[str] = Field(default_factory=list, max_length=16)
+    read_only: bool = False
+    idempotent: bool = False
 
 
 class McpServerRecord(BaseModel):

@@ -172,8 +172,10 @@ class TokenService:
         audience = form.get("audience", "")
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
-        await self._check_grant(client, audience, tenant, scopes, client.id, [])
-        return self.issue(client.id, audience, tenant, scopes, client_kid)
+        decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
+        return self._sign(
+            client.id, client.id, audience, tenant, scopes, client_kid, {"policy_decision": decided}
+        )
 
     async def _exchange(
         self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
@@ -215,7 +217,10 @@ class TokenService:
             raise OAuthError("invalid_request", f"cannot issue a {requested!r}")
         audience = form.get("audience", "")
         scopes = sorted(set(form.get("scope", "").split()))
-        await self._check_grant(client, audience, tenant, scopes, str(subject["sub"]), actors_of(act))
+        decided = await self._check_grant(
+            client, audience, tenant, scopes, str(subject["sub"]), actors_of(act)
+        )
+        extra["policy_decision"] = decided
         return self._sign(str(subject["sub"]), client.id, audience, tenant, scopes, client_kid, extra)
 
     async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:
@@ -246,7 +251,7 @@ class TokenService:
             raise OAuthError("invalid_grant", "a run grant is not an access token")
         return claims.raw
 
-    def _token_decision(self, request: dict[str, Any]) -> Decision:
+    async def _token_decision(self, request: dict[str, Any]) -> Decision:
         """``fleet.tokens.decision`` for ``request``. The same facts under the same bundle revision
         get the same decision, so one is kept for up to ``DECISION_CACHE_S`` (a client asks for the
         same token again and again; a new revision is a new key)."""
@@ -255,7 +260,7 @@ class TokenService:
         cached = self._decisions.get(key)
         if cached is not None and now - cached[0] < DECISION_CACHE_S:
             return cached[1]
-        decision = self._policy.decide("fleet.tokens.decision", request)
+        decision = await self._policy.decide("fleet.tokens.decision", request)
         if len(self._decisions) >= DECISIONS_CACHED:
             self._decisions.clear()
         self._decisions[key] = (now, decision)
@@ -334,9 +339,10 @@ class TokenService:
         scopes: list[str],
         subject: str,
         actors: list[str],
-    ) -> None:
+    ) -> str:
         """Refuse the token unless the audience exists, the client may act for the tenant, its
-        enrollment allows every scope, and policy grants them (see the module's doc)."""
+        enrollment allows every scope, and policy grants them (see the module's doc); the id of the
+        decision that granted them (the token carries it as ``policy_decision``)."""
         if not audience:
             raise OAuthError("invalid_request", "audience is required")
         if not tenant:
@@ -364,7 +370,7 @@ class TokenService:
             "scopes": scopes,
         }
         try:
-            decision = self._token_decision(request)
+            decision = await self._token_decision(request)
         except FleetError as exc:
             raise OAuthError(
                 "temporarily_unavailable", f"token policy unavailable: {exc.message}", 503
@@ -372,6 +378,7 @@ class TokenService:
         if not decision.allow:
             reasons = "; ".join(decision.reasons) or "no rule grants it"
             raise OAuthError("invalid_scope", f"policy refuses: {reasons} (decision {decision.decision_id})")
+        return decision.decision_id
 
     def issue(
         self, subject: str, audience: str, tenant: str, scopes: list[str], client_kid: str

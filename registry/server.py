@@ -28,7 +28,7 @@ from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tokens import RUN_GRANT_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
-from policy import RegorusEngine
+from policy.live import enforcing, live_policy
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
@@ -355,12 +355,13 @@ def build_app(settings: ServiceSettings) -> Starlette:
         key = SigningKey.load_or_create(settings.key_file)
         nc = await connect(settings.nats_url, settings.service_id)
         try:
-            async with httpx.AsyncClient() as http:
+            async with httpx.AsyncClient() as http, contextlib.AsyncExitStack() as stack:
                 store = await RegistryStore.open(nc)
                 operator_key = await _enroll_operator(store, settings)
                 admin = KeyAdmin(store, nc, settings.service_id, settings.key_file, settings.public_url)
                 revocations = Revocations()
                 await revocations.follow(nc)
+                policy = await stack.enter_async_context(enforcing(live_policy(settings), nc))
 
                 async def own_key(kid: str) -> ec.EllipticCurvePublicKey | None:
                     registry: RegistryState = app.state.registry
@@ -375,7 +376,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                         settings.public_url + "/oauth/token",
                         revocations,
                         own_key,
-                        policy=RegorusEngine.from_dir(settings.policy_dir),
+                        policy=policy,
                         external=[
                             ExternalTokenVerifier(issuer, http, revocations=revocations)
                             for issuer in settings.external_issuers

@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types import AgentSkill, InvalidParamsError, Message, TaskState
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
+from mcp.types import CONNECTION_CLOSED, INTERNAL_ERROR, CallToolResult
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -116,15 +118,71 @@ class Skill:
         return AgentSkill(id=self.id, name=self.name, description=self.description, tags=list(self.tags))
 
 
-_current_token: contextvars.ContextVar[str] = contextvars.ContextVar("mcp_bearer")
+class _Grant:
+    """The bearer token of one tool call, renewed at most once when the MCP server refuses it (HTTP
+    401: the token expired, its key rotated, or it was revoked; the server ran nothing), and the
+    last HTTP status the call saw (the MCP client turns a gateway's 502/503/504 into a bare error)."""
+
+    def __init__(
+        self, token: str, fetch: Callable[[], Awaitable[str]], discard: Callable[[str], None]
+    ) -> None:
+        self.token = token
+        self._fetch = fetch  # a fresh token for the same audience, tenant and scopes
+        self._discard = discard  # stop reusing a refused token
+        self._lock = asyncio.Lock()
+        self.renewed = False
+        self.rejected = False  # the fresh token was refused too
+        self.renew_error: FleetError | None = None
+        self.last_status = 0
+
+    async def renew(self, refused: str) -> bool:
+        """Replace the ``refused`` token with a fresh one, once per call; False if that cannot help."""
+        async with self._lock:
+            if self.token != refused:
+                return True  # another request of this call renewed it already
+            self._discard(refused)
+            if self.renewed:
+                self.rejected = True
+                return False
+            self.renewed = True
+            try:
+                self.token = await self._fetch()
+            except FleetError as exc:
+                self.renew_error = exc
+                return False
+            return True
+
+
+_current_grant: contextvars.ContextVar[_Grant] = contextvars.ContextVar("mcp_grant")
 
 
 class _ContextBearer(httpx2.Auth):
-    """Sends the token of the current tool call; one HTTP client serves every tenant and server."""
+    """Sends the token of the current tool call; one HTTP client serves every tenant and server.
+    A request the server refuses with 401 is sent once more with a fresh token (a 401 means the
+    request was not served, so this is safe for every tool)."""
 
     def auth_flow(self, request: httpx2.Request) -> Generator[httpx2.Request, httpx2.Response, None]:
-        request.headers["Authorization"] = f"Bearer {_current_token.get()}"
+        request.headers["Authorization"] = f"Bearer {_current_grant.get().token}"
         yield request
+
+    async def async_auth_flow(
+        self, request: httpx2.Request
+    ) -> AsyncGenerator[httpx2.Request, httpx2.Response]:
+        grant = _current_grant.get()
+        if grant.rejected or grant.renew_error is not None:
+            raise httpx2.HTTPError("no token this MCP server accepts")  # no request with a refused one
+        while True:
+            sent = grant.token
+            request.headers["Authorization"] = f"Bearer {sent}"
+            response = yield request
+            grant.last_status = response.status_code
+            if response.status_code != 401 or not await grant.renew(sent):
+                return
+
+
+def mcp_http_client() -> httpx2.AsyncClient:
+    """The HTTP client a :class:`Toolbox` calls MCP servers with (its bearer is each call's token)."""
+    return httpx2.AsyncClient(auth=_ContextBearer(), timeout=httpx2.Timeout(30.0, read=120.0))
 
 
 CATALOG_TTL_S = 5.0  # how stale an agent's list of MCP servers may be (a new server shows within it)
@@ -215,34 +273,141 @@ class Toolbox:
         scopes: Sequence[str],
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        """Call ``tool``; a call that exceeds ``timeout_s`` raises :class:`TimeoutError` (its outcome
-        is then unknown to the caller: the tool may still complete it). After a cancel of the skill,
-        no call starts (:class:`asyncio.CancelledError`)."""
+        """Call ``tool``; a call that exceeds ``timeout_s`` (retries included) raises
+        :class:`TimeoutError` (its outcome is then unknown to the caller: the tool may still complete
+        it). After a cancel of the skill, no call starts (:class:`asyncio.CancelledError`).
+
+        A token the server refuses (401) is replaced by a fresh one once (``UNAUTHENTICATED`` if the
+        fresh one is refused too). A call cut in transit (connection refused or lost, a timeout, a
+        gateway's 502/503/504) is made again, at most ``CALL_ATTEMPTS`` times in all, when it cannot
+        have reached the tool or the tool is ``idempotent`` or ``read_only`` in the catalog; else it
+        raises :class:`OutcomeUnknown` (``OUTCOME_UNKNOWN``: reconcile before calling again). A tool's
+        error answer is never repeated (``TOOL_FAILED``)."""
         server = await self.catalog.server(server_id)
         token = await self._token(server.audience, tenant, scopes)
+        grant = _Grant(
+            token,
+            fetch=lambda: self._token(server.audience, tenant, scopes),
+            discard=self._registry.tokens.discard,
+        )
         if self._calls is not None:
             self._calls.start()
         answered = False
-        reset = _current_token.set(token)
+        reset = _current_grant.set(grant)
         try:
-            async with (
-                asyncio.timeout(timeout_s),
-                Client(streamable_http_client(server.url, http_client=self._http)) as client,
-            ):
-                result = await client.call_tool(tool, arguments)
-                answered = True
-        except* (MCPError, httpx2.HTTPError) as group:
-            raise SkillError(
-                ErrorCode.TOOL_FAILED, f"MCP server {server_id} refused or failed: {group.exceptions[0]}"
-            ) from group
+            async with asyncio.timeout(timeout_s):
+                result = await self._call_with_retries(server, tool, arguments, grant)
+            answered = True
         finally:
-            _current_token.reset(reset)
+            _current_grant.reset(reset)
             if self._calls is not None:
                 self._calls.end(answered=answered)
         if result.is_error:
             text = " ".join(getattr(c, "text", "") for c in result.content)
             raise SkillError(ErrorCode.TOOL_FAILED, f"{server_id}/{tool}: {text}")
         return dict(result.structured_content or {})
+
+    async def _call_with_retries(
+        self, server: McpServerRecord, tool: str, arguments: dict[str, Any], grant: _Grant
+    ) -> CallToolResult:
+        repeatable = _repeatable(server, tool)
+        reached_once = False  # whether some attempt may have reached the tool
+        for attempt in range(1, CALL_ATTEMPTS + 1):
+            sent = False  # whether the tools/call request may have reached the server
+            grant.last_status = 0
+            try:
+                async with Client(streamable_http_client(server.url, http_client=self._http)) as client:
+                    sent = True
+                    return await client.call_tool(tool, arguments)
+            except Exception as exc:
+                cut = _transit_failure(exc, grant, server.id)  # raises what no attempt can help
+                why = _describe(cut, grant.last_status)
+                reached = sent and not isinstance(cut, _NOT_SENT)
+                reached_once = reached_once or reached
+                if reached and not repeatable:
+                    raise OutcomeUnknown(
+                        f"the call to {server.id}/{tool} was cut in transit ({why}); {tool} is not"
+                        " marked idempotent, so it was not repeated: it may or may not have taken effect."
+                        " Reconcile (e.g. look the effect up with a status tool) before calling it again"
+                    ) from exc
+                stopping = self._calls is not None and self._calls.cancel_requested
+                if attempt == CALL_ATTEMPTS or stopping:
+                    unrun = "" if reached_once else "; the tool did not run"
+                    raise SkillError(
+                        ErrorCode.DEPENDENCY_UNAVAILABLE,
+                        f"the call to {server.id}/{tool} was cut in transit {attempt} time(s), last: {why}{unrun}",
+                        retryable=True,
+                    ) from exc
+                log.warning(
+                    "call to %s/%s cut in transit (%s), attempt %d: trying again",
+                    server.id,
+                    tool,
+                    why,
+                    attempt,
+                )
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")
+
+
+CALL_ATTEMPTS = 3  # a call cut in transit is made at most this often, when that is safe
+RETRY_BACKOFF_S = 0.2  # before the second attempt (jittered), doubling after
+_GATEWAY_STATUSES = frozenset({502, 503, 504})
+# Failures of a request that never left this process: the server cannot have served it.
+_NOT_SENT: tuple[type[Exception], ...] = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
+_TRANSIENT: tuple[type[Exception], ...] = (
+    httpx2.TimeoutException,
+    httpx2.NetworkError,
+    httpx2.RemoteProtocolError,
+)
+
+
+def _repeatable(server: McpServerRecord, tool: str) -> bool:
+    """Whether calling ``tool`` twice does no more than once (a tool the catalog does not list: no)."""
+    record = next((t for t in server.tools if t.name == tool), None)
+    return record is not None and (record.idempotent or record.read_only)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception (group) is made of (the MCP client raises them from task groups)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _transit_failure(exc: Exception, grant: _Grant, server_id: str) -> Exception:
+    """The failure in transit that ``exc`` (from one attempt of a call) is, to retry or report;
+    raises the call's error if it is anything else (then no attempt can help)."""
+    if grant.renew_error is not None:
+        error = grant.renew_error
+        raise SkillError(
+            error.code, f"MCP server {server_id} refused the token, and no fresh one: {error.message}"
+        ) from exc
+    if grant.rejected:
+        raise SkillError(
+            ErrorCode.UNAUTHENTICATED,
+            f"MCP server {server_id} refused this agent's token, and a fresh one too (401)",
+        ) from exc
+    known = [leaf for leaf in _leaves(exc) if isinstance(leaf, MCPError | httpx2.HTTPError)]
+    if not known:
+        raise exc
+    for leaf in known:
+        if isinstance(leaf, _TRANSIENT):
+            return leaf
+        if isinstance(leaf, MCPError) and (
+            leaf.code == CONNECTION_CLOSED
+            or (leaf.code == INTERNAL_ERROR and grant.last_status in _GATEWAY_STATUSES)
+        ):
+            return leaf
+    first = known[0]
+    if isinstance(first, MCPError) and first.code == INTERNAL_ERROR and grant.last_status == 403:
+        raise SkillError(ErrorCode.FORBIDDEN, f"MCP server {server_id} refused the call (403)") from exc
+    raise SkillError(ErrorCode.TOOL_FAILED, f"MCP server {server_id} refused or failed: {first}") from exc
+
+
+def _describe(cut: Exception, status: int) -> str:
+    if isinstance(cut, MCPError):
+        return f"HTTP {status}" if status in _GATEWAY_STATUSES else cut.error.message
+    return f"{type(cut).__name__}: {cut}" if str(cut) else type(cut).__name__
 
 
 class SkillExecutor(AgentExecutor):
@@ -593,7 +758,7 @@ def build_specialist_app(
     skills: Sequence[Skill],
 ) -> Starlette:
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
-    mcp_http = httpx2.AsyncClient(auth=_ContextBearer(), timeout=httpx2.Timeout(30.0, read=120.0))
+    mcp_http = mcp_http_client()
     registry = RegistryClient(settings, http)
     card = build_card(
         name=name,

@@ -31,13 +31,12 @@ from starlette.applications import Starlette
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
-    RegistryTokenVerifier,
-    auth_settings,
-    authorize,
-    authorize_call,
+    KEYED_WRITE,
+    READ_ONLY,
+    ToolGate,
+    fleet_mcp_server,
 )
 from mcp_servers._pg import database_tool_app, pg_message
-from policy import RegorusEngine
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -270,30 +269,29 @@ def _text(value: str, name: str, limit: int) -> str:
 
 
 def build_server(
-    settings: CasesSettings, registry: RegistryClient, engine: RegorusEngine, tools: CaseTools
+    settings: CasesSettings, registry: RegistryClient, gate: ToolGate, tools: CaseTools
 ) -> MCPServer:
-    mcp = MCPServer(
+    mcp = fleet_mcp_server(
         "fleet-cases",
-        instructions="Review cases and notes for the caller's tenant.",
-        token_verifier=RegistryTokenVerifier(registry, settings.service_id),
-        auth=auth_settings(settings),
+        settings,
+        registry,
+        "Review cases and notes for the caller's tenant.",
     )
-    server = settings.service_id
 
-    @mcp.tool()
+    @mcp.tool(annotations=KEYED_WRITE)
     async def open_case(subject: str, reason: str, idempotency_key: str) -> CaseResult:
         """Open a review case (at most one per idempotency key; a repeat returns the same case)."""
-        claims = authorize_call(engine, server, "open_case", {})
+        claims = await gate.allow("open_case", {})
         key = _text(idempotency_key, "idempotency_key", 300)
         return await tools.open_case(
             claims.tenant, key, _text(subject, "subject", 200), _text(reason, "reason", 2000)
         )
 
-    @mcp.tool()
+    @mcp.tool(annotations=KEYED_WRITE)
     async def open_cases(cases: list[dict[str, str]]) -> BulkResult:
         """Open many review cases at once: items {subject, reason, idempotency_key}; at most one
         case per key, a repeat returns the same case."""
-        claims = authorize_call(engine, server, "open_cases", {"count": len(cases)})
+        claims = await gate.allow("open_cases", {"count": len(cases)})
         if not 0 < len(cases) <= MAX_BULK:
             raise ToolError(f"[invalid_request] send 1 to {MAX_BULK} cases")
         keys = [_text(str(c.get("idempotency_key", "")), "idempotency_key", 300) for c in cases]
@@ -309,19 +307,19 @@ def build_server(
         ]
         return await tools.open_cases(claims.tenant, given)
 
-    @mcp.tool()
+    @mcp.tool(annotations=READ_ONLY)
     async def case_status(idempotency_key: str) -> CaseStatus:
         """Whether a case was opened under this idempotency key (and its id)."""
-        claims = authorize_call(engine, server, "case_status", {})
+        claims = await gate.allow("case_status", {})
         return await tools.case_status(claims.tenant, _text(idempotency_key, "idempotency_key", 300))
 
     @mcp.tool()
     async def post_note(channel: str, body: str) -> NoteResult:
         """Post a note to a channel. Not idempotent, and there is no way to ask afterwards."""
-        claims = authorize_call(engine, server, "post_note", {})
+        claims = await gate.allow("post_note", {})
         return await tools.post_note(claims.tenant, _text(channel, "channel", 100), _text(body, "body", 4000))
 
-    @mcp.tool()
+    @mcp.tool(annotations=KEYED_WRITE)
     async def issue_refund(
         subject: str, amount_cents: int, idempotency_key: str, approval_id: str = "", approved_by: str = ""
     ) -> RefundResult:
@@ -330,7 +328,7 @@ def build_server(
         without, nothing happens and the answer is {"status": "pending_approval", "why": ...}."""
         if not 0 < amount_cents <= 10**9:
             raise ToolError("[invalid_request] amount_cents must be 1 to 1000000000")
-        claims, decision = authorize(engine, server, "issue_refund", {"amount_cents": amount_cents})
+        claims, decision = await gate.authorize("issue_refund", {"amount_cents": amount_cents})
         if decision.result.get("approval_required") and not approval_id:
             why = f"a refund of {amount_cents / 100:.2f} to {subject} needs approval (decision {decision.decision_id})"
             return RefundResult(status="pending_approval", refund_id=None, created=False, why=why)
@@ -362,8 +360,8 @@ def build_app_for(settings: CasesSettings) -> Starlette:
         role=WRITER_ROLE,
         tools=TOOLS,
         prepare=_prepare,
-        make_server=lambda registry, engine, pool: build_server(
-            settings, registry, engine, CaseTools(pool, settings)
+        make_server=lambda registry, gate, pool: build_server(
+            settings, registry, gate, CaseTools(pool, settings)
         ),
     )
 

@@ -1,17 +1,102 @@
-"""The tenant-data schema the SQL server serves, created idempotently at start-up, and the small demo
-data set (two tenants' invoices) it seeds when asked to."""
+"""The tenant-data schema the SQL server serves, created idempotently at start-up, the tenant login
+roles that bind each database session to one tenant, and the small demo data set (two tenants'
+invoices) it seeds when asked to.
+
+Why a login role per tenant. Row-level security keyed on a session setting (``fleet.tenant``) is no
+boundary against SQL written by a model: a single read-only SELECT can change that setting before the
+policy reads it (``WITH s AS MATERIALIZED (SELECT set_config('fleet.tenant', 'other', true)) SELECT ...
+FROM s, invoices``), and a shared role also shows every tenant's statements in ``pg_stat_activity``.
+Here the policy reads ``session_user``, which no statement can change: ``SET ROLE`` moves
+``current_user`` only, and ``SET SESSION AUTHORIZATION`` needs a superuser login. Each tenant's
+statements run on connections that logged in as that tenant's role (``fleet_t_`` + a hash of the
+tenant), and ``fleet_sql.session_tenant()`` maps the login to its tenant.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from datetime import date, timedelta
+from typing import Any
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, sql
 
-READER_ROLE = "fleet_sql_reader"
-TENANT_SETTING = "fleet.tenant"
+TENANTS_GROUP = "fleet_sql_tenants"  # every tenant login role is a member; grants go to the group
+LEGACY_READER_ROLE = "fleet_sql_reader"  # the shared reader of earlier versions: stripped of grants
+OWNER_SETTING = "fleet.tenant"  # used by the owner's own fixed statements (seeding), never by tools
+WRITE_STATUS_PENDING = "pending"
 
 SCHEMA_SQL = f"""
 CREATE SCHEMA IF NOT EXISTS tenant_data;
+CREATE SCHEMA IF NOT EXISTS fleet_sql;
+REVOKE ALL ON SCHEMA fleet_sql FROM PUBLIC;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{TENANTS_GROUP}') THEN
+        CREATE ROLE {TENANTS_GROUP} NOLOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE;
+    END IF;
+END $$;
+CREATE TABLE IF NOT EXISTS fleet_sql.tenant_roles (
+    role_name  name PRIMARY KEY,
+    tenant_id  text NOT NULL UNIQUE,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+-- The one thing that says which tenant a session is: its login, which no statement can change.
+CREATE OR REPLACE FUNCTION fleet_sql.session_tenant() RETURNS text
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog
+    AS $fn$ SELECT tenant_id FROM fleet_sql.tenant_roles WHERE role_name = session_user $fn$;
+REVOKE ALL ON FUNCTION fleet_sql.session_tenant() FROM PUBLIC;
+GRANT USAGE ON SCHEMA fleet_sql TO {TENANTS_GROUP};
+GRANT EXECUTE ON FUNCTION fleet_sql.session_tenant() TO {TENANTS_GROUP};
+
+-- The write ledger: one row per (tenant, idempotency key), written in the transaction of the write.
+CREATE TABLE IF NOT EXISTS fleet_sql.writes (
+    tenant_id       text NOT NULL,
+    idempotency_key text NOT NULL,
+    statement_hash  text NOT NULL,
+    row_count       bigint,
+    written_by      text NOT NULL,
+    written_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, idempotency_key)
+);
+-- Claims a key for the session's tenant: 'new' when this transaction holds it now, else what the
+-- earlier write under the key recorded. A concurrent claim of the same key waits for the first.
+CREATE OR REPLACE FUNCTION fleet_sql.claim_write(p_key text, p_hash text, p_by text,
+    OUT status text, OUT statement_hash text, OUT row_count bigint)
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $fn$
+DECLARE
+    t text := fleet_sql.session_tenant();
+BEGIN
+    IF t IS NULL THEN
+        RAISE EXCEPTION 'this login belongs to no tenant';
+    END IF;
+    INSERT INTO fleet_sql.writes (tenant_id, idempotency_key, statement_hash, written_by)
+        VALUES (t, p_key, p_hash, p_by) ON CONFLICT DO NOTHING;
+    IF FOUND THEN
+        status := 'new'; statement_hash := p_hash; row_count := NULL;
+        RETURN;
+    END IF;
+    SELECT 'done', w.statement_hash, w.row_count INTO status, statement_hash, row_count
+        FROM fleet_sql.writes w WHERE w.tenant_id = t AND w.idempotency_key = p_key;
+END $fn$;
+CREATE OR REPLACE FUNCTION fleet_sql.finish_write(p_key text, p_rows bigint) RETURNS void
+    LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog AS $fn$
+    UPDATE fleet_sql.writes SET row_count = p_rows
+        WHERE tenant_id = fleet_sql.session_tenant() AND idempotency_key = p_key AND row_count IS NULL
+$fn$;
+CREATE OR REPLACE FUNCTION fleet_sql.write_status(p_key text,
+    OUT statement_hash text, OUT row_count bigint, OUT written_at timestamptz)
+    LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog AS $fn$
+    SELECT w.statement_hash, w.row_count, w.written_at FROM fleet_sql.writes w
+        WHERE w.tenant_id = fleet_sql.session_tenant() AND w.idempotency_key = p_key
+$fn$;
+REVOKE ALL ON FUNCTION fleet_sql.claim_write(text, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION fleet_sql.finish_write(text, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION fleet_sql.write_status(text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION fleet_sql.claim_write(text, text, text) TO {TENANTS_GROUP};
+GRANT EXECUTE ON FUNCTION fleet_sql.finish_write(text, bigint) TO {TENANTS_GROUP};
+GRANT EXECUTE ON FUNCTION fleet_sql.write_status(text) TO {TENANTS_GROUP};
+
 CREATE TABLE IF NOT EXISTS tenant_data.invoices (
     id          bigserial PRIMARY KEY,
     tenant_id   text        NOT NULL,
@@ -21,29 +106,144 @@ CREATE TABLE IF NOT EXISTS tenant_data.invoices (
     status      text        NOT NULL CHECK (status IN ('open', 'paid', 'overdue'))
 );
 CREATE INDEX IF NOT EXISTS invoices_tenant ON tenant_data.invoices (tenant_id);
-ALTER TABLE tenant_data.invoices ENABLE ROW LEVEL SECURITY;
-ALTER TABLE tenant_data.invoices FORCE ROW LEVEL SECURITY;
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{READER_ROLE}') THEN
-        CREATE ROLE {READER_ROLE} NOLOGIN NOSUPERUSER NOBYPASSRLS;
-    END IF;
-    IF NOT EXISTS (
-        SELECT 1 FROM pg_policies
-        WHERE schemaname = 'tenant_data' AND tablename = 'invoices' AND policyname = 'tenant_isolation'
-    ) THEN
-        CREATE POLICY tenant_isolation ON tenant_data.invoices
-            USING (tenant_id = current_setting('{TENANT_SETTING}', true));
-    END IF;
-END $$;
 -- No temporary tables: a statement must not leave objects that shadow tenant_data for later calls.
 DO $$
 BEGIN
     EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
 END $$;
-GRANT USAGE ON SCHEMA tenant_data TO {READER_ROLE};
-GRANT SELECT ON ALL TABLES IN SCHEMA tenant_data TO {READER_ROLE};
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{LEGACY_READER_ROLE}') THEN
+        REVOKE ALL ON ALL TABLES IN SCHEMA tenant_data FROM {LEGACY_READER_ROLE};
+        REVOKE ALL ON SCHEMA tenant_data FROM {LEGACY_READER_ROLE};
+        ALTER ROLE {LEGACY_READER_ROLE} NOLOGIN;
+    END IF;
+END $$;
 """
+
+
+async def expose_table(conn: AsyncConnection[Any], table: str, *, writable: bool = False) -> None:
+    """Let the tenant roles read (and, if ``writable``, write) ``tenant_data.<table>``, which has a
+    text column ``tenant_id``: row-level security on, forced on the owner, one policy for the tenant
+    roles keyed on the login, one for the owner's own fixed statements keyed on ``fleet.tenant``.
+    Idempotent; call inside the schema lock."""
+    target = sql.Identifier("tenant_data", table)
+    await conn.execute(sql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(target))
+    await conn.execute(sql.SQL("ALTER TABLE {} FORCE ROW LEVEL SECURITY").format(target))
+    policies = {
+        str(row[0])
+        async for row in await conn.execute(
+            "SELECT policyname FROM pg_policies WHERE schemaname = 'tenant_data' AND tablename = %s",
+            (table,),
+        )
+    }
+    if "tenant_isolation" in policies:  # the setting-keyed policy of earlier versions applied to all
+        await conn.execute(sql.SQL("DROP POLICY tenant_isolation ON {}").format(target))
+    if "tenant_login" not in policies:
+        await conn.execute(
+            sql.SQL(
+                "CREATE POLICY tenant_login ON {} TO {} USING (tenant_id = (SELECT fleet_sql.session_tenant()))"
+                " WITH CHECK (tenant_id = (SELECT fleet_sql.session_tenant()))"
+            ).format(target, sql.Identifier(TENANTS_GROUP))
+        )
+    if "owner_setting" not in policies:
+        await conn.execute(
+            sql.SQL(
+                "CREATE POLICY owner_setting ON {} TO CURRENT_USER"
+                " USING (tenant_id = current_setting({}, true))"
+                " WITH CHECK (tenant_id = current_setting({}, true))"
+            ).format(target, sql.Literal(OWNER_SETTING), sql.Literal(OWNER_SETTING))
+        )
+    await conn.execute(
+        sql.SQL("GRANT USAGE ON SCHEMA tenant_data TO {}").format(sql.Identifier(TENANTS_GROUP))
+    )
+    privileges = "SELECT, INSERT, UPDATE, DELETE" if writable else "SELECT"
+    await conn.execute(
+        sql.SQL("GRANT {} ON {} TO {}").format(sql.SQL(privileges), target, sql.Identifier(TENANTS_GROUP))
+    )
+    if writable:
+        sequences = await conn.execute(
+            "SELECT pg_get_serial_sequence(format('tenant_data.%%I', %s::text), a.attname)"
+            " FROM pg_attribute a WHERE a.attrelid = format('tenant_data.%%I', %s::text)::regclass"
+            " AND a.attnum > 0 AND NOT a.attisdropped",
+            (table, table),
+        )
+        for (sequence,) in await sequences.fetchall():
+            if sequence:
+                await conn.execute(
+                    sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(
+                        sql.SQL(sequence), sql.Identifier(TENANTS_GROUP)
+                    )
+                )
+
+
+async def ensure_schema(conn: AsyncConnection[Any], *, writable: tuple[str, ...] = ("invoices",)) -> None:
+    # Several servers may start at once; serialise the DDL with an advisory lock.
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
+        await conn.execute(SCHEMA_SQL)
+        await expose_table(conn, "invoices", writable="invoices" in writable)
+
+
+def tenant_role(tenant: str) -> str:
+    """The login role of ``tenant``: a fixed prefix and a hash, so any tenant id makes a safe name."""
+    return "fleet_t_" + hashlib.sha256(tenant.encode()).hexdigest()[:24]
+
+
+def role_password(secret: bytes, role: str) -> str:
+    """The password of a tenant role: the same in every replica that shares ``secret``."""
+    return hmac.new(secret, role.encode(), hashlib.sha256).hexdigest()
+
+
+async def ensure_tenant_role(
+    conn: AsyncConnection[Any],
+    tenant: str,
+    password: str,
+    *,
+    statement_timeout_ms: int,
+    connection_limit: int,
+) -> str:
+    """Create (or update) ``tenant``'s login role, a member of the tenants group and nothing else, and
+    map it to the tenant. ``conn`` is the service's own login."""
+    role = tenant_role(tenant)
+    ident = sql.Identifier(role)
+    async with conn.transaction():
+        await conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.role'), hashtext(%s))", (role,)
+        )
+        exists = await (await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))).fetchone()
+        if exists is None:
+            await conn.execute(
+                sql.SQL(
+                    "CREATE ROLE {} LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE NOREPLICATION"
+                    " INHERIT IN ROLE {}"
+                ).format(ident, sql.Identifier(TENANTS_GROUP))
+            )
+        await conn.execute(
+            sql.SQL("ALTER ROLE {} LOGIN CONNECTION LIMIT {} PASSWORD {}").format(
+                ident, sql.Literal(connection_limit), sql.Literal(password)
+            )
+        )
+        # Defaults for every session of the role, on top of what each call sets.
+        await conn.execute(
+            sql.SQL("ALTER ROLE {} SET statement_timeout = {}").format(
+                ident, sql.Literal(statement_timeout_ms)
+            )
+        )
+        await conn.execute(sql.SQL("ALTER ROLE {} SET default_transaction_read_only = on").format(ident))
+        await conn.execute(sql.SQL("ALTER ROLE {} SET row_security = on").format(ident))
+        await conn.execute(
+            "INSERT INTO fleet_sql.tenant_roles (role_name, tenant_id) VALUES (%s, %s)"
+            " ON CONFLICT (role_name) DO NOTHING",
+            (role, tenant),
+        )
+        owner = await (
+            await conn.execute("SELECT tenant_id FROM fleet_sql.tenant_roles WHERE role_name = %s", (role,))
+        ).fetchone()
+    if owner is None or owner[0] != tenant:  # a hash collision: refuse rather than share a role
+        raise RuntimeError(f"tenant role {role} belongs to another tenant")
+    return role
+
 
 # (customer, amount, days ago, status): one deliberate outlier per tenant for the demo to find.
 DEMO_INVOICES: dict[str, list[tuple[str, float, int, str]]] = {
@@ -66,20 +266,13 @@ DEMO_INVOICES: dict[str, list[tuple[str, float, int, str]]] = {
 }
 
 
-async def ensure_schema(conn: AsyncConnection[object]) -> None:
-    # Several servers may start at once; serialise the DDL with an advisory lock.
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
-        await conn.execute(SCHEMA_SQL)
-
-
-async def seed_demo_data(conn: AsyncConnection[object]) -> None:
+async def seed_demo_data(conn: AsyncConnection[Any]) -> None:
     """Insert the demo invoices for each demo tenant that has none yet."""
     today = date.today()
     async with conn.transaction():
         for tenant, rows in DEMO_INVOICES.items():
             # Row-level security is forced on the owner too: act as the tenant being seeded.
-            await conn.execute("SELECT set_config(%s, %s, true)", (TENANT_SETTING, tenant))
+            await conn.execute("SELECT set_config(%s, %s, true)", (OWNER_SETTING, tenant))
             found = await (
                 await conn.execute(
                     "SELECT 1 FROM tenant_data.invoices WHERE tenant_id = %s LIMIT 1", (tenant,)

@@ -72,13 +72,16 @@ async def test_a_revocation_reaches_a_verifier_that_follows_the_list(nats_url: s
         assert "revoked" in refused.value.message
         assert forgotten == ["old-leak", client_key.kid]
 
+        verified_before = issuer.sign(claims())
+        assert (await verifier.verify(verified_before)).sub == "agent-1"  # now remembered as verified
         await record_revocation(
             writer, Revocation(issuer.kid, "fleet-registry", time.time(), "operator", "rotated")
         )
         await asyncio.wait_for(arrived[issuer.kid].wait(), 5)
-        with pytest.raises(AuthError) as signed:
-            await verifier.verify(issuer.sign(claims()))
-        assert signed.value.message == "token signed by a revoked key"
+        for token in (issuer.sign(claims()), verified_before):
+            with pytest.raises(AuthError) as signed:
+                await verifier.verify(token)
+            assert signed.value.message == "token signed by a revoked key"
         await revocations.stop()
     finally:
         await writer.drain()

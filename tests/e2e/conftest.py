@@ -27,6 +27,7 @@ from fleet.layout import StackLayout
 
 if TYPE_CHECKING:
     from tests.e2e.identities import Impostor, PartnerIdp
+    from tests.e2e.webhooks import WebhookReceiver
 
 STACK_START_TIMEOUT_S = 180
 
@@ -148,9 +149,24 @@ def partner_idp() -> Iterator[PartnerIdp]:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, partner_idp: PartnerIdp) -> Iterator[Stack]:
+def webhooks() -> Iterator[WebhookReceiver]:
+    """The receiver of the shared stack's outbox destinations (``webhooks.py``)."""
+    from tests.e2e.webhooks import WebhookReceiver
+
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, partner_idp: PartnerIdp, webhooks: WebhookReceiver
+) -> Iterator[Stack]:
     """One stack shared by the tests that do not break it."""
-    outside = {"FLEET_EXTERNAL_ISSUERS": json.dumps([partner_idp.config()])}
+    outside = {
+        "FLEET_EXTERNAL_ISSUERS": json.dumps([partner_idp.config()]),
+        "FLEET_OUTBOX_DESTINATIONS": json.dumps(webhooks.destinations()),
+    }
     running = start_stack(tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS, **outside))
     yield running
     stop_stack(running)

@@ -22,7 +22,6 @@ from a2a.types import AgentSkill
 from cryptography.hazmat.primitives.asymmetric import rsa
 from google.protobuf.json_format import MessageToDict
 from jwt.algorithms import RSAAlgorithm
-from mcp.server.mcpserver import MCPServer
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -37,11 +36,10 @@ from fleet.supervisor import enrollment_token
 from fleet.tokens import client_assertion
 from mcp_servers._base import (
     MCP_PATH,
-    RegistryTokenVerifier,
-    auth_settings,
-    authorize_call,
+    ToolGate,
     build_app,
     declared_tools,
+    fleet_mcp_server,
 )
 from policy import RegorusEngine
 from registry import RegistryClient
@@ -165,19 +163,15 @@ async def team_mcp_server(stack: Stack, tmp: Path, scope: str) -> AsyncIterator[
         enrollment_token=enrollment_token(operator, spec),
     )
     scopes = {"whoami": [scope]}
-    engine = RegorusEngine.from_dir()  # the fleet's bundle, as every server of the fleet loads it
+    gate = ToolGate(RegorusEngine.from_dir(), server_id)  # the fleet's bundle, as every server loads it
     async with httpx.AsyncClient() as http:
         registry = RegistryClient(settings, http)
-        mcp = MCPServer(
-            "team",
-            token_verifier=RegistryTokenVerifier(registry, server_id),
-            auth=auth_settings(settings),
-        )
+        mcp = fleet_mcp_server("team", settings, registry)
 
         @mcp.tool()
         async def whoami() -> dict[str, Any]:
             """Who this server sees calling: the subject, the tenant and the chain of actors."""
-            claims = authorize_call(engine, server_id, "whoami", {}, scopes["whoami"])
+            claims = await gate.allow("whoami", {}, scopes["whoami"])
             return {"sub": claims.sub, "tenant": claims.tenant, "actors": list(claims.actors)}
 
         @contextlib.asynccontextmanager

@@ -29,8 +29,10 @@ from mcp.client.streamable_http import streamable_http_client
 
 from fleet.errors import FleetError
 from fleet.keys import SigningKey
+from fleet.natsconn import connect
 from fleet.operator_cli import operator_token_client
 from fleet.tokens import RUN_GRANT_TYPE, TokenClient, client_assertion
+from mcp_servers._base import read_audit
 from tests.e2e.conftest import (
     Stack,
     all_events,
@@ -77,6 +79,30 @@ async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 1
         if time.monotonic() > deadline:
             raise AssertionError(f"{service} logged no line with {needles}")
         await asyncio.sleep(0.1)
+
+
+async def audited(
+    stack: Stack, server: str, match: Callable[[dict[str, Any]], bool], timeout_s: float = 10.0
+) -> dict[str, Any]:
+    """The first audit event of ``server`` (stream ``FLEET_AUDIT``) that ``match`` accepts, waiting for
+    it to be stored (within about 50 ms of its call)."""
+    broker = await connect(stack.endpoints["nats"], "audit-reader")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = await read_audit(broker, server)
+            for event in events:
+                if match(event):
+                    return event
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{server} stored no such audit event; the last: {events[-3:]}")
+            await asyncio.sleep(0.1)
+    finally:
+        await broker.close()
+
+
+def _chain(event: dict[str, Any]) -> str:
+    return ">".join(event["actors"])
 
 
 def _b64(data: dict[str, Any]) -> str:
@@ -495,8 +521,15 @@ async def test_a_token_passed_down_the_chain_keeps_the_caller_and_names_every_ho
         assert (await mcp_call(stack, "mcp-sql", for_tool)).status_code == 200
         called = await call_query(stack, for_tool, "SELECT 1")
         assert not called.is_error, called.content
-    # The tool server's audit names the caller and the chain that brought its token.
-    await logged(stack, "mcp-sql", "tool=query sub=operator actors=sql-analyst>coordinator")
+    # The tool server's audit event names the caller and the chain that brought its token.
+    await audited(
+        stack,
+        "mcp-sql",
+        lambda e: (
+            (e["tool"], e["subject"], _chain(e), e["outcome"])
+            == ("query", "operator", "sql-analyst>coordinator", "allowed")
+        ),
+    )
     async with httpx.AsyncClient() as http:
         coordinator, analyst = acting_as(stack, "coordinator", http), acting_as(stack, "sql-analyst", http)
 
@@ -612,9 +645,15 @@ async def test_a_run_acts_for_its_caller_at_every_hop_until_the_callers_key_is_r
     }
     running = asyncio.create_task(send(stack, user_message(data=plan), token=token))
     # The first step's tool call is made in the caller's name, and names each hop and the run.
-    line = await logged(stack, "mcp-sql", "tool=query", f"sub={caller.id} actors=sql-analyst>worker-")
-    assert ">coordinator run=" in line, line
-    run_id = line.split(" run=")[1].split()[0]
+    event = await audited(
+        stack,
+        "mcp-sql",
+        lambda e: (
+            e["tool"] == "query" and e["subject"] == caller.id and _chain(e).startswith("sql-analyst>worker-")
+        ),
+    )
+    assert _chain(event).endswith(">coordinator") and event["run_id"], event
+    run_id = event["run_id"]
     # While the run pauses, the caller's key is revoked: its next step cannot act in its name.
     async with httpx.AsyncClient() as http:
         admin = stack.token("registry", scopes=("registry:admin",))
@@ -704,8 +743,17 @@ async def test_an_outside_issuers_caller_acts_in_its_mapped_tenant_down_the_chai
     outcome = await send(stack, user_message(data=plan), token=token)
     assert outcome.state_name == "TASK_STATE_COMPLETED", outcome
     assert "globex" in json.dumps(outcome.result) and "acme" not in json.dumps(outcome.result)
-    line = await logged(stack, "mcp-sql", "tool=query sub=partner:alice actors=sql-analyst>worker-")
-    assert f"coordinator run={outcome.task_id} tenant=globex" in line, line
+    event = await audited(
+        stack,
+        "mcp-sql",
+        lambda e: (
+            e["tool"] == "query"
+            and e["subject"] == "partner:alice"
+            and _chain(e).startswith("sql-analyst>worker-")
+        ),
+    )
+    assert _chain(event).endswith(">coordinator"), event
+    assert (event["run_id"], event["tenant"], event["outcome"]) == (outcome.task_id, "globex", "allowed")
     assert (await rpc_status(stack, partner_idp.es256_token("bob"))).status_code != 401  # ES256 too
 
 

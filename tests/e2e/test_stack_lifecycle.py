@@ -67,6 +67,13 @@ def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp
         assert set(endpoints["specialists"]) == {"sql-analyst", "stats", "case-desk"}
         assert endpoints["mcp_servers"]["mcp-sql"].endswith("/mcp")
         assert endpoints["mcp_servers"]["mcp-cases"].endswith("/mcp")
+        assert set(endpoints["mcp_servers"]) == {
+            "mcp-sql",
+            "mcp-cases",
+            "mcp-sandbox",
+            "mcp-outbox",
+            "mcp-memory",
+        }
         status = fleet("status", "--data-dir", stack.data_dir, "--json")
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
@@ -74,7 +81,13 @@ def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp
         assert all(check["healthy"] for check in report["services"].values())
         agents = {a["id"] for a in report["registry"]["agents"]}
         assert agents == {"coordinator", "sql-analyst", "stats", "case-desk"}
-        assert sorted(m["id"] for m in report["registry"]["mcp_servers"]) == ["mcp-cases", "mcp-sql"]
+        assert sorted(m["id"] for m in report["registry"]["mcp_servers"]) == [
+            "mcp-cases",
+            "mcp-memory",
+            "mcp-outbox",
+            "mcp-sandbox",
+            "mcp-sql",
+        ]
         pids = [endpoints["supervisor_pid"], *endpoints["processes"].values()]
         down = fleet("down", "--data-dir", stack.data_dir)
         assert down.returncode == 0, down.stderr

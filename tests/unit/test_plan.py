@@ -63,19 +63,21 @@ def test_an_answer_policy_does_not_let_be_acted_on_cannot_feed_a_step() -> None:
     assert resolve_input({"sql": "SELECT 1"}, results) == {"sql": "SELECT 1"}  # only a reference is refused
 
 
-def test_explicit_steps_win_over_text() -> None:
-    steps = plan_request([{"steps": [{"skill": "sql-query"}]}], "invoices", RegorusEngine.from_dir(), "t")
+async def test_explicit_steps_win_over_text() -> None:
+    steps = await plan_request(
+        [{"steps": [{"skill": "sql-query"}]}], "invoices", RegorusEngine.from_dir(), "t"
+    )
     assert [s.skill for s in steps] == ["sql-query"]
 
 
-def test_text_is_routed_by_policy() -> None:
-    steps = plan_request([], "any outlier in the invoices?", RegorusEngine.from_dir(), "t")
+async def test_text_is_routed_by_policy() -> None:
+    steps = await plan_request([], "any outlier in the invoices?", RegorusEngine.from_dir(), "t")
     assert [s.skill for s in steps] == ["invoice-totals", "outliers"]
 
 
-def test_text_no_rule_matches_is_a_clear_error() -> None:
+async def test_text_no_rule_matches_is_a_clear_error() -> None:
     with pytest.raises(FleetError) as caught:
-        plan_request([], "write a sonnet", RegorusEngine.from_dir(), "t")
+        await plan_request([], "write a sonnet", RegorusEngine.from_dir(), "t")
     assert caught.value.code == ErrorCode.NO_SPECIALIST
 
 

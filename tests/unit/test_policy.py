@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicyError, RegorusEngine, run_tests
+from policy.regorus_engine import is_pure
 
 RESULTS = run_tests()
 
@@ -33,7 +34,7 @@ def test_a_failing_rego_test_is_reported_as_failed(tmp_path: Path) -> None:
 
 def test_tool_call_without_scope_is_denied_with_a_reason() -> None:
     engine = RegorusEngine(Bundle.load())
-    decision = engine.decide(
+    decision = engine.decide_now(
         "fleet.tools.decision",
         {"server": "mcp-sql", "tool": "query", "tenant": "acme", "scopes": [], "arguments": {}},
     )
@@ -53,7 +54,7 @@ def test_bundle_that_does_not_compile_is_refused_at_load(tmp_path: Path) -> None
 def test_rule_without_a_decision_fails_closed() -> None:
     engine = RegorusEngine(Bundle.load())
     with pytest.raises(PolicyError):
-        engine.decide("fleet.tools.rule", {"server": "mcp-sql", "tool": "query"})
+        engine.decide_now("fleet.tools.rule", {"server": "mcp-sql", "tool": "query"})
 
 
 def test_revision_changes_with_the_bundle_content(tmp_path: Path) -> None:
@@ -62,3 +63,24 @@ def test_revision_changes_with_the_bundle_content(tmp_path: Path) -> None:
     before = Bundle.load(bundle).revision
     (bundle / "data.json").write_text('{"config": {"tools": {}, "routing": []}}')
     assert Bundle.load(bundle).revision != before
+
+
+def test_a_repeated_input_is_a_new_decision_with_the_same_result() -> None:
+    engine = RegorusEngine(Bundle.load())
+    call = {"server": "mcp-sql", "tool": "query", "tenant": "acme", "scopes": ["sql:query"], "arguments": {}}
+    first, second = (engine.decide_now("fleet.tools.decision", call) for _ in range(2))
+    assert first.allow and second.allow
+    assert first.decision_id != second.decision_id
+    second.result["allow"] = False  # a caller's change to its result reaches no later decision
+    assert engine.decide_now("fleet.tools.decision", call).allow
+
+
+def test_a_bundle_that_reads_the_clock_is_evaluated_every_time(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "clock.rego").write_text('package clock\n\ndecision := {"allow": true, "now": time.now_ns()}\n')
+    engine = RegorusEngine(Bundle.load(bundle))
+    assert not is_pure(engine.bundle)
+    assert is_pure(Bundle.load())
+    times = {engine.decide_now("clock.decision", {}).result["now"] for _ in range(3)}
+    assert len(times) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -15,7 +16,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.settings import ExternalIssuer
-from fleet.tokens import ExternalTokenVerifier, FederatedVerifier, TokenVerifier, bearer_token, decode_es256
+from fleet.tokens import (
+    ExternalTokenVerifier,
+    FederatedVerifier,
+    MemoryReplayGuard,
+    TokenVerifier,
+    bearer_token,
+    decode_es256,
+)
 
 ISSUER = "fleet-registry"
 
@@ -250,3 +258,35 @@ def test_the_fast_path_is_stricter_than_pyjwt_only_about_times_that_are_not_numb
     token = key.sign(claims(iat=str(int(time.time()))))
     assert _pyjwt_accepts(token, key)  # PyJWT takes int("...") of a string
     assert not _ours_accepts(token, key)
+
+
+async def test_a_token_verified_before_is_still_checked_for_expiry_and_scopes(key: SigningKey) -> None:
+    public = key.private_key.public_key()
+
+    async def lookup(kid: str) -> ec.EllipticCurvePublicKey | None:
+        return public if kid == key.kid else None
+
+    verifier = TokenVerifier(lookup, issuer=ISSUER, audience="coordinator", leeway_s=0)
+    expires = int(time.time()) + 2
+    token = key.sign(claims(exp=expires))
+    assert (await verifier.verify(token)).sub == "operator"
+    assert (await verifier.verify(token, required_scopes=["agent:invoke"])).sub == "operator"
+    with pytest.raises(FleetError) as lacking:
+        await verifier.verify(token, required_scopes=["registry:write"])  # remembered, not widened
+    assert lacking.value.code == ErrorCode.FORBIDDEN
+    await asyncio.sleep(max(0.0, expires - time.time()) + 0.2)
+    with pytest.raises(AuthError, match="token expired"):
+        await verifier.verify(token)
+
+
+async def test_a_single_use_verifier_sees_every_use(key: SigningKey) -> None:
+    public = key.private_key.public_key()
+
+    async def lookup(kid: str) -> ec.EllipticCurvePublicKey | None:
+        return public if kid == key.kid else None
+
+    verifier = TokenVerifier(lookup, issuer=ISSUER, audience="coordinator", single_use=MemoryReplayGuard())
+    token = key.sign(claims())
+    await verifier.verify(token)
+    with pytest.raises(AuthError, match="already used"):
+        await verifier.verify(token)

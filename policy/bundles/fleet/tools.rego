@@ -1,6 +1,8 @@
 # Tool authorization: may this caller run this tool, on this server, for this tenant?
-# Input: {server, tool, tenant, subject, actors: [..], scopes: [..], declared_scopes: [..],
+# Input: {server, tool, tenant, subject, agent, actors: [..], scopes: [..], declared_scopes: [..],
 #         arguments: {sql_length: n, amount_cents: n, ...}}
+# subject: for whom (the token's sub); agent: who makes the call (the nearest actor, or the subject
+# for a token in the agent's own name).
 package fleet.tools
 
 # The tool's rule in data. The tools of a server that data does not name (one registered at run
@@ -37,6 +39,51 @@ deny contains msg if {
 # then does nothing and answers {"status": "pending_approval"} (the run pauses at a gate).
 approval_required if input.arguments.amount_cents > rule.approval_over_cents
 
+# ... and a call whose amount is not known, to a tool that has a threshold (say nothing, ask).
+approval_required if {
+	rule.approval_over_cents
+	not is_number(object.get(input.arguments, "amount_cents", null))
+}
+
+# ... and every call of a tool whose rule says approval_always, or a call to one of the destinations
+# its rule lists in approval_destinations (the outbox's webhooks).
+approval_required if rule.approval_always == true
+
+approval_required if input.arguments.destination in rule.approval_destinations
+
 default approval_required := false
 
-decision := {"allow": count(deny) == 0, "reasons": sort(deny), "approval_required": approval_required}
+# How often one agent (the caller nearest the tool) may call this tool for one tenant: a token bucket that
+# holds `burst` calls and refills at `per_minute`. The agent's own entry in
+# data.config.tool_rates.agents wins over the tool's rule (`rate`), which wins over the fleet's
+# default. Each server replica keeps its own buckets. null: no limit.
+default rate_limit := null
+
+rate_limit := r if {
+	rule
+	r := data.config.tool_rates.agents[object.get(input, "agent", input.subject)]
+} else := r if {
+	r := rule.rate
+} else := r if {
+	rule
+	r := data.config.tool_rates.default
+}
+
+# How many tool calls one run may make over every MCP server, for the tenant (the servers count
+# them together); null: no cap. data.config.run_call_limits: default, and tenants.<tenant>.
+default run_call_limit := null
+
+run_call_limit := n if {
+	n := data.config.run_call_limits.tenants[input.tenant]
+} else := n if {
+	n := data.config.run_call_limits.default
+	n != null
+}
+
+decision := {
+	"allow": count(deny) == 0,
+	"reasons": sort(deny),
+	"approval_required": approval_required,
+	"rate_limit": rate_limit,
+	"run_call_limit": run_call_limit,
+}

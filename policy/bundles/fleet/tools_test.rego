@@ -59,3 +59,63 @@ test_a_server_named_in_data_gets_no_tool_by_declaring_it if {
 	d := tools.decision with input as object.union(good, {"tool": "drop_everything", "declared_scopes": ["sql:query"]})
 	d.reasons == ["tool mcp-sql/drop_everything is not allowed by policy"]
 }
+
+test_an_outbox_destination_listed_for_approval_needs_one if {
+	rules := {"mcp-outbox": {"post_webhook": {"scopes": ["outbox:write"], "approval_destinations": ["customers"]}}}
+	call := {"server": "mcp-outbox", "tool": "post_webhook", "tenant": "acme", "scopes": ["outbox:write"]}
+	customers := tools.decision with input as object.union(call, {"arguments": {"destination": "customers"}})
+		with data.config.tools as rules
+	ops := tools.decision with input as object.union(call, {"arguments": {"destination": "ops"}})
+		with data.config.tools as rules
+	customers.allow
+	customers.approval_required
+	ops.allow
+	not ops.approval_required
+}
+
+test_a_tool_that_always_needs_approval_says_so if {
+	rules := {"mcp-outbox": {"publish_artifact": {"scopes": ["outbox:write"], "approval_always": true}}}
+	call := {"server": "mcp-outbox", "tool": "publish_artifact", "tenant": "acme", "scopes": ["outbox:write"], "arguments": {}}
+	result := tools.decision with input as call with data.config.tools as rules
+	result.allow
+	result.approval_required
+}
+
+test_an_agents_own_rate_wins_over_the_tools_which_wins_over_the_default if {
+	rates := {"default": {"per_minute": 600, "burst": 60}, "agents": {"sql-analyst": {"per_minute": 30, "burst": 5}}}
+	rules := {"mcp-sql": {"query": {"scopes": ["sql:query"], "rate": {"per_minute": 120, "burst": 10}}}}
+	own := tools.decision with input as good with data.config.tool_rates as rates with data.config.tools as rules
+	own.rate_limit == {"per_minute": 30, "burst": 5}
+	other := object.union(good, {"subject": "reporter"})
+	tool := tools.decision with input as other with data.config.tool_rates as rates with data.config.tools as rules
+	tool.rate_limit == {"per_minute": 120, "burst": 10}
+	fleet := tools.decision with input as other with data.config.tool_rates as rates
+	fleet.rate_limit == {"per_minute": 600, "burst": 60}
+	for_someone := object.union(good, {"subject": "operator", "agent": "sql-analyst"})
+	acting := tools.decision with input as for_someone with data.config.tool_rates as rates
+	acting.rate_limit == {"per_minute": 30, "burst": 5} # the agent's limit, whoever it acts for
+}
+
+test_a_tool_policy_does_not_allow_has_no_rate if {
+	d := tools.decision with input as object.union(good, {"tool": "drop_everything"})
+	d.rate_limit == null
+}
+
+test_a_run_call_limit_is_the_tenants_or_the_default if {
+	no_cap := tools.decision with input as good with data.config.run_call_limits as {"default": null, "tenants": {}}
+	no_cap.run_call_limit == null
+	limits := {"default": 100, "tenants": {"acme": 25}}
+	acme := tools.decision with input as good with data.config.run_call_limits as limits
+	acme.run_call_limit == 25
+	other := tools.decision with input as object.union(good, {"tenant": "globex"}) with data.config.run_call_limits as limits
+	other.run_call_limit == 100
+}
+
+test_an_unknown_amount_needs_approval_where_a_threshold_is_set if {
+	call := {"server": "mcp-outbox", "tool": "post_webhook", "tenant": "acme", "subject": "p", "scopes": ["outbox:write"]}
+	rules := {"mcp-outbox": {"post_webhook": {"scopes": ["outbox:write"], "approval_over_cents": 100000}}}
+	small := tools.decision with input as object.union(call, {"arguments": {"destination": "ops", "amount_cents": 500}}) with data.config.tools as rules
+	not small.approval_required
+	unknown := tools.decision with input as object.union(call, {"arguments": {"destination": "ops"}}) with data.config.tools as rules
+	unknown.approval_required
+}

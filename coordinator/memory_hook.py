@@ -1,0 +1,69 @@
+"""At a run's end, its memory is consolidated: the worker asks the memory MCP server to turn the run's
+episodic entries into semantic facts and procedural rules, each through the memory gate.
+
+The call is made after the run is completed and before its work message is acked, so a worker that
+dies in between leaves a redelivery that calls it again; consolidating a run twice changes nothing (a
+candidate already stored gains no second support from the same run). It never fails the run: a fleet
+without a memory server, or one that is down, only logs why the run's memory was not consolidated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx2
+from mcp.client import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from fleet.errors import FleetError
+from registry import RegistryClient
+
+log = logging.getLogger(__name__)
+
+MEMORY_SERVER = "mcp-memory"
+SCOPE = "memory:consolidate"
+
+
+class RunMemory:
+    """Consolidates a finished run's memory through the memory server named ``server_id``."""
+
+    def __init__(
+        self, registry: RegistryClient, server_id: str = MEMORY_SERVER, timeout_s: float = 60.0
+    ) -> None:
+        self._registry = registry
+        self.server_id = server_id
+        self.timeout_s = timeout_s
+
+    async def consolidate(self, tenant: str, run_id: str) -> dict[str, Any] | None:
+        """What consolidation made of the run (counts by outcome), or None if it could not run."""
+        try:
+            server = await self._registry.mcp_server(self.server_id)
+            token = await self._registry.tokens.token(self.server_id, tenant, [SCOPE])
+        except FleetError as exc:
+            log.info("run %s: memory not consolidated (%s)", run_id, exc.message)
+            return None
+        except Exception as exc:  # the registry unreachable: never the run's failure
+            log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
+            return None
+        try:
+            async with (
+                httpx2.AsyncClient(
+                    headers={"Authorization": f"Bearer {token}"}, timeout=self.timeout_s
+                ) as http,
+                Client(streamable_http_client(server.url, http_client=http)) as client,
+            ):
+                result = await client.call_tool("consolidate", {"run_id": run_id})
+        except Exception as exc:  # a memory server that is down must not touch the run
+            log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
+            return None
+        if result.is_error:
+            text = getattr(result.content[0], "text", "") if result.content else ""
+            log.warning("run %s: memory not consolidated: %s", run_id, text[:300])
+            return None
+        outcomes = (result.structured_content or {}).get("result", [])
+        counts: dict[str, Any] = {}
+        for outcome in outcomes:
+            counts[outcome.get("status", "?")] = counts.get(outcome.get("status", "?"), 0) + 1
+        log.info("run %s: memory consolidated %s", run_id, counts or "(nothing to consolidate)")
+        return counts

@@ -1,0 +1,124 @@
+"""Artifacts: large outputs kept by content, referenced from events and tool results by hash.
+
+An artifact is named by the SHA-256 of its bytes, inside its tenant's space: the same bytes stored
+twice are stored once, a reference cannot be made to point at other bytes, and a tenant can neither
+read nor learn of another tenant's artifact by guessing its hash. The store checks the hash again on
+every read, so bytes changed at rest are refused rather than served.
+
+``ArtifactStore`` is the interface (an S3-style store fits it); ``NatsArtifactStore`` is the one the
+fleet ships, on the JetStream object store of the fleet's NATS (file storage, replicated by the
+stream in production).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+from nats.aio.client import Client as NATS
+from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.object_store import ObjectStore
+
+from fleet.errors import ErrorCode, FleetError
+
+ARTIFACTS_BUCKET = "fleet_artifacts"
+MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+URI_PREFIX = "artifact:sha256:"
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRef:
+    """What a tool result or an event carries instead of the bytes."""
+
+    sha256: str
+    size: int
+    media_type: str = "application/octet-stream"
+
+    @property
+    def uri(self) -> str:
+        return URI_PREFIX + self.sha256
+
+    def to_json(self) -> dict[str, object]:
+        return {"uri": self.uri, "sha256": self.sha256, "size": self.size, "media_type": self.media_type}
+
+
+def parse_ref(value: str) -> str:
+    """The hash in ``artifact:sha256:<hex>`` or a bare hex digest; anything else is refused."""
+    digest = value.removeprefix(URI_PREFIX).strip().lower()
+    if not _SHA256.match(digest):
+        raise FleetError(
+            ErrorCode.INVALID_REQUEST, "an artifact reference is artifact:sha256:<64 hex digits>"
+        )
+    return digest
+
+
+class ArtifactStore(Protocol):
+    async def put(self, tenant: str, data: bytes, media_type: str = ...) -> ArtifactRef: ...
+
+    async def get(self, tenant: str, sha256: str) -> bytes: ...
+
+    async def exists(self, tenant: str, sha256: str) -> bool: ...
+
+
+def _name(tenant: str, sha256: str) -> str:
+    if not tenant:
+        raise FleetError(ErrorCode.FORBIDDEN, "an artifact belongs to a tenant")
+    return f"{tenant}/{sha256}"
+
+
+class NatsArtifactStore:
+    """Artifacts in a JetStream object store bucket, one object per (tenant, hash)."""
+
+    def __init__(self, store: ObjectStore, *, max_bytes: int = MAX_ARTIFACT_BYTES) -> None:
+        self._store = store
+        self._max_bytes = max_bytes
+
+    @classmethod
+    async def open(
+        cls, client: NATS, *, bucket: str = ARTIFACTS_BUCKET, max_bytes: int = MAX_ARTIFACT_BYTES
+    ) -> NatsArtifactStore:
+        js = client.jetstream()
+        try:
+            store = await js.object_store(bucket)
+        except BucketNotFoundError:
+            store = await js.create_object_store(
+                bucket,
+                ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, description="fleet artifacts"),
+            )
+        return cls(store, max_bytes=max_bytes)
+
+    async def exists(self, tenant: str, sha256: str) -> bool:
+        try:
+            info = await self._store.get_info(_name(tenant, parse_ref(sha256)))
+        except NotFoundError:
+            return False
+        return not info.deleted
+
+    async def put(
+        self, tenant: str, data: bytes, media_type: str = "application/octet-stream"
+    ) -> ArtifactRef:
+        if len(data) > self._max_bytes:
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST, f"an artifact is at most {self._max_bytes} bytes, not {len(data)}"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        ref = ArtifactRef(digest, len(data), media_type)
+        if not await self.exists(tenant, digest):
+            name = _name(tenant, digest)
+            await self._store.put(name, data, meta=ObjectMeta(name=name, description=media_type))
+        return ref
+
+    async def get(self, tenant: str, sha256: str) -> bytes:
+        digest = parse_ref(sha256)
+        try:
+            result = await self._store.get(_name(tenant, digest))
+        except NotFoundError as exc:
+            raise FleetError(ErrorCode.NOT_FOUND, f"no artifact {URI_PREFIX}{digest}") from exc
+        data = bytes(result.data or b"")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise FleetError(ErrorCode.INTERNAL, f"artifact {URI_PREFIX}{digest} does not match its hash")
+        return data

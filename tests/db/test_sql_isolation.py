@@ -1,0 +1,234 @@
+"""The SQL tool against statements written by an attacker, on a real Postgres.
+
+Every statement runs as tenant ``acme`` through the tool's own code path (tenant login role, read-only
+cursor or keyed write). Whatever it does, nothing of tenant ``globex`` may come back: not a row, not a
+value in an error message, not a count; and no write may touch globex's rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from mcp.server.mcpserver.exceptions import ToolError
+
+from mcp_servers.sql._schema import DEMO_INVOICES, OWNER_SETTING, ensure_schema, seed_demo_data
+from mcp_servers.sql.server import SqlServerSettings, SqlTools, TenantPools
+
+GLOBEX_MARKERS = ("globex", "Initech", "Hooli", "Vandelay", "3900", "450", "470", "510", "495")
+ACME_ROWS = len(DEMO_INVOICES["acme"])
+
+
+def settings_for(pg_dsn: str, **overrides: Any) -> SqlServerSettings:
+    return SqlServerSettings(
+        service_id="mcp-sql",
+        key_file=Path("/nonexistent"),
+        public_url="http://127.0.0.1:1",
+        pg_dsn=pg_dsn,
+        **{"sql_writable_tables": ["invoices"], **overrides},
+    )
+
+
+@pytest.fixture
+async def tools(pg_dsn: str) -> AsyncIterator[SqlTools]:
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
+        await ensure_schema(admin, writable=("invoices",))
+        await seed_demo_data(admin)
+    settings = settings_for(pg_dsn, statement_timeout_ms=2000)
+    pools = TenantPools(settings)
+    try:
+        yield SqlTools(pools, settings)
+    finally:
+        await pools.aclose()
+
+
+async def globex_rows(pg_dsn: str) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin, admin.transaction():
+        await admin.execute("SELECT set_config(%s, 'globex', true)", (OWNER_SETTING,))
+        cursor = await admin.execute(
+            "SELECT customer, amount, status FROM tenant_data.invoices WHERE tenant_id = 'globex' ORDER BY id"
+        )
+        return await cursor.fetchall()
+
+
+def assert_nothing_of_globex(outcome: object) -> None:
+    text = json.dumps(outcome, default=str) if not isinstance(outcome, str) else outcome
+    leaked = [marker for marker in GLOBEX_MARKERS if marker in text]
+    assert not leaked, f"tenant globex leaked {leaked}: {text[:500]}"
+
+
+HOSTILE_QUERIES = {
+    # Row-level security keyed on a setting falls to any of these: the setting changes mid-statement.
+    "cte_sets_the_tenant_first": "WITH s AS MATERIALIZED (SELECT set_config('fleet.tenant', 'globex', true) x)"
+    " SELECT i.* FROM s, tenant_data.invoices i",
+    "subquery_sets_the_tenant": "SELECT * FROM tenant_data.invoices"
+    " WHERE (SELECT set_config('fleet.tenant', 'globex', false)) IS NOT NULL",
+    "lateral_sets_the_tenant": "SELECT i.* FROM (SELECT set_config('fleet.tenant', 'globex', true)) s,"
+    " LATERAL (SELECT * FROM tenant_data.invoices) i",
+    "asks_for_the_other_tenant": "SELECT * FROM tenant_data.invoices WHERE tenant_id = 'globex'",
+    "or_true_on_the_tenant": "SELECT * FROM tenant_data.invoices WHERE tenant_id <> 'acme' OR 1 = 1",
+    "counts_all_rows": "SELECT count(*) AS n, sum(amount) AS total FROM tenant_data.invoices",
+    # Roles: SET ROLE moves current_user (to the group at most), never the login the policy keys on.
+    "switches_role_to_the_group": "WITH r AS MATERIALIZED (SELECT set_config('role', 'fleet_sql_tenants', true))"
+    " SELECT i.* FROM r, tenant_data.invoices i",
+    "switches_session_authorization": "SELECT set_config('session_authorization', 'postgres', true),"
+    " * FROM tenant_data.invoices",
+    "turns_row_security_off": "WITH r AS MATERIALIZED (SELECT set_config('row_security', 'off', true))"
+    " SELECT i.* FROM r, tenant_data.invoices i",
+    # Side doors: the role map, statistics, other sessions' statements, the server's files.
+    "reads_the_role_map": "SELECT * FROM fleet_sql.tenant_roles",
+    "reads_the_write_ledger": "SELECT * FROM fleet_sql.writes",
+    "reads_column_statistics": "SELECT most_common_vals::text, histogram_bounds::text FROM pg_stats"
+    " WHERE schemaname = 'tenant_data'",
+    "reads_other_sessions": "SELECT usename, query FROM pg_stat_activity",
+    "reads_a_server_file": "SELECT pg_read_file('postgresql.auto.conf')",
+    "reads_the_other_login": "SELECT rolname FROM pg_roles WHERE rolname LIKE 'fleet_t_%'",
+    # Error messages: a cast that fails on a value names the value; only the caller's rows may be cast.
+    "leaks_through_an_error": "SELECT * FROM tenant_data.invoices WHERE customer::int > 0",
+    "leaks_through_a_division": "SELECT 1 / (CASE WHEN tenant_id = 'globex' THEN 0 ELSE 1 END)"
+    " FROM tenant_data.invoices",
+    # Mapping functions called with arguments: they take none that name a tenant.
+    "asks_the_mapping_directly": "SELECT fleet_sql.session_tenant()",
+    "claims_a_write_from_a_select": "SELECT * FROM fleet_sql.claim_write('k', 'h', 'x')",
+}
+
+
+@pytest.mark.parametrize("statement", HOSTILE_QUERIES.values(), ids=list(HOSTILE_QUERIES))
+async def test_a_hostile_query_sees_nothing_of_another_tenant(tools: SqlTools, statement: str) -> None:
+    try:
+        outcome: object = await tools.query("acme", statement)
+    except ToolError as exc:
+        outcome = str(exc)
+    assert_nothing_of_globex(outcome)
+    if isinstance(outcome, dict):
+        for row in outcome["rows"]:
+            assert "globex" not in json.dumps(row)
+        if outcome["columns"][:1] == ["n"]:
+            assert outcome["rows"] == [[ACME_ROWS, pytest.approx(sum(r[1] for r in DEMO_INVOICES["acme"]))]]
+
+
+async def test_a_hostile_query_does_not_widen_the_next_call(tools: SqlTools) -> None:
+    """Whatever a statement set inside the session, the next call of the same tenant starts clean."""
+    for statement in HOSTILE_QUERIES.values():
+        with contextlib.suppress(ToolError):
+            await tools.query("acme", statement)
+    result = await tools.query("acme", "SELECT DISTINCT tenant_id FROM tenant_data.invoices")
+    assert result["rows"] == [["acme"]]
+    result = await tools.query(
+        "acme",
+        "SELECT current_user, session_user = current_user, current_setting('fleet.tenant', true) FROM (VALUES (1)) v",
+    )
+    [[user, same, setting]] = result["rows"]
+    assert user.startswith("fleet_t_") and same is True and setting in (None, "")
+
+
+async def test_each_tenant_sees_exactly_its_own_rows(tools: SqlTools) -> None:
+    statement = "SELECT customer FROM tenant_data.invoices ORDER BY id"
+    acme, globex = await asyncio.gather(tools.query("acme", statement), tools.query("globex", statement))
+    assert [r[0] for r in acme["rows"]] == [c for c, *_ in DEMO_INVOICES["acme"]]
+    assert [r[0] for r in globex["rows"]] == [c for c, *_ in DEMO_INVOICES["globex"]]
+    newcomer = await tools.query("initech-new", statement)
+    assert newcomer["rows"] == []
+
+
+HOSTILE_WRITES = {
+    "moves_a_row_to_the_other_tenant": "UPDATE tenant_data.invoices SET tenant_id = 'globex'",
+    "inserts_for_the_other_tenant": "INSERT INTO tenant_data.invoices (tenant_id, customer, amount, issued_on,"
+    " status) VALUES ('globex', 'Planted', 1, now(), 'open')",
+    "deletes_the_other_tenant": "DELETE FROM tenant_data.invoices WHERE tenant_id = 'globex'",
+    "updates_the_other_tenant": "UPDATE tenant_data.invoices SET amount = 0 WHERE tenant_id = 'globex'",
+    "sets_the_tenant_then_deletes": "WITH s AS (SELECT set_config('fleet.tenant', 'globex', true))"
+    " DELETE FROM tenant_data.invoices WHERE EXISTS (SELECT 1 FROM s)",
+    "second_statement": "UPDATE tenant_data.invoices SET amount = amount; DELETE FROM tenant_data.invoices",
+    "commits_early": "COMMIT",
+    "makes_a_table": "CREATE TABLE tenant_data.planted (x int)",
+    "changes_a_policy": "DROP POLICY tenant_login ON tenant_data.invoices",
+    "writes_the_ledger_directly": "INSERT INTO fleet_sql.writes VALUES ('globex', 'k', 'h', 1, 'x', now())",
+}
+
+
+@pytest.mark.parametrize(("name", "statement"), HOSTILE_WRITES.items(), ids=list(HOSTILE_WRITES))
+async def test_a_hostile_write_cannot_touch_another_tenant(
+    tools: SqlTools, pg_dsn: str, name: str, statement: str
+) -> None:
+    before = await globex_rows(pg_dsn)
+    try:
+        # The key is echoed in the answer: it must hold nothing that looks like a globex marker.
+        outcome: object = await tools.execute("acme", statement, f"key-{name}", "attacker")
+    except ToolError as exc:
+        outcome = str(exc)
+    assert_nothing_of_globex(outcome)
+    assert await globex_rows(pg_dsn) == before
+    acme = await tools.query("acme", "SELECT count(*) FROM tenant_data.invoices WHERE tenant_id = 'acme'")
+    assert acme["rows"][0][0] in (ACME_ROWS, 0)  # a delete of its own rows is the caller's business
+
+
+async def test_the_query_tool_refuses_writes_even_with_write_grants(tools: SqlTools) -> None:
+    for statement in (
+        "WITH d AS (DELETE FROM tenant_data.invoices RETURNING *) SELECT * FROM d",
+        "SELECT 1; DELETE FROM tenant_data.invoices",
+        "DELETE FROM tenant_data.invoices",
+    ):
+        with pytest.raises(ToolError, match="invalid_request"):
+            await tools.query("acme", statement)
+    assert (await tools.query("acme", "SELECT count(*) FROM tenant_data.invoices"))["rows"] == [[ACME_ROWS]]
+
+
+async def test_one_idempotency_key_writes_once_even_when_repeated_concurrently(tools: SqlTools) -> None:
+    statement = (
+        "INSERT INTO tenant_data.invoices (tenant_id, customer, amount, issued_on, status)"
+        " VALUES ('acme', 'Once', 10, now(), 'open')"
+    )
+    results = await asyncio.gather(
+        *(tools.execute("acme", statement, "insert-once", "agent") for _ in range(5))
+    )
+    assert sorted(r["replayed"] for r in results) == [False, True, True, True, True]
+    assert {r["row_count"] for r in results} == {1}
+    count = await tools.query("acme", "SELECT count(*) FROM tenant_data.invoices WHERE customer = 'Once'")
+    assert count["rows"] == [[1]]
+    status = await tools.write_status("acme", "insert-once")
+    assert (status["status"], status["row_count"]) == ("written", 1)
+    assert (await tools.write_status("globex", "insert-once"))["status"] == "unknown"
+    with pytest.raises(ToolError, match="conflict"):
+        await tools.execute("acme", statement.replace("10", "11"), "insert-once", "agent")
+
+
+async def test_a_refused_write_leaves_its_key_unused(tools: SqlTools) -> None:
+    with pytest.raises(ToolError, match="invalid_request"):
+        await tools.execute("acme", "UPDATE tenant_data.invoices SET amount = -1", "bad-then-good", "agent")
+    assert (await tools.write_status("acme", "bad-then-good"))["status"] == "unknown"
+    result = await tools.execute(
+        "acme", "UPDATE tenant_data.invoices SET amount = amount", "bad-then-good", "agent"
+    )
+    assert (result["row_count"], result["replayed"]) == (ACME_ROWS, False)
+
+
+async def test_a_table_that_is_not_writable_refuses_writes(pg_dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
+        await ensure_schema(admin, writable=())
+        await seed_demo_data(admin)
+    settings = settings_for(pg_dsn, sql_writable_tables=[])
+    pools = TenantPools(settings)
+    try:
+        tools = SqlTools(pools, settings)
+        with pytest.raises(ToolError, match="permission denied"):
+            await tools.execute("acme", "UPDATE tenant_data.invoices SET amount = amount", "k1", "agent")
+        assert (await tools.write_status("acme", "k1"))["status"] == "unknown"
+    finally:
+        await pools.aclose()
+
+
+async def test_a_runaway_query_is_stopped_by_the_statement_timeout(tools: SqlTools) -> None:
+    with pytest.raises(ToolError, match="statement timeout"):
+        await tools.query("acme", "SELECT pg_sleep(30)")
+    with pytest.raises(ToolError, match="statement timeout"):
+        await tools.query(
+            "acme",
+            "WITH s AS MATERIALIZED (SELECT set_config('statement_timeout', '0', true)) SELECT pg_sleep(30)",
+        )

@@ -1,0 +1,122 @@
+"""The memory MCP server in the running stack: writes pass the gate (redaction, refusal of secrets,
+held procedural rules), recall never crosses tenants, and every call is audited on NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx2
+from mcp.client import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from fleet.eventlog import read_records
+from fleet.natsconn import connect
+from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
+
+MEMORY = ("memory:read", "memory:write")
+
+
+async def call(stack: Stack, token: str, tool: str, arguments: dict[str, Any]) -> Any:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
+        url = stack.endpoints["mcp_servers"]["mcp-memory"]
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            return await client.call_tool(tool, arguments)
+
+
+async def test_memory_through_its_mcp_server_is_governed_and_confined_to_the_tenant(stack: Stack) -> None:
+    acme = stack.token("mcp-memory", tenant="acme", scopes=MEMORY)
+    globex = stack.token("mcp-memory", tenant="globex", scopes=MEMORY)
+    note = "Dana Whitfield (dana.whitfield@acme-corp.io) approves refunds above 500 EUR for the e2e desk."
+    stored = await call(stack, acme, "remember", {"text": note, "tier": "semantic"})
+    assert not stored.is_error, stored.content
+    assert stored.structured_content["status"] == "stored"
+    assert stored.structured_content["redacted"] == ["EMAIL_ADDRESS"]
+
+    secret = await call(stack, acme, "remember", {"text": "prod db: postgresql://app:Hunter2x9@db:5432/app"})
+    assert secret.structured_content["status"] == "denied"
+
+    recalled = await call(stack, acme, "recall", {"query": "who approves refunds for the e2e desk?"})
+    texts = [hit["text"] for hit in recalled.structured_content["result"]]
+    assert any("approves refunds above 500 EUR for the e2e desk" in t for t in texts)
+    assert not any("dana.whitfield@" in t for t in texts)
+    across = await call(stack, globex, "recall", {"query": "who approves refunds for the e2e desk?"})
+    assert not any("e2e desk" in hit["text"] for hit in across.structured_content["result"])
+
+    no_scope = stack.token("mcp-memory", tenant="acme", scopes=("memory:read",))
+    refused = await call(stack, no_scope, "remember", {"text": "a note"})
+    assert refused.is_error and "policy_denied" in refused.content[0].text
+
+    client = await connect(stack.endpoints["nats"], "test-memory")
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            events = await read_records(client, "fleet.audit.memory.mcp-memory")
+            writes = [e for e in events if e["op"] == "remember" and e["tenant"] == "acme"]
+            if len(writes) >= 2:
+                break
+            assert time.monotonic() < deadline, events
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    assert {w["outcome"] for w in writes} >= {"stored", "denied"}
+    assert "dana" not in str(events).lower() and "Hunter2x9" not in str(events)
+
+
+async def test_the_operator_searches_approves_forgets_and_audits_memory_from_the_cli(stack: Stack) -> None:
+    acme = stack.token("mcp-memory", tenant="acme", scopes=MEMORY)
+    rule = "Before closing a cli-desk ticket, attach the customer's signed form."
+    held = await call(stack, acme, "remember", {"text": rule, "tier": "procedural", "trust": "trusted"})
+    assert held.structured_content["status"] == "held"
+    entry_id = held.structured_content["id"]
+
+    def run(*args: str) -> Any:
+        result = fleet("memory", *args, "--data-dir", stack.data_dir, timeout=120)
+        return result
+
+    found = run("search", "cli-desk ticket", "--tenant", "acme", "--tier", "procedural", "--json")
+    assert found.returncode == 0 and json.loads(found.stdout) == []  # held: not recalled yet
+    approved = run("approve", entry_id, "--tenant", "acme")
+    assert approved.returncode == 0 and f"{entry_id}: stored" in approved.stdout, approved.stderr
+    found = run("search", "cli-desk ticket", "--tenant", "acme", "--json")
+    assert [hit["id"] for hit in json.loads(found.stdout)][:1] == [entry_id]
+    shown = json.loads(run("show", entry_id, "--tenant", "acme", "--json").stdout)
+    assert shown[0]["status"] == "active" and shown[0]["text"] == rule
+    assert run("show", entry_id, "--tenant", "globex").returncode == 1  # not globex's
+    forgot = run("forget", "--id", entry_id, "--tenant", "acme", "--reason", "cli test", "--json")
+    assert forgot.returncode == 0 and json.loads(forgot.stdout) == {"deleted": [entry_id]}
+    assert run("show", entry_id, "--tenant", "acme").returncode == 1
+
+    deadline = time.monotonic() + 5
+    while True:
+        audited = run("audit", "--tenant", "acme", "--last", "0", "--json")
+        events = [json.loads(line) for line in audited.stdout.splitlines()]
+        ops = {(e["op"], e.get("outcome")) for e in events}
+        if {("approve", "stored"), ("forget", "deleted")} <= ops:
+            break
+        assert time.monotonic() < deadline, ops
+        await asyncio.sleep(0.2)
+    [forgotten] = [e for e in events if e["op"] == "forget" and entry_id in e["ids"]]
+    assert forgotten["reason"] == "cli test" and forgotten["agent"] == "operator"
+
+
+async def test_a_completed_run_has_its_memory_consolidated_by_the_worker(stack: Stack) -> None:
+    token = stack.token("coordinator", tenant="acme")
+    outcome = await send(stack, user_message(data=TWO_STEPS), token=token)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    client = await connect(stack.endpoints["nats"], "test-memory")
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            events = await read_records(client, "fleet.audit.memory.mcp-memory")
+            done = [e for e in events if e["op"] == "consolidate" and e.get("run_id") == outcome.task_id]
+            if done:
+                break
+            assert time.monotonic() < deadline, [e["op"] for e in events]
+            await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+    [event] = done  # once: the worker acks the run's message after consolidating
+    assert event["tenant"] == "acme" and event["outcome"] == "done" and event["agent"].startswith("worker-")

@@ -1,0 +1,320 @@
+"""The tool plane on a running stack: the SQL, sandbox and outbox MCP servers as a caller meets them,
+over Streamable HTTP with real tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from tests.e2e.conftest import Stack, start_stack, stop_stack
+from tests.e2e.webhooks import SECRET, WebhookReceiver
+
+pytestmark = pytest.mark.e2e
+
+
+async def call(stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any]) -> Any:
+    url = stack.endpoints["mcp_servers"][server]
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        return await client.call_tool(tool, arguments)
+
+
+def ok(result: Any) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    structured: dict[str, Any] = result.structured_content
+    return structured.get("result", structured) if set(structured) == {"result"} else structured
+
+
+def sandbox_token(stack: Stack, run_id: str, tenant: str = "acme") -> str:
+    return stack.forge(
+        aud="mcp-sandbox", scope="sandbox:run", tenant=tenant, run_id=run_id, sub="sql-analyst"
+    )
+
+
+async def test_the_sql_server_keeps_a_tenant_in_even_when_the_statement_sets_another(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
+    hostile = (
+        "WITH s AS MATERIALIZED (SELECT set_config('fleet.tenant', 'globex', true))"
+        " SELECT DISTINCT i.tenant_id FROM s, tenant_data.invoices i"
+    )
+    assert ok(await call(stack, "mcp-sql", token, "query", {"sql": hostile}))["rows"] == [["acme"]]
+
+
+async def test_the_sql_server_is_read_only_unless_the_operator_opens_a_table(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query", "sql:write"))
+    result = await call(
+        stack,
+        "mcp-sql",
+        token,
+        "execute",
+        {"sql": "UPDATE tenant_data.invoices SET amount = 0", "idempotency_key": "k-" + uuid.uuid4().hex},
+    )
+    assert result.is_error and "permission denied" in result.content[0].text
+
+
+async def test_a_file_written_by_one_call_is_there_for_the_next_call_of_the_run_only(stack: Stack) -> None:
+    run, other = "run-" + uuid.uuid4().hex, "run-" + uuid.uuid4().hex
+    first = ok(
+        await call(
+            stack,
+            "mcp-sandbox",
+            sandbox_token(stack, run),
+            "run_python",
+            {"code": "open('data.csv', 'w').write('a,b\\n1,2\\n'); print('written')"},
+        )
+    )
+    assert first["stdout"] == "written\n" and first["exit_code"] == 0, first
+    assert [f["path"] for f in first["files"]] == ["data.csv"]
+    again = ok(
+        await call(
+            stack,
+            "mcp-sandbox",
+            sandbox_token(stack, run),
+            "run_python",
+            {"code": "print(open('data.csv').read().splitlines()[1])"},
+        )
+    )
+    assert again["stdout"] == "1,2\n" and again["files"] == [], again
+    elsewhere = ok(
+        await call(
+            stack,
+            "mcp-sandbox",
+            sandbox_token(stack, other),
+            "run_python",
+            {"code": "import os; print(os.listdir('.'))"},
+        )
+    )
+    assert elsewhere["stdout"] == "[]\n", elsewhere
+    same_run_other_tenant = ok(
+        await call(
+            stack,
+            "mcp-sandbox",
+            sandbox_token(stack, run, tenant="globex"),
+            "run_python",
+            {"code": "import os; print(os.listdir('.'))"},
+        )
+    )
+    assert same_run_other_tenant["stdout"] == "[]\n"
+    # The file came back as an artifact of the tenant, readable by the tenant only.
+    artifact = first["files"][0]["artifact"]
+    content = ok(
+        await call(stack, "mcp-sandbox", sandbox_token(stack, run), "read_artifact", {"artifact": artifact})
+    )
+    assert content["text"] == "a,b\n1,2\n"
+    refused = await call(
+        stack,
+        "mcp-sandbox",
+        sandbox_token(stack, other, tenant="globex"),
+        "read_artifact",
+        {"artifact": artifact},
+    )
+    assert refused.is_error and "not_found" in refused.content[0].text
+
+
+async def test_long_output_comes_back_as_an_artifact(stack: Stack) -> None:
+    token = sandbox_token(stack, "run-" + uuid.uuid4().hex)
+    result = ok(await call(stack, "mcp-sandbox", token, "run_python", {"code": "print('x' * 100000)"}))
+    assert len(result["stdout"]) < 100000 and result["stdout_artifact"], result
+    whole = ok(
+        await call(
+            stack,
+            "mcp-sandbox",
+            token,
+            "read_artifact",
+            {"artifact": result["stdout_artifact"], "length": 200000},
+        )
+    )
+    assert whole["size"] == 100001 and whole["text"] == "x" * 100000 + "\n"
+
+
+async def test_the_sandbox_needs_its_scope(stack: Stack) -> None:
+    token = stack.forge(aud="mcp-sandbox", scope="sql:query", run_id="r")
+    result = await call(stack, "mcp-sandbox", token, "run_python", {"code": "print(1)"})
+    assert result.is_error and "lacks scope sandbox:run" in result.content[0].text
+
+
+def outbox_token(stack: Stack, tenant: str = "acme") -> str:
+    return stack.forge(aud="mcp-outbox", scope="outbox:write", tenant=tenant, sub="case-desk")
+
+
+async def test_one_operation_id_makes_one_webhook_however_often_it_is_called(
+    stack: Stack, webhooks: WebhookReceiver
+) -> None:
+    op = "op-" + uuid.uuid4().hex
+    args = {"operation_id": op, "destination": "ops", "payload": {"report": "weekly", "n": 3}}
+    first = ok(await call(stack, "mcp-outbox", outbox_token(stack), "post_webhook", args))
+    assert (first["status"], first["replayed"]) == ("done", False), first
+    repeats = await asyncio.gather(
+        *(call(stack, "mcp-outbox", outbox_token(stack), "post_webhook", args) for _ in range(4))
+    )
+    assert all(ok(r)["replayed"] for r in repeats)
+    sent = [d for d in webhooks.to("/ok/ops") if d.json["operation_id"] == op]
+    assert len(sent) == 1
+    delivery = sent[0]
+    assert delivery.headers["Idempotency-Key"] == op and delivery.json["payload"] == args["payload"]
+    expected = "sha256=" + hmac.new(SECRET.encode(), delivery.body, hashlib.sha256).hexdigest()
+    assert delivery.headers["X-Fleet-Signature"] == expected
+    status = ok(
+        await call(stack, "mcp-outbox", outbox_token(stack), "operation_status", {"operation_id": op})
+    )
+    assert (status["status"], status["attempts"]) == ("done", 1)
+    other_tenant = ok(
+        await call(
+            stack, "mcp-outbox", outbox_token(stack, "globex"), "operation_status", {"operation_id": op}
+        )
+    )
+    assert other_tenant["status"] == "unknown"
+
+
+async def test_concurrent_first_calls_of_one_operation_make_one_effect(
+    stack: Stack, webhooks: WebhookReceiver
+) -> None:
+    op = "op-" + uuid.uuid4().hex
+    args = {"operation_id": op, "destination": "ops", "payload": {"race": True}}
+    results = [
+        ok(r)
+        for r in await asyncio.gather(
+            *(call(stack, "mcp-outbox", outbox_token(stack), "post_webhook", args) for _ in range(6))
+        )
+    ]
+    assert sorted(r["replayed"] for r in results) == [False] + [True] * 5
+    assert len([d for d in webhooks.to("/ok/ops") if d.json["operation_id"] == op]) == 1
+    ticket_args = {"operation_id": "t-" + uuid.uuid4().hex, "title": "Outlier", "body": "Invoice 9800"}
+    tickets = [
+        ok(r)
+        for r in await asyncio.gather(
+            *(call(stack, "mcp-outbox", outbox_token(stack), "open_ticket", ticket_args) for _ in range(4))
+        )
+    ]
+    assert len({t["result"]["ticket_id"] for t in tickets}) == 1
+
+
+async def test_an_operation_id_cannot_be_reused_for_another_request(stack: Stack) -> None:
+    op = "op-" + uuid.uuid4().hex
+    ok(
+        await call(
+            stack,
+            "mcp-outbox",
+            outbox_token(stack),
+            "post_webhook",
+            {"operation_id": op, "destination": "ops", "payload": {"v": 1}},
+        )
+    )
+    reused = await call(
+        stack,
+        "mcp-outbox",
+        outbox_token(stack),
+        "post_webhook",
+        {"operation_id": op, "destination": "ops", "payload": {"v": 2}},
+    )
+    assert reused.is_error and "[conflict]" in reused.content[0].text
+
+
+async def test_a_destination_that_needs_approval_waits_for_one(
+    stack: Stack, webhooks: WebhookReceiver
+) -> None:
+    op = "op-" + uuid.uuid4().hex
+    args = {"operation_id": op, "destination": "customers", "payload": {"notice": "refund"}}
+    pending = ok(await call(stack, "mcp-outbox", outbox_token(stack), "post_webhook", args))
+    assert pending["status"] == "pending_approval"
+    assert [d for d in webhooks.to("/ok/customers") if d.json["operation_id"] == op] == []
+    status = ok(
+        await call(stack, "mcp-outbox", outbox_token(stack), "operation_status", {"operation_id": op})
+    )
+    assert status["status"] == "pending_approval"
+    approved = ok(
+        await call(
+            stack,
+            "mcp-outbox",
+            outbox_token(stack),
+            "post_webhook",
+            {**args, "approval_id": "ap-1", "approved_by": "alice"},
+        )
+    )
+    assert approved["status"] == "done"
+    assert len([d for d in webhooks.to("/ok/customers") if d.json["operation_id"] == op]) == 1
+
+
+async def test_a_destination_that_is_down_leaves_the_operation_pending_for_a_retry(stack: Stack) -> None:
+    op = "op-" + uuid.uuid4().hex
+    result = await call(
+        stack,
+        "mcp-outbox",
+        outbox_token(stack),
+        "post_webhook",
+        {"operation_id": op, "destination": "down", "payload": {}},
+    )
+    assert result.is_error and "still pending" in result.content[0].text
+    status = ok(
+        await call(stack, "mcp-outbox", outbox_token(stack), "operation_status", {"operation_id": op})
+    )
+    assert status["status"] == "pending"
+    refused = ok(
+        await call(
+            stack,
+            "mcp-outbox",
+            outbox_token(stack),
+            "post_webhook",
+            {"operation_id": "op-" + uuid.uuid4().hex, "destination": "refusing", "payload": {}},
+        )
+    )
+    assert refused["status"] == "failed" and refused["result"]["http_status"] == 422
+    unknown = await call(
+        stack,
+        "mcp-outbox",
+        outbox_token(stack),
+        "post_webhook",
+        {"operation_id": op, "destination": "https://evil.example/steal", "payload": {}},
+    )
+    assert unknown.is_error and "no destination" in unknown.content[0].text
+
+
+async def test_a_workspace_survives_a_restart_of_the_sandbox_server_and_its_local_state(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "fleet"
+    stack = await asyncio.to_thread(start_stack, data_dir)
+    run = "run-" + uuid.uuid4().hex
+    try:
+        written = ok(
+            await call(
+                stack,
+                "mcp-sandbox",
+                sandbox_token(stack, run),
+                "run_python",
+                {"code": "import os; os.makedirs('out'); open('out/model.txt', 'w').write('v1')"},
+            )
+        )
+        assert written["exit_code"] == 0, written
+    finally:
+        await asyncio.to_thread(stop_stack, stack)
+    # Another machine: none of the sandbox server's local state is left.
+    shutil.rmtree(stack.layout.home / "state" / "mcp-sandbox", ignore_errors=True)
+    stack = await asyncio.to_thread(start_stack, data_dir)
+    try:
+        read = ok(
+            await call(
+                stack,
+                "mcp-sandbox",
+                sandbox_token(stack, run),
+                "run_python",
+                {"code": "print(open('out/model.txt').read())"},
+            )
+        )
+        assert read["stdout"] == "v1\n", read
+        files = ok(await call(stack, "mcp-sandbox", sandbox_token(stack, run), "workspace_files", {}))
+        assert [f["path"] for f in files] == ["out/model.txt"]
+    finally:
+        await asyncio.to_thread(stop_stack, stack)
