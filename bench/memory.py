@@ -202,7 +202,7 @@ def scanner_quality(scanner: Scanner) -> dict[str, Any]:
     """Per corpus: sensitive texts whose every item the scanner covers (a secret anywhere denies the
     write), and clean texts it flags."""
     out: dict[str, Any] = {}
-    for name in ("pii_corpus", "pii_holdout"):
+    for name in ("pii_corpus", "pii_holdout", "pii_independent"):
         rows = [json.loads(line) for line in (CORPORA / f"{name}.jsonl").read_text().splitlines()]
         missed, flagged, timings = [], [], []
         for row in rows:

@@ -21,9 +21,11 @@ import os
 import re
 import threading
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import regex
 
 from fleet.errors import ErrorCode, FleetError
 
@@ -49,11 +51,13 @@ from presidio_analyzer.predefined_recognizers import (
 )
 
 DEFAULT_MAX_CHARS = 16_000
+PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "JP", "AU", "NL", "ES")
 PII_TYPES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "CREDIT_CARD", "IBAN_CODE", "US_SSN", "IP_ADDRESS")
 SECRET_TYPES = ("API_KEY", "AWS_ACCESS_KEY", "PRIVATE_KEY", "JWT", "PASSWORD", "CONNECTION_STRING")
 NER_TYPES = ("PERSON", "LOCATION")
 _WORD = re.compile(r"[a-z]{2,}")
 _CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
+_PRECHECK_TIMEOUT_S = 1.0  # a pattern presidio would run too: bounded the same way (the gate gives up at 5 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +100,7 @@ class _SecretValue(PatternRecognizer):
 
 def _looks_secret(token: str, min_length: int) -> bool:
     token = token.rstrip(".,;:!?)]}")  # the end of a sentence is not part of a word
-    if len(token) < min_length or _KEYWORD.match(token) or _ADDRESS.match(token):
+    if len(token) < min_length or _KEYWORD.match(token) or _ADDRESS.match(token) or _PLACEHOLDER.match(token):
         return False
     classes = sum(
         (
@@ -119,7 +123,13 @@ class _StrongToken(_SecretValue):
 
 def _strong(token: str, min_length: int) -> bool:
     token = token.rstrip(".,;:!?)]}")
-    if len(token) < min_length or _KEYWORD.match(token) or _ADDRESS.match(token) or token.count("/") > 1:
+    if (
+        len(token) < min_length
+        or _KEYWORD.match(token)
+        or _ADDRESS.match(token)
+        or _PLACEHOLDER.match(token)
+        or token.count("/") > 1
+    ):
         return False
     return (
         any(c.islower() for c in token)
@@ -133,6 +143,8 @@ def _strong(token: str, min_length: int) -> bool:
 _ADDRESS = re.compile(
     r"^(?:[^@\s]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\.?|[a-zA-Z][a-zA-Z0-9+.-]*://\S*)$"
 )
+# A template's blank, not a value: <set-in-vault>, {{ db_password }}, ${DB_PASSWORD} (words only).
+_PLACEHOLDER = re.compile(r"^(?:<[A-Za-z _-]+>|\{\{[A-Za-z _.-]+\}\}|\$\{[A-Za-z_][A-Za-z0-9_]*\})$")
 _TOKEN = re.compile(r"[^\s\"'`=:,;()]+")
 # A name, not a value: letters, "_" and "-" only, holding a word about secrets (DB_PASSWORD, api-key).
 _KEYWORD = re.compile(
@@ -180,6 +192,9 @@ def secret_recognizers() -> list[EntityRecognizer]:
                 r"[\"']?\s{0,4}[:=]\s{0,4}[\"'`]?"
                 r"(?=[^\s\"'`,;]{0,128}\d)(?=[^\s\"'`,;]{0,128}[A-Za-z])[A-Za-z0-9_\-./+=~]{16,256}",
                 r"(?i)\bauthorization:\s*(?:[A-Za-z-]{2,20}\s+)?[A-Za-z0-9_\-./+=~]{12,}",
+                # auth token VALUE: a key's name, then a long value with letters and digits
+                r"(?i)\b(?:api[_\s-]?key|auth[_\s-]?token|access[_\s-]?token|secret[_\s-]?key|client[_\s-]?secret)"
+                r"\s+[\"'`]?(?=[^\s\"'`,;]{0,128}\d)(?=[^\s\"'`,;]{0,128}[A-Za-z])[A-Za-z0-9_\-./+=~]{20,256}",
                 r"(?i)\bbearer\s+[A-Za-z0-9_\-.+/=~]{20,}",
             ),
             min_length=16,
@@ -205,13 +220,14 @@ def secret_recognizers() -> list[EntityRecognizer]:
                 # password: VALUE, password is VALUE, DB_PASSWORD=VALUE, the password for X is VALUE
                 r"(?i)(?:(?<![a-z])|(?<=[a-z0-9_]{2}))"
                 r"(?:password|passwd|passwort|passphrase|pwd|pw|pass|mot de passe|contrase[nñ]a)"
-                r"(?![a-z])[^\n.;]{0,40}?(?:[:=]|=>|\bis\b|\bwas\b|\bto\b)\s*[\"'`]?[^\s\"'`,;]{6,128}",
+                r"(?![a-z])(?:[^\n.;]|(?<=\d)\.){0,40}?(?:[:=]|=>|\bis\b|\bwas\b|\bto\b)\s*[\"'`]?[^\s\"'`,;]{6,128}",
                 # with password VALUE, --password 'VALUE', pass VALUE
                 r"(?i)(?<![a-z])(?:password|passphrase|passwd|pwd|pass)\s+[\"'`]?[^\s\"'`,;]{6,128}",
                 # VALUE is the (admin) password
                 r"(?i)(?<![^\s\"'`,;])[^\s\"'`,;]{6,64}\s+(?:is|was)\s+(?:the|our|my|your|their)\s+(?:[a-z-]+\s+){0,3}?"
                 r"(?:password|passphrase)\b",
-                r"(?i)\bmysql\b[^\n]{0,200}?\s-p[^\s\"'`]{4,128}",
+                r"(?i)\bmysql\b[^\n]{0,200}?\s-p[\"']?[^\s\"'`]{4,128}",
+                r"(?i)\bsshpass\s+-p\s*[\"']?[^\s\"'`]{4,128}",
                 # user / VALUE
                 r"(?i)\b(?:login|user(?:name)?|credentials?)\b[^\n/]{0,40}?\S{1,64}(?<=\S)\s{0,4}/\s{0,4}[^\s\"'`,;/]{6,64}",
             ),
@@ -258,6 +274,9 @@ class _WindowedPhoneRecognizer(PhoneRecognizer):
     """Presidio's phone recognizer, run only where a phone number can be: windows of the text with at
     least seven digits. Beyond ``_MAX_WINDOWS`` windows it reads the whole text once instead."""
 
+    def could_find(self, text: str) -> bool:
+        return any(sum(c.isdigit() for c in m.group()) >= 7 for m in _PHONE_WINDOW.finditer(text))
+
     def analyze(
         self,
         text: str,
@@ -266,21 +285,33 @@ class _WindowedPhoneRecognizer(PhoneRecognizer):
     ) -> list[RecognizerResult]:
         windows = [m for m in _PHONE_WINDOW.finditer(text) if sum(c.isdigit() for c in m.group()) >= 7]
         if len(windows) > _MAX_WINDOWS:
-            return list(super().analyze(text, entities, nlp_artifacts))
+            return _dialable(text, super().analyze(text, entities, nlp_artifacts))
         found: list[RecognizerResult] = []
         for match in windows:
             start, end = max(0, match.start() - 1), min(len(text), match.end() + 1)
             found += _shifted(super().analyze(text[start:end], entities, nlp_artifacts), start)
-        return found
+        return _dialable(text, found)
+
+
+def _dialable(text: str, results: list[RecognizerResult]) -> list[RecognizerResult]:
+    """Numbers a phone can have: at most 15 digits (E.164) past the prefixes "00" and "0". A
+    16-digit run in fours is a card-shaped number, not a German one."""
+    return [r for r in results if len(re.sub(r"\D", "", text[r.start : r.end]).lstrip("0")) <= 15]
 
 
 _ALNUM_WORD = re.compile(r"[A-Za-z0-9]+")
+_IBAN_START = re.compile(r"[A-Za-z]{2}[0-9]{2}")
 
 
 class _AnyCaseIban(IbanRecognizer):
     """Presidio's IBAN recognizer (country format and mod-97 checked), also for IBANs written in
     lower case: it reads the text with its IBAN-like words upper-cased (words with a digit, and a
     four-letter group right after one, as in ``gb82 west 1234 ...``), positions unchanged."""
+
+    def could_find(self, text: str) -> bool:
+        # Every IBAN starts with its country's two letters and two check digits; upper-casing ASCII
+        # words keeps letters letters and digits digits, in place.
+        return _IBAN_START.search(text) is not None
 
     def analyze(
         self,
@@ -308,6 +339,9 @@ class _WindowedEmailRecognizer(EmailRecognizer):
     """Presidio's e-mail recognizer, run only on the words around each "@": its own pattern is
     quadratic on long runs without one (``"a-" * 8000``)."""
 
+    def could_find(self, text: str) -> bool:
+        return _EMAIL_WINDOW.search(text) is not None
+
     def analyze(
         self,
         text: str,
@@ -333,8 +367,10 @@ class _InternationalPhone(PatternRecognizer):
 def pii_recognizers() -> list[EntityRecognizer]:
     return [
         _WindowedEmailRecognizer(),
-        # A number written with its country code is read as such whatever the region; the rest as US.
-        _WindowedPhoneRecognizer(supported_regions=("US",)),
+        # A number written with its country code is read as such whatever the region; the rest in the
+        # national formats of these regions. More regions find more numbers but also read dates,
+        # versions and card-shaped numbers as phones (Brazil, Italy: measured on the corpora).
+        _WindowedPhoneRecognizer(supported_regions=PHONE_REGIONS),
         # Numbers written with their country code that the phone library does not know (new or
         # reserved ranges): a "+" and eight or more digits in groups is a phone number.
         _InternationalPhone(
@@ -368,7 +404,11 @@ class Scanner:
     """Finds personal data and secrets in texts. Thread-safe: presidio's analyzer keeps no state
     between calls."""
 
-    def __init__(self, *, max_chars: int = DEFAULT_MAX_CHARS, ner_model: str = "") -> None:
+    def __init__(
+        self, *, max_chars: int = DEFAULT_MAX_CHARS, ner_model: str = "", precheck: bool = True
+    ) -> None:
+        """``precheck``: ask presidio only for the types that some recognizer could find in the
+        text (see :func:`_could_find`); off, every recognizer reads every text (same findings)."""
         self.max_chars = max_chars
         self.ner_model = ner_model
         registry = RecognizerRegistry(supported_languages=["en"])
@@ -387,6 +427,10 @@ class Scanner:
             w.lower() for r in registry.recognizers for w in (r.context or []) for w in w.split()
         }
         self._lock = threading.Lock() if ner_model else None  # spaCy pipelines are not thread-safe
+        self.precheck = precheck
+        self._could_find = [
+            (entity, _could_find(r)) for r in registry.recognizers for entity in r.supported_entities
+        ]
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -420,21 +464,51 @@ class Scanner:
             return []
         # Without an NLP model presidio sees no words near a match; the recognizers' context words
         # found anywhere in the text stand in for them (an "ssn" lifts a bare nine-digit number).
+        entities = self.candidates(text) if self.precheck else list(self.types)
+        if not entities:
+            return []
         context = sorted(self._context & set(_WORD.findall(text.lower())))
         if self._lock is not None:
             with self._lock:
-                results = self._analyzer.analyze(
-                    text, language="en", entities=list(self.types), context=context
-                )
+                results = self._analyzer.analyze(text, language="en", entities=entities, context=context)
         else:
-            results = self._analyzer.analyze(text, language="en", entities=list(self.types), context=context)
+            results = self._analyzer.analyze(text, language="en", entities=entities, context=context)
         return _merge(Finding(r.entity_type, r.start, r.end, float(r.score)) for r in results)
+
+    def candidates(self, text: str) -> list[str]:
+        """The types some recognizer could find in ``text``: for the others, none of their
+        recognizers' patterns (or the windows they read) matches anywhere in it."""
+        found: list[str] = []
+        try:
+            for entity, could_find in self._could_find:
+                if entity in self.types and entity not in found and could_find(text):
+                    found.append(entity)
+        except TimeoutError:
+            raise FleetError(ErrorCode.UNSCANNABLE, "a pattern took too long on this text") from None
+        return found
+
+
+def _could_find(recognizer: EntityRecognizer) -> Callable[[str], bool]:
+    """A test that is true of every text in which ``recognizer`` finds anything (and of others):
+    the recognizer's own ``could_find``; for a plain pattern recognizer, a search for any of its
+    patterns, as presidio compiles them; for any other recognizer (NER), always true."""
+    own = getattr(recognizer, "could_find", None)
+    if callable(own):
+        return cast(Callable[[str], bool], own)
+    if isinstance(recognizer, PatternRecognizer) and type(recognizer).analyze is PatternRecognizer.analyze:
+        flags = recognizer.global_regex_flags or 0
+        patterns: list[Pattern] = list(getattr(recognizer, "patterns", None) or [])
+        searches = [regex.compile(p.regex, flags=flags).search for p in patterns]
+        return lambda text: any(search(text, timeout=_PRECHECK_TIMEOUT_S) is not None for search in searches)
+    return lambda text: True
 
 
 def normal_form(text: str) -> str:
     """The text memory scans and stores: NFKC (full-width digits and letters become ASCII ones) and
     without format characters (zero-width spaces and joiners, direction marks), which would otherwise
     hide an address or a number from every pattern."""
+    if text.isascii():  # ASCII is its own NFKC form and holds no format character
+        return text
     text = unicodedata.normalize("NFKC", text)
     if any(unicodedata.category(c) == "Cf" for c in text):
         text = "".join(c for c in text if unicodedata.category(c) != "Cf")

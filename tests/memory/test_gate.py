@@ -85,7 +85,7 @@ async def stored_texts(memory: Memory, tenant: str) -> list[str]:
             return texts
 
 
-@pytest.mark.parametrize("name", ["pii_corpus.jsonl", "pii_holdout.jsonl"])
+@pytest.mark.parametrize("name", ["pii_corpus.jsonl", "pii_holdout.jsonl", "pii_independent.jsonl"])
 async def test_no_personal_data_or_secret_of_the_corpus_reaches_the_store(setup: Setup, name: str) -> None:
     rows = list(corpus(name))
     outcomes: list[Outcome] = []
