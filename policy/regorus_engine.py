@@ -3,6 +3,12 @@
 A regorus engine must be used from the thread that created it, so this class creates one per thread
 on first use. Evaluation is ~25 microseconds, cheap enough to run inline on the event loop.
 
+It must also be dropped by that thread: regorus refuses to drop it elsewhere (it leaks and reports
+an error), and the garbage collector may collect a :class:`RegorusEngine` on any thread that
+happens to allocate (an embedding or a scanning thread). So a collected engine's per-thread engines
+of other threads are handed to those threads, which drop them on their next evaluation; a thread
+that ends drops its own, as thread-local values are.
+
 A bundle is a pure function of its input unless it calls a builtin whose answer changes (the time,
 randomness, HTTP, the runtime). For a pure bundle the engine remembers the results of the last
 ``MEMO_SIZE`` distinct inputs: a repeated input gets the same result without evaluating again, as a
@@ -54,6 +60,31 @@ def _new_engine(bundle: Bundle, with_tests: bool) -> Any:
 _UNKNOWN = object()
 
 
+class _ThreadGuard:
+    """Kept in a thread's local storage: when the thread ends, it drops that thread's engine there."""
+
+    __slots__ = ("engines", "ident")
+
+    def __init__(self, engines: dict[int, Any], ident: int) -> None:
+        self.engines, self.ident = engines, ident
+
+    def __del__(self) -> None:
+        if threading.get_ident() == self.ident:  # not when the collector frees it elsewhere
+            self.engines.pop(self.ident, None)
+
+
+# Engines whose RegorusEngine was collected on another thread, by the thread that must drop them.
+# Plain dict and list operations (atomic under the GIL): a finaliser may run in the middle of any
+# code, a lock could deadlock there.
+_ORPHANS: dict[int, list[Any]] = {}
+
+
+def _drop_orphans() -> None:
+    """Drop the engines handed to this thread (it created them)."""
+    if _ORPHANS:
+        _ORPHANS.pop(threading.get_ident(), None)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).split("\n\nStack backtrace")[0].strip()
     return " ".join(line.strip() for line in text.splitlines()[:4])
@@ -67,6 +98,7 @@ class RegorusEngine:
         self._bundle = bundle
         self._with_tests = with_tests
         self._local = threading.local()
+        self._engines: dict[int, Any] = {}  # by thread
         self._memo: dict[tuple[str, str], Any] | None = {} if is_pure(bundle) else None
         self._memo_lock = threading.Lock()
         self._engine()  # compile now so a broken bundle fails at start-up, not at first call
@@ -93,11 +125,19 @@ class RegorusEngine:
         return self._engine()
 
     def _engine(self) -> Any:
-        engine = getattr(self._local, "engine", None)
+        _drop_orphans()
+        ident = threading.get_ident()
+        engine = self._engines.get(ident)
         if engine is None:
-            engine = _new_engine(self._bundle, self._with_tests)
-            self._local.engine = engine
+            engine = self._engines[ident] = _new_engine(self._bundle, self._with_tests)
+            self._local.guard = _ThreadGuard(self._engines, ident)
         return engine
+
+    def __del__(self) -> None:
+        here = threading.get_ident()
+        for ident, engine in list(self._engines.items()):
+            if ident != here:
+                _ORPHANS.setdefault(ident, []).append(engine)  # kept alive for its own thread
 
     def evaluate(self, path: str, input_document: dict[str, Any]) -> Any:
         """The raw value of ``data.<path>`` for ``input_document`` (None if undefined)."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,3 +88,51 @@ def test_a_bundle_that_reads_the_clock_is_evaluated_every_time(tmp_path: Path) -
     assert is_pure(Bundle.load())
     times = {engine.decide_now("clock.decision", {}).result["now"] for _ in range(3)}
     assert len(times) == 3
+
+
+QUERY = ("fleet.memory.read", {"tenant": "acme", "agent": "research", "tier": "episodic"})
+
+
+@pytest.fixture
+def unraisable() -> Iterator[list[str]]:
+    """What is reported as an unraisable error meanwhile: regorus reports an engine dropped on a
+    thread other than its own (and leaks it)."""
+    reported: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda report: reported.append(str(report.exc_value))
+    yield reported
+    sys.unraisablehook = previous
+
+
+def test_an_engine_freed_while_another_thread_holds_one_leaves_it_to_that_thread(
+    unraisable: list[str],
+) -> None:
+    engines = [RegorusEngine(Bundle.load())]
+    used, freed = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        engines[0].evaluate(*QUERY)  # this thread's own engine
+        used.set()
+        assert freed.wait(10)
+        RegorusEngine(Bundle.load()).evaluate(*QUERY)  # its next evaluation drops what it was left
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert used.wait(10)
+    engines.clear()  # freed here, on the main thread
+    freed.set()
+    thread.join(10)
+    assert unraisable == []
+
+
+def test_an_engine_in_a_cycle_collected_on_another_thread_is_dropped_by_its_own(
+    unraisable: list[str],
+) -> None:
+    cycle: list[object] = [RegorusEngine(Bundle.load())]
+    cycle.append(cycle)
+    del cycle
+    collector = threading.Thread(target=gc.collect)  # the collector runs where memory is allocated
+    collector.start()
+    collector.join(10)
+    RegorusEngine(Bundle.load()).evaluate(*QUERY)  # the main thread drops what it was left
+    assert unraisable == []
