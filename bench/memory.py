@@ -3,6 +3,8 @@
 - Writes, batched and one at a time: the gate (scan for personal data and secrets, a policy decision
   per write, redaction, provenance, audit) then embed and commit, against the baseline of the same
   texts embedded and committed to the same kind of store (Qdrant's embedded engine) with no gate.
+  The gate is the memory server's: its decisions through the live policy, whose decision log, like
+  the audit trail, is published to a NATS server started for the run.
 - Recall at 100,000 vectors in the caller's tenant: the read decision per tier, the query's
   embedding and the tenant-confined search, beside the same embedding and an unfiltered search.
 - The scanner on the two labelled corpora: what reached the store, and the clean texts flagged.
@@ -11,20 +13,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from bench._nats import embedded_nats
+from fleet.eventlog import EventLog
+from fleet.natsconn import connect
+from mcp_servers._base import AUDIT_MAX_AGE_S, AUDIT_MAX_PENDING, AUDIT_STREAM
 from memory.embeddings import LocalMiniLM
 from memory.gate import Caller, Memory, Write
 from memory.scan import SECRET_TYPES, Scanner
-from memory.store import EdgeStore, Entry
+from memory.store import EdgeStore, Entry, VectorStore
 from policy import Bundle, RegorusEngine
+from policy.live import LivePolicy
 
 CORPORA = Path(__file__).resolve().parent.parent / "tests" / "memory"
 WRITES_TARGET_PER_S = 300.0
@@ -60,18 +69,40 @@ async def _open(root: Path, embedder: LocalMiniLM) -> EdgeStore:
     return store
 
 
-async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[str, Any]:
-    engine = RegorusEngine(Bundle.load())
+@contextlib.asynccontextmanager
+async def gated_memory(
+    store: VectorStore, embedder: LocalMiniLM, scanner: Scanner, nats_url: str
+) -> AsyncIterator[Memory]:
+    """Memory as the memory server builds it: the live policy (its decision log) and the audit
+    trail, both published to NATS."""
+
+    async def embedded(bundle: Bundle) -> RegorusEngine:
+        return RegorusEngine(bundle)
+
+    client = await connect(nats_url, "bench-memory")
+    audit = EventLog(
+        AUDIT_STREAM, "fleet.audit.>", "fleet.audit.memory.bench", max_age_s=AUDIT_MAX_AGE_S,
+        max_pending=AUDIT_MAX_PENDING,
+    )  # fmt: skip
+    policy = LivePolicy("bench-memory", embedded, RegorusEngine(Bundle.load()))
+    try:
+        async with audit.publishing(client), policy.decisions.publishing(client):
+            yield Memory(store, embedder, policy, scanner, audit.record)
+    finally:
+        await client.close()
+
+
+async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str) -> dict[str, Any]:
     batch, rounds, per_round = 128, 3, 1024
     governed_s, baseline_s = [], []
     for r in range(rounds):
         texts = notes(per_round, seed=r)
         store = await _open(root, embedder)
-        memory = Memory(store, embedder, engine, scanner, lambda event: None)
-        started = time.perf_counter()
-        for i in range(0, per_round, batch):
-            await memory.remember(CALLER, [Write("episodic", t) for t in texts[i : i + batch]])
-        governed_s.append(time.perf_counter() - started)
+        async with gated_memory(store, embedder, scanner, nats_url) as memory:
+            started = time.perf_counter()
+            for i in range(0, per_round, batch):
+                await memory.remember(CALLER, [Write("episodic", t) for t in texts[i : i + batch]])
+            governed_s.append(time.perf_counter() - started)
         await store.close()
 
         store = await _open(root, embedder)
@@ -88,17 +119,17 @@ async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[st
 
     singles_g, singles_b = [], []
     store_g, store_b = await _open(root, embedder), await _open(root, embedder)
-    memory = Memory(store_g, embedder, engine, scanner, lambda event: None)
-    for i, text in enumerate(notes(300, seed=99)):
-        if i % 2:
-            started = time.perf_counter()
-            await memory.remember(CALLER, [Write("episodic", text)])
-            singles_g.append(time.perf_counter() - started)
-        else:
-            started = time.perf_counter()
-            [vector] = await embedder.embed([text])
-            await store_b.upsert(CALLER.tenant, [Entry(str(uuid.uuid4()), "episodic", text, {}, vector)])
-            singles_b.append(time.perf_counter() - started)
+    async with gated_memory(store_g, embedder, scanner, nats_url) as memory:
+        for i, text in enumerate(notes(300, seed=99)):
+            if i % 2:
+                started = time.perf_counter()
+                await memory.remember(CALLER, [Write("episodic", text)])
+                singles_g.append(time.perf_counter() - started)
+            else:
+                started = time.perf_counter()
+                [vector] = await embedder.embed([text])
+                await store_b.upsert(CALLER.tenant, [Entry(str(uuid.uuid4()), "episodic", text, {}, vector)])
+                singles_b.append(time.perf_counter() - started)
     await store_g.close()
     await store_b.close()
     governed = per_round / statistics.median(governed_s)
@@ -119,7 +150,7 @@ async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[st
     }
 
 
-async def recall(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[str, Any]:
+async def recall(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str) -> dict[str, Any]:
     """100,000 vectors in one tenant (the worst case of a tenant-confined search): 2,000 real
     embeddings, each with 49 noisy neighbours, so that the index has real structure to find."""
     import numpy as np
@@ -145,29 +176,29 @@ async def recall(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[st
     started = time.perf_counter()
     await store.optimize()
     index_s = time.perf_counter() - started
-    memory = Memory(store, embedder, RegorusEngine(Bundle.load()), scanner, lambda event: None)
-    queries = [f"what happened with {s} when it {v}?" for s in SUBJECTS for v in VERBS] * 3
-    governed, baseline, search_only = [], [], []
-    for query in queries:
-        started = time.perf_counter()
-        await memory.recall(CALLER, query, limit=5)
-        governed.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        [vector] = await embedder.embed([query])
-        mid = time.perf_counter()
-        import qdrant_edge as q
+    import qdrant_edge as q
 
-        store.shard.query(q.QueryRequest(limit=5, query=q.Query.Nearest(vector), with_payload=True))
-        baseline.append(time.perf_counter() - started)
-        search_only.append(time.perf_counter() - mid)
+    queries = [f"what happened with {s} when it {v}?" for s in SUBJECTS for v in VERBS] * 3
+    gated, baseline, search_only = [], [], []
+    async with gated_memory(store, embedder, scanner, nats_url) as memory:
+        for query in queries:
+            started = time.perf_counter()
+            await memory.recall(CALLER, query, limit=5)
+            gated.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            [vector] = await embedder.embed([query])
+            mid = time.perf_counter()
+            store.shard.query(q.QueryRequest(limit=5, query=q.Query.Nearest(vector), with_payload=True))
+            baseline.append(time.perf_counter() - started)
+            search_only.append(time.perf_counter() - mid)
     await store.close()
-    g, b = statistics.median(governed) * 1000, statistics.median(baseline) * 1000
+    g, b = statistics.median(gated) * 1000, statistics.median(baseline) * 1000
     return {
         "vectors": VECTORS,
         "load_s": round(load_s, 1),
         "index_build_s": round(index_s, 1),
         "recall_p50_ms": round(g, 2),
-        "recall_p99_ms": round(sorted(governed)[int(len(governed) * 0.99)] * 1000, 2),
+        "recall_p99_ms": round(sorted(gated)[int(len(gated) * 0.99)] * 1000, 2),
         "ungoverned_p50_ms": round(b, 2),
         "search_only_p50_ms": round(statistics.median(search_only) * 1000, 2),
         "recall_cost_ratio": round(g / b, 2),
@@ -175,19 +206,19 @@ async def recall(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[st
     }
 
 
-async def retrieval(embedder: LocalMiniLM, scanner: Scanner, root: Path) -> dict[str, Any]:
+async def retrieval(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str) -> dict[str, Any]:
     """recall@1 and recall@5 of memory's recall on the labelled retrieval set: every document
     written through the gate as a semantic entry, each query asked through the read path."""
     data = json.loads((CORPORA / "retrieval_set.json").read_text())
     docs = [p["relevant"] for p in data["pairs"]] + data["distractors"]
     store = await _open(root, embedder)
-    memory = Memory(store, embedder, RegorusEngine(Bundle.load()), scanner, lambda event: None)
-    outcomes = await memory.remember(CALLER, [Write("semantic", d) for d in docs])
-    ids = [o.id or "" for o in outcomes]
-    ranks = []
-    for n, pair in enumerate(data["pairs"]):
-        hits = [h.id for h in await memory.recall(CALLER, pair["query"], limit=5)]
-        ranks.append(hits.index(ids[n]) + 1 if ids[n] in hits else None)
+    async with gated_memory(store, embedder, scanner, nats_url) as memory:
+        outcomes = await memory.remember(CALLER, [Write("semantic", d) for d in docs])
+        ids = [o.id or "" for o in outcomes]
+        ranks = []
+        for n, pair in enumerate(data["pairs"]):
+            hits = [h.id for h in await memory.recall(CALLER, pair["query"], limit=5)]
+            ranks.append(hits.index(ids[n]) + 1 if ids[n] in hits else None)
     await store.close()
     return {
         "queries": len(ranks),
@@ -239,21 +270,22 @@ def scanner_quality(scanner: Scanner) -> dict[str, Any]:
 
 
 def main() -> dict[str, Any]:
-    """The default model, then the same with int8 compute (``FLEET_EMBEDDINGS=local-int8``)."""
+    """The default model (int8 products), then the float one (``FLEET_EMBEDDINGS=local-exact``)."""
     scanner = Scanner()
     result: dict[str, Any] = {"benchmark": "memory"}
-    for variant, embedder in (("exact", LocalMiniLM()), ("int8_compute", LocalMiniLM(int8_compute=True))):
-        embedder.load()
-        measured: dict[str, Any] = {"model": embedder.name}
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            measured["writes"] = asyncio.run(writes(embedder, scanner, root))
-            measured["retrieval"] = asyncio.run(retrieval(embedder, scanner, root))
-            measured["recall"] = asyncio.run(recall(embedder, scanner, root))
-        if variant == "exact":
-            result.update(measured)
-        else:
-            result[variant] = measured
+    with embedded_nats() as nats_url:
+        for variant, embedder in (("default", LocalMiniLM()), ("exact_model", LocalMiniLM(exact=True))):
+            embedder.load()
+            measured: dict[str, Any] = {"model": embedder.name}
+            with tempfile.TemporaryDirectory() as tmp:
+                root = Path(tmp)
+                measured["writes"] = asyncio.run(writes(embedder, scanner, root, nats_url))
+                measured["retrieval"] = asyncio.run(retrieval(embedder, scanner, root, nats_url))
+                measured["recall"] = asyncio.run(recall(embedder, scanner, root, nats_url))
+            if variant == "default":
+                result.update(measured)
+            else:
+                result[variant] = measured
     result["scanner"] = scanner_quality(scanner)
     print(json.dumps(result, indent=2))
     return result

@@ -98,7 +98,7 @@ class MemorySettings(ServiceSettings):
     )
     memory_llm_model: str = ""
     memory_llm_api_key: str = ""
-    embeddings: Literal["local", "local-int8", "openai"] = "local"
+    embeddings: Literal["local", "local-exact", "openai"] = "local"
     embeddings_url: str = ""
     embeddings_model: str = ""
     embeddings_dim: int = 0

@@ -482,4 +482,4 @@ def test_a_store_refuses_a_model_other_than_the_one_that_built_it(tmp_path: Path
     same_model(record, "all-MiniLM-L6-v2-onnx-int8")
     same_model(record, "all-MiniLM-L6-v2-onnx-int8")
     with pytest.raises(FleetError, match="was built with all-MiniLM-L6-v2-onnx-int8"):
-        same_model(record, "all-MiniLM-L6-v2-onnx-int8-compute")
+        same_model(record, "all-MiniLM-L6-v2-int8-per-channel")
