@@ -429,7 +429,10 @@ class Scanner:
         self._lock = threading.Lock() if ner_model else None  # spaCy pipelines are not thread-safe
         self.precheck = precheck
         self._could_find = [
-            (entity, _could_find(r)) for r in registry.recognizers for entity in r.supported_entities
+            (entity, _could_find(r))
+            for r in registry.recognizers
+            for entity in r.supported_entities
+            if entity in self.types
         ]
 
     @property
@@ -462,11 +465,11 @@ class Scanner:
             raise FleetError(ErrorCode.INTERNAL, "scan the text check() returns, not the raw text")
         if not text.strip():
             return []
-        # Without an NLP model presidio sees no words near a match; the recognizers' context words
-        # found anywhere in the text stand in for them (an "ssn" lifts a bare nine-digit number).
         entities = self.candidates(text) if self.precheck else list(self.types)
         if not entities:
             return []
+        # Without an NLP model presidio sees no words near a match; the recognizers' context words
+        # found anywhere in the text stand in for them (an "ssn" lifts a bare nine-digit number).
         context = sorted(self._context & set(_WORD.findall(text.lower())))
         if self._lock is not None:
             with self._lock:
@@ -481,7 +484,7 @@ class Scanner:
         found: list[str] = []
         try:
             for entity, could_find in self._could_find:
-                if entity in self.types and entity not in found and could_find(text):
+                if entity not in found and could_find(text):
                     found.append(entity)
         except TimeoutError:
             raise FleetError(ErrorCode.UNSCANNABLE, "a pattern took too long on this text") from None
