@@ -349,6 +349,9 @@ def build_app_for(settings: MemorySettings) -> Starlette:
         memory = holder["memory"]
         if isinstance(memory.store, EdgeStore):
             same_model(settings.local_state_dir() / "embedding_model", memory.embedder.name)
+        load = getattr(memory.embedder, "load", None)
+        if callable(load):  # the local model, derived on a machine's first start: before any call waits on it
+            await asyncio.to_thread(load)
         await memory.store.open(memory.embedder.dim)
         client = await connect(settings.nats_url, f"{settings.service_id}-memory-audit")
         try:
