@@ -257,26 +257,35 @@ class LocalMiniLM:
         return out
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        """The vectors of ``texts``, their batches spread over the sessions in parallel threads."""
+        """The vectors of ``texts``: a lone batch on the session that uses every core, more spread
+        over the one-thread sessions, each session's share in one thread call (a call per batch
+        would cost the event loop more than a short text's run)."""
         if not texts:
             return []
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._threads, self.load)
         batches = self._batches(texts)
-        alone = len(batches) == 1
+        if len(batches) == 1:
+            shares = [batches]
+        else:
+            shares = [share for k in range(self.sessions) if (share := batches[k :: self.sessions])]
         results = await asyncio.gather(
             *(
                 loop.run_in_executor(
-                    self._threads, functools.partial(self._run, [texts[i] for i in chosen], alone=alone)
+                    self._threads, functools.partial(self._run_share, texts, share, alone=len(batches) == 1)
                 )
-                for chosen in batches
+                for share in shares
             )
         )
         out: list[list[float]] = [[] for _ in texts]
-        for chosen, vectors in zip(batches, results, strict=True):
-            for i, vector in zip(chosen, vectors.tolist(), strict=True):
-                out[i] = vector
+        for share, vectors in zip(shares, results, strict=True):
+            for chosen, batch in zip(share, vectors, strict=True):
+                for i, vector in zip(chosen, batch.tolist(), strict=True):
+                    out[i] = vector
         return out
+
+    def _run_share(self, texts: Sequence[str], share: list[list[int]], *, alone: bool) -> list[Any]:
+        return [self._run([texts[i] for i in chosen], alone=alone) for chosen in share]
 
 
 def _minilm_files() -> tuple[Path, Path]:
