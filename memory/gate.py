@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -290,31 +291,43 @@ class Memory:
 
     async def _scan(self, texts: list[str]) -> list[list[Finding] | FleetError]:
         """Each text's findings, or why it could not be scanned: a text the scanner does not finish
-        within ``scan_timeout_s`` is refused (its scan goes on in its thread, bounded by the size
-        limit, and its answer is dropped). A scanner that fails fails the call: nothing is written."""
+        within ``scan_timeout_s`` of starting it is refused (its scan goes on in its thread, bounded
+        by the size limit, and its answer is dropped; the texts after it go on in another thread).
+        A scanner that fails fails the call: nothing is written. The texts go to a scan thread in
+        one call (a call per short text costs nearly what its scan does)."""
         found: list[list[Finding] | FleetError] = []
-        for text in texts:
-            try:
-                loop = asyncio.get_running_loop()
-                found.append(
-                    await asyncio.wait_for(
-                        loop.run_in_executor(self._scanning, self.scanner.scan, text), self.scan_timeout_s
-                    )
-                )
-            except TimeoutError:
+        while len(found) < len(texts):
+            run = _ScanRun(self.scanner, texts[len(found) :])
+            found += await self._wait_for(run)
+            if not run.begun:  # both scan threads are still on texts given up on: refuse the rest
+                busy = FleetError(ErrorCode.UNSCANNABLE, "no scan thread is free; try again", retryable=True)
+                found += [busy] * (len(texts) - len(found))
+            elif len(found) < len(texts):  # the text it was on took too long
                 found.append(
                     FleetError(
                         ErrorCode.UNSCANNABLE, f"scanning took longer than {self.scan_timeout_s:.1f} s"
                     )
                 )
-            except FleetError as exc:
-                found.append(exc)
-            except Exception as exc:
-                log.exception("the scanner failed")
-                raise FleetError(
-                    ErrorCode.INTERNAL, f"the scanner failed ({type(exc).__name__}); nothing was written"
-                ) from None
         return found
+
+    async def _wait_for(self, run: _ScanRun) -> list[list[Finding] | FleetError]:
+        """What ``run`` scanned: all its texts, or those before the one that took too long."""
+        future = asyncio.get_running_loop().run_in_executor(self._scanning, run)
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(future), run.left(self.scan_timeout_s))
+                    return future.result()
+                except TimeoutError:
+                    if run.give_up(self.scan_timeout_s):
+                        return run.results
+        except FleetError:
+            raise
+        except Exception as exc:
+            log.exception("the scanner failed")
+            raise FleetError(
+                ErrorCode.INTERNAL, f"the scanner failed ({type(exc).__name__}); nothing was written"
+            ) from None
 
     async def _gate(
         self,
@@ -704,6 +717,62 @@ class Memory:
         self._audit(
             {"server": self.server_id, "op": op, "tenant": caller.tenant, "agent": caller.agent, **event}
         )
+
+
+class _ScanRun:
+    """Texts scanned one after another in a scan thread, watched by the event loop: it knows which
+    text the thread is on and since when, and can stop it before the next one."""
+
+    def __init__(self, scanner: Scanner, texts: list[str]) -> None:
+        self.scanner, self.texts = scanner, texts
+        self.results: list[list[Finding] | FleetError] = []
+        self._since: float | None = None  # when the text the thread is on began; None: not begun
+        self._created = time.monotonic()
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    @property
+    def begun(self) -> bool:
+        with self._lock:
+            return self._since is not None
+
+    def __call__(self) -> list[list[Finding] | FleetError]:
+        with self._lock:
+            if self._stopped:
+                return self.results
+            self._since = time.monotonic()
+        for text in self.texts:
+            try:
+                result: list[Finding] | FleetError = self.scanner.scan(text)
+            except FleetError as exc:
+                result = exc
+            with self._lock:  # its answer and the next text's start, at once
+                if self._stopped:
+                    break
+                self.results.append(result)
+                self._since = time.monotonic()
+        return self.results
+
+    def left(self, timeout_s: float) -> float:
+        """How long the current text has left, or the run to be taken up by a thread."""
+        with self._lock:
+            since = self._since
+        if since is None:
+            since, timeout_s = self._created, 4 * timeout_s
+        return max(0.0, timeout_s - (time.monotonic() - since))
+
+    def give_up(self, timeout_s: float) -> bool:
+        """Stop the run if the text it is on has taken ``timeout_s`` (:attr:`results` are then the
+        texts before it), or if no thread has taken it up in four times that."""
+        with self._lock:
+            if self._since is None:
+                waited, allowed = time.monotonic() - self._created, 4 * timeout_s
+            else:
+                waited, allowed = time.monotonic() - self._since, timeout_s
+            if waited < allowed:
+                return False
+            self._stopped = True
+            return True
 
 
 def _stored_findings(entry: Entry) -> list[Finding]:

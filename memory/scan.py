@@ -32,6 +32,7 @@ from fleet.errors import ErrorCode, FleetError
 # tldextract, which presidio's e-mail recognizer uses, otherwise tries to fetch the public suffix list.
 os.environ.setdefault("TLDEXTRACT_PUBLIC_SUFFIX_LIST_URLS", "")
 
+import phonenumbers
 from presidio_analyzer import (
     AnalyzerEngine,
     EntityRecognizer,
@@ -52,6 +53,7 @@ from presidio_analyzer.predefined_recognizers import (
 
 DEFAULT_MAX_CHARS = 16_000
 PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "JP", "AU", "NL", "ES")
+UNPREFIXED_REGIONS = ("US", "IN", "ES")  # national numbers without a trunk 0 (India: mobiles)
 PII_TYPES = ("EMAIL_ADDRESS", "PHONE_NUMBER", "CREDIT_CARD", "IBAN_CODE", "US_SSN", "IP_ADDRESS")
 SECRET_TYPES = ("API_KEY", "AWS_ACCESS_KEY", "PRIVATE_KEY", "JWT", "PASSWORD", "CONNECTION_STRING")
 NER_TYPES = ("PERSON", "LOCATION")
@@ -272,7 +274,10 @@ _MAX_WINDOWS = 16
 
 class _WindowedPhoneRecognizer(PhoneRecognizer):
     """Presidio's phone recognizer, run only where a phone number can be: windows of the text with at
-    least seven digits. Beyond ``_MAX_WINDOWS`` windows it reads the whole text once instead."""
+    least seven digits. Beyond ``_MAX_WINDOWS`` windows it reads the whole text once instead, in
+    every region. A window that does not start with a 0 is read only in the regions whose national
+    numbers need no trunk prefix (``UNPREFIXED_REGIONS``): in the others a number written without
+    its country code starts with 0, and each region read costs as much as the first."""
 
     def could_find(self, text: str) -> bool:
         return any(sum(c.isdigit() for c in m.group()) >= 7 for m in _PHONE_WINDOW.finditer(text))
@@ -289,8 +294,24 @@ class _WindowedPhoneRecognizer(PhoneRecognizer):
         found: list[RecognizerResult] = []
         for match in windows:
             start, end = max(0, match.start() - 1), min(len(text), match.end() + 1)
-            found += _shifted(super().analyze(text[start:end], entities, nlp_artifacts), start)
+            first = next(c for c in match.group() if c.isdigit())
+            regions = self.supported_regions if first == "0" else UNPREFIXED_REGIONS
+            found += _shifted(self._read(text[start:end], regions, nlp_artifacts), start)
         return _dialable(text, found)
+
+    def _read(self, text: str, regions: Iterable[str], nlp_artifacts: NlpArtifacts) -> list[RecognizerResult]:
+        """Presidio's own reading (``PhoneRecognizer.analyze``), in ``regions``."""
+        results = []
+        for region in regions:
+            for match in phonenumbers.PhoneNumberMatcher(text, region, leniency=self.leniency or 0):
+                try:
+                    found_in = phonenumbers.region_code_for_number(
+                        phonenumbers.parse(text[match.start : match.end])
+                    )
+                except phonenumbers.NumberParseException:
+                    found_in = region
+                results.append(self._get_recognizer_result(match, text, found_in, nlp_artifacts))  # type: ignore[no-untyped-call]
+        return list(EntityRecognizer.remove_duplicates(results))
 
 
 def _dialable(text: str, results: list[RecognizerResult]) -> list[RecognizerResult]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -212,6 +213,48 @@ async def test_pathological_text_gets_a_clear_refusal_or_a_bounded_answer(setup:
     assert all(o.status == "stored" for o in outcomes[2:-1]), outcomes
     assert (outcomes[-1].status, outcomes[-1].code) == ("refused", ErrorCode.INVALID_REQUEST)
     assert elapsed < 30, elapsed  # generous for a loaded machine; it takes about 1 s here
+
+
+async def test_a_text_whose_scan_takes_too_long_is_refused_and_the_others_are_written(setup: Setup) -> None:
+    release = threading.Event()
+
+    class SlowOnOne(Scanner):
+        def scan(self, text: str) -> list[Any]:
+            if "slow" in text:
+                release.wait(10)  # a scan that outlasts the gate's patience
+            return super().scan(text)
+
+    setup.memory.scanner, setup.memory.scan_timeout_s = SlowOnOne(), 0.5
+    notes = [f"ordinary note {i} about the quarterly close" for i in range(20)]
+    notes[3] = "the slow one"
+    try:
+        outcomes = await setup.memory.remember(ACME, [Write("episodic", n) for n in notes])
+    finally:
+        release.set()
+    assert [(o.status, o.code) for o in outcomes] == [
+        ("refused", ErrorCode.UNSCANNABLE) if i == 3 else ("stored", None) for i in range(20)
+    ]
+    assert await setup.memory.store.count("acme") == 19
+
+
+async def test_texts_no_scan_thread_can_take_are_refused_not_waited_on_forever(setup: Setup) -> None:
+    release = threading.Event()
+
+    class SlowOnTwo(Scanner):
+        def scan(self, text: str) -> list[Any]:
+            if "slow" in text:
+                release.wait(10)  # both scan threads end up on one of these
+            return super().scan(text)
+
+    setup.memory.scanner, setup.memory.scan_timeout_s = SlowOnTwo(), 0.25
+    notes = [f"ordinary note {i} about the quarterly close" for i in range(12)]
+    notes[3], notes[7] = "the slow one", "the other slow one"
+    try:
+        outcomes = await setup.memory.remember(ACME, [Write("episodic", n) for n in notes])
+    finally:
+        release.set()
+    assert [o.status for o in outcomes] == ["stored"] * 3 + ["refused"] + ["stored"] * 3 + ["refused"] * 5
+    assert "took longer" in outcomes[7].reasons[0] and "no scan thread is free" in outcomes[8].reasons[0]
 
 
 async def test_the_gate_fails_closed_when_policy_or_the_scanner_fails(setup: Setup) -> None:
