@@ -320,7 +320,7 @@ class Memory:
                     return future.result()
                 except TimeoutError:
                     if run.give_up(self.scan_timeout_s):
-                        return run.results
+                        return list(run.results)
         except FleetError:
             raise
         except Exception as exc:
@@ -328,6 +328,8 @@ class Memory:
             raise FleetError(
                 ErrorCode.INTERNAL, f"the scanner failed ({type(exc).__name__}); nothing was written"
             ) from None
+        finally:
+            run.stop()  # a call cancelled or failed leaves its thread after the text it is on
 
     async def _gate(
         self,
@@ -754,25 +756,29 @@ class _ScanRun:
         return self.results
 
     def left(self, timeout_s: float) -> float:
-        """How long the current text has left, or the run to be taken up by a thread."""
+        """How long the text the thread is on has left (``timeout_s`` from its start), or the run
+        to be taken up by a thread (four times that from its creation)."""
         with self._lock:
-            since = self._since
-        if since is None:
-            since, timeout_s = self._created, 4 * timeout_s
-        return max(0.0, timeout_s - (time.monotonic() - since))
+            return self._left(timeout_s)
+
+    def _left(self, timeout_s: float) -> float:
+        if self._since is None:
+            return max(0.0, 4 * timeout_s - (time.monotonic() - self._created))
+        return max(0.0, timeout_s - (time.monotonic() - self._since))
 
     def give_up(self, timeout_s: float) -> bool:
-        """Stop the run if the text it is on has taken ``timeout_s`` (:attr:`results` are then the
-        texts before it), or if no thread has taken it up in four times that."""
+        """Stop the run if its time is out (see :meth:`left`): :attr:`results` are then the texts
+        before the one it is on."""
         with self._lock:
-            if self._since is None:
-                waited, allowed = time.monotonic() - self._created, 4 * timeout_s
-            else:
-                waited, allowed = time.monotonic() - self._since, timeout_s
-            if waited < allowed:
+            if self._left(timeout_s) > 0:
                 return False
             self._stopped = True
             return True
+
+    def stop(self) -> None:
+        """No text after the one it is on (if any)."""
+        with self._lock:
+            self._stopped = True
 
 
 def _stored_findings(entry: Entry) -> list[Finding]:
