@@ -13,7 +13,7 @@ from pathlib import Path
 from fleet.infra import nats_command
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -22,9 +22,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def embedded_nats() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="fleet-bench-nats-") as tmp:
-        port = _free_port()
+        port = free_port()
         process = subprocess.Popen(
-            nats_command(Path(tmp), port, _free_port()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            nats_command(Path(tmp), port, free_port()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         try:
             deadline = time.monotonic() + 30

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from bench._nats import embedded_nats
+from bench._nats import embedded_nats, free_port
 from fleet.natsconn import connect
 from policy import Bundle, RegorusEngine
 from policy.live import LivePolicy, push, statuses
@@ -81,15 +80,9 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
     return time.perf_counter() - started
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _decision_point() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "fleet", "policy", "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL,
