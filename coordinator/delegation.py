@@ -45,6 +45,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import httpx
+import jsonschema
 from a2a.client import (
     A2AClientError,
     A2AClientTimeoutError,
@@ -60,7 +61,13 @@ from google.protobuf.json_format import ParseDict, ParseError
 
 from coordinator.plan import UNTRUSTED
 from fleet.errors import ErrorCode, FleetError
-from fleet.operation_ext import MAX_WAIT_S, OPERATION_METADATA_KEY, cancel_url, status_url
+from fleet.operation_ext import (
+    MAX_WAIT_S,
+    OPERATION_METADATA_KEY,
+    cancel_url,
+    skill_traits,
+    status_url,
+)
 from fleet.redact import redact
 from fleet.tokens import RUN_GRANT_TYPE, Claims, TokenClient
 from policy import Decision, PolicyEngine
@@ -69,6 +76,7 @@ from registry import AgentRecord, RegistryClient
 log = logging.getLogger(__name__)
 
 INVOKE_SCOPE = "agent:invoke"
+SUSPECT_FOR_S = 60.0  # an agent that could not be reached or answered garbage is tried last this long
 DISCOVERY_TTL_S = 5.0  # how stale a skill's list of specialists may be (a registry change shows within it)
 FAILED_STATES = {
     TaskState.TASK_STATE_FAILED,
@@ -121,6 +129,7 @@ class Delegator:
         self._known: dict[str, AgentRecord] = {}
         self._found: dict[str, tuple[float, list[AgentRecord]]] = {}  # by skill: (when, agents)
         self._clients: dict[str, tuple[AgentRecord, Client]] = {}  # by agent id: the record it was made for
+        self._suspect: dict[str, float] = {}  # agent id -> until when it is tried last (monotonic)
 
     async def discover(self, skill: str) -> list[AgentRecord]:
         """Specialists offering ``skill``, as the registry said at most ``DISCOVERY_TTL_S`` ago."""
@@ -150,11 +159,27 @@ class Delegator:
             self._known[agent_id] = known
         return known
 
+    def suspect(self, agent_id: str, why: str) -> None:
+        """Try ``agent_id`` last for a while (it could not be reached, or answered garbage)."""
+        log.warning("%s is tried last for %.0fs: %s", agent_id, SUSPECT_FOR_S, why)
+        self._suspect[agent_id] = time.monotonic() + SUSPECT_FOR_S
+
+    def _ranked(self, candidates: list[AgentRecord]) -> list[AgentRecord]:
+        """Candidates in the registry's order, those under suspicion last."""
+        now = time.monotonic()
+        return sorted(candidates, key=lambda a: self._suspect.get(a.id, 0.0) > now)
+
     async def assign(self, skill: str) -> AgentRecord:
-        candidates = await self.discover(skill)
+        candidates = self._ranked(await self.discover(skill))
         if not candidates:
             raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {skill!r}")
         return candidates[0]
+
+    async def alternatives(self, skill: str, tried: set[str]) -> list[AgentRecord]:
+        """Other agents of the fleet offering ``skill`` that a step may move to (never one outside
+        the fleet: a crash inside must not send the work out), best first."""
+        found = await self.discover(skill)
+        return self._ranked([a for a in found if a.id not in tried and not a.external])
 
     async def call(
         self,
@@ -194,6 +219,7 @@ class Delegator:
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
                     result = await _collect(stream, agent.id, progress, activity or _idle)
+                    _check_answer(agent, skill, result)
                     return await self._answer(agent, skill, tenant, result) if agent.external else result
                 except A2AClientError as exc:
                     if attempt == 2 or not _unauthenticated(exc):
@@ -451,6 +477,31 @@ def _acceptable_token_url(url: str) -> bool:
     return parts.scheme == "https" or (
         parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1")
     )
+
+
+_ASKING = frozenset({"input_required", "auth_required", "pending_approval"})
+
+
+def _check_answer(agent: AgentRecord, skill: str, result: dict[str, Any]) -> None:
+    """Refuse a result that breaks the JSON Schema the agent's own card declares for the skill (a
+    broken release answering garbage): ``specialist_bad_answer``, naming what is wrong and where.
+    A result that asks a person (a gate) is not the skill's result yet."""
+    schema = skill_traits(agent.card, skill).get("output")
+    if not isinstance(schema, dict) or result.get("status") in _ASKING:
+        return
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(result))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "the result"
+        raise FleetError(
+            ErrorCode.BAD_ANSWER,
+            f"{agent.id} (v{agent.version}) answered {skill} with a result its card's schema refuses:"
+            f" {where}: {error.message[:200]}",
+        )
+
+
+def skill_is_idempotent(agent: AgentRecord, skill: str) -> bool:
+    """Whether the agent's card says a repeat of ``skill`` under one operation id is safe."""
+    return skill_traits(agent.card, skill).get("idempotent") is True
 
 
 def _card(agent: AgentRecord) -> AgentCard:

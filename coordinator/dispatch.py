@@ -29,7 +29,7 @@ from typing import Any
 
 from langgraph.config import get_stream_writer
 
-from coordinator.delegation import CallInterrupted, Delegator, Progress
+from coordinator.delegation import CallInterrupted, Delegator, Progress, skill_is_idempotent
 from coordinator.operations import Event, Ledger, Operation, OperationConflict, OpStatus
 from coordinator.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
@@ -43,6 +43,7 @@ RECONCILE_ATTEMPTS = 5  # tries to reach (or find) an agent that is down before 
 RECONCILE_BACKOFF_S = 2.0
 MAX_REDISPATCHES = 3  # sends of one operation in one attempt before a person is asked
 MAX_RUNNING_WAIT_S = 3600.0  # an agent "still running" it for longer: a person is asked
+MAX_REROUTES = 2  # moves of one operation to another agent offering its skill
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,7 @@ class StepDispatcher:
         self._announce = announce
         self._completes = completes
         self._redispatches = 0
+        self._tried: set[str] = set()  # agents this operation went to, in this attempt
         self._known: Operation | None = None
         self._agent: AgentRecord | None = None
         # When the operation's outcome was recorded (as the ledger says, for a replay): a stable
@@ -253,6 +255,7 @@ class StepDispatcher:
         raise AssertionError("unreachable")
 
     async def _dispatch(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
+        self._tried.add(agent.id)
         try:
             result = await self._supervised(op, agent)
         except CallInterrupted:
@@ -262,6 +265,9 @@ class StepDispatcher:
         except FleetError as exc:
             if exc.code == ErrorCode.OUTCOME_UNKNOWN:
                 await self._needs_human(op, exc.message)
+            other = await self._reroutable(agent, exc)
+            if other is not None:
+                return await self._reroute(op, agent, other, exc.message)
             await self._record(op, OpStatus.FAILED, error=_error_of(exc))
             raise
         crash_point("worker.before_result", self._skill)
@@ -347,6 +353,31 @@ class StepDispatcher:
             f"escalated: {why}",
         )
 
+    async def _reroutable(self, agent: AgentRecord, exc: FleetError) -> AgentRecord | None:
+        """Another agent to send the operation to, if it may move: when the call never reached
+        ``agent`` (it cannot have run it), or when ``agent`` answered garbage or cannot be asked
+        and its card says a repeat of the skill is safe. ``agent`` is tried last for a while."""
+        safe = exc.code == ErrorCode.SPECIALIST_UNAVAILABLE or (
+            exc.code in (ErrorCode.BAD_ANSWER, ErrorCode.DEPENDENCY_UNAVAILABLE)
+            and skill_is_idempotent(agent, self._skill)
+        )
+        if exc.code in (ErrorCode.SPECIALIST_UNAVAILABLE, ErrorCode.BAD_ANSWER):
+            self._delegator.suspect(agent.id, exc.message)
+        if not safe or len(self._tried) > MAX_REROUTES:
+            return None
+        others = await self._delegator.alternatives(self._skill, self._tried)
+        return others[0] if others else None
+
+    async def _reroute(
+        self, op: Operation, agent: AgentRecord, other: AgentRecord, why: str
+    ) -> dict[str, Any]:
+        """Send the operation, under its id, to ``other`` instead (the ledger records the move)."""
+        log.warning("operation %s moves from %s to %s: %s", op.op_id, agent.id, other.id, why)
+        await self._ledger.reroute(self._lease, self._actor, op.op_id, other.id, why[:300])
+        self._agent = other
+        await self._progress(f"{agent.id} failed ({why[:200]}): step {self._step_id} goes to {other.id}")
+        return await self._dispatch(op, other)
+
     async def _reconcile(self, op: Operation, agent: AgentRecord) -> dict[str, Any]:
         await self._progress(f"asking {agent.id} what became of operation {op.op_id}")
         unreachable = 0
@@ -357,6 +388,15 @@ class StepDispatcher:
                     agent, op.op_id, tenant=self._tenant, wait_s=MAX_WAIT_S
                 )
             except FleetError as exc:
+                if exc.code == ErrorCode.SPECIALIST_UNAVAILABLE and skill_is_idempotent(agent, self._skill):
+                    # It cannot be asked, and a repeat is safe: another agent may take it over.
+                    gone = FleetError(
+                        ErrorCode.DEPENDENCY_UNAVAILABLE, f"{agent.id} went away mid-step: {exc.message}"
+                    )
+                    other = await self._reroutable(agent, gone)
+                    if other is not None:
+                        self._delegator.suspect(agent.id, exc.message)
+                        return await self._reroute(op, agent, other, gone.message)
                 if exc.code != ErrorCode.SPECIALIST_UNAVAILABLE or unreachable >= RECONCILE_ATTEMPTS:
                     await self._needs_human(op, f"{agent.id} could not be asked: {exc.message}")
                 unreachable += 1

@@ -280,6 +280,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
             if agent is None:
                 agent = await delegator.assign(step["skill"])
             await _run_or_wait(dispatcher, step["id"], agent)
+            agent = dispatcher.agent or agent  # the call may have moved to another agent
             offset += len(chunk)
             calls += 1
             _emit(

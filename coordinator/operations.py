@@ -324,6 +324,24 @@ class Ledger:
                 conn, lease, "operation.redispatch", actor, {"op_id": op_id, "attempt": row[0]}
             )
 
+    async def reroute(self, lease: Lease, actor: str, op_id: str, target: str, why: str) -> None:
+        """Send a pending operation to another agent offering its skill (its first could not be
+        reached, or could not answer it and the skill is safe to repeat): the same id, so every
+        effect keyed on it is still made once."""
+        async with self._pool.connection() as conn, conn.transaction():
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.operations op SET target = %s, attempts = op.attempts + 1,"
+                " updated_at = now() FROM fleet_runs.operations was"
+                " WHERE op.op_id = was.op_id AND op.op_id = %s AND op.run_id = %s"
+                " AND op.status = 'pending' RETURNING was.target, op.step_id",
+                (target, op_id, lease.run_id),
+            )
+            row = await cursor.fetchone()
+            if row is None:
+                raise FleetError(ErrorCode.CONFLICT, f"operation {op_id} is not pending")
+            payload = {"op_id": op_id, "step": row[1], "from": row[0], "to": target, "why": why}
+            await fenced_append(conn, lease, "step.rerouted", actor, payload)
+
     async def resolve(
         self,
         run_id: str,

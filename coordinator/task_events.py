@@ -195,6 +195,8 @@ def _said(event: RunEvent) -> str:
     payload = event.payload
     if event.type == "step.started" and payload.get("agent"):
         return f"step {payload.get('step')}: {payload.get('skill')} -> {payload['agent']}"
+    if event.type == "step.rerouted":
+        return f"step {payload.get('step')}: rerouted {payload.get('from')} -> {payload.get('to')} ({payload.get('why')})"
     return ""
 
 

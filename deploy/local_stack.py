@@ -86,6 +86,28 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "specialists.case_desk.agent:main",
         scopes=("registry:read", "registry:write", "cases:write", *MEMORY),
     ),
+    *(
+        ServiceSpec(
+            replica,
+            "specialist",
+            "specialists.code_runner.agent:main",
+            scopes=("registry:read", "registry:write", "sandbox:run", *MEMORY),
+        )
+        # Two replicas: the coordinator moves a step whose agent went away to the other one.
+        for replica in ("code-runner", "code-runner-2")
+    ),
+    ServiceSpec(
+        "researcher",
+        "specialist",
+        "specialists.researcher.agent:main",
+        scopes=("registry:read", "registry:write", *MEMORY),
+    ),
+    ServiceSpec(
+        "publisher",
+        "specialist",
+        "specialists.publisher.agent:main",
+        scopes=("registry:read", "registry:write", "outbox:write", *MEMORY),
+    ),
     ServiceSpec(
         "coordinator",
         "coordinator",

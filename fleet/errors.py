@@ -34,6 +34,9 @@ class ErrorCode(StrEnum):
     APPROVAL_REJECTED = "approval_rejected"
     TOO_LARGE = "too_large"
     UNSCANNABLE = "unscannable"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    BAD_ANSWER = "specialist_bad_answer"
+    LLM_UNAVAILABLE = "llm_unavailable"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -55,6 +58,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NEEDS_HUMAN: 409,
     ErrorCode.CANCELED: 409,
     ErrorCode.APPROVAL_REJECTED: 409,
+    ErrorCode.BUDGET_EXHAUSTED: 429,
+    ErrorCode.BAD_ANSWER: 502,
+    ErrorCode.LLM_UNAVAILABLE: 503,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from a2a.types import AgentCard, AgentExtension
 
@@ -50,6 +50,51 @@ def operations_extension(base_url: str) -> AgentExtension:
     operation = f"{base_url}{OPERATIONS_PATH}/{{operation_id}}"
     extension.params.update({"status_url": operation, "cancel_url": f"{operation}/cancel"})
     return extension
+
+
+SKILLS_EXTENSION = "https://agent-fleet.dev/ext/skills/v1"
+
+
+class SkillTraits(Protocol):
+    """What the skills extension publishes of a skill."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def idempotent(self) -> bool: ...
+    @property
+    def output_schema(self) -> dict[str, Any] | None: ...
+
+
+def skills_extension(skills: Sequence[SkillTraits]) -> AgentExtension:
+    """The card's word on each skill beyond A2A's fields: whether a repeat under one operation id
+    is safe (``idempotent``: a caller may then also send the step to another agent offering the
+    skill when this one cannot answer) and the JSON Schema its result satisfies (``output``: a
+    caller refuses an answer that does not)."""
+    extension = AgentExtension(
+        uri=SKILLS_EXTENSION,
+        description="Per skill: idempotent (safe to repeat or reroute under one operation id) and"
+        " the JSON Schema of its result.",
+        required=False,
+    )
+    traits: dict[str, Any] = {}
+    for skill in skills:
+        entry: dict[str, Any] = {"idempotent": skill.idempotent}
+        if skill.output_schema is not None:
+            entry["output"] = skill.output_schema
+        traits[skill.id] = entry
+    extension.params.update({"skills": traits})
+    return extension
+
+
+def skill_traits(card: dict[str, Any], skill: str) -> dict[str, Any]:
+    """What an agent's card (as JSON) says of ``skill`` in the skills extension ({} if nothing)."""
+    extensions = (card.get("capabilities") or {}).get("extensions") or []
+    for extension in extensions:
+        if isinstance(extension, dict) and extension.get("uri") == SKILLS_EXTENSION:
+            found = ((extension.get("params") or {}).get("skills") or {}).get(skill)
+            return found if isinstance(found, dict) else {}
+    return {}
 
 
 def status_url(card: AgentCard) -> str | None:

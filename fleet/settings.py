@@ -77,6 +77,17 @@ class ServiceSettings(BaseSettings):
     card_refresh_s: float = Field(
         default=30.0, description="the registry checks every agent's card again this often (0: never)"
     )
+    llm_base_url: str = Field(
+        default="",
+        description="an OpenAI-compatible endpoint (e.g. http://host:8000/v1); empty: no LLM, skills and"
+        " plans stay deterministic",
+    )
+    llm_model: str = Field(default="", description="the model name sent to that endpoint")
+    llm_api_key: str = Field(
+        default="", repr=False, description="its bearer key, if it wants one (never logged)"
+    )
+    llm_timeout_s: float = Field(default=60.0, gt=0, description="one chat completion may take this long")
+    llm_max_turns: int = Field(default=8, gt=0, description="model turns of one skill's agent loop")
     external_issuers: list[ExternalIssuer] = Field(
         default_factory=list,
         description="identity providers outside the fleet whose tokens the coordinator accepts (JSON)",

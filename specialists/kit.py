@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import httpx2
@@ -32,6 +32,7 @@ from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types import AgentSkill, InvalidParamsError, Message, TaskState
+from google.protobuf.json_format import MessageToDict
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CONNECTION_CLOSED, INTERNAL_ERROR, CallToolResult
@@ -56,6 +57,7 @@ from fleet.operation_ext import (
     OPERATIONS_PATH,
     args_hash,
     operations_extension,
+    skills_extension,
 )
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
@@ -82,6 +84,125 @@ class OutcomeUnknown(SkillError):
 
 
 @dataclass(frozen=True, slots=True)
+class TaskBudget:
+    """What one task of a skill may spend: tool calls, seconds and LLM tokens (None: no cap).
+
+    A skill declares its own; a caller may lower it for one task (message metadata
+    ``fleet.budget``, the same keys), never raise it."""
+
+    max_tool_calls: int | None = 50
+    max_seconds: float | None = 600.0
+    max_llm_tokens: int | None = 50_000
+
+    def lowered(self, asked: Any) -> TaskBudget:
+        """This budget, lowered to what ``asked`` (a caller's mapping) names; other keys ignored."""
+        if not isinstance(asked, dict):
+            return self
+
+        def lower(mine: Any, key: str) -> Any:
+            theirs = asked.get(key)
+            if isinstance(theirs, bool) or not isinstance(theirs, int | float) or theirs <= 0:
+                return mine
+            return theirs if mine is None else min(mine, type(mine)(theirs))
+
+        return TaskBudget(
+            max_tool_calls=lower(self.max_tool_calls, "max_tool_calls"),
+            max_seconds=lower(self.max_seconds, "max_seconds"),
+            max_llm_tokens=lower(self.max_llm_tokens, "max_llm_tokens"),
+        )
+
+
+class BudgetMeter:
+    """One task's spending against its :class:`TaskBudget`; raises ``budget_exhausted`` before the
+    spend that would pass a cap (the tool call is then not made)."""
+
+    def __init__(self, budget: TaskBudget) -> None:
+        self.budget = budget
+        self.tool_calls = 0
+        self.llm_tokens = 0
+        self.out_of_time = False  # set by the executor's watchdog when max_seconds passed
+
+    def spend_tool_call(self, what: str) -> None:
+        cap = self.budget.max_tool_calls
+        if cap is not None and self.tool_calls >= cap:
+            raise SkillError(
+                ErrorCode.BUDGET_EXHAUSTED,
+                f"the task's budget of {cap} tool calls is spent; {what} not called",
+            )
+        self.tool_calls += 1
+
+    def spend_tokens(self, tokens: int) -> None:
+        """Count ``tokens`` a model used for this task; raises once the total passes the cap."""
+        self.llm_tokens += max(0, tokens)
+        cap = self.budget.max_llm_tokens
+        if cap is not None and self.llm_tokens > cap:
+            raise SkillError(
+                ErrorCode.BUDGET_EXHAUSTED,
+                f"the task's budget of {cap} LLM tokens is spent ({self.llm_tokens} used)",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tool_calls": self.tool_calls, "llm_tokens": self.llm_tokens}
+
+
+class InputRequired(Exception):  # not an error: the task asks its caller something
+    """Raised by a skill that needs an answer from a person before it can go on: the task ends
+    ``input-required`` with ``question`` and ``fields`` (what the answer should hold). The caller's
+    answer comes back in the skill's next call as ``ctx.answer`` (the coordinator sends it after a
+    person answered, with the recorded approval)."""
+
+    def __init__(self, question: str, fields: dict[str, Any] | None = None) -> None:
+        super().__init__(question)
+        self.question = question
+        self.fields = fields or {}
+
+
+MEMORY_SERVER = "mcp-memory"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTools:
+    """Long-term memory through the memory MCP server, for the skill's caller (its tenant): every
+    write passes the server's gate (personal data redacted, secrets refused, policy asked)."""
+
+    tools: Toolbox
+    tenant: str
+
+    async def remember(
+        self,
+        text: str,
+        *,
+        tier: str = "episodic",
+        source: str = "agent",
+        trust: str = "untrusted",
+        ref: str = "",
+        tags: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """Keep ``text``; the gate's answer (``stored``, ``redacted``, ``held``, ``refused``...)."""
+        arguments = {
+            "text": text,
+            "tier": tier,
+            "source": source,
+            "trust": trust,
+            "ref": ref,
+            "tags": list(tags),
+        }
+        return await self.tools.call(
+            MEMORY_SERVER, "remember", arguments, tenant=self.tenant, scopes=["memory:write"]
+        )
+
+    async def recall(self, query: str, *, tiers: Sequence[str] = (), limit: int = 5) -> list[dict[str, Any]]:
+        """The memories nearest in meaning to ``query``, best first, with their provenance."""
+        arguments: dict[str, Any] = {"query": query, "limit": limit}
+        if tiers:
+            arguments["tiers"] = list(tiers)
+        found = await self.tools.call(
+            MEMORY_SERVER, "recall", arguments, tenant=self.tenant, scopes=["memory:read"]
+        )
+        return list(found.get("result", []))
+
+
+@dataclass(frozen=True, slots=True)
 class SkillContext:
     """What a skill function gets besides its input."""
 
@@ -89,10 +210,22 @@ class SkillContext:
     tools: Toolbox
     progress: Callable[[str], Awaitable[None]]
     operation_id: str | None = None
+    budget: BudgetMeter = field(default_factory=lambda: BudgetMeter(TaskBudget()))
+    # A person's answer to this skill's earlier question (see InputRequired), if this call carries one.
+    answer: dict[str, Any] | None = None
 
     @property
     def tenant(self) -> str:
         return self.claims.tenant
+
+    @property
+    def memory(self) -> MemoryTools:
+        return MemoryTools(self.tools, self.tenant)
+
+    @property
+    def run_id(self) -> str:
+        """The coordinator run this call is part of ("" for a call from outside a run)."""
+        return str(self.claims.raw.get("run_id") or "")
 
     def idempotency_key(self, name: str) -> str:
         """A key for one effect of this operation: the same on every execution of the same
@@ -111,11 +244,26 @@ class Skill:
     run: SkillFunction
     tags: tuple[str, ...] = ()
     # Safe to run again under the same operation id after an interruption: every effect it has is
-    # made with an idempotency key (``SkillContext.idempotency_key``) that the tool honours.
+    # made with an idempotency key (``SkillContext.idempotency_key``) that the tool honours. A caller
+    # may also send such a step to another agent offering the skill when this one cannot answer.
     idempotent: bool = False
+    # The JSON Schema its result satisfies: published on the card (the skills extension), so a
+    # caller can refuse an answer that does not (a broken release answering garbage).
+    output_schema: dict[str, Any] | None = None
+    budget: TaskBudget = TaskBudget()
+    # With an LLM configured (``FLEET_LLM_BASE_URL``), the skill is run by the agent loop over this
+    # agent's MCP tools, told this; without one, ``run`` runs (it may refuse: ``llm_unavailable``).
+    instructions: str = ""
 
     def card_skill(self) -> AgentSkill:
         return AgentSkill(id=self.id, name=self.name, description=self.description, tags=list(self.tags))
+
+
+class Brain(Protocol):
+    """What runs a skill that has ``instructions`` when an LLM is configured (see
+    :mod:`specialists.llm`); skills without instructions always run their own function."""
+
+    async def run(self, skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class _Grant:
@@ -237,17 +385,22 @@ class Toolbox:
         calls: ToolCalls | None = None,
         caller: Claims | None = None,
         catalog: ToolCatalog | None = None,
+        meter: BudgetMeter | None = None,
     ) -> None:
         self._registry = registry
         self._http = http
         self._calls = calls
         self._caller = caller
+        self._meter = meter
         self.catalog = catalog or ToolCatalog(registry)
 
-    def for_skill(self, calls: ToolCalls, caller: Claims | None = None) -> Toolbox:
-        """The same toolbox, reporting its calls to ``calls`` (one running skill's) and acting for
-        ``caller`` (the verified claims the skill was called with)."""
-        return Toolbox(self._registry, self._http, calls, caller, self.catalog)
+    def for_skill(
+        self, calls: ToolCalls, caller: Claims | None = None, meter: BudgetMeter | None = None
+    ) -> Toolbox:
+        """The same toolbox, reporting its calls to ``calls`` (one running skill's), acting for
+        ``caller`` (the verified claims the skill was called with) and counting its calls against
+        ``meter`` (the task's budget)."""
+        return Toolbox(self._registry, self._http, calls, caller, self.catalog, meter)
 
     async def available(self) -> list[McpServerRecord]:
         """The MCP servers and tools this agent may use now (see :class:`ToolCatalog`)."""
@@ -283,6 +436,8 @@ class Toolbox:
         have reached the tool or the tool is ``idempotent`` or ``read_only`` in the catalog; else it
         raises :class:`OutcomeUnknown` (``OUTCOME_UNKNOWN``: reconcile before calling again). A tool's
         error answer is never repeated (``TOOL_FAILED``)."""
+        if self._meter is not None:
+            self._meter.spend_tool_call(f"{server_id}/{tool}")
         server = await self.catalog.server(server_id)
         token = await self._token(server.audience, tenant, scopes)
         grant = _Grant(
@@ -420,12 +575,18 @@ class SkillExecutor(AgentExecutor):
     ``canceled`` and the journal records how many tool calls it completed."""
 
     def __init__(
-        self, skills: Sequence[Skill], tools: Toolbox, journal: Journal, heartbeat_s: float = 20.0
+        self,
+        skills: Sequence[Skill],
+        tools: Toolbox,
+        journal: Journal,
+        heartbeat_s: float = 20.0,
+        brain: Brain | None = None,
     ) -> None:
         self._skills = {skill.id: skill for skill in skills}
         self._tools = tools
         self._journal = journal
         self._heartbeat_s = heartbeat_s
+        self._brain = brain
         self._by_task: dict[str, _Running] = {}
         self._by_operation: dict[tuple[str, str], ToolCalls] = {}
 
@@ -455,7 +616,8 @@ class SkillExecutor(AgentExecutor):
         self._by_task[task.id] = running
         try:
             updater = TaskUpdater(event_queue, task.id, task.context_id)
-            outcome = await self._execute(updater, skill, claims, op_id, payload, running.calls)
+            budget = skill.budget.lowered(_metadata(context.message, BUDGET_METADATA_KEY))
+            outcome = await self._execute(updater, skill, claims, op_id, payload, running.calls, budget)
             await _publish(updater, skill.id, outcome)
             running.published = True
         finally:
@@ -471,6 +633,7 @@ class SkillExecutor(AgentExecutor):
         op_id: str | None,
         payload: dict[str, Any],
         calls: ToolCalls,
+        budget: TaskBudget,
     ) -> Outcome:
         await updater.start_work()
 
@@ -493,9 +656,9 @@ class SkillExecutor(AgentExecutor):
         )
         try:
             if op_id is not None:
-                return await self._run_once(skill, claims, op_id, payload, progress, calls)
-            ctx = SkillContext(claims, self._tools.for_skill(calls, claims), progress)
-            return await _run_stoppable(skill, ctx, payload, calls)
+                return await self._run_once(skill, claims, op_id, payload, progress, calls, budget)
+            ctx = self._context(skill, claims, calls, progress, None, payload, budget)
+            return await _run_stoppable(skill, ctx, payload, calls, brain=self._brain)
         finally:
             if beating is not None:
                 await _cancelled(beating)
@@ -508,6 +671,7 @@ class SkillExecutor(AgentExecutor):
         payload: dict[str, Any],
         progress: Callable[[str], Awaitable[None]],
         calls: ToolCalls,
+        budget: TaskBudget,
     ) -> Outcome:
         """Run the operation unless the journal knows it: then answer with what it recorded."""
         digest = args_hash({"skill": skill.id, "input": payload})
@@ -538,10 +702,32 @@ class SkillExecutor(AgentExecutor):
         key = (claims.tenant, op_id)
         self._by_operation[key] = calls
         try:
-            context = SkillContext(claims, self._tools.for_skill(calls, claims), progress, op_id)
-            return await _run_stoppable(skill, context, payload, calls, record)
+            context = self._context(skill, claims, calls, progress, op_id, payload, budget)
+            return await _run_stoppable(skill, context, payload, calls, record, self._brain)
         finally:
             del self._by_operation[key]
+
+    def _context(
+        self,
+        skill: Skill,
+        claims: Claims,
+        calls: ToolCalls,
+        progress: Callable[[str], Awaitable[None]],
+        op_id: str | None,
+        payload: dict[str, Any],
+        budget: TaskBudget,
+    ) -> SkillContext:
+        meter = BudgetMeter(budget)
+        # A call after a person answered carries the recorded approval and, if they gave one, input.
+        answer = payload.get("input") if isinstance(payload.get("approval"), dict) else None
+        return SkillContext(
+            claims,
+            self._tools.for_skill(calls, claims, meter),
+            progress,
+            op_id,
+            budget=meter,
+            answer=answer if isinstance(answer, dict) else ({"text": answer} if answer is not None else None),
+        )
 
     async def cancel_operation(self, tenant: str, op_id: str) -> Entry:
         """Cancel an operation (see :mod:`fleet.operation_ext`) and return its entry once the cancel
@@ -591,10 +777,24 @@ class _Running:
     published: bool = False
 
 
-async def _run(skill: Skill, context: SkillContext, payload: dict[str, Any]) -> Outcome:
+async def _run(
+    skill: Skill, context: SkillContext, payload: dict[str, Any], brain: Brain | None = None
+) -> Outcome:
     await hold_point("skill.start", skill.id)  # tests only: hold a skill before its first tool call
+    limit = context.budget.budget.max_seconds
     try:
-        result = await skill.run(context, payload)
+        async with asyncio.timeout(limit):
+            if brain is not None and skill.instructions:
+                result = await brain.run(skill, context, payload)
+            else:
+                result = await skill.run(context, payload)
+    except InputRequired as asked:
+        # Not an end: the task goes input-required, and the answer comes in the step's next call.
+        return JournalStatus.SUCCEEDED, _asking(asked), None
+    except TimeoutError:
+        message = f"{skill.id} ran out of its {limit:g} s budget after {context.budget.tool_calls} tool calls"
+        log.info("skill %s: %s", skill.id, message)
+        return JournalStatus.FAILED, None, {"code": str(ErrorCode.BUDGET_EXHAUSTED), "message": message}
     except OutcomeUnknown as exc:
         log.warning("skill %s could not confirm an effect: %s", skill.id, exc)
         return JournalStatus.UNCERTAIN, None, {"code": str(exc.code), "message": exc.message}
@@ -611,6 +811,15 @@ async def _run(skill: Skill, context: SkillContext, payload: dict[str, Any]) -> 
     return JournalStatus.SUCCEEDED, result, None
 
 
+ASKING = "input_required"  # the status of a result that asks a person (see InputRequired)
+
+
+def _asking(asked: InputRequired) -> dict[str, Any]:
+    """The result of a skill that asked: what the caller's delegation reads from an
+    ``input-required`` task (its question, and the data it was sent with)."""
+    return {"status": ASKING, "question": asked.question, "details": [{"fields": asked.fields}]}
+
+
 STOP_TIMEOUT_S = 5.0  # a skill cut by a cancel gets this long to unwind
 
 
@@ -620,12 +829,13 @@ async def _run_stoppable(
     payload: dict[str, Any],
     calls: ToolCalls,
     record: Callable[[Outcome], None] = lambda outcome: None,
+    brain: Brain | None = None,
 ) -> Outcome:
     """Run the skill in a task of its own that ``calls`` can cancel, and ``record`` its outcome
     however it ends, including when the request itself is stopped (shutdown, or an A2A cancel
     that gave up waiting): the skill is then cut, after its tool call in flight if a cancel was asked
     for (for a while), at once if not."""
-    skill_task = asyncio.create_task(_run(skill, context, payload), name=f"skill {skill.id}")
+    skill_task = asyncio.create_task(_run(skill, context, payload, brain), name=f"skill {skill.id}")
     calls.attach(skill_task)
     try:
         try:
@@ -657,6 +867,13 @@ def _outcome_of(skill_task: asyncio.Task[Outcome], skill: Skill, calls: ToolCall
 async def _publish(updater: TaskUpdater, skill_id: str, outcome: Outcome) -> None:
     """End the task as the skill's outcome says."""
     status, result, error = outcome
+    if status == JournalStatus.SUCCEEDED and (result or {}).get("status") == ASKING:
+        assert result is not None
+        details = [new_data_part(d) for d in result.get("details", []) if isinstance(d, dict)]
+        await updater.requires_input(
+            updater.new_agent_message([new_text_part(str(result["question"])), *details])
+        )
+        return
     if status == JournalStatus.SUCCEEDED:
         await updater.add_artifact([new_data_part(result or {})], name=skill_id, last_chunk=True)
         await updater.complete()
@@ -678,6 +895,16 @@ def _refused(op_id: str) -> dict[str, Any]:
 Outcome = tuple[JournalStatus, dict[str, Any] | None, dict[str, Any] | None]
 # Outcomes the journal answers a repeat with, as they are.
 _ENDED = (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN, JournalStatus.CANCELED)
+
+
+BUDGET_METADATA_KEY = "fleet.budget"
+
+
+def _metadata(message: Message | None, key: str) -> Any:
+    """A message metadata value as plain JSON (None if absent)."""
+    if message is None or not message.HasField("metadata") or key not in message.metadata.fields:
+        return None
+    return MessageToDict(message.metadata).get(key)
 
 
 def _operation_of(message: Message) -> str | None:
@@ -768,7 +995,7 @@ def build_specialist_app(
         skills=[s.card_skill() for s in skills],
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
-        extensions=[operations_extension(settings.public_url)],
+        extensions=[operations_extension(settings.public_url), skills_extension(skills)],
     )
     journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)

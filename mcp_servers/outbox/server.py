@@ -406,16 +406,29 @@ def build_server(
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def publish_artifact(
-        operation_id: str, artifact: str, name: str, approval_id: str = "", approved_by: str = ""
+        operation_id: str,
+        artifact: str,
+        name: str,
+        approval_id: str = "",
+        approved_by: str = "",
+        anomaly_score: float | None = None,
     ) -> OperationResult:
-        """Publish an artifact of your tenant (artifact:sha256:...) under a name, once per operation id."""
+        """Publish an artifact of your tenant (artifact:sha256:...) under a name, once per operation id.
+        ``anomaly_score``: the highest score the report states; policy may ask for an approval above
+        a threshold (and asks for one when a threshold is set and no score is stated)."""
         try:
             digest = parse_ref(artifact)
         except FleetError as exc:
             raise ToolError(f"[{exc.code}] {exc.message}") from exc
         request = {"artifact": digest, "name": _text(name, "name", 200)}
+        summary = {} if anomaly_score is None else {"anomaly_score": float(anomaly_score)}
         return await perform(
-            "publish_artifact", "publication", operation_id, request, {}, _approval(approval_id, approved_by)
+            "publish_artifact",
+            "publication",
+            operation_id,
+            request,
+            summary,
+            _approval(approval_id, approved_by),
         )
 
     @mcp.tool(annotations=READ_ONLY)

@@ -106,6 +106,15 @@ CREATE TABLE IF NOT EXISTS tenant_data.invoices (
     status      text        NOT NULL CHECK (status IN ('open', 'paid', 'overdue'))
 );
 CREATE INDEX IF NOT EXISTS invoices_tenant ON tenant_data.invoices (tenant_id);
+-- Payments as the bank reports them, by the invoice number they name (reconciliation's other side).
+CREATE TABLE IF NOT EXISTS tenant_data.payments (
+    id              bigserial PRIMARY KEY,
+    tenant_id       text        NOT NULL,
+    invoice_number  text        NOT NULL,
+    amount          numeric(12, 2) NOT NULL CHECK (amount > 0),
+    paid_on         date        NOT NULL
+);
+CREATE INDEX IF NOT EXISTS payments_tenant_invoice ON tenant_data.payments (tenant_id, invoice_number);
 -- No temporary tables: a statement must not leave objects that shadow tenant_data for later calls.
 DO $$
 BEGIN
@@ -183,6 +192,7 @@ async def ensure_schema(conn: AsyncConnection[Any], *, writable: tuple[str, ...]
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.mcp_sql.schema'))")
         await conn.execute(SCHEMA_SQL)
         await expose_table(conn, "invoices", writable="invoices" in writable)
+        await expose_table(conn, "payments", writable="payments" in writable)
 
 
 def tenant_role(tenant: str) -> str:
@@ -266,23 +276,52 @@ DEMO_INVOICES: dict[str, list[tuple[str, float, int, str]]] = {
 }
 
 
+# (invoice number, amount, days ago): what the bank received for the invoices that the demo's billing
+# events report settled. acme: one short payment, one paid twice, one never paid; globex: one short by
+# a little (see fleet.demo's events).
+DEMO_PAYMENTS: dict[str, list[tuple[str, float, int]]] = {
+    "acme": [
+        ("INV-A-1001", 1180.00, 1),
+        ("INV-A-1002", 895.00, 1),
+        ("INV-A-1004", 1060.00, 2),
+        ("INV-A-1004", 1060.00, 1),
+        ("INV-A-1005", 1210.00, 1),
+    ],
+    "globex": [
+        ("INV-G-2001", 460.00, 1),
+        ("INV-G-2002", 500.00, 1),
+        ("INV-G-2003", 505.00, 2),
+    ],
+}
+
+
 async def seed_demo_data(conn: AsyncConnection[Any]) -> None:
-    """Insert the demo invoices for each demo tenant that has none yet."""
+    """Insert the demo invoices and payments for each demo tenant that has none yet."""
     today = date.today()
     async with conn.transaction():
         for tenant, rows in DEMO_INVOICES.items():
             # Row-level security is forced on the owner too: act as the tenant being seeded.
             await conn.execute("SELECT set_config(%s, %s, true)", (OWNER_SETTING, tenant))
-            found = await (
-                await conn.execute(
-                    "SELECT 1 FROM tenant_data.invoices WHERE tenant_id = %s LIMIT 1", (tenant,)
-                )
-            ).fetchone()
-            if found is not None:
-                continue
             async with conn.cursor() as cur:
-                await cur.executemany(
-                    "INSERT INTO tenant_data.invoices (tenant_id, customer, amount, issued_on, status)"
-                    " VALUES (%s, %s, %s, %s, %s)",
-                    [(tenant, c, a, today - timedelta(days=d), s) for c, a, d, s in rows],
-                )
+                if not await _has_rows(conn, "invoices", tenant):
+                    await cur.executemany(
+                        "INSERT INTO tenant_data.invoices (tenant_id, customer, amount, issued_on, status)"
+                        " VALUES (%s, %s, %s, %s, %s)",
+                        [(tenant, c, a, today - timedelta(days=d), s) for c, a, d, s in rows],
+                    )
+                if not await _has_rows(conn, "payments", tenant):
+                    await cur.executemany(
+                        "INSERT INTO tenant_data.payments (tenant_id, invoice_number, amount, paid_on)"
+                        " VALUES (%s, %s, %s, %s)",
+                        [
+                            (tenant, n, a, today - timedelta(days=d))
+                            for n, a, d in DEMO_PAYMENTS.get(tenant, [])
+                        ],
+                    )
+
+
+async def _has_rows(conn: AsyncConnection[Any], table: str, tenant: str) -> bool:
+    query = sql.SQL("SELECT 1 FROM {} WHERE tenant_id = %s LIMIT 1").format(
+        sql.Identifier("tenant_data", table)
+    )
+    return await (await conn.execute(query, (tenant,))).fetchone() is not None

@@ -312,7 +312,7 @@ def build_server(
 
     @mcp.tool(annotations=READ_ONLY)
     async def query(sql: str) -> QueryResult:
-        """Run one read-only SELECT over your tenant's data (table tenant_data.invoices)."""
+        """Run one read-only SELECT over your tenant's data (tables tenant_data.invoices, tenant_data.payments)."""
         claims = await gate.allow("query", {"sql_length": len(sql)})
         return await tools.query(claims.tenant, sql)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fleet.errors import ErrorCode
@@ -53,7 +54,101 @@ async def sql_query(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any
     return await _query(ctx, sql)
 
 
+MAX_INVOICES = 500
+_INVOICE_NUMBER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,39}$")
+
+RECONCILED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["records", "count", "usual"],
+    "properties": {
+        "count": {"type": "integer", "minimum": 0},
+        "usual": {"type": "array", "items": {"type": "number"}},
+        "records": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["invoice", "customer", "amount", "paid", "payments", "difference"],
+                "properties": {
+                    "invoice": {"type": "string"},
+                    "customer": {"type": "string"},
+                    "amount": {"type": "number"},
+                    "paid": {"type": "number"},
+                    "payments": {"type": "integer"},
+                    "difference": {"type": "number"},
+                },
+            },
+        },
+    },
+}
+
+
+def _settled(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The settled invoices to reconcile, validated (their numbers go into SQL as literals)."""
+    invoices = payload.get("invoices")
+    if not isinstance(invoices, list) or not 0 < len(invoices) <= MAX_INVOICES:
+        raise SkillError(ErrorCode.INVALID_REQUEST, f"input.invoices must be a list of 1 to {MAX_INVOICES}")
+    found: list[dict[str, Any]] = []
+    for item in invoices:
+        number = item.get("invoice") if isinstance(item, dict) else None
+        amount = item.get("amount") if isinstance(item, dict) else None
+        if not isinstance(number, str) or not _INVOICE_NUMBER.match(number):
+            raise SkillError(
+                ErrorCode.INVALID_REQUEST, f"an invoice number must match {_INVOICE_NUMBER.pattern}"
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount <= 0:
+            raise SkillError(ErrorCode.INVALID_REQUEST, f"invoice {number} needs a positive amount")
+        found.append(
+            {
+                "invoice": number,
+                "customer": str(item.get("customer", "")),
+                "amount": float(amount),
+                "contact": str(item.get("contact", "")),  # passed on as it came; memory redacts it
+            }
+        )
+    return found
+
+
+async def reconcile_invoices(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+    """Each settled invoice beside what the bank received for it, and what the tenant usually bills."""
+    invoices = _settled(payload)
+    numbers = ", ".join(f"'{i['invoice']}'" for i in invoices)  # validated above: no quote can occur
+    await ctx.progress(f"reconciling {len(invoices)} invoices against the payments received")
+    paid = await _query(
+        ctx,
+        "SELECT invoice_number, count(*) AS payments, sum(amount) AS paid FROM tenant_data.payments"
+        f" WHERE invoice_number IN ({numbers}) GROUP BY invoice_number",
+    )
+    usual = await _query(ctx, "SELECT amount FROM tenant_data.invoices ORDER BY issued_on DESC LIMIT 1000")
+    by_number = {r["invoice_number"]: r for r in paid["records"]}
+    history = [float(r["amount"]) for r in usual["records"]]
+    records = []
+    for invoice in invoices:
+        row = by_number.get(invoice["invoice"], {})
+        received = float(row.get("paid") or 0.0)
+        records.append(
+            {
+                **invoice,
+                "paid": received,
+                "payments": int(row.get("payments") or 0),
+                "difference": round(invoice["amount"] - received, 2),
+            }
+        )
+    mismatched = sum(1 for r in records if r["difference"] != 0)
+    await ctx.progress(f"{mismatched} of {len(records)} invoices do not match their payments")
+    return {"records": records, "count": len(records), "usual": history}
+
+
 SKILLS = [
+    Skill(
+        "reconcile-invoices",
+        "Reconcile invoices",
+        "Puts each settled invoice beside the payments received for it and the tenant's usual amounts."
+        ' Input: {"invoices": [{"invoice": NUMBER, "customer": NAME, "amount": N}, ...]}.',
+        reconcile_invoices,
+        tags=("sql", "invoices", "reconciliation"),
+        idempotent=True,  # no effects: read-only SQL through a read-only tool
+        output_schema=RECONCILED_SCHEMA,
+    ),
     Skill(
         "invoice-totals",
         "Invoice totals",
@@ -78,6 +173,6 @@ async def main(settings: ServiceSettings) -> None:
         settings,
         name="SQL analyst",
         description="Answers questions about a tenant's business data through the SQL MCP server.",
-        version="0.1.0",
+        version="0.2.0",
         skills=SKILLS,
     )

@@ -45,6 +45,15 @@ approval_required if {
 	not is_number(object.get(input.arguments, "amount_cents", null))
 }
 
+# ... and a call that states a score above the rule's approval_over_score (a report's highest
+# anomaly score), or states none to a tool that has such a threshold.
+approval_required if input.arguments.anomaly_score > rule.approval_over_score
+
+approval_required if {
+	rule.approval_over_score
+	not is_number(object.get(input.arguments, "anomaly_score", null))
+}
+
 # ... and every call of a tool whose rule says approval_always, or a call to one of the destinations
 # its rule lists in approval_destinations (the outbox's webhooks).
 approval_required if rule.approval_always == true

@@ -81,6 +81,18 @@ test_a_tool_that_always_needs_approval_says_so if {
 	result.approval_required
 }
 
+test_a_publication_over_the_score_threshold_or_without_a_score_needs_approval if {
+	call := {"server": "mcp-outbox", "tool": "publish_artifact", "tenant": "acme", "scopes": ["outbox:write"]}
+	high := tools.decision with input as object.union(call, {"arguments": {"anomaly_score": 10}})
+	high.allow
+	high.approval_required
+	low := tools.decision with input as object.union(call, {"arguments": {"anomaly_score": 1.2}})
+	low.allow
+	not low.approval_required
+	unsaid := tools.decision with input as object.union(call, {"arguments": {}})
+	unsaid.approval_required
+}
+
 test_an_agents_own_rate_wins_over_the_tools_which_wins_over_the_default if {
 	rates := {"default": {"per_minute": 600, "burst": 60}, "agents": {"sql-analyst": {"per_minute": 30, "burst": 5}}}
 	rules := {"mcp-sql": {"query": {"scopes": ["sql:query"], "rate": {"per_minute": 120, "burst": 10}}}}
