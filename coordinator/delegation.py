@@ -266,7 +266,7 @@ class Delegator:
             return await self._token_client(agent).token(agent.url, tenant, scopes, resource=agent.url)
         grant = await self._grant(run_id) if run_id else None
         if grant is None:
-            return await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE])
+            return await self._registry.tokens.token(agent.id, tenant, [INVOKE_SCOPE], run_id=run_id)
         return await self._registry.tokens.exchange(
             grant, agent.id, [INVOKE_SCOPE], subject_type=RUN_GRANT_TYPE
         )

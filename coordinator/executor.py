@@ -15,7 +15,7 @@ from a2a.utils.errors import UnsupportedOperationError
 
 from coordinator.delegation import Delegator
 from coordinator.handler import follow
-from coordinator.plan import Step, plan_request
+from coordinator.plan import Planner, Step, plan_request
 from coordinator.runs import PostgresRunStore
 from coordinator.signals import Signal, SignalDesk, parse_signal
 from coordinator.task_events import TaskFold, event_id_of, initial_task
@@ -76,7 +76,11 @@ class CoordinatorExecutor(AgentExecutor):
         submit: Callable[[str], Awaitable[None]],
         listen_dsn: str,
         desk: SignalDesk,
+        *,
+        planner: Planner | None = None,
     ) -> None:
+        """``planner``: plans a text no routing rule matches (an LLM's, see
+        :func:`coordinator.llm_planner.llm_planner`); without one such a text is refused."""
         self._delegator = delegator
         self._engine = engine
         self._runs = runs
@@ -84,6 +88,7 @@ class CoordinatorExecutor(AgentExecutor):
         self._submit = submit
         self._listen_dsn = listen_dsn
         self._desk = desk
+        self._planner = planner
 
     async def _plan(self, context: RequestContext, tenant: str) -> list[Step]:
         """Plan and check that every skill has a specialist, before the run is accepted."""
@@ -91,7 +96,11 @@ class CoordinatorExecutor(AgentExecutor):
         parts = list(message.parts) if message else []
         try:
             steps = await plan_request(
-                get_data_parts(parts), " ".join(get_text_parts(parts)), self._engine, tenant
+                get_data_parts(parts),
+                " ".join(get_text_parts(parts)),
+                self._engine,
+                tenant,
+                planner=self._planner,
             )
             for step in steps:
                 if step.wait is None and not await self._delegator.discover(step.skill):

@@ -4,6 +4,7 @@ chosen by the routing policy from the request's text."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,17 +258,26 @@ def resolve_input(value: Any, results: dict[str, Any]) -> Any:
     return value
 
 
-async def plan_request(data: list[Any], text: str, engine: PolicyEngine, tenant: str) -> list[Step]:
-    """The plan for a request: explicit steps win; otherwise the routing policy decides."""
+# Plans a request's text when no routing rule does (see coordinator.llm_planner).
+Planner = Callable[[str], Awaitable[list[Step]]]
+
+
+async def plan_request(
+    data: list[Any], text: str, engine: PolicyEngine, tenant: str, *, planner: Planner | None = None
+) -> list[Step]:
+    """The plan for a request: explicit steps win; otherwise the routing policy decides; a text no
+    routing rule matches is planned by ``planner`` if there is one (an LLM), else refused."""
     for part in data:
         if isinstance(part, dict) and "steps" in part:
             return parse_steps(part["steps"])
     if not text.strip():
         raise PlanError('send text or a data part {"steps": [{"skill": ..., "input": {...}}]}')
     decision = await engine.decide("fleet.routing.decision", {"text": text, "tenant": tenant})
-    if not decision.allow:
-        raise FleetError(
-            ErrorCode.NO_SPECIALIST,
-            f"no routing rule matches this request; send explicit steps ({'; '.join(decision.reasons)})",
-        )
-    return parse_steps(decision.result.get("steps"))
+    if decision.allow:
+        return parse_steps(decision.result.get("steps"))
+    if planner is not None:
+        return await planner(text)
+    raise FleetError(
+        ErrorCode.NO_SPECIALIST,
+        f"no routing rule matches this request; send explicit steps ({'; '.join(decision.reasons)})",
+    )

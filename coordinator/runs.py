@@ -464,6 +464,17 @@ class PostgresRunStore:
             )
             return await cursor.fetchone() is not None
 
+    async def batch_size(self, run_id: str, tenant: str) -> int:
+        """How many items the batch of ``run_id`` (of ``tenant``) holds (0 if there is no such run)."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT count(*) FROM fleet_runs.batch_items b JOIN fleet_runs.runs r USING (run_id)"
+                " WHERE b.run_id = %s AND r.tenant = %s",
+                (run_id, tenant),
+            )
+            row = await cursor.fetchone()
+            return int(row[0]) if row else 0
+
     async def close_batch(self, run_id: str) -> list[dict[str, Any]]:
         """Close the batch of ``run_id`` (no item is added after this) and return its items in the
         order they came. Idempotent: closing again returns the same items."""

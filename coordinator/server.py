@@ -22,6 +22,7 @@ from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import checkpoint_pool
 from coordinator.handler import CoordinatorRequestHandler
+from coordinator.llm_planner import llm_planner
 from coordinator.operations import Ledger
 from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
 from coordinator.run_api import RUNS_PREFIX, run_routes
@@ -136,7 +137,14 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         runs=runs,
         listen_dsn=settings.pg_dsn,
         agent_executor=CoordinatorExecutor(
-            delegator, engine, runs, tasks, submitter.submit, listen_dsn=settings.pg_dsn, desk=desk
+            delegator,
+            engine,
+            runs,
+            tasks,
+            submitter.submit,
+            listen_dsn=settings.pg_dsn,
+            desk=desk,
+            planner=llm_planner(settings, http, registry),  # None without an LLM: routing rules only
         ),
         agent_card=card,
         push_config_store=push_configs,

@@ -251,6 +251,17 @@ class TriggerIngest:
         let its run go on. A run that has not reached its collection yet is retried."""
         window_of = event.data.get("window_of", event.time)
         run_id = batch_run_id(event.tenant, rule, window_number(window_of, float(batch["window_s"])))
+        expected = event.data.get("count")
+        if isinstance(expected, int | float) and not isinstance(expected, bool):
+            # The producer says how many items it sent: events on other subjects may be consumed
+            # after this one, so the close waits (comes back) until the batch holds them all.
+            held = await self._runs.batch_size(run_id, event.tenant)
+            if held < expected:
+                raise FleetError(
+                    ErrorCode.CONFLICT,
+                    f"batch run {run_id} holds {held} of the {int(expected)} items its close names yet",
+                    retryable=True,
+                )
         if not await self._runs.request_batch_close(run_id, event.tenant):
             log.info("event %s closes no open batch of %s", event.id, rule)
             return

@@ -157,6 +157,7 @@ def build_card(
     required_scope: str,
     streaming: bool = True,
     extensions: Sequence[AgentExtension] = (),
+    input_modes: Sequence[str] = ("text/plain", "application/json"),
 ) -> AgentCard:
     """An unsigned card for an agent served at ``base_url`` behind bearer-JWT auth.
 
@@ -170,7 +171,7 @@ def build_card(
             AgentInterface(url=base_url + RPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0")
         ],
         capabilities=AgentCapabilities(streaming=streaming, extensions=list(extensions)),
-        default_input_modes=["text/plain", "application/json"],
+        default_input_modes=list(input_modes),
         default_output_modes=["text/plain", "application/json"],
         security_schemes={
             "bearer": SecurityScheme(

@@ -48,8 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--tenant", default="default")
     token.add_argument("--scope", action="append", default=[], help="repeat for several scopes")
     demo = with_dir(sub.add_parser("demo", help="run the end-to-end demo as an outside agent"))
-    demo.add_argument("--tenant", default="acme")
     demo.add_argument("--keep-running", action="store_true", help="leave a stack it started up")
+    demo.add_argument(
+        "--auto-approve", action="store_true", help="approve what waits for a person, as the operator"
+    )
+    demo.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     runs = sub.add_parser("runs", help="runs of the fleet")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
     export = with_dir(runs_sub.add_parser("export", help="write a run's debug bundle to a folder"))
@@ -216,7 +219,9 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
     if command == "demo":
         from fleet import demo
 
-        return demo.run(layout, tenant=args.tenant, keep_running=args.keep_running)
+        return demo.run(
+            layout, keep_running=args.keep_running, auto_approve=args.auto_approve, timeout_s=args.timeout
+        )
     if command == "runs" and args.runs_command == "resolve":
         return asyncio.run(
             operator_cli.resolve_operation(

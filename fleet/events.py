@@ -103,9 +103,15 @@ def parse_event(subject: str, payload: bytes) -> Event:
 
 
 def event_payload(
-    *, tenant: str, source: str, type_: str, data: dict[str, Any], event_id: str | None = None
+    *,
+    tenant: str,
+    source: str,
+    type_: str,
+    data: dict[str, Any],
+    event_id: str | None = None,
+    time: dt.datetime | None = None,
 ) -> tuple[str, bytes]:
-    """(event id, envelope bytes) for a new event."""
+    """(event id, envelope bytes) for a new event, which happened at ``time`` (now by default)."""
     event_id = event_id or uuid.uuid4().hex
     envelope = {
         "specversion": "1.0",
@@ -113,7 +119,7 @@ def event_payload(
         "source": source,
         "type": type_,
         "tenant": tenant,
-        "time": dt.datetime.now(dt.UTC).isoformat(),
+        "time": (time or dt.datetime.now(dt.UTC)).isoformat(),
         "data": data,
     }
     return event_id, json.dumps(envelope).encode()
@@ -152,11 +158,14 @@ async def publish_event(
     type_: str,
     data: dict[str, Any],
     event_id: str | None = None,
+    time: dt.datetime | None = None,
 ) -> tuple[str, bool]:
     """Publish an event; (its id, whether the stream kept it: False for a duplicate id)."""
     if not _SUBJECT.match(subject):
         raise EventError("the subject must be fleet.events.<token>[.<token>...]")
-    event_id, payload = event_payload(tenant=tenant, source=source, type_=type_, data=data, event_id=event_id)
+    event_id, payload = event_payload(
+        tenant=tenant, source=source, type_=type_, data=data, event_id=event_id, time=time
+    )
     return event_id, await publish_raw(client, subject, payload, event_id)
 
 

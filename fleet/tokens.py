@@ -662,15 +662,18 @@ class TokenClient:
         self._cache = {k: c for k, c in self._cache.items() if c.token != token}
 
     async def token(
-        self, audience: str, tenant: str, scopes: Iterable[str] = (), *, resource: str = ""
+        self, audience: str, tenant: str, scopes: Iterable[str] = (), *, resource: str = "", run_id: str = ""
     ) -> str:
         """A client-credentials token for ``audience``, ``tenant`` and ``scopes`` (and the RFC 8707
-        ``resource``, for a token endpoint outside the fleet that wants one)."""
+        ``resource``, for a token endpoint outside the fleet that wants one; ``run_id``: the run a
+        worker calls for, which the token then names)."""
         scope = " ".join(sorted(set(scopes)))
-        cache_key = (audience, tenant, scope)
+        cache_key = (f"{audience}|{run_id}" if run_id else audience, tenant, scope)
         form = {"grant_type": "client_credentials", "audience": audience, "tenant": tenant, "scope": scope}
         if resource:
             form["resource"] = resource
+        if run_id:
+            form["run_id"] = run_id
         return await self._request(cache_key, form)
 
     async def _request(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:

@@ -356,9 +356,18 @@ class _AnyCaseIban(IbanRecognizer):
 _EMAIL_WINDOW = re.compile(r"[^\s@<>()\[\],;:\"']{1,64}@[^\s@<>()\[\],;:\"']{1,255}")
 
 
+# A domain of an address: labels, and a last one of letters (the TLD need not be a public one).
+_MAIL_DOMAIN = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}$")
+
+
 class _WindowedEmailRecognizer(EmailRecognizer):
     """Presidio's e-mail recognizer, run only on the words around each "@": its own pattern is
-    quadratic on long runs without one (``"a-" * 8000``)."""
+    quadratic on long runs without one (``"a-" * 8000``). An address at a domain outside the
+    public suffix list (``corp.internal``, ``example``) is an address too: presidio's check of the
+    TLD against that list would let it through."""
+
+    def validate_result(self, pattern_text: str) -> bool | None:
+        return _MAIL_DOMAIN.match(pattern_text.rpartition("@")[2]) is not None
 
     def could_find(self, text: str) -> bool:
         return _EMAIL_WINDOW.search(text) is not None

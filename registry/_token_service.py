@@ -173,9 +173,15 @@ class TokenService:
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
-        return self._sign(
-            client.id, client.id, audience, tenant, scopes, client_kid, {"policy_decision": decided}
-        )
+        extra: dict[str, Any] = {"policy_decision": decided}
+        run_id = form.get("run_id", "")
+        if run_id:
+            # The run a worker calls for (a run no caller started: a trigger's), so that what the
+            # call leads to (memory provenance, idempotency keys) names it, as a run grant would.
+            if client.kind not in ("coordinator", "worker") or len(run_id) > 100 or not run_id.isprintable():
+                raise OAuthError("invalid_request", "only the coordinator's workers name a run_id")
+            extra["run_id"] = run_id
+        return self._sign(client.id, client.id, audience, tenant, scopes, client_kid, extra)
 
     async def _exchange(
         self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]

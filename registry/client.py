@@ -204,6 +204,14 @@ class RegistryClient:
         _raise_for(response, "discovery failed")
         return [AgentRecord.model_validate(a) for a in response.json()["agents"]]
 
+    async def agents(self) -> list[AgentRecord]:
+        """Every registered agent, whatever its status (see :attr:`AgentRecord.offered`)."""
+        response = await self._http.get(
+            self._url + "/v1/agents", headers=await self._headers("registry:read")
+        )
+        _raise_for(response, "agents")
+        return [AgentRecord.model_validate(a) for a in response.json()["agents"]]
+
     async def agent(self, agent_id: str) -> AgentRecord:
         response = await self._http.get(
             f"{self._url}/v1/agents/{agent_id}", headers=await self._headers("registry:read")

@@ -996,11 +996,16 @@ def build_specialist_app(
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
         extensions=[operations_extension(settings.public_url), skills_extension(skills)],
+        input_modes=["application/json"],  # a data part {"skill": ID, "input": {...}}; no free text
     )
     journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
     tools = Toolbox(registry, mcp_http)
-    executor = SkillExecutor(skills, tools, journal, heartbeat_s=settings.heartbeat_s)
+    # With an LLM configured, skills that have instructions run as an agent loop over the tools.
+    from specialists.llm import llm_brain
+
+    brain = llm_brain(settings, http)
+    executor = SkillExecutor(skills, tools, journal, heartbeat_s=settings.heartbeat_s, brain=brain)
     handler = DefaultRequestHandler(
         agent_executor=executor,
         task_store=InMemoryTaskStore(),

@@ -38,7 +38,7 @@ for r in records:
     if r["payments"] == 0:
         reasons.append("no payment received")
     elif r["payments"] > 1:
-        reasons.append(f"paid {r['payments']} times ({r['paid']:.2f} for {r['amount']:.2f})")
+        reasons.append(f"paid {int(r['payments'])} times ({r['paid']:.2f} for {r['amount']:.2f})")
     elif r["difference"]:
         reasons.append(f"paid {r['paid']:.2f} of {r['amount']:.2f}")
     scored.append({**r, "score": round(min(10.0, max(abs(z), gap)), 2), "reasons": reasons})
@@ -124,7 +124,7 @@ async def score_anomalies(ctx: SkillContext, payload: dict[str, Any]) -> dict[st
         summary += f" (highest score {scored['max_score']})"
     await ctx.progress(summary)
     return {
-        "scored": scored["scored"],
+        "scored": int(scored["scored"]),
         "anomalies": anomalies,
         "max_score": float(scored["max_score"]),
         "report_artifact": report,

@@ -1,0 +1,220 @@
+"""The agent loop (``specialists.llm.AgentLoop``): a scripted model over real HTTP drives a skill
+whose tool calls go through the kit's real Toolbox to a real MCP server, with tokens from a real
+registry: what the model is offered and shown, what the skill answers, and how budgets end it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.llm import ChatModel
+from fleet.redact import MARK
+from fleet.tokens import Claims
+from specialists.cancellation import ToolCalls
+from specialists.kit import BudgetMeter, Skill, SkillContext, SkillError, TaskBudget
+from specialists.llm import MAX_NAME, AgentLoop, function_name
+from tests.llm.tool_plane import API_KEY, PASSWORD, ToolPlane, tool_plane
+from tests.llm_script import Reply, ScriptedModel, call, say, scripted_model
+
+
+async def _never(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("with a model configured, the agent loop runs the skill")
+
+
+SKILL = Skill(
+    "invoice-check",
+    "Check an invoice",
+    "Looks an invoice up and says whether it is over the approval limit",
+    _never,
+    instructions="You check invoices for the finance team. The approval limit is 1000.",
+)
+
+
+@pytest.fixture
+async def plane(registry_nats: str, tmp_path: Path) -> AsyncIterator[ToolPlane]:
+    async with tool_plane(registry_nats, tmp_path) as running:
+        yield running
+
+
+@dataclass
+class Run:
+    """One skill run by the loop, and what it reported."""
+
+    plane: ToolPlane
+    model: ScriptedModel
+    http: httpx.AsyncClient
+    budget: TaskBudget = field(default_factory=TaskBudget)
+    progress: list[str] = field(default_factory=list)
+
+    @property
+    def lookup(self) -> str:
+        return function_name(self.plane.server_id, "lookup_invoice")
+
+    @property
+    def void(self) -> str:
+        return function_name(self.plane.server_id, "void_invoice")
+
+    async def __call__(self, payload: dict[str, Any], max_turns: int = 8) -> dict[str, Any]:
+        meter = BudgetMeter(self.budget)
+        claims = Claims("operator", "acme", "ledger-agent", frozenset(), "jti", int(time.time()) + 300, {})
+
+        async def report(text: str) -> None:
+            self.progress.append(text)
+
+        tools = self.plane.toolbox.for_skill(ToolCalls(), None, meter)
+        ctx = SkillContext(claims, tools, report, "op-1", budget=meter)
+        loop = AgentLoop(ChatModel(self.model.base_url, "scripted-1", "", self.http), max_turns=max_turns)
+        return await loop.run(SKILL, ctx, payload)
+
+
+def lookup_of(plane: ToolPlane, number: str = "INV-7") -> Reply:
+    return call(function_name(plane.server_id, "lookup_invoice"), {"number": number})
+
+
+async def test_a_tool_call_then_a_final_json_answer_is_the_skills_result(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    final = say('```json\n{"number": "INV-7", "over_limit": true}\n```')
+    async with scripted_model(lookup_of(plane), final) as model:
+        run = Run(plane, model, http)
+        assert await run({"number": "INV-7"}) == {"number": "INV-7", "over_limit": True}
+    assert plane.served == [("lookup_invoice", {"number": "INV-7"})]
+    assert run.progress == [f"calling {plane.server_id}/lookup_invoice"]
+    first, second = model.requests
+    system, user = first["messages"]
+    assert system["role"] == "system" and "The approval limit is 1000." in system["content"]
+    assert "over the approval limit" in system["content"]
+    assert user == {"role": "user", "content": '{"number": "INV-7"}'}
+    offered = {t["function"]["name"]: t["function"] for t in first["tools"]}
+    assert offered[run.lookup] == {
+        "name": run.lookup,
+        "description": "Looks an invoice up by its number.",
+        "parameters": {"type": "object", "additionalProperties": True},
+    }
+    assert set(offered) == {run.lookup, run.void}
+    assistant, answer = second["messages"][2:]
+    assert assistant["tool_calls"][0]["function"]["name"] == run.lookup
+    assert answer["role"] == "tool" and answer["tool_call_id"] == assistant["tool_calls"][0]["id"]
+    assert '"customer": "Initech"' in answer["content"]
+
+
+async def test_a_secret_in_a_tool_answer_reaches_the_model_redacted(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model(lookup_of(plane), say('{"ok": true}')) as model:
+        assert await Run(plane, model, http)({"number": "INV-7", "password": "caller-secret-1"}) == {
+            "ok": True
+        }
+    shown = "".join(model.shown(n) for n in range(len(model.requests)))
+    for secret in (PASSWORD, API_KEY, "caller-secret-1"):
+        assert secret not in shown
+    answer = model.requests[1]["messages"][-1]["content"]
+    assert f"password={MARK}" in answer and f'"api_key": "{MARK}"' in answer
+    assert '"total": 1250.0' in answer  # only the secrets go
+
+
+async def test_a_tools_error_goes_back_to_the_model_as_its_code_and_message(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    void = call(function_name(plane.server_id, "void_invoice"), {"number": "INV-7"})
+    async with scripted_model(void, say('{"voided": false}')) as model:
+        assert await Run(plane, model, http)({"number": "INV-7"}) == {"voided": False}
+    answer = model.requests[1]["messages"][-1]
+    assert answer["role"] == "tool"
+    assert answer["content"].startswith("[tool_failed] ")
+    assert "invoice INV-7 is paid; it cannot be voided" in answer["content"]
+
+
+async def test_a_call_to_a_tool_not_offered_is_told_to_the_model_and_nothing_is_called(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model(call("drop_tables", {}), say('{"done": false}')) as model:
+        run = Run(plane, model, http)
+        assert await run({}) == {"done": False}
+    answer = model.requests[1]["messages"][-1]["content"]
+    assert answer.startswith("[invalid_request] there is no tool 'drop_tables'")
+    assert run.lookup in answer
+    assert plane.served == [] and run.progress == []
+
+
+async def test_tokens_over_the_tasks_budget_end_the_skill_with_budget_exhausted(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model(call("nothing", {}, usage=60), say('{"ok": true}', usage=60)) as model:
+        run = Run(plane, model, http, TaskBudget(max_llm_tokens=100))
+        with pytest.raises(SkillError) as caught:
+            await run({})
+    assert caught.value.code == ErrorCode.BUDGET_EXHAUSTED
+    assert "100 LLM tokens is spent (120 used)" in caught.value.message
+    assert len(model.requests) == 2
+
+
+async def test_a_model_that_keeps_calling_tools_past_its_turns_ends_with_budget_exhausted(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    replies = [lookup_of(plane, f"INV-{n}") for n in range(3)]
+    async with scripted_model(*replies) as model:
+        with pytest.raises(SkillError) as caught:
+            await Run(plane, model, http)({}, max_turns=2)
+    assert caught.value.code == ErrorCode.BUDGET_EXHAUSTED
+    assert "took its 2 turns without a final answer" in caught.value.message
+    assert len(model.requests) == 2 and len(plane.served) == 2
+
+
+async def test_a_spent_tool_call_budget_ends_the_skill_and_is_not_told_to_the_model(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model(lookup_of(plane), lookup_of(plane), say("{}")) as model:
+        with pytest.raises(SkillError) as caught:
+            await Run(plane, model, http, TaskBudget(max_tool_calls=1))({})
+    assert caught.value.code == ErrorCode.BUDGET_EXHAUSTED
+    assert "budget of 1 tool calls is spent" in caught.value.message
+    assert len(model.requests) == 2 and len(plane.served) == 1
+
+
+async def test_a_final_answer_that_is_not_a_json_object_is_a_bad_answer(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model(say("The invoice looks fine to me.")) as model:
+        with pytest.raises(SkillError) as caught:
+            await Run(plane, model, http)({})
+    assert caught.value.code == ErrorCode.BAD_ANSWER
+    assert (
+        "the model's final answer is not a JSON object: 'The invoice looks fine to me.'"
+        in caught.value.message
+    )
+
+
+async def test_a_model_that_cannot_be_reached_fails_the_skill_with_llm_unavailable(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model() as model:
+        with pytest.raises(FleetError) as caught:
+            await Run(plane, model, http)({})
+    assert caught.value.code == ErrorCode.LLM_UNAVAILABLE and caught.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("server", "tool", "expected"),
+    [
+        ("mcp-sql", "query", "mcp-sql__query"),
+        ("mcp.sql", "run query!", "mcp_sql__run_query_"),
+    ],
+)
+def test_a_tool_is_offered_as_server__tool_with_unsafe_characters_replaced(
+    server: str, tool: str, expected: str
+) -> None:
+    assert function_name(server, tool) == expected
+
+
+def test_a_long_function_name_is_cut_to_64_characters_and_stays_apart_from_its_neighbours() -> None:
+    first, second = function_name("mcp-" + "x" * 60, "lookup_a"), function_name("mcp-" + "x" * 60, "lookup_b")
+    assert len(first) == len(second) == MAX_NAME
+    assert first != second
