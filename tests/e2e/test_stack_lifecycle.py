@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -260,16 +259,3 @@ def wait_for_postgres(dsn: str, timeout_s: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def test_demo_starts_a_stack_runs_the_scenario_end_to_end_and_stops_it(tmp_path: Path) -> None:
-    data_dir = tmp_path / "fleet"
-    result = fleet("demo", "--data-dir", str(data_dir), timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "signature verified" in out
-    assert "Fabrikam" in out.split("Outliers in")[1]
-    assert re.search(r"case \d+ for Fabrikam", out), out
-    assert "\ndemo: OK\n" in out
-    status = fleet("status", "--data-dir", str(data_dir), "--json")
-    assert status.returncode == 3  # the demo stopped the stack it started
