@@ -256,7 +256,9 @@ class Skill:
     instructions: str = ""
 
     def card_skill(self) -> AgentSkill:
-        return AgentSkill(id=self.id, name=self.name, description=self.description, tags=list(self.tags))
+        # A2A requires tags: a skill that names none is tagged with its id.
+        tags = list(self.tags) or [self.id]
+        return AgentSkill(id=self.id, name=self.name, description=self.description, tags=tags)
 
 
 class Brain(Protocol):

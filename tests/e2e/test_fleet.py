@@ -5,33 +5,28 @@ broken release is a kit specialist served by the test, enrolled and registered a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import socket
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from fleet.settings import ServiceSettings
-from specialists.kit import Skill, SkillContext, build_specialist_app
+from specialists.kit import Skill, SkillContext
 from tests.e2e.conftest import (
     Stack,
     all_events,
     clean_env,
-    fleet,
     run_id_of_first_run,
     send,
     start_stack,
     stop_stack,
     user_message,
 )
+from tests.e2e.kit_agent import kit_agent
 
 pytestmark = pytest.mark.e2e
 
@@ -133,57 +128,12 @@ async def _garbage(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]
     return {"outliers": "all of them", "note": "v2.0.0 changed the result's shape"}
 
 
-@contextlib.asynccontextmanager
-async def broken_release(stack: Stack, home: Path) -> AsyncIterator[str]:
-    """A kit specialist whose one skill answers garbage, enrolled and registered with the stack's
-    registry as any specialist is; yields its id once discovery offers it."""
-    agent_id = f"scorer-{uuid.uuid4().hex[:6]}"
-    issued = fleet(
-        "keys", "enrollment-token", agent_id, "--data-dir", stack.data_dir,
-        "--scope", "registry:read", "--scope", "registry:write", "--tenant", "*", timeout=60,
-    )  # fmt: skip
-    assert issued.returncode == 0, issued.stderr
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    settings = ServiceSettings(
-        service_id=agent_id,
-        home=home,
-        key_file=home / f"{agent_id}.key",
-        public_url=base,
-        registry_url=stack.endpoints["registry"],
-        nats_url=stack.endpoints["nats"],
-        enrollment_token=issued.stdout.strip(),
-        heartbeat_s=0,
-    )
-    skill = Skill(BROKEN_SKILL, "Robust score", "Scores records", _garbage, output_schema=BROKEN_SCHEMA)
-    app = build_specialist_app(settings, name="Scorer", description="broken", version="2.0.0", skills=[skill])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        token = stack.token("registry", scopes=("registry:read",))
-        async with asyncio.timeout(60), httpx.AsyncClient() as http:
-            while True:
-                found = await http.get(
-                    f"{stack.endpoints['registry']}/v1/agents",
-                    params={"skill": BROKEN_SKILL},
-                    headers={"Authorization": f"Bearer {token}"},
-                )
-                if any(a["id"] == agent_id for a in found.json()["agents"]):
-                    break
-                await asyncio.sleep(0.1)  # registration is another process's; nothing to wait on
-        yield agent_id
-    finally:
-        server.should_exit = True
-        await serving
-
-
 async def test_a_broken_release_answering_garbage_fails_its_step_clearly_and_the_rest_carry_on(
     stack: Stack, tmp_path: Path
 ) -> None:
     token = stack.token("coordinator")
-    async with broken_release(stack, tmp_path) as agent_id:
+    skill = Skill(BROKEN_SKILL, "Robust score", "Scores records", _garbage, output_schema=BROKEN_SCHEMA)
+    async with kit_agent(stack, tmp_path, [skill], version="2.0.0") as agent_id:
         plan = {
             "steps": [
                 {"id": "scored", "skill": BROKEN_SKILL, "input": {}},
