@@ -219,7 +219,7 @@ class Delegator:
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
                     result = await _collect(stream, agent.id, progress, activity or _idle)
-                    _check_answer(agent, skill, result)
+                    check_answer(agent, skill, result)
                     return await self._answer(agent, skill, tenant, result) if agent.external else result
                 except A2AClientError as exc:
                     if attempt == 2 or not _unauthenticated(exc):
@@ -482,7 +482,7 @@ def _acceptable_token_url(url: str) -> bool:
 _ASKING = frozenset({"input_required", "auth_required", "pending_approval"})
 
 
-def _check_answer(agent: AgentRecord, skill: str, result: dict[str, Any]) -> None:
+def check_answer(agent: AgentRecord, skill: str, result: dict[str, Any]) -> None:
     """Refuse a result that breaks the JSON Schema the agent's own card declares for the skill (a
     broken release answering garbage): ``specialist_bad_answer``, naming what is wrong and where.
     A result that asks a person (a gate) is not the skill's result yet."""
