@@ -404,6 +404,11 @@ class Toolbox:
         ``meter`` (the task's budget)."""
         return Toolbox(self._registry, self._http, calls, caller, self.catalog, meter)
 
+    @property
+    def all_answered(self) -> bool:
+        """Whether every tool call of the skill got its tool's answer (none cut in flight)."""
+        return self._calls is None or self._calls.all_answered
+
     async def available(self) -> list[McpServerRecord]:
         """The MCP servers and tools this agent may use now (see :class:`ToolCatalog`)."""
         return list((await self.catalog.servers()).values())
@@ -796,6 +801,10 @@ async def _run(
     except TimeoutError:
         message = f"{skill.id} ran out of its {limit:g} s budget after {context.budget.tool_calls} tool calls"
         log.info("skill %s: %s", skill.id, message)
+        if not context.tools.all_answered and not skill.idempotent:
+            # Cut in a tool call: its effect may or may not have been made.
+            unknown = f"{message}, one of them cut in flight: its effect is unknown"
+            return JournalStatus.UNCERTAIN, None, {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": unknown}
         return JournalStatus.FAILED, None, {"code": str(ErrorCode.BUDGET_EXHAUSTED), "message": message}
     except OutcomeUnknown as exc:
         log.warning("skill %s could not confirm an effect: %s", skill.id, exc)

@@ -256,7 +256,10 @@ def _record(outcome: RunOutcome, event: Any) -> None:
                 outcome.result.update(data)
 
 
-async def first_event(stack: Stack, run_id: str, token: str, type_: str) -> dict[str, Any]:
+async def first_event(
+    stack: Stack, run_id: str, token: str, type_: str, step: str | None = None
+) -> dict[str, Any]:
+    """The run's first event of ``type_`` (of ``step``, if given), as soon as it is in the log."""
     url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
     async with (
         httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
@@ -265,7 +268,7 @@ async def first_event(stack: Stack, run_id: str, token: str, type_: str) -> dict
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 event: dict[str, Any] = json.loads(line.removeprefix("data: "))
-                if event["type"] == type_:
+                if event["type"] == type_ and step in (None, event["payload"].get("step")):
                     return event
     raise AssertionError(f"the run ended without a {type_} event")
 

@@ -5,14 +5,12 @@ broken release is a kit specialist served by the test, enrolled and registered a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from specialists.kit import Skill, SkillContext
@@ -20,6 +18,7 @@ from tests.e2e.conftest import (
     Stack,
     all_events,
     clean_env,
+    first_event,
     run_id_of_first_run,
     send,
     start_stack,
@@ -71,7 +70,7 @@ async def test_a_specialist_killed_mid_step_is_replaced_by_its_replica_and_the_r
     sending = asyncio.create_task(send(stack, user_message(data=RECONCILE_AND_SCORE), token=token))
     run_id = await run_id_of_first_run(stack, token)
     async with asyncio.timeout(60):
-        started = await _started(stack, run_id, token, "score")
+        started = await first_event(stack, run_id, token, "step.started", step="score")
         while not marker.exists():  # noqa: ASYNC110  # a file another process makes: no event to wait on
             await asyncio.sleep(0.05)
     victim = str(started["payload"]["agent"])
@@ -98,21 +97,6 @@ async def test_a_specialist_killed_mid_step_is_replaced_by_its_replica_and_the_r
         "reconcile",
         "score",
     ]
-
-
-async def _started(stack: Stack, run_id: str, token: str, step: str) -> dict[str, Any]:
-    """The run's ``step.started`` event of ``step``, as soon as it is in the log (followed live)."""
-    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
-    async with (
-        httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
-        http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
-    ):
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                event: dict[str, Any] = json.loads(line.removeprefix("data: "))
-                if event["type"] == "step.started" and event["payload"].get("step") == step:
-                    return event
-    raise AssertionError(f"the run ended before step {step} started")
 
 
 # A broken release: the skill's card says what its result holds, and it answers something else.

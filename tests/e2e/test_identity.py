@@ -384,11 +384,12 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
             fleet,
             "keys",
             "revoke",
-            old_kid,
             "--reason",
             "rotated out early",
             "--data-dir",
             stack.data_dir,
+            "--",  # a key id (a base64url thumbprint) may start with "-"
+            old_kid,
             timeout=60,
         )
         assert revoked.returncode == 0 and f"revoked {old_kid}" in revoked.stdout, (

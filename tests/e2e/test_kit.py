@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from google.protobuf.json_format import MessageToDict
 
 from specialists.kit import InputRequired, Skill, SkillContext, TaskBudget
 from tests.e2e.a2a_helpers import run_events, start
@@ -96,7 +97,7 @@ async def test_a_specialists_card_says_which_skills_are_safe_to_repeat_and_what_
     async with httpx.AsyncClient(timeout=30) as http:
         card = await fetch_card(http, stack.endpoints["specialists"]["code-runner"])
     [extension] = [e for e in card.capabilities.extensions if e.uri.endswith("/ext/skills/v1")]
-    skills = dict(extension.params["skills"])
+    skills: dict[str, Any] = MessageToDict(extension.params)["skills"]
     assert skills["score-anomalies"]["idempotent"] is True
     assert "max_score" in skills["score-anomalies"]["output"]["required"]
     assert skills["run-python"]["idempotent"] is False
