@@ -16,6 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from deploy.local_stack import SERVICES
 from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.layout import StackLayout
 from tests.e2e.conftest import (
@@ -29,6 +30,8 @@ from tests.e2e.conftest import (
 )
 
 pytestmark = pytest.mark.e2e
+
+SPECIALISTS = {s.id for s in SERVICES if s.kind == "specialist"}
 
 ONE_STEP = {"steps": [{"id": "totals", "skill": "invoice-totals"}]}
 
@@ -63,7 +66,7 @@ def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp
         assert endpoints["nats"].startswith("nats://127.0.0.1:")
         assert endpoints["registry"].startswith("http://127.0.0.1:")
         assert endpoints["coordinator"].startswith("http://127.0.0.1:")
-        assert set(endpoints["specialists"]) == {"sql-analyst", "stats", "case-desk"}
+        assert set(endpoints["specialists"]) == SPECIALISTS
         assert endpoints["mcp_servers"]["mcp-sql"].endswith("/mcp")
         assert endpoints["mcp_servers"]["mcp-cases"].endswith("/mcp")
         assert set(endpoints["mcp_servers"]) == {
@@ -79,7 +82,7 @@ def test_up_detach_writes_endpoints_status_reports_and_down_stops_everything(tmp
         assert report["healthy"] is True
         assert all(check["healthy"] for check in report["services"].values())
         agents = {a["id"] for a in report["registry"]["agents"]}
-        assert agents == {"coordinator", "sql-analyst", "stats", "case-desk"}
+        assert agents == {"coordinator", *SPECIALISTS}
         assert sorted(m["id"] for m in report["registry"]["mcp_servers"]) == [
             "mcp-cases",
             "mcp-memory",
