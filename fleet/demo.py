@@ -122,7 +122,6 @@ class Night:
     run_id: str = ""
     state: str = ""
     result: dict[str, Any] = field(default_factory=dict)
-    approvals: list[str] = field(default_factory=list)  # who approved what
 
 
 async def _demo(layout: StackLayout, auto_approve: bool, timeout_s: float | None) -> int:
@@ -278,7 +277,6 @@ async def _approval(api: RunApi, night: Night, payload: dict[str, Any], auto_app
     if auto_approve:
         note = "approved by fleet demo --auto-approve"
         await api.approve(night.tenant, night.run_id, str(payload["wait"]["awaited"]), note)
-        night.approvals.append(f"operator ({note})")
         print(f"demo: {night.tenant:<7}| approved as the operator (--auto-approve)")
         return
     print(
