@@ -1,4 +1,10 @@
-"""The debug bundle of a run: everything needed to explain what happened without re-running it."""
+"""The debug bundle of a run: everything needed to explain what happened without re-running it.
+
+Files: ``EXPLAIN.md`` (the summary a person reads first, see :mod:`coordinator.explain`),
+``events.jsonl`` (the event log), ``operations.jsonl`` (the operations ledger), ``checkpoints.jsonl``
+and ``last_state.json`` (graph state, redacted), ``tool_calls.csv`` (one row per delegated step),
+``agents.json`` (the registry's records now of the agents the run used) and ``env.txt`` (versions and
+the policy revision)."""
 
 from __future__ import annotations
 
@@ -7,11 +13,13 @@ import hashlib
 import io
 import json
 import platform
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
+from coordinator.explain import explain
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunEvent
 from fleet.redact import redact
@@ -99,17 +107,40 @@ def environment(policy_revision: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def used_agents(events: list[RunEvent], agents: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The registry's records (id, version, status, url, skills) of the agents the run's steps went
+    to, by id; an agent no longer registered is null."""
+    named = {
+        str(e.payload.get(key))
+        for e in events
+        for key in ("agent", "to", "from")
+        if e.type.startswith("step.") and e.payload.get(key)
+    }
+    fields = ("id", "version", "status", "url", "skills")
+    return {
+        name: ({k: agents[name].get(k) for k in fields} if name in agents else None) for name in sorted(named)
+    }
+
+
 async def bundle(
-    store: PostgresRunStore, ledger: Ledger, saver: BaseCheckpointSaver[Any], run: Run, policy_revision: str
+    store: PostgresRunStore,
+    ledger: Ledger,
+    saver: BaseCheckpointSaver[Any],
+    run: Run,
+    policy_revision: str,
+    agents: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Any]:
-    """The files of the bundle, by name (JSON-ready)."""
+    """The files of the bundle, by name (JSON-ready); ``agents``: the registry's agent records now,
+    by id (empty when the registry cannot be asked)."""
     events = await all_events(store, run)
     found = await checkpoints(saver, run.run_id)
+    operations = [op.to_json() for op in await ledger.for_run(run.run_id)]
+    used = used_agents(events, agents)
     return {
+        "EXPLAIN.md": explain(run, events, operations, policy_revision, {k: v for k, v in used.items() if v}),
         "events.jsonl": "".join(json.dumps(e.to_json()) + "\n" for e in events),
-        "operations.jsonl": "".join(
-            json.dumps(op.to_json()) + "\n" for op in await ledger.for_run(run.run_id)
-        ),
+        "operations.jsonl": "".join(json.dumps(redact(op)[0]) + "\n" for op in operations),
+        "agents.json": json.dumps(used, indent=2) + "\n",
         "checkpoints.jsonl": "".join(json.dumps(c) + "\n" for c in found),
         "last_state.json": json.dumps(found[0]["values"] if found else {}, indent=2) + "\n",
         "tool_calls.csv": tool_calls(run, events),

@@ -64,7 +64,21 @@ def run_routes(
     saver: BaseCheckpointSaver[Any],
     policy: PolicyEngine,
     desk: SignalDesk,
+    agent_records: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
 ) -> list[Route]:
+    """The run API's routes; ``agent_records`` lists the registry's agents (for the debug bundle:
+    the versions of the agents a run used)."""
+
+    async def agents_now() -> dict[str, dict[str, Any]]:
+        if agent_records is None:
+            return {}
+        try:
+            return {str(a["id"]): a for a in await agent_records()}
+        except Exception:
+            # The bundle explains the run from its own records; the registry only adds versions.
+            log.warning("could not list the registry's agents for a debug bundle", exc_info=True)
+            return {}
+
     async def resubmit(run_id: str, attempt: str) -> None:
         """Hand an answered run back to the workers; it is durable as submitted, so if the broker
         cannot take it now, the workers' sweep for stranded runs will."""
@@ -106,7 +120,7 @@ def run_routes(
             run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
         except RunNotFound as exc:
             return _error(exc)
-        files = await bundle(store, ledger, saver, run, policy.revision)
+        files = await bundle(store, ledger, saver, run, policy.revision, await agents_now())
         return JSONResponse({"run": _run_json(run), "files": files})
 
     async def operations(request: Request) -> Response:

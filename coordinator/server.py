@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -91,6 +91,15 @@ async def background(*jobs: Callable[[], Coroutine[Any, Any, None]]) -> AsyncIte
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def agent_records(registry: RegistryClient) -> Callable[[], Awaitable[list[dict[str, Any]]]]:
+    """The registry's agent records as JSON, asked when a debug bundle is made."""
+
+    async def records() -> list[dict[str, Any]]:
+        return [a.model_dump(mode="json") for a in await registry.agents()]
+
+    return records
 
 
 def build_app(settings: CoordinatorSettings) -> Starlette:
@@ -193,7 +202,9 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         lifespan=lifespan,
         extra_routes=[
             jwks_route(registry.key),
-            *run_routes(runs, ledger, submitter.submit, settings.pg_dsn, saver, engine, desk),
+            *run_routes(
+                runs, ledger, submitter.submit, settings.pg_dsn, saver, engine, desk, agent_records(registry)
+            ),
         ],
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),
     )

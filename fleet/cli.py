@@ -1,7 +1,8 @@
-"""The ``fleet`` command.
+"""The ``fleet`` command: the parsers and their wiring; each command lives in its own module.
 
-Exit codes scripts can rely on: 0 success; 1 the operation failed; 2 bad usage; 3 no stack is running
-on the data dir (for commands that need one); 130 interrupted.
+Exit codes scripts can rely on are one table, :mod:`fleet.cli_common` (0 done, 1 failed, 2 bad usage,
+3 no stack, 4 a no-op signal, 5 not found, 6 refused, 7/8/9 the run ended failed/canceled/rejected,
+130 interrupted).
 """
 
 from __future__ import annotations
@@ -18,15 +19,54 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet.errors import FleetError
+from fleet.cli_common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
+from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
 from fleet.settings import FleetSettings
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_NOT_RUNNING = 3
-EXIT_INTERRUPTED = 130
+
+def _with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--data-dir", type=Path, default=None, help="default: $FLEET_HOME or .fleet")
+    return p
+
+
+def _with_json(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--json", action="store_true", help="print one JSON document (errors too, on stderr)")
+    return p
+
+
+def _with_tenant(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    return p
+
+
+def _run_read_parsers(runs_sub: Any) -> None:
+    """``fleet runs list|show|events|cancel`` (see :mod:`fleet.runs_cli`)."""
+    listing = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("list", help="the tenant's runs"))))
+    listing.add_argument("--state", default=None, help="only runs in this state (e.g. waiting, failed)")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many, newest first (50)")
+    show = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("show", help="one run in detail"))))
+    show.add_argument("run_id")
+    show.add_argument("--watch", action="store_true", help="follow it to its end (a bar for batches)")
+    events = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("events", help="a run's event log"))))
+    events.add_argument("run_id")
+    events.add_argument("--follow", "-f", action="store_true", help="keep streaming until the run ends")
+    events.add_argument("--after", type=int, default=0, help="only events after this seq")
+    cancel = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("cancel", help="cancel a run"))))
+    cancel.add_argument("run_id")
+    cancel.add_argument("--reason", default="", help="recorded with your identity")
+
+
+def _registry_parsers(sub: Any) -> None:
+    """``fleet agents list|show`` and ``fleet mcp list`` (see :mod:`fleet.registry_cli`)."""
+    agents = sub.add_parser("agents", help="the agents the registry knows")
+    agents_sub = agents.add_subparsers(dest="agents_command", required=True)
+    _with_json(_with_dir(agents_sub.add_parser("list", help="every registered agent")))
+    show = _with_json(_with_dir(agents_sub.add_parser("show", help="one agent's record")))
+    show.add_argument("agent_id")
+    mcp = sub.add_parser("mcp", help="the MCP servers the registry knows")
+    mcp_sub = mcp.add_subparsers(dest="mcp_command", required=True)
+    _with_json(_with_dir(mcp_sub.add_parser("list", help="every registered MCP server, its tools, health")))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,10 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     runs = sub.add_parser("runs", help="runs of the fleet")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    _run_read_parsers(runs_sub)
     export = with_dir(runs_sub.add_parser("export", help="write a run's debug bundle to a folder"))
     export.add_argument("run_id")
     export.add_argument("out_dir", nargs="?", type=Path, default=None, help="default: ./run-RUN_ID")
     export.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    _with_json(export)
     resolve = with_dir(
         runs_sub.add_parser("resolve", help="say what became of an operation that needs a person")
     )
@@ -68,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     resolve.add_argument("--result", default="{}", help="the operation's result, as JSON (succeeded)")
     resolve.add_argument("--note", default="", help="why: recorded with your identity")
     resolve.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    _with_json(resolve)
     decide = with_dir(
         runs_sub.add_parser("decide", help="decide for a run that waits on a person (a spent budget)")
     )
@@ -77,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
         decide.add_argument(f"--{limit}", type=float, default=None, help="for the new tranche")
     decide.add_argument("--note", default="", help="why: recorded with your identity")
     decide.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    _with_json(decide)
     for verb, what in (
         ("approve", "approve what a run waits for"),
         ("reject", "reject what a run waits for"),
@@ -91,11 +135,13 @@ def _parser() -> argparse.ArgumentParser:
         )
         answer.add_argument("--id", default=None, help="a signal id: a repeat with the same id is a no-op")
         answer.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+        _with_json(answer)
     extend = with_dir(runs_sub.add_parser("extend", help="move the deadline of what a run waits for"))
     extend.add_argument("run_id")
     extend.add_argument("--seconds", type=float, required=True, help="how much later")
     extend.add_argument("--awaited", default=None)
     extend.add_argument("--tenant", default="default", help="the tenant the run belongs to")
+    _with_json(extend)
     events = sub.add_parser("events", help="ambient events on NATS")
     events_sub = events.add_subparsers(dest="events_command", required=True)
     publish = with_dir(events_sub.add_parser("publish", help="publish an event (fleet.events.<...>)"))
@@ -183,6 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     maudit.add_argument("--tenant", default=None, help="only this tenant's events")
     for command in (msearch, mshow, mforget, mapprove, maudit):
         command.add_argument("--json", action="store_true")
+    _registry_parsers(sub)
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -196,8 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, settings, layout)
     except FleetError as exc:
-        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
+        return report_error(exc, as_json=bool(getattr(args, "json", False)))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 
@@ -222,10 +268,21 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         return demo.run(
             layout, keep_running=args.keep_running, auto_approve=args.auto_approve, timeout_s=args.timeout
         )
+    if command == "runs" and args.runs_command in ("list", "show", "events", "cancel"):
+        return asyncio.run(_runs(args, layout))
+    if command in ("agents", "mcp"):
+        return asyncio.run(_registry(args, layout))
     if command == "runs" and args.runs_command == "resolve":
         return asyncio.run(
             operator_cli.resolve_operation(
-                layout, args.run_id, args.op_id, args.verdict, args.result, args.note, args.tenant
+                layout,
+                args.run_id,
+                args.op_id,
+                args.verdict,
+                args.result,
+                args.note,
+                args.tenant,
+                as_json=args.json,
             )
         )
     if command == "runs" and args.runs_command == "decide":
@@ -235,26 +292,31 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
             if (value := getattr(args, key)) is not None
         }
         return asyncio.run(
-            operator_cli.decide(layout, args.run_id, args.decision, limits, args.note, args.tenant)
+            operator_cli.decide(
+                layout, args.run_id, args.decision, limits, args.note, args.tenant, as_json=args.json
+            )
         )
     if command in ("approve", "reject"):
         body: dict[str, Any] = {"action": command, "note": args.note}
         if getattr(args, "input", None) is not None:
             try:
                 body["input"] = json.loads(args.input)
-            except json.JSONDecodeError:
-                print("fleet: --input must be JSON", file=sys.stderr)
-                return EXIT_USAGE
+            except json.JSONDecodeError as exc:
+                raise FleetError(ErrorCode.INVALID_REQUEST, "--input must be JSON") from exc
         body.update({k: v for k in ("awaited", "id") if (v := getattr(args, k)) is not None})
-        return asyncio.run(operator_cli.send_signal(layout, args.run_id, body, args.tenant))
+        return asyncio.run(
+            operator_cli.send_signal(layout, args.run_id, body, args.tenant, as_json=args.json)
+        )
     if command == "runs" and args.runs_command == "extend":
         body = {"action": "extend", "extend_s": args.seconds}
         if args.awaited is not None:
             body["awaited"] = args.awaited
-        return asyncio.run(operator_cli.send_signal(layout, args.run_id, body, args.tenant))
+        return asyncio.run(
+            operator_cli.send_signal(layout, args.run_id, body, args.tenant, as_json=args.json)
+        )
     if command == "runs":
         out_dir = args.out_dir or Path(f"run-{args.run_id}")
-        return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant)
+        return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant, as_json=args.json)
     if command == "events":
         type_ = args.type or args.subject.removeprefix("fleet.events.")
         return asyncio.run(
@@ -279,6 +341,31 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
     if command == "serve":
         return serve(args.service_id)
     return EXIT_USAGE
+
+
+async def _runs(args: argparse.Namespace, layout: StackLayout) -> int:
+    from fleet import runs_cli
+
+    which: str = args.runs_command
+    if which == "list":
+        return await runs_cli.list_runs(layout, args.tenant, args.state, args.limit, as_json=args.json)
+    if which == "show":
+        return await runs_cli.show(layout, args.run_id, args.tenant, watch=args.watch, as_json=args.json)
+    if which == "events":
+        return await runs_cli.events(
+            layout, args.run_id, args.tenant, args.after, follow=args.follow, as_json=args.json
+        )
+    return await runs_cli.cancel(layout, args.run_id, args.tenant, args.reason, as_json=args.json)
+
+
+async def _registry(args: argparse.Namespace, layout: StackLayout) -> int:
+    from fleet import registry_cli
+
+    if args.command == "mcp":
+        return await registry_cli.list_mcp_servers(layout, as_json=args.json)
+    if args.agents_command == "show":
+        return await registry_cli.show_agent(layout, args.agent_id, as_json=args.json)
+    return await registry_cli.list_agents(layout, as_json=args.json)
 
 
 def _memory(args: argparse.Namespace, layout: StackLayout) -> int:

@@ -37,6 +37,7 @@ class ErrorCode(StrEnum):
     BUDGET_EXHAUSTED = "budget_exhausted"
     BAD_ANSWER = "specialist_bad_answer"
     LLM_UNAVAILABLE = "llm_unavailable"
+    STACK_NOT_RUNNING = "stack_not_running"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -64,6 +65,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,
+    ErrorCode.STACK_NOT_RUNNING: 503,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -16,6 +16,7 @@ import httpx
 
 from deploy.local_stack import OPERATOR_ID
 from fleet import stacklock
+from fleet.cli_common import EXIT_NO_OP, emit, operator_client
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
@@ -33,7 +34,7 @@ def stack_running(layout: StackLayout) -> bool:
 def running_endpoints(layout: StackLayout) -> dict[str, Any]:
     endpoints = layout.read_endpoints()
     if endpoints is None or not stack_running(layout) or endpoints.get("stopped"):
-        raise FleetError(ErrorCode.NOT_FOUND, f"no stack is running on {layout.home} (fleet up)")
+        raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"no stack is running on {layout.home} (fleet up)")
     return endpoints
 
 
@@ -106,73 +107,71 @@ async def token(layout: StackLayout, audience: str, tenant: str, scopes: list[st
     return EXIT_OK
 
 
-def export_run(layout: StackLayout, run_id: str, out_dir: Path, tenant: str) -> int:
-    """Write the debug bundle of ``run_id`` into ``out_dir``."""
-    try:
-        endpoints = running_endpoints(layout)
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
-    body = asyncio.run(_fetch_debug_bundle(layout, endpoints, run_id, tenant))
-    if body is None:
-        print(f"fleet: no run {run_id} for tenant {tenant}", file=sys.stderr)
-        return EXIT_FAILED
+def export_run(layout: StackLayout, run_id: str, out_dir: Path, tenant: str, *, as_json: bool = False) -> int:
+    """Write the debug bundle of ``run_id`` into ``out_dir`` (``EXPLAIN.md`` first to read)."""
+    body = asyncio.run(_fetch_debug_bundle(layout, run_id, tenant))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, content in body["files"].items():
         (out_dir / name).write_text(content)
     run = body["run"]
-    print(f"run {run_id}: {run['state']}{' (' + run['reason'] + ')' if run['reason'] else ''}")
-    print(f"wrote {', '.join(sorted(body['files']))} to {out_dir}")
+    files = sorted(body["files"])
+    emit(
+        {"run": run, "dir": str(out_dir), "files": files},
+        as_json=as_json,
+        text=f"run {run_id}: {run['state']}{' (' + run['reason'] + ')' if run['reason'] else ''}\n"
+        f"wrote {', '.join(files)} to {out_dir}",
+    )
     return EXIT_OK
 
 
-async def _fetch_debug_bundle(
-    layout: StackLayout, endpoints: dict[str, Any], run_id: str, tenant: str
-) -> dict[str, Any] | None:
-    async with httpx.AsyncClient(timeout=60.0) as http:
-        client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
-        token = await client.token("coordinator", tenant, ["agent:invoke"])
-        response = await http.get(
-            f"{endpoints['coordinator']}/v1/runs/{run_id}/debug-bundle",
-            headers={"Authorization": f"Bearer {token}"},
-        )
-    if response.status_code == 404:
-        return None
-    response.raise_for_status()
-    body: dict[str, Any] = response.json()
-    return body
+async def _fetch_debug_bundle(layout: StackLayout, run_id: str, tenant: str) -> dict[str, Any]:
+    async with operator_client(layout, "coordinator", tenant, ("agent:invoke",)) as api:
+        try:
+            return await api.get(f"/v1/runs/{run_id}/debug-bundle")
+        except FleetError as exc:
+            if exc.code == ErrorCode.NOT_FOUND:
+                raise FleetError(ErrorCode.NOT_FOUND, f"no run {run_id} for tenant {tenant}") from exc
+            raise
 
 
 async def resolve_operation(
-    layout: StackLayout, run_id: str, op_id: str, verdict: str, result: str, note: str, tenant: str
+    layout: StackLayout,
+    run_id: str,
+    op_id: str,
+    verdict: str,
+    result: str,
+    note: str,
+    tenant: str,
+    *,
+    as_json: bool = False,
 ) -> int:
     """Give a person's answer for an operation that needs one; the run then resumes."""
     try:
         parsed = json.loads(result)
-    except json.JSONDecodeError:
-        print("fleet: --result must be JSON", file=sys.stderr)
-        return EXIT_USAGE
+    except json.JSONDecodeError as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "--result must be JSON") from exc
     body = {"verdict": verdict, "result": parsed, "note": note}
-    code, answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/operations/{op_id}/resolve", body)
-    if answer is None:
-        return code
-    print(f"operation {op_id}: {answer['operation']['status']}; run {run_id} resumes")
+    answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/operations/{op_id}/resolve", body)
+    text = f"operation {op_id}: {answer['operation']['status']}; run {run_id} resumes"
+    emit(answer, as_json=as_json, text=text)
     return EXIT_OK
 
 
 async def decide(
-    layout: StackLayout, run_id: str, decision: str, limits: dict[str, float], note: str, tenant: str
+    layout: StackLayout,
+    run_id: str,
+    decision: str,
+    limits: dict[str, float],
+    note: str,
+    tenant: str,
+    *,
+    as_json: bool = False,
 ) -> int:
     """A person's decision for a run that waits on one (a spent budget); the run then resumes."""
     body: dict[str, Any] = {"decision": decision, "note": note, **({"limits": limits} if limits else {})}
-    code, answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/decision", body)
-    if answer is None:
-        return code
-    print(f"run {run_id}: {decision}; it resumes ({answer['run']['state']})")
+    answer = await _post_for_run(layout, tenant, f"/v1/runs/{run_id}/decision", body)
+    emit(answer, as_json=as_json, text=f"run {run_id}: {decision}; it resumes ({answer['run']['state']})")
     return EXIT_OK
-
-
-EXIT_NO_OP = 4  # a signal that changed nothing (answered already, nothing awaited, the run ended)
 
 
 async def keys(layout: StackLayout, command: str, kid: str, reason: str) -> int:
@@ -214,20 +213,22 @@ async def keys(layout: StackLayout, command: str, kid: str, reason: str) -> int:
     return EXIT_OK
 
 
-async def send_signal(layout: StackLayout, run_id: str, body: dict[str, Any], tenant: str) -> int:
+async def send_signal(
+    layout: StackLayout, run_id: str, body: dict[str, Any], tenant: str, *, as_json: bool = False
+) -> int:
     """Send a signal for a run as the operator (approve, reject, extend); exit 0 if it was
     applied (a repeat of a signal id gets its first answer again), 4 if it was a recorded no-op."""
-    code, answer = await _post_for_run(
+    answer = await _post_for_run(
         layout, tenant, f"/v1/runs/{run_id}/signals", body, scopes=("agent:invoke", "runs:approve")
     )
-    if answer is None:
-        return code
     if answer["applied"]:
         again = " (this signal was received before: nothing new happened)" if answer["repeated"] else ""
-        print(f"run {run_id}: {body['action']} applied to {answer['awaited'] or 'the run'}{again}")
+        text = f"run {run_id}: {body['action']} applied to {answer['awaited'] or 'the run'}{again}"
+        emit(answer, as_json=as_json, text=text)
         return EXIT_OK
     reasons = "; ".join(answer.get("reasons", []))
-    print(f"run {run_id}: {body['action']} changed nothing ({answer['outcome']}: {reasons})")
+    text = f"run {run_id}: {body['action']} changed nothing ({answer['outcome']}: {reasons})"
+    emit(answer, as_json=as_json, text=text)
     return EXIT_NO_OP
 
 
@@ -237,26 +238,11 @@ async def _post_for_run(
     path: str,
     body: dict[str, Any],
     scopes: tuple[str, ...] = ("agent:invoke", "runs:resolve"),
-) -> tuple[int, dict[str, Any] | None]:
-    """POST ``body`` to the coordinator's run API as the operator (with ``scopes``): the answer,
-    or the exit code and None after printing the error."""
-    try:
-        endpoints = running_endpoints(layout)
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING, None
-    async with httpx.AsyncClient(timeout=60.0) as http:
-        client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
-        token = await client.token("coordinator", tenant, list(scopes))
-        response = await http.post(
-            endpoints["coordinator"] + path, headers={"Authorization": f"Bearer {token}"}, json=body
-        )
-    answer: dict[str, Any] = response.json()
-    if response.status_code != 200:
-        error = answer.get("error", {})
-        print(f"fleet: [{error.get('code')}] {error.get('message')}", file=sys.stderr)
-        return EXIT_FAILED, None
-    return EXIT_OK, answer
+) -> dict[str, Any]:
+    """POST ``body`` to the coordinator's run API as the operator (with ``scopes``): the answer;
+    the service's refusal is raised as FleetError."""
+    async with operator_client(layout, "coordinator", tenant, scopes) as api:
+        return await api.post(path, body)
 
 
 async def publish_event(

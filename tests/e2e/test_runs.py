@@ -141,6 +141,8 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
     assert "failed (specialist_failed)" in result.stdout
     bundle = tmp_path / "bundle"
     assert sorted(p.name for p in bundle.iterdir()) == [
+        "EXPLAIN.md",
+        "agents.json",
         "checkpoints.jsonl",
         "env.txt",
         "events.jsonl",
@@ -171,5 +173,6 @@ def test_exporting_a_run_of_another_tenant_finds_nothing(stack: Stack, tmp_path:
     result = fleet(
         "runs", "export", "no-such-run", str(tmp_path), "--tenant", "acme", "--data-dir", stack.data_dir
     )
-    assert result.returncode == 1
+    assert result.returncode == 5  # not found
     assert "no run no-such-run" in result.stderr
+    assert result.stderr.strip().endswith("[not_found]")

@@ -1,0 +1,160 @@
+"""What every ``fleet`` command shares: the exit code table, output (text or ``--json``), errors,
+and an operator's HTTP client for one service of the running stack.
+
+Exit codes (one table for every command, so scripts can branch on them):
+
+==== ==========================================================================================
+code meaning
+==== ==========================================================================================
+0    done (for ``runs events --follow`` and ``runs show --watch``: the run completed)
+1    the operation failed (a service answered with an error this table has no row for)
+2    bad usage (arguments, JSON that does not parse, an invalid request)
+3    no stack is running on the data dir
+4    a signal changed nothing (answered already, nothing awaited, the run has ended)
+5    not found (no such run, agent, MCP server, memory, for that tenant)
+6    refused (forbidden by policy or scope, unauthenticated)
+7    the run ended ``failed``
+8    the run ended ``canceled``
+9    the run ended ``rejected``
+130  interrupted (Ctrl-C; the run goes on)
+==== ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from fleet.errors import ErrorCode, FleetError
+from fleet.layout import StackLayout
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+EXIT_NO_OP = 4
+EXIT_NOT_FOUND = 5
+EXIT_REFUSED = 6
+EXIT_RUN_FAILED = 7
+EXIT_RUN_CANCELED = 8
+EXIT_RUN_REJECTED = 9
+EXIT_INTERRUPTED = 130
+
+_EXIT_BY_CODE: dict[ErrorCode, int] = {
+    ErrorCode.STACK_NOT_RUNNING: EXIT_NOT_RUNNING,
+    ErrorCode.NOT_FOUND: EXIT_NOT_FOUND,
+    ErrorCode.NO_SPECIALIST: EXIT_NOT_FOUND,
+    ErrorCode.FORBIDDEN: EXIT_REFUSED,
+    ErrorCode.POLICY_DENIED: EXIT_REFUSED,
+    ErrorCode.UNAUTHENTICATED: EXIT_REFUSED,
+    ErrorCode.INVALID_REQUEST: EXIT_USAGE,
+}
+
+# How a run's end state maps to the exit code of a command that waited for it.
+EXIT_BY_END_STATE: dict[str, int] = {
+    "completed": EXIT_OK,
+    "failed": EXIT_RUN_FAILED,
+    "canceled": EXIT_RUN_CANCELED,
+    "rejected": EXIT_RUN_REJECTED,
+}
+
+
+def exit_code(exc: FleetError) -> int:
+    """The exit code of a command that stopped on ``exc``."""
+    return _EXIT_BY_CODE.get(exc.code, EXIT_FAILED)
+
+
+def report_error(exc: FleetError, *, as_json: bool) -> int:
+    """Print ``exc`` on stderr (``fleet: <message> [<code>]``, or a JSON error object) and return
+    its exit code."""
+    code = exit_code(exc)
+    if as_json:
+        print(json.dumps({"error": {**exc.to_dict(), "exit_code": code}}), file=sys.stderr)
+    else:
+        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
+    return code
+
+
+def emit(document: Any, *, as_json: bool, text: str | None = None) -> None:
+    """One result: ``document`` as one JSON document on stdout with ``--json``, else ``text``."""
+    if as_json:
+        print(json.dumps(document, indent=2, default=str))
+    elif text is not None:
+        print(text)
+
+
+def emit_line(document: Any) -> None:
+    """One JSON Lines record (for streams: ``--follow``), flushed at once."""
+    print(json.dumps(document, default=str), flush=True)
+
+
+def _error_of(response: httpx.Response) -> FleetError:
+    """The FleetError a service answered with (``{"error": {"code", "message"}}``)."""
+    try:
+        error = response.json().get("error", {})
+    except ValueError:
+        error = {}
+    try:
+        code = ErrorCode(error.get("code"))
+    except ValueError:
+        code = ErrorCode.NOT_FOUND if response.status_code == 404 else ErrorCode.INTERNAL
+    message = error.get("message") or f"HTTP {response.status_code} from {response.request.url.path}"
+    return FleetError(code, str(message))
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceClient:
+    """An operator's authenticated client for one service of the stack (its base URL)."""
+
+    http: httpx.AsyncClient
+    base_url: str
+    headers: Mapping[str, str]
+
+    async def get(self, path: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """GET ``path``: the JSON answer, or the service's error raised as FleetError."""
+        return self._answer(await self._call("GET", path, params=params))
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``path``: the JSON answer, or the service's error raised as FleetError."""
+        return self._answer(await self._call("POST", path, json=dict(body)))
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self.http.request(method, self.base_url + path, headers=dict(self.headers), **kwargs)
+        except httpx.HTTPError as exc:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach {self.base_url}: {type(exc).__name__}"
+            ) from exc
+
+    @staticmethod
+    def _answer(response: httpx.Response) -> dict[str, Any]:
+        if response.status_code >= 400:
+            raise _error_of(response)
+        body: dict[str, Any] = response.json()
+        return body
+
+
+@contextlib.asynccontextmanager
+async def operator_client(
+    layout: StackLayout, service: str, tenant: str, scopes: tuple[str, ...], connect_s: float = 60.0
+) -> AsyncIterator[ServiceClient]:
+    """A client for ``service`` (``coordinator`` or ``registry``) of the running stack, with a
+    short-lived operator token for ``tenant`` and ``scopes``. Raises ``stack_not_running``."""
+    from fleet.operator_cli import operator_token_client, running_endpoints
+
+    endpoints = running_endpoints(layout)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(connect_s, read=None)) as http:
+        tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+        try:
+            bearer = await tokens.token(service, tenant, list(scopes))
+        except httpx.HTTPError as exc:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach the registry: {type(exc).__name__}"
+            ) from exc
+        yield ServiceClient(http, endpoints[service], {"Authorization": f"Bearer {bearer}"})

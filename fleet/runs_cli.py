@@ -1,0 +1,279 @@
+"""``fleet runs list|show|events|cancel``: a tenant's runs through the coordinator's run API, as the
+operator.
+
+``runs events RUN`` replays the event log over SSE (``GET /v1/runs/{id}/events``); with ``--follow``
+it keeps streaming until the run ends, reconnecting with ``Last-Event-ID`` (the last seq it printed)
+when the connection drops, so no event is lost or printed twice. A command that saw the run end exits
+with the code of its end state (see :data:`fleet.cli_common.EXIT_BY_END_STATE`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from fleet.cli_common import (
+    EXIT_BY_END_STATE,
+    EXIT_NO_OP,
+    EXIT_OK,
+    ServiceClient,
+    emit,
+    emit_line,
+    operator_client,
+)
+from fleet.errors import ErrorCode, FleetError
+from fleet.layout import StackLayout
+from fleet.progress import ProgressBar
+
+READ_SCOPES = ("agent:invoke",)
+SIGNAL_SCOPES = ("agent:invoke", "runs:approve")
+TERMINAL_STATES = frozenset(EXIT_BY_END_STATE)
+RECONNECTS = 8  # in a row without a new event; then the coordinator is taken to be gone
+
+
+def waiting_on(run: dict[str, Any]) -> str:
+    """What a waiting run waits for, in a few words (``approval approval:wipe:1``)."""
+    wait = run.get("wait") or {}
+    return " ".join(str(wait[k]) for k in ("type", "awaited") if wait.get(k))
+
+
+async def list_runs(layout: StackLayout, tenant: str, state: str | None, limit: int, *, as_json: bool) -> int:
+    """``fleet runs list``: the tenant's runs, newest first."""
+    async with operator_client(layout, "coordinator", tenant, READ_SCOPES) as api:
+        runs = (await api.get("/v1/runs"))["runs"]
+    runs = [r for r in runs if state in (None, r["state"])][: max(limit, 0)]
+    lines = [f"{'RUN':<34} {'STATE':<15} {'REASON':<20} {'WAITING ON':<30} UPDATED"]
+    lines += [
+        f"{r['run_id']:<34} {r['state']:<15} {r['reason'] or '':<20} {waiting_on(r):<30} {r['updated_at']}"
+        for r in runs
+    ]
+    emit({"runs": runs}, as_json=as_json, text="\n".join(lines))
+    return EXIT_OK
+
+
+# --- reading the event log -------------------------------------------------------------------
+
+
+async def _sse(api: ServiceClient, run_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
+    """The events the server streams after seq ``after``, parsed."""
+    headers = {**api.headers, "Last-Event-ID": str(after)}
+    url = f"{api.base_url}/v1/runs/{run_id}/events"
+    async with api.http.stream("GET", url, headers=headers) as response:
+        if response.status_code >= 400:
+            await response.aread()
+            ServiceClient._answer(response)  # raises the service's error
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                event: dict[str, Any] = json.loads(line.removeprefix("data: "))
+                yield event
+
+
+async def events_of(
+    api: ServiceClient, run_id: str, after: int, *, follow: bool, last_seq: int
+) -> AsyncIterator[dict[str, Any]]:
+    """The run's events after ``after``: up to ``last_seq`` (the run's last when asked), or with
+    ``follow`` until the run ends, resuming from the last event seen if the connection drops."""
+    cursor, failures = after, 0
+    while follow or cursor < last_seq:
+        try:
+            async for event in _sse(api, run_id, cursor):
+                cursor, failures = event["seq"], 0
+                yield event
+                if not follow and cursor >= last_seq:
+                    return
+        except httpx.TransportError as exc:
+            failures += 1
+            if failures > RECONNECTS:
+                raise FleetError(
+                    ErrorCode.DEPENDENCY_UNAVAILABLE, f"lost the coordinator's event stream: {exc!r}"
+                ) from exc
+            await asyncio.sleep(min(0.25 * 2**failures, 5.0))  # the coordinator may be restarting
+            continue
+        # The server closes the stream when the run has ended; a close without that is a drop.
+        if (await api.get(f"/v1/runs/{run_id}"))["state"] in TERMINAL_STATES:
+            return
+
+
+def _summary(event: dict[str, Any]) -> str:
+    text = json.dumps(event.get("payload", {}), separators=(",", ":"), default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    return f"{event['seq']:>5} {event['ts']} {event['type']:<22} {event['actor']:<16} {_summary(event)}"
+
+
+async def _print_events(
+    api: ServiceClient, run_id: str, after: int, follow: bool, last_seq: int, as_json: bool
+) -> list[dict[str, Any]]:
+    """Print each event as it comes (a line, or a JSON line while following), drawing batch
+    progress as a bar on a terminal; return them."""
+    bar = ProgressBar.for_stream(sys.stdout, as_json=as_json)
+    seen: list[dict[str, Any]] = []
+    async for event in events_of(api, run_id, after, follow=follow, last_seq=last_seq):
+        seen.append(event)
+        if as_json and follow:
+            emit_line(event)
+        elif event["type"] == "batch.progress" and bar.enabled:
+            bar.update(str(event["payload"].get("step", "")), *_done_total(event))
+        elif not as_json:
+            bar.clear()
+            print(_event_line(event), flush=True)
+    bar.finish()
+    return seen
+
+
+def _done_total(event: dict[str, Any]) -> tuple[int, int]:
+    payload = event["payload"]
+    return int(payload.get("done", 0)), int(payload.get("total", 0))
+
+
+async def events(
+    layout: StackLayout, run_id: str, tenant: str, after: int, *, follow: bool, as_json: bool
+) -> int:
+    """``fleet runs events RUN [--follow] [--after SEQ]``; the exit code says how the run ended,
+    if it has (0 completed, 7 failed, 8 canceled, 9 rejected), else 0."""
+    async with operator_client(layout, "coordinator", tenant, READ_SCOPES) as api:
+        run = await api.get(f"/v1/runs/{run_id}")
+        seen = await _print_events(api, run_id, after, follow, int(run["last_seq"]), as_json)
+        if follow:
+            run = await api.get(f"/v1/runs/{run_id}")
+    if as_json and not follow:
+        emit({"run_id": run_id, "state": run["state"], "events": seen}, as_json=True)
+    return EXIT_BY_END_STATE.get(run["state"], EXIT_OK)
+
+
+# --- one run -------------------------------------------------------------------------------
+
+
+def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step the log names: its skill, the agent it went to (the last, after reroutes), how it
+    stands, and batch progress."""
+    steps: dict[str, dict[str, Any]] = {}
+    for event in events:
+        payload = event.get("payload", {})
+        kind = event["type"]
+        if not kind.startswith(("step.", "batch.progress")) or "step" not in payload:
+            continue
+        step = steps.setdefault(str(payload["step"]), {"step": payload["step"], "status": "started"})
+        _fold_step(step, kind, payload)
+    return list(steps.values())
+
+
+def _fold_step(step: dict[str, Any], kind: str, payload: dict[str, Any]) -> None:
+    for key in ("skill", "agent"):
+        if payload.get(key):
+            step[key] = payload[key]
+    if kind == "step.rerouted":
+        step["agent"] = payload.get("to", step.get("agent"))
+        step["reroutes"] = step.get("reroutes", 0) + 1
+    elif kind == "batch.progress":
+        step["done"], step["total"] = payload.get("done"), payload.get("total")
+    elif kind in ("step.completed", "step.failed", "step.blocked"):
+        step["status"] = kind.removeprefix("step.")
+        if kind == "step.failed":
+            step["error"] = {"code": payload.get("code"), "message": payload.get("message")}
+
+
+def last_error(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last failure the log records (a failed step, or the run's own failure)."""
+    for event in reversed(events):
+        payload = event.get("payload", {})
+        if event["type"] == "step.failed" or (event["type"] == "run.failed" and payload.get("message")):
+            return {
+                "seq": event["seq"],
+                "step": payload.get("step"),
+                "code": payload.get("code") or payload.get("reason"),
+                "message": payload.get("message", ""),
+            }
+    return None
+
+
+async def _run_view(api: ServiceClient, run_id: str) -> dict[str, Any]:
+    run = await api.get(f"/v1/runs/{run_id}")
+    log = [e async for e in events_of(api, run_id, 0, follow=False, last_seq=int(run["last_seq"]))]
+    operations = (await api.get(f"/v1/runs/{run_id}/operations"))["operations"]
+    return {
+        **run,
+        "steps": steps_of(log),
+        "operations": operations,
+        "artifacts": [e["payload"] for e in log if e["type"] == "artifact"],
+        "last_error": last_error(log),
+    }
+
+
+def _view_lines(view: dict[str, Any]) -> list[str]:
+    reason = f" ({view['reason']})" if view.get("reason") else ""
+    lines = [f"run {view['run_id']}: {view['state']}{reason}", f"  updated  {view['updated_at']}"]
+    if wait := view.get("wait"):
+        lines.append(
+            f"  waiting  {waiting_on(view)} since {wait.get('since', '?')} deadline {wait.get('deadline', '-')}"
+        )
+    lines.append("  steps")
+    for step in view["steps"]:
+        extra = f" {step['done']}/{step['total']}" if step.get("total") else ""
+        reroutes = f" rerouted x{step['reroutes']}" if step.get("reroutes") else ""
+        lines.append(
+            f"    {step['step']:<16} {step.get('skill', ''):<18} {step.get('agent', ''):<16} "
+            f"{step['status']}{extra}{reroutes}"
+        )
+    lines.append("  operations")
+    lines += [
+        f"    {o['op_id']:<20} {o['step_id']:<16} {o['target']:<16} {o['status']}" for o in view["operations"]
+    ]
+    lines.append(f"  artifacts  {len(view['artifacts'])}")
+    if error := view.get("last_error"):
+        lines.append(f"  last error  [{error['code']}] {error['message']} (step {error['step']})")
+    return lines
+
+
+async def show(layout: StackLayout, run_id: str, tenant: str, *, watch: bool, as_json: bool) -> int:
+    """``fleet runs show RUN [--watch]``: the run's state, wait, steps, operations, artifacts and
+    last error; with ``--watch``, follow it to its end (a progress bar for batch steps)."""
+    async with operator_client(layout, "coordinator", tenant, READ_SCOPES) as api:
+        view = await _run_view(api, run_id)
+        if watch and view["state"] not in TERMINAL_STATES:
+            if not as_json:
+                print("\n".join(_view_lines(view)), flush=True)
+            await _watch(api, run_id, int(view["last_seq"]), as_json)
+            view = await _run_view(api, run_id)
+            emit(view, as_json=as_json, text=f"run {run_id}: {view['state']}")
+        else:
+            emit(view, as_json=as_json, text="\n".join(_view_lines(view)))
+    return EXIT_BY_END_STATE.get(view["state"], EXIT_OK) if watch else EXIT_OK
+
+
+async def _watch(api: ServiceClient, run_id: str, after: int, as_json: bool) -> None:
+    """Until the run ends: a bar for batch progress, a line for each change of the run's state."""
+    bar = ProgressBar.for_stream(sys.stdout, as_json=as_json)
+    async for event in events_of(api, run_id, after, follow=True, last_seq=after):
+        if event["type"] == "batch.progress":
+            bar.update(str(event["payload"].get("step", "")), *_done_total(event))
+        elif event["type"].startswith("run.") and not as_json:
+            bar.clear()
+            print(_event_line(event), flush=True)
+    bar.finish()
+
+
+# --- signals -------------------------------------------------------------------------------
+
+
+async def cancel(layout: StackLayout, run_id: str, tenant: str, reason: str, *, as_json: bool) -> int:
+    """``fleet runs cancel RUN``: idempotent; 0 when the run is canceled or will be (a repeat
+    included), 4 when it had ended otherwise (nothing to cancel)."""
+    async with operator_client(layout, "coordinator", tenant, SIGNAL_SCOPES) as api:
+        outcome = await api.post(f"/v1/runs/{run_id}/signals", {"action": "cancel", "note": reason})
+        state = (await api.get(f"/v1/runs/{run_id}"))["state"]
+    done = outcome["applied"] or state == "canceled"
+    text = (
+        f"run {run_id}: cancel {'requested' if outcome['applied'] else 'already done'} ({state})"
+        if done
+        else f"run {run_id}: nothing to cancel, it has {state}"
+    )
+    emit({**outcome, "state": state}, as_json=as_json, text=text)
+    return EXIT_OK if done else EXIT_NO_OP
