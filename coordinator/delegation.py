@@ -58,8 +58,10 @@ from a2a.helpers import get_data_parts, get_text_parts, new_data_part
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
+from opentelemetry.trace import SpanKind
 
 from coordinator.plan import UNTRUSTED
+from fleet import telemetry
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import (
     MAX_WAIT_S,
@@ -192,6 +194,7 @@ class Delegator:
         operation_id: str | None = None,
         activity: Activity | None = None,
         run_id: str = "",
+        step: str = "",
     ) -> dict[str, Any]:
         """Run ``skill`` on ``agent``; return its result data or raise a step failure.
 
@@ -211,11 +214,36 @@ class Delegator:
         )
         if operation_id is not None:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
+        span = telemetry.invoke_agent_span(
+            agent.id,
+            kind=SpanKind.CLIENT,
+            agent_id=agent.id,
+            skill=skill,
+            run_id=run_id,
+            operation_id=operation_id,
+            tenant=tenant,
+            step=step,
+        )
+        with span:
+            return await self._send(agent, skill, message, tenant, progress, activity, run_id)
+
+    async def _send(
+        self,
+        agent: AgentRecord,
+        skill: str,
+        message: Message,
+        tenant: str,
+        progress: Progress,
+        activity: Activity | None,
+        run_id: str,
+    ) -> dict[str, Any]:
         client = self._client(agent)
         try:
             for attempt in (1, 2):
                 token = await self._agent_token(agent, tenant, run_id)
-                context = ClientCallContext(service_parameters={"Authorization": f"Bearer {token}"})
+                # The trace context rides in the headers: the specialist's span becomes a child of ours.
+                headers = telemetry.inject({"Authorization": f"Bearer {token}"})
+                context = ClientCallContext(service_parameters=dict(headers))
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
                     result = await _collect(stream, agent.id, progress, activity or _idle)

@@ -296,6 +296,7 @@ class StepDispatcher:
                 operation_id=op.op_id,
                 activity=touched,
                 run_id=self._lease.run_id,
+                step=self._step_id,
             )
         )
         renewals = 0

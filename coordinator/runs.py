@@ -386,6 +386,15 @@ class PostgresRunStore:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('fleet.runs.schema'))")
             await conn.execute(SCHEMA)
 
+    async def census(self) -> list[tuple[str, str | None, int]]:
+        """How many runs of all tenants are in each state (and, waiting, each wait type): counts
+        only, for the fleet's metrics."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT state, wait->>'type', count(*) FROM fleet_runs.runs GROUP BY 1, 2"
+            )
+            return [(str(state), wait_type, int(n)) for state, wait_type, n in await cursor.fetchall()]
+
     async def create_run(
         self,
         run_id: str,

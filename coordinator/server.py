@@ -23,6 +23,7 @@ from coordinator.executor import CoordinatorExecutor
 from coordinator.graph import checkpoint_pool
 from coordinator.handler import CoordinatorRequestHandler
 from coordinator.llm_planner import llm_planner
+from coordinator.metrics import coordinator_metrics
 from coordinator.operations import Ledger
 from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
 from coordinator.run_api import RUNS_PREFIX, run_routes
@@ -30,6 +31,7 @@ from coordinator.runs import PostgresRunStore
 from coordinator.signals import SignalDesk, SignalIngest
 from coordinator.task_store import PostgresTaskStore, sweep_retention
 from coordinator.triggers import TriggerIngest
+from fleet import telemetry
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
@@ -186,6 +188,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             await saver.setup()
             await desk.setup()
             await stack.enter_async_context(submitter)
+            telemetry.on_scrape(coordinator_metrics(runs, lambda: submitter.client))
             await stack.enter_async_context(enforcing(engine, submitter.client))
             stack.push_async_callback(handler.aclose)  # runs before the pool and client close
             await stack.enter_async_context(background(*jobs))

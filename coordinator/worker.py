@@ -27,6 +27,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
+from opentelemetry.trace import SpanKind
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -48,6 +49,7 @@ from coordinator.runs import (
     RunState,
     StaleLease,
 )
+from fleet import telemetry
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
@@ -289,7 +291,17 @@ class RunWorker:
 
     async def advance(self, run: Run, lease: Lease, signals: RunSignals | None = None) -> None:
         """Run or resume the run's graph to its end and record the outcome; stop at a cancel request
-        (seen at the next event the run writes, or by the heartbeat)."""
+        (seen at the next event the run writes, or by the heartbeat).
+
+        Each slice of a run is one trace (its root span names the run): a run resumed after a
+        pause, perhaps by another worker, starts a new trace with the same ``fleet.run_id``."""
+        span = telemetry.invoke_agent_span(
+            "coordinator", kind=SpanKind.INTERNAL, agent_id=self._id, run_id=run.run_id, tenant=run.tenant
+        )
+        with span:
+            await self._advance_or_cancel(run, lease, signals)
+
+    async def _advance_or_cancel(self, run: Run, lease: Lease, signals: RunSignals | None) -> None:
         try:
             if run.cancel_requested:
                 raise CancelRequested(run.run_id)

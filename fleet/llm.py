@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from fleet import telemetry
 from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact
 from fleet.settings import ServiceSettings
@@ -86,7 +87,19 @@ class ChatModel:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> ChatReply:
         """The model's next turn of the conversation ``messages``, offered ``tools`` (OpenAI
-        function specs) if any."""
+        function specs) if any. Each call is a ``chat {model}`` span with the tokens it used."""
+        with telemetry.chat_span(self._model) as span:
+            reply, answer = await self._complete(messages, tools)
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            if isinstance(usage, dict):
+                telemetry.record_usage(
+                    span, _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+                )
+            return reply
+
+    async def _complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[ChatReply, Any]:
         body: dict[str, Any] = {"model": self._model, "messages": messages}
         if tools:
             body["tools"] = tools
@@ -110,7 +123,7 @@ class ChatModel:
             answer = response.json()
         except ValueError as exc:
             raise self._malformed(f"the body is not JSON: {self._snippet(response.text)}") from exc
-        return self._reply_of(answer)
+        return self._reply_of(answer), answer
 
     def _reply_of(self, answer: Any) -> ChatReply:
         choices = answer.get("choices") if isinstance(answer, dict) else None
@@ -173,6 +186,11 @@ def _total_tokens(usage: Any) -> int:
         return max(total, 0)
     parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
     return sum(p for p in parts if isinstance(p, int) and not isinstance(p, bool) and p > 0)
+
+
+def _count(value: Any) -> int | None:
+    """A token count a server reported, if it is one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 _FENCED = re.compile(r"^```[a-zA-Z0-9_-]*\s*\n(?P<body>.*?)\n?```$", re.DOTALL)

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
+from fleet import telemetry
 from fleet.settings import ServiceSettings
 
 
@@ -45,7 +46,19 @@ def listening_socket(settings: ServiceSettings) -> socket.socket:
 
 
 async def serve_app(app: ASGIApp, settings: ServiceSettings) -> None:
-    """Serve ``app`` until SIGTERM/SIGINT; uvicorn drains in-flight requests on the way out."""
+    """Serve ``app`` until SIGTERM/SIGINT; uvicorn drains in-flight requests on the way out.
+
+    Every service gets ``/metrics`` here, and its traces go to the OTLP endpoint its settings name
+    (none: tracing stays off); the spans still queued are exported on the way out."""
+    tracing = telemetry.configure(settings.service_id, settings.otlp_endpoint)
+    try:
+        await _serve(telemetry.with_metrics(app), settings)
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
+
+
+async def _serve(app: ASGIApp, settings: ServiceSettings) -> None:
     config = uvicorn.Config(
         app,
         log_level=settings.log_level.lower(),

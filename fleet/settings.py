@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_ISSUER = "fleet-registry"
@@ -91,6 +91,13 @@ class ServiceSettings(BaseSettings):
     external_issuers: list[ExternalIssuer] = Field(
         default_factory=list,
         description="identity providers outside the fleet whose tokens the coordinator accepts (JSON)",
+    )
+    otlp_endpoint: str = Field(
+        default="",
+        # The standard OpenTelemetry variable works too, so a collector set up for other services
+        # needs no fleet-specific setting; FLEET_OTLP_ENDPOINT wins when both are set.
+        validation_alias=AliasChoices("FLEET_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp_endpoint"),
+        description="an OTLP/HTTP base URL (spans go to its /v1/traces); empty: tracing is off",
     )
 
     def local_state_dir(self) -> Path:

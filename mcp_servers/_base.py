@@ -15,15 +15,18 @@ import httpx
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
+from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
+from fleet import telemetry
 from fleet import tokens as fleet_tokens
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
@@ -396,13 +399,79 @@ def tool_server_app(
     return build_app(mcp, readiness, lifespan)
 
 
+class TracedMCPServer(MCPServer):
+    """An MCP server whose every tool call is an ``execute_tool`` SERVER span (the child of the
+    caller's span its request's ``traceparent`` names) and a sample of the tool latency histogram,
+    by tool and outcome (``ok``; ``error``: an error answer or a refusal of the gate)."""
+
+    def __init__(self, name: str, server_id: str, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.server_id = server_id
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        """The tool's answer, traced and timed (its arguments and result are in neither)."""
+        started = time.perf_counter()
+        outcome = "error"
+        claims = _claims_or_none()
+        span = telemetry.execute_tool_span(
+            name,
+            kind=SpanKind.SERVER,
+            server=self.server_id,
+            run_id=str(claims.raw.get("run_id") or "") if claims else "",
+            tenant=claims.tenant if claims else "",
+            parent=None if _in_a_span() else _headers_of(context),
+        )
+        try:
+            with span as current:
+                result = await super().call_tool(name, arguments, context)
+                if isinstance(result, CallToolResult) and result.is_error:
+                    current.set_attribute("error.type", "tool_error")
+                    current.set_status(Status(StatusCode.ERROR))
+                else:
+                    outcome = "ok"
+                return result
+        finally:
+            tool = name if self._tool_manager.get_tool(name) is not None else "unknown"  # bounded labels
+            telemetry.TOOL_CALL_SECONDS.labels(self.server_id, tool, outcome).observe(
+                time.perf_counter() - started
+            )
+
+
+def _in_a_span() -> bool:
+    """Whether the MCP SDK's own span of the request is current: it took its parent from the
+    request's ``_meta`` trace context, and ours nests under it; else ours takes the HTTP headers'."""
+    return trace.get_current_span().get_span_context().is_valid
+
+
+def _claims_or_none() -> Claims | None:
+    try:
+        return current_claims()
+    except ToolError:
+        return None
+
+
+def _headers_of(context: Context[Any, Any] | None) -> dict[str, str] | None:
+    """The HTTP headers of the request a tool call came in (where its trace context is)."""
+    if context is None:
+        return None
+    try:
+        request = context.request_context.request
+    except ValueError:  # no request context: a call made in process
+        return None
+    headers = getattr(request, "headers", None)
+    return dict(headers) if headers is not None else None
+
+
 def fleet_mcp_server(
     name: str, settings: ServiceSettings, registry: RegistryClient, instructions: str | None = None
 ) -> MCPServer:
     """An MCP server that verifies every request's token (addressed to this service, keys from the
-    registry's JWKS) before any tool runs."""
-    return MCPServer(
+    registry's JWKS) before any tool runs, and traces and times every tool call."""
+    return TracedMCPServer(
         name,
+        settings.service_id,
         instructions=instructions,
         token_verifier=RegistryTokenVerifier(registry, settings.service_id),
         auth=auth_settings(settings),

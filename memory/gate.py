@@ -38,6 +38,7 @@ from typing import Any
 from presidio_anonymizer import AnonymizerEngine
 from presidio_anonymizer.entities import RecognizerResult
 
+from fleet import telemetry
 from fleet.errors import ErrorCode, FleetError
 from memory.consolidate import Extractor, RuleExtractor
 from memory.embeddings import Embedder
@@ -249,6 +250,7 @@ class Memory:
                 await self.store.set_payload(caller.tenant, entry_id, update)
         done = [o for o in outcomes if o is not None]
         for i, (write, outcome) in enumerate(zip(writes, done, strict=True)):
+            telemetry.record_memory_write(write.tier, outcome.status, bool(outcome.redacted))
             self._record(
                 "remember",
                 caller,

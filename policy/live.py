@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError, NoKeysError
 
+from fleet import telemetry
 from fleet.errors import FleetError
 from fleet.eventlog import EventLog
 from fleet.natsconn import key_value, kv_history, kv_keys
@@ -202,18 +203,12 @@ class LivePolicy:
         (the embedded engine evaluates in place, in microseconds: nothing can interrupt it). Every
         decision is recorded in the decision log."""
         started = time.perf_counter()
-        engine = self._engine
-        if engine is None:
-            raise PolicyError("no policy is loaded here yet: every decision is a denial")
         try:
-            async with asyncio.timeout(self._timeout_s):
-                decision = await engine.decide(path, input_document, log_decision=False)
-        except TimeoutError as exc:
-            raise PolicyError(f"{path}: no decision within {self._timeout_s} s") from exc
+            decision = await self._evaluate(path, input_document)
         except FleetError:
+            telemetry.record_policy_decision(path, "unavailable")
             raise
-        except Exception as exc:
-            raise PolicyError(f"{path}: the engine failed: {exc!r}") from exc
+        telemetry.record_policy_decision(path, "allow" if decision.allow else "deny")
         self._record(decision, input_document, time.perf_counter() - started)
         if log_decision:
             log.debug(
@@ -224,6 +219,20 @@ class LivePolicy:
                 decision.revision,
             )
         return decision
+
+    async def _evaluate(self, path: str, input_document: dict[str, Any]) -> Decision:
+        engine = self._engine
+        if engine is None:
+            raise PolicyError("no policy is loaded here yet: every decision is a denial")
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await engine.decide(path, input_document, log_decision=False)
+        except TimeoutError as exc:
+            raise PolicyError(f"{path}: no decision within {self._timeout_s} s") from exc
+        except FleetError:
+            raise
+        except Exception as exc:
+            raise PolicyError(f"{path}: the engine failed: {exc!r}") from exc
 
     def _record(self, decision: Decision, input_document: dict[str, Any], seconds: float) -> None:
         digest = hashlib.sha256(json.dumps(input_document, sort_keys=True, default=str).encode()).hexdigest()

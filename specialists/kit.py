@@ -36,11 +36,13 @@ from google.protobuf.json_format import MessageToDict
 from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CONNECTION_CLOSED, INTERNAL_ERROR, CallToolResult
+from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from fleet import telemetry
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
@@ -321,6 +323,7 @@ class _ContextBearer(httpx2.Auth):
         grant = _current_grant.get()
         if grant.rejected or grant.renew_error is not None:
             raise httpx2.HTTPError("no token this MCP server accepts")  # no request with a refused one
+        telemetry.inject(request.headers)  # the tool's span joins the trace of this call
         while True:
             sent = grant.token
             request.headers["Authorization"] = f"Bearer {sent}"
@@ -413,6 +416,10 @@ class Toolbox:
         """The MCP servers and tools this agent may use now (see :class:`ToolCatalog`)."""
         return list((await self.catalog.servers()).values())
 
+    def _run_id(self) -> str:
+        caller = self._caller
+        return str(caller.raw.get("run_id") or "") if caller is not None else ""
+
     async def _token(self, audience: str, tenant: str, scopes: Sequence[str]) -> str:
         caller = self._caller
         if caller is None or not caller.token:
@@ -456,10 +463,14 @@ class Toolbox:
             self._calls.start()
         answered = False
         reset = _current_grant.set(grant)
+        span = telemetry.execute_tool_span(
+            tool, kind=SpanKind.CLIENT, server=server_id, run_id=self._run_id(), tenant=tenant
+        )
         try:
-            async with asyncio.timeout(timeout_s):
-                result = await self._call_with_retries(server, tool, arguments, grant)
-            answered = True
+            with span:
+                async with asyncio.timeout(timeout_s):
+                    result = await self._call_with_retries(server, tool, arguments, grant)
+                answered = True
         finally:
             _current_grant.reset(reset)
             if self._calls is not None:
@@ -588,7 +599,10 @@ class SkillExecutor(AgentExecutor):
         journal: Journal,
         heartbeat_s: float = 20.0,
         brain: Brain | None = None,
+        agent_id: str = "specialist",
     ) -> None:
+        """``agent_id``: the name this agent's spans carry (its service id)."""
+        self._agent_id = agent_id
         self._skills = {skill.id: skill for skill in skills}
         self._tools = tools
         self._journal = journal
@@ -615,6 +629,30 @@ class SkillExecutor(AgentExecutor):
         claims = claims_of(context.call_context)
         assert context.message is not None
         op_id = _operation_of(context.message)
+        headers = context.call_context.state.get("headers") if context.call_context else None
+        span = telemetry.invoke_agent_span(
+            self._agent_id,
+            kind=SpanKind.SERVER,
+            agent_id=self._agent_id,
+            skill=skill.id,
+            run_id=str(claims.raw.get("run_id") or ""),
+            operation_id=op_id,
+            tenant=claims.tenant,
+            parent=headers if isinstance(headers, dict) else None,
+        )
+        with span:
+            await self._execute_task(context, event_queue, skill, payload, claims, op_id)
+
+    async def _execute_task(
+        self,
+        context: RequestContext,
+        event_queue: EventQueue,
+        skill: Skill,
+        payload: dict[str, Any],
+        claims: Claims,
+        op_id: str | None,
+    ) -> None:
+        assert context.message is not None
         task = context.current_task or new_task_from_user_message(context.message)
         if context.current_task is None:
             await event_queue.enqueue_event(task)
@@ -1016,7 +1054,9 @@ def build_specialist_app(
     from specialists.llm import llm_brain
 
     brain = llm_brain(settings, http)
-    executor = SkillExecutor(skills, tools, journal, heartbeat_s=settings.heartbeat_s, brain=brain)
+    executor = SkillExecutor(
+        skills, tools, journal, heartbeat_s=settings.heartbeat_s, brain=brain, agent_id=settings.service_id
+    )
     handler = DefaultRequestHandler(
         agent_executor=executor,
         task_store=InMemoryTaskStore(),

@@ -1,0 +1,298 @@
+"""Traces and metrics of one service process: OpenTelemetry spans with the GenAI semantic conventions
+(``invoke_agent``, ``execute_tool``, ``chat``), W3C trace context across A2A and MCP calls, and
+Prometheus metrics on ``/metrics``.
+
+Tracing is off unless :func:`configure` is given an OTLP endpoint: the API's default provider then
+hands out non-recording spans (no allocation of attributes, no export, nothing injected into
+requests). Metrics are always kept; they are process-local counters, read at scrape time.
+
+What a span may carry: ids (run, operation, step, agent, tool, model), the tenant, token counts and an
+error's type. Never an argument, a result, a message text, a token or an exception's message: those
+can hold secrets or another person's data, and traces leave the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+__all__ = [
+    "MEMORY_WRITES",
+    "METRICS_PATH",
+    "POLICY_DECISIONS",
+    "RUNS",
+    "RUNS_WAITING",
+    "TOOL_CALL_SECONDS",
+    "WORK_QUEUE",
+    "Tracing",
+    "chat_span",
+    "configure",
+    "execute_tool_span",
+    "extract",
+    "inject",
+    "inject_request_headers",
+    "invoke_agent_span",
+    "on_scrape",
+    "record_memory_write",
+    "record_policy_decision",
+    "record_usage",
+    "with_metrics",
+]
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "agent-fleet"
+METRICS_PATH = "/metrics"
+EXPORT_DELAY_MS = 1000  # spans reach the collector within about a second (the SDK's default is 5 s)
+SCRAPE_REFRESH_TIMEOUT_S = 2.0  # a slow refresher leaves its gauges as they were, the scrape answers
+
+_PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent/tracestate, whatever OTEL_PROPAGATORS says
+
+
+@dataclass(frozen=True, slots=True)
+class Tracing:
+    """The tracer provider :func:`configure` installed; :meth:`shutdown` flushes what is queued."""
+
+    provider: Any  # opentelemetry.sdk.trace.TracerProvider (the SDK is imported only when tracing is on)
+
+    def shutdown(self) -> None:
+        """Export the spans still queued, then stop (bounded by the exporter's own timeout)."""
+        self.provider.shutdown()
+
+
+def configure(
+    service_id: str, otlp_endpoint: str, *, export_delay_ms: int = EXPORT_DELAY_MS
+) -> Tracing | None:
+    """Send this process's spans to ``otlp_endpoint`` (an OTLP/HTTP base URL, as in
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``: traces go to ``{endpoint}/v1/traces``) as ``service.name`` =
+    ``service_id``. An empty endpoint leaves tracing off and returns None."""
+    if not otlp_endpoint:
+        return None
+    # Imported here: a process without tracing never loads the SDK or the exporter.
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_id}))
+    # The endpoint is passed explicitly: the exporter would otherwise read the environment itself.
+    exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms))
+    trace.set_tracer_provider(provider)
+    return Tracing(provider)
+
+
+# --- trace context across processes -------------------------------------------------------------
+
+
+def inject(carrier: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Add the current span's ``traceparent`` (and ``tracestate``) to ``carrier`` (HTTP headers or
+    message metadata); nothing when no span is recording."""
+    _PROPAGATOR.inject(carrier)
+    return carrier
+
+
+def extract(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The remote parent that ``carrier`` names (lower-case header names), or None."""
+    if not carrier:
+        return None
+    return _PROPAGATOR.extract({k.lower(): v for k, v in carrier.items() if isinstance(v, str)})
+
+
+async def inject_request_headers(request: Any) -> None:
+    """An httpx ``request`` event hook: the trace context of the span the request is made in goes
+    with it (the hook runs in the caller's context, so it sees that span)."""
+    _PROPAGATOR.inject(request.headers)
+
+
+# --- spans (GenAI semantic conventions) ----------------------------------------------------------
+
+
+def _fleet_attributes(
+    *, run_id: str = "", operation_id: str | None = None, tenant: str = "", step: str = ""
+) -> dict[str, str]:
+    found = {"fleet.run_id": run_id, "fleet.operation_id": operation_id or "", "fleet.tenant": tenant}
+    found["fleet.step"] = step
+    return {k: v for k, v in found.items() if v}
+
+
+@contextlib.contextmanager
+def _span(
+    name: str, kind: SpanKind, attributes: dict[str, Any], parent: otel_context.Context | None = None
+) -> Iterator[Span]:
+    """A current span that records only an error's type: an exception's text can hold data."""
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(
+        name,
+        context=parent,
+        kind=kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            if span.is_recording():
+                span.set_attribute("error.type", type(exc).__qualname__)
+                span.set_status(Status(StatusCode.ERROR))
+            raise
+
+
+def invoke_agent_span(
+    agent: str,
+    *,
+    kind: SpanKind,
+    agent_id: str = "",
+    skill: str = "",
+    run_id: str = "",
+    operation_id: str | None = None,
+    tenant: str = "",
+    step: str = "",
+    parent: Mapping[str, str] | None = None,
+) -> contextlib.AbstractContextManager[Span]:
+    """``invoke_agent {agent}``: CLIENT where a step is delegated over A2A, SERVER where a
+    specialist handles it (``parent``: the request's headers), INTERNAL for a worker's run slice."""
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "invoke_agent",
+        "gen_ai.agent.name": agent,
+        **_fleet_attributes(run_id=run_id, operation_id=operation_id, tenant=tenant, step=step),
+    }
+    if agent_id:
+        attributes["gen_ai.agent.id"] = agent_id
+    if skill:
+        attributes["fleet.skill"] = skill
+    return _span(f"invoke_agent {agent}", kind, attributes, extract(parent))
+
+
+def execute_tool_span(
+    tool: str,
+    *,
+    kind: SpanKind,
+    server: str = "",
+    run_id: str = "",
+    tenant: str = "",
+    parent: Mapping[str, str] | None = None,
+) -> contextlib.AbstractContextManager[Span]:
+    """``execute_tool {tool}``: CLIENT in the MCP client, SERVER in the MCP server (``parent``: the
+    request's headers). Never the arguments or the result."""
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": tool,
+        **_fleet_attributes(run_id=run_id, tenant=tenant),
+    }
+    if server:
+        attributes["fleet.mcp_server"] = server
+    return _span(f"execute_tool {tool}", kind, attributes, extract(parent))
+
+
+def chat_span(model: str, *, system: str = "openai") -> contextlib.AbstractContextManager[Span]:
+    """``chat {model}``: one chat completion (set the usage on it with :func:`record_usage`)."""
+    attributes = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": model,
+        "gen_ai.provider.name": system,
+    }
+    return _span(f"chat {model}", SpanKind.CLIENT, attributes)
+
+
+def record_usage(span: Span, input_tokens: int | None, output_tokens: int | None) -> None:
+    """The token counts a model reported, on its ``chat`` span."""
+    if input_tokens is not None:
+        span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+    if output_tokens is not None:
+        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+# Labels are bounded sets (states, wait types, tool and server names, policy queries, tiers,
+# outcomes): no tenant, run, agent-supplied text or id is ever a label.
+TOOL_CALL_SECONDS = Histogram(
+    "fleet_tool_call_duration_seconds",
+    "Time an MCP server took to run a tool call, gate included.",
+    ["server", "tool", "outcome"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+POLICY_DECISIONS = Counter(
+    "fleet_policy_decisions",
+    "Policy decisions made in this process, by query and result.",
+    ["query", "result"],
+)
+MEMORY_WRITES = Counter(
+    "fleet_memory_writes",
+    "Long-term memory writes through the gate, by tier and outcome.",
+    ["tier", "outcome"],
+)
+RUNS = Gauge("fleet_runs", "Runs of the fleet by state (read from the run store at scrape time).", ["state"])
+RUNS_WAITING = Gauge(
+    "fleet_runs_waiting", "Runs waiting, by what they wait for (at scrape time).", ["wait_type"]
+)
+WORK_QUEUE = Gauge(
+    "fleet_work_queue_messages",
+    "Run work on the JetStream work queue: pending (not yet delivered) and ack_pending (being worked).",
+    ["status"],
+)
+
+
+def record_policy_decision(query: str, result: str) -> None:
+    """Count one decision at ``query`` (a rule path) with ``result`` (allow, deny, unavailable)."""
+    POLICY_DECISIONS.labels(query, result).inc()
+
+
+MEMORY_TIERS = frozenset({"episodic", "semantic", "procedural"})
+
+
+def record_memory_write(tier: str, status: str, redacted: bool) -> None:
+    """Count one memory write: ``committed``, ``redacted`` (committed with redactions), or the
+    gate's other outcomes (``denied``, ``held``, ``refused``)."""
+    outcome = ("redacted" if redacted else "committed") if status == "stored" else status
+    MEMORY_WRITES.labels(tier if tier in MEMORY_TIERS else "other", outcome).inc()
+
+
+_refreshers: list[Callable[[], Awaitable[None]]] = []
+
+
+def on_scrape(refresh: Callable[[], Awaitable[None]]) -> None:
+    """Run ``refresh`` before each scrape (e.g. read run counts from the store into gauges)."""
+    _refreshers.append(refresh)
+
+
+async def _refresh_all() -> None:
+    for refresh in list(_refreshers):
+        try:
+            async with asyncio.timeout(SCRAPE_REFRESH_TIMEOUT_S):
+                await refresh()
+        except Exception:  # a metric source that is down must not take the others with it
+            log.warning("metrics refresh %r failed", refresh, exc_info=True)
+
+
+def with_metrics(app: ASGIApp) -> ASGIApp:
+    """``app`` with ``GET /metrics`` (Prometheus text format, unauthenticated: see
+    docs/operations.md) answered in front of it."""
+
+    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != METRICS_PATH:
+            await app(scope, receive, send)
+            return
+        await _refresh_all()
+        body = generate_latest(REGISTRY)
+        headers = [
+            (b"content-type", CONTENT_TYPE_LATEST.encode()),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return serve

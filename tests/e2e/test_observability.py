@@ -1,0 +1,160 @@
+"""Observability through the real stack: every service exports its spans over OTLP/HTTP to a
+receiver the test runs, and serves Prometheus metrics on ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import Stack, clean_env, send, start_stack, stop_stack, user_message
+from tests.e2e.otlp import OtlpReceiver, ReceivedSpan
+
+pytestmark = pytest.mark.e2e
+
+ONE_QUERY: dict[str, Any] = {
+    "steps": [{"id": "q", "skill": "sql-query", "input": {"sql": "SELECT 1 AS one"}}]
+}
+CLIENT, SERVER = SpanProto.SPAN_KIND_CLIENT, SpanProto.SPAN_KIND_SERVER
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, OtlpReceiver]]:
+    """A stack whose services send their spans to a receiver of this test (through the standard
+    OpenTelemetry variable, which ``fleet up`` passes to every service)."""
+    with OtlpReceiver() as receiver:
+        data_dir: Path = tmp_path_factory.mktemp("traced")
+        stack = start_stack(data_dir, env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url))
+        try:
+            yield stack, receiver
+        finally:
+            stop_stack(stack)
+
+
+def _of_run(run_id: str, spans: list[ReceivedSpan], service: str, name: str, kind: int) -> list[ReceivedSpan]:
+    return [
+        s
+        for s in spans
+        if s.service == service
+        and s.name.startswith(name)
+        and s.kind == kind
+        and s.attributes.get("fleet.run_id") == run_id
+    ]
+
+
+async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
+    traced: tuple[Stack, OtlpReceiver],
+) -> None:
+    stack, receiver = traced
+    outcome = await send(stack, user_message(data=ONE_QUERY), token=stack.token("coordinator"))
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    run_id = outcome.task_id
+
+    def complete(spans: list[ReceivedSpan]) -> bool:
+        return bool(_of_run(run_id, spans, "mcp-sql", "execute_tool", SERVER)) and bool(
+            _of_run(run_id, spans, "sql-analyst", "execute_tool", CLIENT)
+        )
+
+    spans = await receiver.wait_for(complete)
+    [delegated] = [
+        s
+        for s in spans
+        if s.kind == CLIENT
+        and s.name == "invoke_agent sql-analyst"
+        and s.attributes.get("fleet.run_id") == run_id
+    ]
+    assert delegated.service.startswith("worker-")
+    assert delegated.attributes["gen_ai.operation.name"] == "invoke_agent"
+    assert delegated.attributes["gen_ai.agent.id"] == "sql-analyst"
+    assert delegated.attributes["fleet.tenant"] == "acme"
+    assert delegated.attributes["fleet.step"] == "q"
+    assert delegated.attributes["fleet.operation_id"]
+    [handled] = _of_run(run_id, spans, "sql-analyst", "invoke_agent", SERVER)
+    [called] = _of_run(run_id, spans, "sql-analyst", "execute_tool", CLIENT)
+    [served] = _of_run(run_id, spans, "mcp-sql", "execute_tool", SERVER)
+    # One trace, from the worker's run slice down to the tool.
+    assert {delegated.trace_id, handled.trace_id, called.trace_id, served.trace_id} == {delegated.trace_id}
+    [root] = [s for s in spans if s.span_id == delegated.parent_span_id]
+    assert root.name == "invoke_agent coordinator" and root.attributes["fleet.run_id"] == run_id
+    assert handled.parent_span_id == delegated.span_id
+    assert called.parent_span_id == handled.span_id
+    # The MCP SDK's own spans of the request (tools/call) sit between the client's and the server's.
+    assert called.span_id in _ancestors(served, spans), [(s.service, s.name) for s in spans]
+    assert served.attributes["gen_ai.tool.name"] == called.attributes["gen_ai.tool.name"]
+    # No argument, result or token rides on a span.
+    for span in (delegated, handled, called, served):
+        text = repr(span.attributes)
+        assert "SELECT" not in text and "Bearer" not in text
+
+
+def _ancestors(span: ReceivedSpan, spans: list[ReceivedSpan]) -> list[str]:
+    by_id = {s.span_id: s for s in spans}
+    found: list[str] = []
+    while span.parent_span_id in by_id:
+        span = by_id[span.parent_span_id]
+        found.append(span.span_id)
+    return found
+
+
+def _samples(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+async def _scrape(http: httpx.AsyncClient, stack: Stack, service: str) -> str:
+    response = await http.get(stack.endpoints["services"][service] + "/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return response.text
+
+
+async def test_metrics_of_the_coordinator_and_the_mcp_server_count_a_run(
+    traced: tuple[Stack, OtlpReceiver],
+) -> None:
+    stack, _ = traced
+    async with httpx.AsyncClient(timeout=10) as http:
+        tools_before = await _scrape(http, stack, "mcp-sql")
+        runs_before = await _scrape(http, stack, "coordinator")
+        outcome = await send(stack, user_message(data=ONE_QUERY), token=stack.token("coordinator"))
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        tools_after = await _scrape(http, stack, "mcp-sql")
+        runs_after = await _scrape(http, stack, "coordinator")
+
+    def moved(before: str, after: str, name: str, **labels: str) -> float:
+        return _samples(after, name, **labels) - _samples(before, name, **labels)
+
+    assert (
+        moved(
+            tools_before,
+            tools_after,
+            "fleet_tool_call_duration_seconds_count",
+            server="mcp-sql",
+            outcome="ok",
+        )
+        == 1
+    )
+    assert (
+        moved(
+            tools_before,
+            tools_after,
+            "fleet_policy_decisions_total",
+            query="fleet.tools.decision",
+            result="allow",
+        )
+        >= 1
+    )
+    assert moved(runs_before, runs_after, "fleet_runs", state="completed") == 1
+    assert _samples(runs_after, "fleet_runs", state="submitted") >= 0
+    assert "fleet_work_queue_messages" in runs_after
+    # Aggregate counts only: no tenant, run or caller in any label.
+    assert "acme" not in tools_after and outcome.task_id not in runs_after
