@@ -41,7 +41,6 @@ __all__ = [
     "execute_tool_span",
     "extract",
     "inject",
-    "inject_request_headers",
     "invoke_agent_span",
     "on_scrape",
     "record_memory_write",
@@ -108,12 +107,6 @@ def extract(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
     if not carrier:
         return None
     return _PROPAGATOR.extract({k.lower(): v for k, v in carrier.items() if isinstance(v, str)})
-
-
-async def inject_request_headers(request: Any) -> None:
-    """An httpx ``request`` event hook: the trace context of the span the request is made in goes
-    with it (the hook runs in the caller's context, so it sees that span)."""
-    _PROPAGATOR.inject(request.headers)
 
 
 # --- spans (GenAI semantic conventions) ----------------------------------------------------------
