@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ServiceKind = Literal["registry", "coordinator", "worker", "specialist", "mcp_server"]
+ServiceKind = Literal["registry", "coordinator", "worker", "specialist", "mcp_server", "console"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +124,13 @@ SERVICES: tuple[ServiceSpec, ...] = (
             database="fleet",
         )
         for n in (1, 2)
+    ),
+    # The operator console: it acts only in a signed-in person's name, within their sign-in's scopes.
+    ServiceSpec(
+        "console",
+        "console",
+        "fleet.console:main",
+        scopes=("agent:invoke", "runs:approve", "runs:resolve", "registry:read"),
     ),
 )
 

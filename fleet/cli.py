@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--audience", required=True, help="the service the token is for")
     token.add_argument("--tenant", default="default")
     token.add_argument("--scope", action="append", default=[], help="repeat for several scopes")
+    console = with_dir(sub.add_parser("console", help="print a one-time sign-in link to the web console"))
+    console.add_argument("--tenant", default="default", help="the tenant whose runs the console shows")
+    console.add_argument("--json", action="store_true")
     demo = with_dir(sub.add_parser("demo", help="run the end-to-end demo as an outside agent"))
     demo.add_argument("--keep-running", action="store_true", help="leave a stack it started up")
     demo.add_argument(
@@ -262,6 +265,10 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         return asyncio.run(operator_cli.status(layout, as_json=args.json))
     if command == "token":
         return asyncio.run(operator_cli.token(layout, args.audience, args.tenant, args.scope))
+    if command == "console":
+        from fleet.console_cli import sign_in_link
+
+        return asyncio.run(sign_in_link(layout, args.tenant, as_json=args.json))
     if command == "demo":
         from fleet import demo
 

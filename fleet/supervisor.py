@@ -77,9 +77,9 @@ def _free_port(preferred_port: int | None) -> int:
         return port
 
 
-START_ORDER: tuple[str, ...] = ("registry", "mcp_server", "specialist", "coordinator", "worker")
+START_ORDER: tuple[str, ...] = ("registry", "mcp_server", "specialist", "coordinator", "worker", "console")
 STOP_TIERS: tuple[frozenset[str], ...] = (
-    frozenset({"coordinator", "worker"}),
+    frozenset({"console", "coordinator", "worker"}),
     frozenset({"specialist"}),
     frozenset({"mcp_server"}),
     frozenset({"registry"}),
@@ -89,7 +89,7 @@ STOP_TIERS: tuple[frozenset[str], ...] = (
 def start_tiers(services: tuple[ServiceSpec, ...]) -> list[list[ServiceSpec]]:
     """The services in tiers that start one after another, the services of a tier at once: the
     registry first (everything enrolls with it), then the MCP servers, the specialists, the
-    coordinator (it creates the run tables), and the workers. A tier starts when every service of
+    coordinator (it creates the run tables), the workers, and the console. A tier starts when every service of
     the one before answers its health check."""
     tiers: list[list[ServiceSpec]] = []
     for kind in START_ORDER:
@@ -197,7 +197,7 @@ class Supervisor:
     @staticmethod
     def _record(endpoints: dict[str, Any], spec: ServiceSpec, url: str) -> None:
         endpoints["services"][spec.id] = url
-        if spec.kind in ("registry", "coordinator"):
+        if spec.kind in ("registry", "coordinator", "console"):
             endpoints[spec.kind] = url
         elif spec.kind == "specialist":
             endpoints["specialists"][spec.id] = url

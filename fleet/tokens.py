@@ -51,6 +51,8 @@ CLIENT_ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"  # RFC 8693
 ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
 RUN_GRANT_TYPE = "urn:fleet:params:oauth:token-type:run-grant"  # see registry._token_service
+SESSION_GRANT_TYPE = "urn:fleet:params:oauth:token-type:session-grant"  # the console's; ditto
+GRANT_TYPS = {"run-grant+jwt": "run_grant", "session-grant+jwt": "session_grant"}  # typ -> token_use
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +240,9 @@ class TokenVerifier:
         single_use: ReplayGuard | None = None,
         run_grants: bool = False,
     ) -> None:
-        """``run_grants``: accept the coordinator's run grants too (the token service does, as the
-        subject of an exchange); every other verifier refuses them, as they are no access tokens."""
+        """``run_grants``: accept grants too (the coordinator's run grants and the console's session
+        grants: the token service does, as the subject of an exchange); every other verifier refuses
+        them, as they are no access tokens."""
         self._run_grants = run_grants
         self._keys = keys
         self._issuer = issuer
@@ -276,8 +279,8 @@ class TokenVerifier:
                 return _with_scopes(seen.claims, required_scopes)
             del memo[token]  # the full check below says why it no longer passes
         header, kid = _header_of(token, ALLOWED_ALGORITHMS)
-        if header.get("typ") == "run-grant+jwt" and not self._run_grants:
-            raise AuthError("a run grant is not an access token")
+        if header.get("typ") in GRANT_TYPS and not self._run_grants:
+            raise AuthError(f"a {GRANT_TYPS[header['typ']].replace('_', ' ')} is not an access token")
         if self._revocations is not None and self._revocations.check(kid):
             raise AuthError("token signed by a revoked key")
         key = await self._keys(kid)
@@ -287,7 +290,7 @@ class TokenVerifier:
             raise AuthError("token algorithm does not match its key")
         raw = decode_es256(token, key, self._audience, self._issuer, self._leeway, REQUIRED_CLAIMS, header)
         if raw.get("token_use", "access") != "access" and not (
-            self._run_grants and raw["token_use"] == "run_grant"
+            self._run_grants and raw["token_use"] in GRANT_TYPS.values()
         ):
             raise AuthError("not an access token")
         claims = _claims_of(raw, self._audience, token)

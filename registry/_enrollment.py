@@ -16,7 +16,7 @@ from registry._store import RegistryStore
 
 ENROLLMENT_AUDIENCE = "fleet-enrollment"
 OPERATOR_ISSUER = "operator"
-ENROLLABLE_KINDS = ("coordinator", "worker", "specialist", "mcp_server")
+ENROLLABLE_KINDS = ("coordinator", "worker", "specialist", "mcp_server", "console")
 KEY_GRACE_S = 600.0  # how long a replaced key still verifies (longer than any token it signed lives)
 
 

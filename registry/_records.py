@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-RecordKind = Literal["operator", "registry", "coordinator", "worker", "specialist", "mcp_server"]
+RecordKind = Literal["operator", "registry", "coordinator", "worker", "specialist", "mcp_server", "console"]
 
 
 class IdentityRecord(BaseModel):

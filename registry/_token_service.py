@@ -19,6 +19,14 @@ Two grants:
   it as one) and is good only as the subject of an exchange, by the coordinator or one of its
   workers, each authenticated with its own key: a copy of it alone is worth nothing.
 
+  A person at the console signs in with an access token addressed to the console, which the console
+  exchanges for a **session grant** (``urn:fleet:params:oauth:token-type:session-grant``): the same
+  principal, tenant and scopes, addressed to the console, living ``SESSION_GRANT_TTL_S`` (a working
+  day, where an access token lives minutes). Like a run grant it is no access token
+  (``token_use: session_grant``, ``typ: session-grant+jwt``) and is good only as the subject of an
+  exchange by the console it was given to, for tokens carrying no scope the person signed in
+  without: whatever the console does, it does in the person's name and within their rights.
+
   The subject may also be an access token of an outside identity provider the fleet trusts
   (``external``; only the coordinator may pass one on): its mapped principal and tenant, nothing
   else of it (see ``fleet.tokens.ExternalTokenVerifier``).
@@ -50,6 +58,7 @@ from fleet.tokens import (
     ACCESS_TOKEN_TYPE,
     CLIENT_ASSERTION_TYPE,
     RUN_GRANT_TYPE,
+    SESSION_GRANT_TYPE,
     TOKEN_EXCHANGE,
     ExternalTokenVerifier,
     KeyLookup,
@@ -62,6 +71,11 @@ from registry._records import IdentityRecord
 from registry._store import RegistryStore
 
 RUN_GRANT_TTL_S = 14 * 24 * 3600  # longer than any run may last (the budgets' max_seconds bound that)
+SESSION_GRANT_TTL_S = 8 * 3600  # a console session: a working day, then the person signs in again
+GRANT_KINDS = {
+    RUN_GRANT_TYPE: ("run-grant+jwt", "run_grant"),
+    SESSION_GRANT_TYPE: ("session-grant+jwt", "session_grant"),
+}
 MAX_CHAIN = 5  # actors in one delegation chain, the subject's excluded
 MAX_ASSERTION_LIFETIME_S = 300
 IDENTITY_CACHE_S = 2.0
@@ -187,8 +201,11 @@ class TokenService:
         self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
     ) -> IssuedToken:
         subject_type = form.get("subject_token_type", "")
-        if subject_type not in (ACCESS_TOKEN_TYPE, RUN_GRANT_TYPE):
-            raise OAuthError("invalid_request", "subject_token_type must be an access token or a run grant")
+        if subject_type != ACCESS_TOKEN_TYPE and subject_type not in GRANT_KINDS:
+            raise OAuthError(
+                "invalid_request",
+                "subject_token_type must be an access token, a run grant or a session grant",
+            )
         subject = await self._subject(client, form.get("subject_token", ""), subject_type)
         tenant = str(subject["tenant"])
         if form.get("tenant", tenant) != tenant:
@@ -219,15 +236,42 @@ class TokenService:
                 str(subject["sub"]), client.id, client.id, tenant, scopes, client_kid,
                 {**extra, "run_id": run_id, "token_use": "run_grant"}, RUN_GRANT_TTL_S, "run-grant+jwt",
             )  # fmt: skip
+        if requested == SESSION_GRANT_TYPE:
+            return self._session_grant(client, client_kid, subject, subject_type, tenant, extra)
         if requested != ACCESS_TOKEN_TYPE:
             raise OAuthError("invalid_request", f"cannot issue a {requested!r}")
         audience = form.get("audience", "")
         scopes = sorted(set(form.get("scope", "").split()))
+        if subject_type == SESSION_GRANT_TYPE:  # the console acts within the person's sign-in
+            beyond = set(scopes) - set(str(subject.get("scope", "")).split())
+            if beyond:
+                raise OAuthError(
+                    "invalid_scope", f"the session was not signed in with {' '.join(sorted(beyond))}"
+                )
         decided = await self._check_grant(
             client, audience, tenant, scopes, str(subject["sub"]), actors_of(act)
         )
         extra["policy_decision"] = decided
         return self._sign(str(subject["sub"]), client.id, audience, tenant, scopes, client_kid, extra)
+
+    def _session_grant(
+        self,
+        client: IdentityRecord,
+        client_kid: str,
+        subject: Mapping[str, Any],
+        subject_type: str,
+        tenant: str,
+        extra: Mapping[str, Any],
+    ) -> IssuedToken:
+        """A console's session grant for the person whose access token (addressed to the console)
+        it was given: same principal, tenant and scopes."""
+        if client.kind != "console" or subject_type != ACCESS_TOKEN_TYPE:
+            raise OAuthError("invalid_request", "a session grant is for the console, from a person's token")
+        scopes = sorted(str(subject.get("scope", "")).split())
+        return self._sign(
+            str(subject["sub"]), client.id, client.id, tenant, scopes, client_kid,
+            {**extra, "token_use": "session_grant"}, SESSION_GRANT_TTL_S, "session-grant+jwt",
+        )  # fmt: skip
 
     async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:
         """The verified claims of the token to exchange: issued here, unexpired, not revoked, and
@@ -240,9 +284,11 @@ class TokenService:
         if kind == ACCESS_TOKEN_TYPE and unverified.get("iss") in self._external:
             return await self._outside_subject(client, token, self._external[str(unverified["iss"])])
         audience = client.id
+        if kind in GRANT_KINDS and (typ, unverified.get("token_use")) != GRANT_KINDS[kind]:
+            raise OAuthError(
+                "invalid_grant", f"the subject token is not a {GRANT_KINDS[kind][1].replace('_', ' ')}"
+            )
         if kind == RUN_GRANT_TYPE:
-            if typ != "run-grant+jwt" or unverified.get("token_use") != "run_grant":
-                raise OAuthError("invalid_grant", "the subject token is not a run grant")
             granted_to = await self._identity(str(unverified.get("aud", "")))
             if client.kind == "worker" and granted_to is not None and granted_to.kind == "coordinator":
                 audience = granted_to.id
@@ -253,8 +299,10 @@ class TokenService:
             claims = await verifier.verify(token)
         except FleetError as exc:
             raise OAuthError("invalid_grant", f"the subject token is refused: {exc.message}") from exc
-        if kind == ACCESS_TOKEN_TYPE and claims.raw.get("token_use") == "run_grant":
-            raise OAuthError("invalid_grant", "a run grant is not an access token")
+        if kind == ACCESS_TOKEN_TYPE and claims.raw.get("token_use", "access") != "access":
+            raise OAuthError(
+                "invalid_grant", f"a {claims.raw['token_use'].replace('_', ' ')} is not an access token"
+            )
         return claims.raw
 
     async def _token_decision(self, request: dict[str, Any]) -> Decision:
@@ -424,9 +472,10 @@ class TokenService:
             },
             typ=typ,
         )
-        return IssuedToken(
-            token, ttl_s, scope, RUN_GRANT_TYPE if typ == "run-grant+jwt" else ACCESS_TOKEN_TYPE
+        issued_type = next(
+            (t for t, (grant_typ, _) in GRANT_KINDS.items() if grant_typ == typ), ACCESS_TOKEN_TYPE
         )
+        return IssuedToken(token, ttl_s, scope, issued_type)
 
 
 def actors_of(act: Mapping[str, Any] | None) -> list[str]:

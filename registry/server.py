@@ -27,7 +27,7 @@ from fleet.natsconn import connect
 from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
-from fleet.tokens import RUN_GRANT_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
+from fleet.tokens import ACCESS_TOKEN_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
 from policy.live import enforcing, live_policy
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
@@ -147,8 +147,8 @@ async def token(request: Request, state: RegistryState) -> Response:
     return JSONResponse(
         {
             "access_token": issued.access_token,
-            # A run grant is not usable as a bearer token (RFC 8693 section 2.2.1: "N_A").
-            "token_type": "Bearer" if issued.issued_token_type != RUN_GRANT_TYPE else "N_A",
+            # A grant (run or session) is not usable as a bearer token (RFC 8693 section 2.2.1: "N_A").
+            "token_type": "Bearer" if issued.issued_token_type == ACCESS_TOKEN_TYPE else "N_A",
             "issued_token_type": issued.issued_token_type,
             "expires_in": issued.expires_in,
             "scope": issued.scope,
@@ -215,9 +215,12 @@ async def register_mcp_server(request: Request, state: RegistryState) -> Respons
 
 async def list_mcp_servers(request: Request, state: RegistryState) -> Response:
     """The MCP servers the caller may use, each with only the tools its enrollment has the scopes
-    for: what an agent loads to see its tools (a server registered since shows on its next load)."""
+    for: what an agent loads to see its tools (a server registered since shows on its next load).
+    Through the console, the caller is the signed-in person (the operator sees every tool)."""
     claims = await _authorize(request, state, "registry:read")
     caller = await state.store.identity(str(claims.raw.get("client_id", claims.sub)))
+    if caller is not None and caller.kind == "console":  # it asks in the signed-in person's name
+        caller = await state.store.identity(claims.sub) or caller
     if caller is None:
         raise FleetError(ErrorCode.FORBIDDEN, "the caller is not enrolled")
     usable = [m.usable_by(caller.allows_scope) for m in await state.store.mcp_servers()]

@@ -17,6 +17,8 @@ def test_every_service_starts_in_exactly_one_tier_after_what_it_depends_on() -> 
     for spec in SERVICES:
         if spec.kind == "worker":  # the coordinator creates the run tables the workers use
             assert position[spec.id] > position["coordinator"]
+        if spec.kind == "console":  # it finds the coordinator through the registry when it starts
+            assert position[spec.id] > position["coordinator"]
         if spec.kind == "specialist":
             assert all(position[spec.id] > position[m.id] for m in SERVICES if m.kind == "mcp_server")
     assert {len(tier) for tier in tiers} != {1}  # some tier does start several services at once

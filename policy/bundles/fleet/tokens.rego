@@ -14,7 +14,8 @@ package fleet.tokens
 
 cfg := data.config.tokens
 
-# The scopes each kind of service acts on; an MCP server: the scopes its tools need (fleet.tools),
+# The scopes each kind of service acts on (the console: those it uses in the signed-in person's name,
+# which their sign-in token carries and the console's session grant keeps as a ceiling); an MCP server: the scopes its tools need (fleet.tools),
 # or, for a server that data does not name, those its registered tools declare.
 fits(scope) if scope in cfg.audience_scopes[input.audience.kind]
 

@@ -22,6 +22,12 @@ test_a_scope_the_audience_does_not_act_on_is_refused if {
 	d.reasons == ["scope registry:admin is not one that sql-analyst (specialist) acts on"]
 }
 
+# A person signs in to the console with the scopes it may use in their name, and no others.
+test_a_console_sign_in_carries_the_scopes_the_console_acts_with if {
+	tokens.decision.allow with input as request("console", "console", ["agent:invoke", "runs:approve", "registry:read"])
+	not tokens.decision.allow with input as request("console", "console", ["registry:write"])
+}
+
 test_a_tool_server_gets_the_scopes_of_its_own_tools_only if {
 	tokens.decision.allow with input as request("mcp-sql", "mcp_server", ["sql:query"])
 	not tokens.decision.allow with input as request("mcp-sql", "mcp_server", ["cases:write"])

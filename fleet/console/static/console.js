@@ -1,0 +1,404 @@
+// The operator console: three live lanes of runs, a page per run, and the fleet's agents, MCP
+// servers, policy and memory audit. Every datum goes into the page as text (never as HTML).
+"use strict";
+
+const HUMAN_WAITS = new Set(["approval", "input", "budget", "needs_human"]);
+const ENDED = new Set(["completed", "failed", "canceled", "rejected"]);
+const LANE_POLL_MS = 2000;
+let leaveView = () => {};
+
+// ---- small helpers ------------------------------------------------------------------------------
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key === "class") node.className = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (value !== undefined && value !== null && value !== false) node.setAttribute(key, value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+class ApiError extends Error {
+  constructor(status, error) {
+    super(error.message || `HTTP ${status}`);
+    this.status = status;
+    this.code = error.code || "error";
+  }
+}
+
+async function api(path, options = {}) {
+  const init = { credentials: "same-origin", headers: { "x-fleet-console": "1" }, ...options };
+  if (options.body !== undefined) {
+    init.method = "POST";
+    init.body = JSON.stringify(options.body);
+    init.headers = { ...init.headers, "content-type": "application/json" };
+  }
+  const answer = await fetch(path, init);
+  const body = await answer.json().catch(() => ({}));
+  if (answer.status === 401) signedOut(body.error || {});
+  if (!answer.ok) throw new ApiError(answer.status, body.error || {});
+  return body;
+}
+
+function banner(text, kind = "error") {
+  const node = document.getElementById("banner");
+  node.hidden = !text;
+  node.className = `banner ${kind}`;
+  node.textContent = text || "";
+}
+
+function signedOut(error) {
+  banner(`Not signed in (${error.message || "session ended"}). Run \`fleet console\` for a sign-in link.`);
+}
+
+function when(value) {
+  if (!value) return "";
+  const date = typeof value === "number" ? new Date(value * 1000) : new Date(value);
+  return date.toLocaleString();
+}
+
+function since(value) {
+  if (!value) return "";
+  const seconds = Math.max(0, (Date.now() - new Date(value).getTime()) / 1000);
+  if (seconds < 90) return `${Math.round(seconds)} s`;
+  if (seconds < 5400) return `${Math.round(seconds / 60)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+function waitsForPerson(run) {
+  if (run.state === "input-required") return true;
+  if (run.state !== "waiting" || !run.wait) return false;
+  const requests = Array.isArray(run.wait.requests) ? run.wait.requests : [run.wait];
+  return requests.some((r) => HUMAN_WAITS.has(r.type));
+}
+
+function lane(run) {
+  if (waitsForPerson(run)) return "input";
+  if (run.state === "failed") return "errors";
+  if (ENDED.has(run.state)) return "completed";
+  return "flight";
+}
+
+function stateBadge(state) {
+  return el("span", { class: `state state-${state}`, "data-testid": "run-state" }, state);
+}
+
+function table(headers, rows) {
+  return el(
+    "table",
+    {},
+    el("thead", {}, el("tr", {}, headers.map((h) => el("th", {}, h)))),
+    el("tbody", {}, rows.map((cells) => el("tr", {}, cells.map((c) => el("td", {}, c))))),
+  );
+}
+
+function json(value) {
+  return el("pre", { class: "json" }, JSON.stringify(value, null, 2));
+}
+
+// ---- the lanes ----------------------------------------------------------------------------------
+
+function runCard(run) {
+  const wait = run.wait || {};
+  const detail = lane(run) === "input"
+    ? `${wait.type || run.state}${wait.skill ? ` · ${wait.skill}` : ""} · waiting ${since(wait.since || run.updated_at)}`
+    : `${run.reason || run.state} · ${when(run.updated_at)}`;
+  return el(
+    "a",
+    { class: "card", href: `#/runs/${encodeURIComponent(run.run_id)}`, "data-run-id": run.run_id },
+    el("div", { class: "card-head" }, el("code", {}, run.run_id.slice(0, 12)), stateBadge(run.state)),
+    el("div", { class: "card-detail" }, detail),
+    wait.deadline ? el("div", { class: "card-deadline" }, `deadline ${when(wait.deadline)}`) : null,
+  );
+}
+
+async function showLanes(view) {
+  const lanes = {
+    input: el("section", { class: "lane", "data-lane": "input" }),
+    errors: el("section", { class: "lane", "data-lane": "errors" }),
+    completed: el("section", { class: "lane", "data-lane": "completed" }),
+  };
+  const titles = { input: "Needs your input", errors: "Errors", completed: "Completed" };
+  const flight = el("p", { class: "flight" });
+  view.replaceChildren(flight, el("div", { class: "lanes" }, Object.values(lanes)));
+  let timer = null;
+  let stopped = false;
+  async function refresh() {
+    try {
+      const { runs } = await api("/api/runs");
+      const sorted = [...runs].sort((a, b) => b.updated_at.localeCompare(a.updated_at));
+      for (const [name, node] of Object.entries(lanes)) {
+        const here = sorted.filter((r) => lane(r) === name);
+        node.replaceChildren(
+          el("h2", {}, titles[name], " ", el("span", { class: "count" }, String(here.length))),
+          ...(here.length ? here.map(runCard) : [el("p", { class: "empty" }, "Nothing here.")]),
+        );
+      }
+      const inFlight = sorted.filter((r) => lane(r) === "flight").length;
+      flight.textContent = `${inFlight} run${inFlight === 1 ? "" : "s"} in flight (working, or waiting on a timer, a batch or an event).`;
+      banner("");
+    } catch (error) {
+      if (error.status !== 401) banner(`Could not load runs: ${error.message} [${error.code}]`);
+    }
+    if (!stopped) timer = setTimeout(refresh, LANE_POLL_MS);
+  }
+  leaveView = () => { stopped = true; clearTimeout(timer); };
+  await refresh();
+}
+
+// ---- one run ------------------------------------------------------------------------------------
+
+function artifactsOf(events) {
+  const found = [];
+  for (const event of events) {
+    if (event.type === "artifact") {
+      found.push({ name: event.payload.name, text: event.payload.text, seq: event.seq });
+      continue;
+    }
+    const text = JSON.stringify(event.payload || {});
+    for (const ref of text.match(/artifact:sha256:[0-9a-f]{64}/g) || []) {
+      found.push({ ref, seq: event.seq, type: event.type });
+    }
+  }
+  return found;
+}
+
+function signalForm(run, onDone, status) {
+  const wait = run.wait || {};
+  const requests = Array.isArray(wait.requests) ? wait.requests : [wait];
+  const signalId = crypto.randomUUID(); // one per form: a click sent twice is applied once
+  const note = el("textarea", { name: "note", rows: "2", placeholder: "A note for the record (optional)" });
+  const input = el("textarea", { name: "input", rows: "3", placeholder: '{"field": "value"}' });
+  async function send(action, extra = {}) {
+    status.textContent = `${action}…`;
+    try {
+      const body = { action, id: `${signalId}-${action}`, note: note.value, ...extra };
+      const outcome = await api(`/api/runs/${encodeURIComponent(run.run_id)}/signals`, { body });
+      status.textContent = `${action}: ${outcome.outcome}${outcome.reasons && outcome.reasons.length ? ` (${outcome.reasons.join("; ")})` : ""}`;
+      onDone();
+    } catch (error) {
+      status.textContent = `${action} refused: ${error.message} [${error.code}]`;
+    }
+  }
+  const buttons = [];
+  const human = waitsForPerson(run);
+  const asksInput = requests.some((r) => r.type === "input") || run.state === "input-required";
+  if (human && requests.some((r) => r.type === "approval")) {
+    buttons.push(el("button", { type: "button", class: "approve", onclick: () => send("approve") }, "Approve"));
+    buttons.push(el("button", { type: "button", class: "reject", onclick: () => send("reject") }, "Reject"));
+  }
+  if (asksInput) {
+    buttons.push(el("button", {
+      type: "button",
+      class: "input",
+      onclick: () => {
+        let given;
+        try { given = JSON.parse(input.value || "{}"); } catch { status.textContent = "The input is not JSON."; return; }
+        send("input", { input: given });
+      },
+    }, "Provide input"));
+  }
+  if (!ENDED.has(run.state)) {
+    buttons.push(el("button", { type: "button", class: "cancel", onclick: () => send("cancel") }, "Cancel run"));
+  }
+  if (!buttons.length) return null;
+  return el("section", { class: "actions" }, el("h3", {}, "Act on this run"), note, asksInput ? input : null,
+    el("div", { class: "buttons" }, buttons));
+}
+
+function waitPanel(run) {
+  if (!run.wait || ENDED.has(run.state)) return null;
+  const wait = run.wait;
+  const rows = [
+    ["Waits for", `${wait.type || "?"}${wait.awaited ? ` (${wait.awaited})` : ""}`],
+    ["Step / skill", `${wait.step || ""} ${wait.skill || ""}`.trim()],
+    ["Since", `${when(wait.since)} (${since(wait.since)} ago)`],
+    ["Deadline", wait.deadline ? when(wait.deadline) : "none"],
+  ];
+  if (wait.why) rows.push(["Why", wait.why]);
+  if (wait.escalated) rows.push(["Escalated", "yes"]);
+  return el("section", { class: "wait", "data-testid": "wait" }, el("h3", {}, "Waiting"),
+    table(["", ""], rows));
+}
+
+function timelineItem(event) {
+  const payload = event.payload || {};
+  const summary = payload.error ? `${payload.error.code || ""} ${payload.error.message || ""}` :
+    payload.skill || payload.step || payload.reason || "";
+  return el("li", { class: `event event-${event.type.split(".")[0]}`, "data-seq": event.seq },
+    el("details", {},
+      el("summary", {}, el("span", { class: "seq" }, `#${event.seq}`), " ",
+        el("span", { class: "etype" }, event.type), " ", el("span", { class: "summary" }, String(summary)),
+        el("span", { class: "ts" }, `${when(event.ts)} · ${event.actor || ""}`)),
+      json(payload)));
+}
+
+async function showRun(view, runId) {
+  const header = el("section", { class: "run-head" });
+  const waitSlot = el("div");
+  const actionSlot = el("div");
+  const status = el("p", { class: "signal-status", "data-testid": "signal-status" });
+  const timeline = el("ol", { class: "timeline", "data-testid": "timeline" });
+  const operations = el("section", { class: "operations" });
+  const artifacts = el("section", { class: "artifacts" });
+  const bundle = el("button", { type: "button", onclick: () => downloadBundle(runId) }, "Download debug bundle");
+  view.replaceChildren(
+    el("p", {}, el("a", { href: "#/" }, "← all runs")), header, waitSlot, actionSlot, status,
+    el("div", { class: "run-body" },
+      el("section", {}, el("h3", {}, "Timeline"), timeline),
+      el("div", {}, artifacts, operations, el("section", {}, el("h3", {}, "Debug"), bundle))),
+  );
+  const events = [];
+  let stopped = false;
+  let timer = null;
+
+  async function refresh() {
+    try {
+      const run = await api(`/api/runs/${encodeURIComponent(runId)}`);
+      header.replaceChildren(
+        el("h2", {}, "Run ", el("code", {}, run.run_id), " ", stateBadge(run.state)),
+        el("p", {}, `tenant ${run.tenant} · started by ${run.owner} · ${when(run.created_at)}`,
+          run.reason ? ` · reason: ${run.reason}` : ""),
+      );
+      waitSlot.replaceChildren(...[waitPanel(run)].filter(Boolean));
+      const form = actionSlot.dataset.state === run.state && actionSlot.dataset.seq === String(run.last_seq)
+        ? null : signalForm(run, refresh, status);
+      if (form !== null || ENDED.has(run.state)) actionSlot.replaceChildren(...[form].filter(Boolean));
+      actionSlot.dataset.state = run.state;
+      actionSlot.dataset.seq = String(run.last_seq);
+      const { operations: ops } = await api(`/api/runs/${encodeURIComponent(runId)}/operations`);
+      operations.replaceChildren(el("h3", {}, "Operations"), ops.length
+        ? table(["operation", "step", "what", "status", "attempts"], ops.map((o) => [
+          el("code", {}, (o.op_id || "").slice(0, 16)), o.step_id || "", `${o.kind || ""} ${o.target || ""}`.trim(),
+          `${o.status || ""}${o.error ? ` (${o.error.code || ""} ${o.error.message || ""})` : ""}`, String(o.attempts ?? "")]))
+        : el("p", { class: "empty" }, "No external effects."));
+      if (!ENDED.has(run.state) && !stopped) timer = setTimeout(refresh, LANE_POLL_MS);
+    } catch (error) {
+      if (error.status !== 401) banner(`Could not load run: ${error.message} [${error.code}]`);
+    }
+  }
+
+  // The event log, replayed then live; EventSource reconnects with Last-Event-ID by itself.
+  // (the console relays every event untyped: the type is in each event's data)
+  const source = new EventSource(`/api/runs/${encodeURIComponent(runId)}/events`);
+  const onEvent = (message) => {
+    const event = JSON.parse(message.data);
+    if (events.some((e) => e.seq === event.seq)) return;
+    events.push(event);
+    timeline.append(timelineItem(event));
+    const found = artifactsOf(events);
+    artifacts.replaceChildren(el("h3", {}, "Artifacts"), found.length
+      ? el("ul", { "data-testid": "artifacts" }, found.map((a) => el("li", {}, a.ref
+        ? [el("code", {}, a.ref), ` (event #${a.seq})`]
+        : [el("strong", {}, a.name || "artifact"), ` (event #${a.seq})`, el("pre", { class: "json" }, a.text || "")])))
+      : el("p", { class: "empty" }, "None yet."));
+    if (event.type.startsWith("run.")) refresh();
+  };
+  source.addEventListener("message", onEvent);
+  leaveView = () => { stopped = true; clearTimeout(timer); source.close(); };
+  await refresh();
+}
+
+async function downloadBundle(runId) {
+  try {
+    const body = await api(`/api/runs/${encodeURIComponent(runId)}/debug-bundle`);
+    const blob = new Blob([JSON.stringify(body, null, 2)], { type: "application/json" });
+    const link = el("a", { href: URL.createObjectURL(blob), download: `run-${runId}-bundle.json` });
+    link.click();
+    URL.revokeObjectURL(link.href);
+  } catch (error) {
+    banner(`Could not fetch the debug bundle: ${error.message} [${error.code}]`);
+  }
+}
+
+// ---- the fleet ----------------------------------------------------------------------------------
+
+async function showAgents(view) {
+  const { agents } = await api("/api/agents");
+  view.replaceChildren(el("h2", {}, "Agents"), table(
+    ["agent", "kind", "version", "status", "skills", "endpoint"],
+    agents.map((a) => [a.id, a.kind, a.version, `${a.status}${a.status_reason ? ` (${a.status_reason})` : ""}`,
+      a.skills.map((s) => s.id).join(", "), el("code", {}, a.url)]),
+  ));
+}
+
+async function showMcp(view) {
+  const body = await api("/api/mcp-servers");
+  const servers = body.mcp_servers || [];
+  view.replaceChildren(el("h2", {}, "MCP servers"), table(
+    ["server", "endpoint", "tools"],
+    servers.map((m) => [m.id, el("code", {}, m.url || ""), (m.tools || []).map((t) => t.name).join(", ")]),
+  ));
+}
+
+async function showPolicy(view) {
+  const { processes, decisions } = await api("/api/policy");
+  const revisions = new Set(processes.map((p) => p.revision));
+  view.replaceChildren(
+    el("h2", {}, "Policy"),
+    el("p", { "data-testid": "policy-revision" }, revisions.size === 1
+      ? `Every process enforces revision ${[...revisions][0]}.`
+      : `Processes enforce ${revisions.size} revisions: a push is under way or was refused somewhere.`),
+    table(["service", "engine", "revision", "refused"], processes.map((p) => [
+      p.service, p.engine || "", p.revision, p.refused ? `${p.refused.revision || ""}: ${p.refused.error || ""}` : ""])),
+    el("h3", {}, "Decision log (newest first)"),
+    table(["time", "policy", "asked by", "allow", "revision", "decision"], [...decisions].reverse().map((d) => [
+      when(d.timestamp), d.path, d.service, d.allow === null ? "" : String(d.allow), d.revision || "",
+      el("code", {}, d.decision_id || "")])),
+  );
+}
+
+async function showMemory(view) {
+  const { events } = await api("/api/memory/audit");
+  view.replaceChildren(el("h2", {}, "Memory audit"), events.length ? table(
+    ["time", "operation", "agent", "tier", "outcome", "entry", "reasons"],
+    [...events].reverse().map((e) => [when(e.time), e.op, e.agent || "", e.tier || "", e.outcome || "",
+      el("code", {}, e.entry_id || (e.count !== undefined ? `${e.count} ids` : "")), (e.reasons || []).join("; ")]),
+  ) : el("p", { class: "empty" }, "No memory operations yet."));
+}
+
+// ---- routing ------------------------------------------------------------------------------------
+
+async function route() {
+  leaveView();
+  leaveView = () => {};
+  const view = document.getElementById("view");
+  const hash = location.hash.replace(/^#/, "") || "/";
+  const parts = hash.split("/").filter(Boolean);
+  for (const link of document.querySelectorAll("nav a")) {
+    link.classList.toggle("active", link.dataset.nav === (parts[0] === "runs" || !parts[0] ? "runs" : parts[0]));
+  }
+  try {
+    if (parts[0] === "runs" && parts[1]) await showRun(view, decodeURIComponent(parts[1]));
+    else if (parts[0] === "agents") await showAgents(view);
+    else if (parts[0] === "mcp") await showMcp(view);
+    else if (parts[0] === "policy") await showPolicy(view);
+    else if (parts[0] === "memory") await showMemory(view);
+    else await showLanes(view);
+  } catch (error) {
+    if (error.status !== 401) banner(`${error.message} [${error.code}]`);
+  }
+}
+
+async function start() {
+  document.getElementById("sign-out").addEventListener("click", async () => {
+    await fetch("/session/end", { method: "POST", headers: { "x-fleet-console": "1" } });
+    signedOut({ message: "signed out" });
+  });
+  try {
+    const me = await api("/api/me");
+    document.getElementById("who").textContent = `${me.sub} @ ${me.tenant}`;
+    document.getElementById("sign-out").hidden = false;
+  } catch {
+    return; // the banner says how to sign in
+  }
+  window.addEventListener("hashchange", route);
+  await route();
+}
+
+start();

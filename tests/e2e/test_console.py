@@ -1,0 +1,210 @@
+"""The operator console in a real browser (Debian's Chromium, driven by Playwright) against the real
+stack: a person signs in with the link ``fleet console`` prints, finds a paused run in *Needs your
+input*, approves it on its page, and sees it move to *Completed*. Around that, what the console must
+refuse: a sign-in link used twice, a request without a session, a change from another page, and an
+approval by a person who signed in without the right to approve.
+
+``FLEET_CONSOLE_SCREENSHOTS=<dir>`` keeps the screenshots the test takes (the docs' come from here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.async_api import Browser, Page, async_playwright, expect
+
+from tests.e2e.a2a_helpers import fresh_tenant
+from tests.e2e.conftest import Stack, fleet
+from tests.e2e.test_approvals import paused_at_gate, run_when
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox",  # the tests may run as root
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    # No calls home: the machines these tests run on have no internet, and refused connections
+    # only slow Chromium down.
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SEEN_WITHIN_MS = 60_000
+
+
+def chromium() -> str:
+    found = os.environ.get("FLEET_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    assert found, "the console tests need Chromium: Debian's chromium package (scripts/dev test installs it)"
+    return found
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_FLAGS)
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+def sign_in_link(stack: Stack, tenant: str) -> str:
+    result = fleet("console", "--data-dir", stack.data_dir, "--tenant", tenant, "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    answer: dict[str, Any] = json.loads(result.stdout)
+    assert answer["console"] == stack.endpoints["console"]
+    link: str = answer["sign_in"]
+    return link
+
+
+def screenshots_dir(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("FLEET_CONSOLE_SCREENSHOTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+async def screenshot(page: Page, name: str, tmp_path: Path) -> None:
+    path = screenshots_dir(tmp_path) / f"console-{name}.png"
+    await page.screenshot(path=str(path), full_page=True)
+
+
+async def test_an_operator_approves_a_paused_run_in_the_browser_and_sees_it_completed(
+    stack: Stack, browser: Browser, tmp_path: Path
+) -> None:
+    tenant = fresh_tenant()
+    run_id = await paused_at_gate(stack, tenant, stack.token("coordinator", tenant=tenant))
+    link = await asyncio.to_thread(sign_in_link, stack, tenant)
+
+    page = await browser.new_page(viewport={"width": 1400, "height": 900})
+    await page.goto(link)
+    await page.wait_for_url(f"{stack.endpoints['console']}/")
+    await expect(page.locator("#who")).to_have_text(f"operator @ {tenant}")
+    waiting = page.locator(f'[data-lane="input"] [data-run-id="{run_id}"]')
+    await expect(waiting).to_be_visible(timeout=SEEN_WITHIN_MS)
+    await expect(waiting).to_contain_text("approval")
+    await screenshot(page, "lanes-waiting", tmp_path)
+
+    await waiting.click()
+    await expect(page.locator('[data-testid="wait"]')).to_contain_text("approval:refund:0")
+    await expect(page.locator('[data-testid="timeline"] li').first).to_be_visible()
+    await screenshot(page, "run-waiting", tmp_path)
+    await page.get_by_role("button", name="Approve").click()
+    await expect(page.locator('[data-testid="signal-status"]')).to_have_text("approve: applied")
+    await expect(page.locator(".run-head [data-testid=run-state]")).to_have_text(
+        "completed", timeout=SEEN_WITHIN_MS
+    )
+    await expect(page.locator('[data-testid="timeline"]')).to_contain_text("run.completed")
+    await screenshot(page, "run-completed", tmp_path)
+
+    await page.goto(f"{stack.endpoints['console']}/#/")
+    done = page.locator(f'[data-lane="completed"] [data-run-id="{run_id}"]')
+    await expect(done).to_be_visible(timeout=SEEN_WITHIN_MS)
+    await expect(page.locator(f'[data-lane="input"] [data-run-id="{run_id}"]')).to_have_count(0)
+    await screenshot(page, "lanes-completed", tmp_path)
+
+    # The approval is the person's, made through the console: the coordinator recorded the signer
+    # as the operator, acting through the console.
+    token = stack.token("coordinator", tenant=tenant)
+    run = await run_when(stack, run_id, token, "completed")
+    assert run["state"] == "completed"
+    async with httpx.AsyncClient(timeout=30) as http:
+        signals = (
+            await http.get(
+                f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/signals",
+                headers={"Authorization": f"Bearer {token}"},
+            )
+        ).json()["signals"]
+    applied = [s for s in signals if s["action"] == "approve" and s["outcome"] == "applied"]
+    assert len(applied) == 1 and applied[0]["signer"] == "operator", signals
+
+
+async def test_the_fleet_pages_show_agents_mcp_servers_policy_and_memory(
+    stack: Stack, browser: Browser, tmp_path: Path
+) -> None:
+    tenant = fresh_tenant()
+    page = await browser.new_page(viewport={"width": 1400, "height": 900})
+    await page.goto(await asyncio.to_thread(sign_in_link, stack, tenant))
+    await page.wait_for_url(f"{stack.endpoints['console']}/")
+    base = stack.endpoints["console"]
+
+    await page.goto(f"{base}/#/agents")
+    for agent in stack.endpoints["specialists"]:
+        await expect(page.locator("main table")).to_contain_text(agent)
+    await screenshot(page, "agents", tmp_path)
+    await page.goto(f"{base}/#/mcp")
+    for server in stack.endpoints["mcp_servers"]:
+        await expect(page.locator("main table")).to_contain_text(server)
+    await page.goto(f"{base}/#/policy")
+    await expect(page.locator('[data-testid="policy-revision"]')).to_contain_text("revision")
+    await expect(page.locator("main")).to_contain_text("fleet/tokens/decision")
+    await screenshot(page, "policy", tmp_path)
+    await page.goto(f"{base}/#/memory")
+    await expect(page.locator("main h2")).to_have_text("Memory audit")
+
+
+async def sign_in(http: httpx.AsyncClient, base: str, token: str) -> httpx.Response:
+    return await http.post(
+        f"{base}/session", headers={"authorization": f"Bearer {token}", "x-fleet-console": "1"}
+    )
+
+
+async def test_a_sign_in_link_works_once_and_nothing_is_served_without_a_session(stack: Stack) -> None:
+    base, tenant = stack.endpoints["console"], fresh_tenant()
+    link = await asyncio.to_thread(sign_in_link, stack, tenant)
+    token = link.split("#token=", 1)[1]
+    async with httpx.AsyncClient(timeout=30) as anonymous:
+        refused = await anonymous.get(f"{base}/api/runs")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthenticated"
+        page = await anonymous.get(f"{base}/")
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        first = await sign_in(http, base, token)
+        assert first.status_code == 200, first.text
+        cookie = first.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie
+        assert (await http.get(f"{base}/api/runs")).status_code == 200
+        async with httpx.AsyncClient(timeout=30) as other:
+            again = await sign_in(other, base, token)
+        assert again.status_code == 401 and again.json()["error"]["code"] == "unauthenticated"
+        # A change without the console page's header (a form posted from another site) is refused
+        # before it reaches the coordinator.
+        forged = await http.post(f"{base}/api/runs/any/signals", json={"action": "cancel"})
+        assert forged.status_code == 403 and forged.json()["error"]["code"] == "forbidden"
+        elsewhere = await http.post(
+            f"{base}/api/runs/any/signals",
+            json={"action": "cancel"},
+            headers={"x-fleet-console": "1", "origin": "http://evil.example"},
+        )
+        assert elsewhere.status_code == 403
+
+
+async def test_a_person_signed_in_without_the_right_to_approve_cannot_approve_from_the_console(
+    stack: Stack,
+) -> None:
+    base, tenant = stack.endpoints["console"], fresh_tenant()
+    run_id = await paused_at_gate(stack, tenant, stack.token("coordinator", tenant=tenant))
+    viewer = stack.token("console", tenant=tenant, scopes=("agent:invoke", "registry:read"))
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert (await sign_in(http, base, viewer)).status_code == 200
+        listed = (await http.get(f"{base}/api/runs")).json()["runs"]
+        assert [r["run_id"] for r in listed] == [run_id]  # the tenant's runs, and only those
+        approve = await http.post(
+            f"{base}/api/runs/{run_id}/signals",
+            json={"action": "approve"},
+            headers={"x-fleet-console": "1"},
+        )
+        assert approve.status_code == 403, approve.text
+        assert "runs:approve" in approve.json()["error"]["message"]
+    run = await run_when(
+        stack, run_id, stack.token("coordinator", tenant=tenant), "waiting", "input-required"
+    )
+    assert run["wait"]["type"] == "approval"  # still waiting: nothing was answered
