@@ -87,9 +87,40 @@ def configure(
     provider = TracerProvider(resource=Resource.create({"service.name": service_id}))
     # The endpoint is passed explicitly: the exporter would otherwise read the environment itself.
     exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms))
+    batch = BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms)
+    provider.add_span_processor(_without_scopes(batch, DROPPED_SCOPES))
     trace.set_tracer_provider(provider)
     return Tracing(provider)
+
+
+# a2a-sdk traces every handler, queue and store method when OpenTelemetry is importable: dozens of
+# INTERNAL spans per task, with exception texts (which can quote a caller's data) recorded on them.
+# Ours cover the same hops (invoke_agent on both sides) with explicit parents, so dropping its spans
+# orphans none of ours. The MCP SDK's spans stay: its tools/call hop links our client and server spans
+# (through the request's _meta) and records an error's code, not the call's arguments.
+DROPPED_SCOPES = frozenset({"a2a-python-sdk"})
+
+
+def _without_scopes(inner: Any, dropped: frozenset[str]) -> Any:
+    """``inner`` (a span processor), fed only the spans of instrumentation scopes not in ``dropped``."""
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+
+    class WithoutScopes(SpanProcessor):
+        def on_start(self, span: Any, parent_context: otel_context.Context | None = None) -> None:
+            inner.on_start(span, parent_context)
+
+        def on_end(self, span: ReadableSpan) -> None:
+            scope = span.instrumentation_scope
+            if scope is None or scope.name not in dropped:
+                inner.on_end(span)
+
+        def shutdown(self) -> None:
+            inner.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return bool(inner.force_flush(timeout_millis))
+
+    return WithoutScopes()
 
 
 # --- trace context across processes -------------------------------------------------------------

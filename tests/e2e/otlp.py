@@ -23,6 +23,7 @@ class ReceivedSpan:
     """One span as a collector sees it, with the ``service.name`` of the process that sent it."""
 
     service: str
+    scope: str
     name: str
     kind: int
     trace_id: str
@@ -43,6 +44,7 @@ def spans_of(request: ExportTraceServiceRequest) -> Iterator[ReceivedSpan]:
             for span in scope_spans.spans:
                 yield ReceivedSpan(
                     service=str(resource.get("service.name", "")),
+                    scope=scope_spans.scope.name,
                     name=span.name,
                     kind=span.kind,
                     trace_id=span.trace_id.hex(),

@@ -86,6 +86,7 @@ async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
     # The MCP SDK's own spans of the request (tools/call) sit between the client's and the server's.
     assert called.span_id in _ancestors(served, spans), [(s.service, s.name) for s in spans]
     assert served.attributes["gen_ai.tool.name"] == called.attributes["gen_ai.tool.name"]
+    assert not [s for s in spans if s.scope == "a2a-python-sdk"]  # its spans are dropped (telemetry.py)
     # No argument, result or token rides on a span.
     for span in (delegated, handled, called, served):
         text = repr(span.attributes)
