@@ -533,6 +533,8 @@ def _print_endpoints(endpoints: dict[str, Any]) -> None:
     print(f"nats         {endpoints['nats']}")
     print(f"registry     {endpoints['registry']}")
     print(f"coordinator  {endpoints['coordinator']}")
+    if "console" in endpoints:
+        print(f"console      {endpoints['console']}  (sign in: fleet console)")
     for name, url in endpoints["specialists"].items():
         print(f"specialist   {name:<14} {url}")
     for name, url in endpoints["mcp_servers"].items():

@@ -282,7 +282,8 @@ async def _approval(api: RunApi, night: Night, payload: dict[str, Any], auto_app
     print(
         f"demo: {night.tenant:<7}| waiting for you (no process waits). Approve with:\n"
         f"            fleet approve {night.run_id} --tenant {night.tenant} --note 'checked'\n"
-        f"          or reject with: fleet reject {night.run_id} --tenant {night.tenant} --note why"
+        f"          or reject with: fleet reject {night.run_id} --tenant {night.tenant} --note why\n"
+        f"          or in the console (Needs your input): fleet console --tenant {night.tenant}"
     )
 
 

@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 from fleet.eventlog import read_records
 from policy.live import DECISIONS_STREAM, statuses
 
-MAX_SHOWN = 200
+MAX_SHOWN = 50  # the newest; the whole log is `fleet policy log`
 
 
 async def policy_view(client: NATS, last: int = MAX_SHOWN) -> dict[str, Any]:

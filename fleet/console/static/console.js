@@ -105,8 +105,9 @@ function json(value) {
 
 function runCard(run) {
   const wait = run.wait || {};
+  const skill = (wait.detail || {}).skill || wait.skill;
   const detail = lane(run) === "input"
-    ? `${wait.type || run.state}${wait.skill ? ` · ${wait.skill}` : ""} · waiting ${since(wait.since || run.updated_at)}`
+    ? `${wait.type || run.state}${skill ? ` · ${skill}` : ""} · waiting ${since(wait.since || run.updated_at)}`
     : `${run.reason || run.state} · ${when(run.updated_at)}`;
   return el(
     "a",
@@ -214,9 +215,10 @@ function signalForm(run, onDone, status) {
 function waitPanel(run) {
   if (!run.wait || ENDED.has(run.state)) return null;
   const wait = run.wait;
+  const detail = wait.detail || {};
   const rows = [
     ["Waits for", `${wait.type || "?"}${wait.awaited ? ` (${wait.awaited})` : ""}`],
-    ["Step / skill", `${wait.step || ""} ${wait.skill || ""}`.trim()],
+    ["Step / skill", [detail.step || wait.step, detail.skill || wait.skill].filter(Boolean).join(" · ")],
     ["Since", `${when(wait.since)} (${since(wait.since)} ago)`],
     ["Deadline", wait.deadline ? when(wait.deadline) : "none"],
   ];
