@@ -80,10 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     up = with_dir(sub.add_parser("up", help="start the local stack"))
     up.add_argument("--detach", action="store_true", help="return once healthy; keep running")
     up.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    with_dir(sub.add_parser("down", help="stop the local stack"))
+    _with_json(with_dir(sub.add_parser("down", help="stop the local stack")))
     status = with_dir(sub.add_parser("status", help="health and what the registry knows"))
     status.add_argument("--json", action="store_true")
-    token = with_dir(sub.add_parser("token", help="print a short-lived access token"))
+    token = _with_json(with_dir(sub.add_parser("token", help="print a short-lived access token")))
     token.add_argument("--audience", required=True, help="the service the token is for")
     token.add_argument("--tenant", default="default")
     token.add_argument("--scope", action="append", default=[], help="repeat for several scopes")
@@ -147,7 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     _with_json(extend)
     events = sub.add_parser("events", help="ambient events on NATS")
     events_sub = events.add_subparsers(dest="events_command", required=True)
-    publish = with_dir(events_sub.add_parser("publish", help="publish an event (fleet.events.<...>)"))
+    publish = _with_json(
+        with_dir(events_sub.add_parser("publish", help="publish an event (fleet.events.<...>)"))
+    )
     publish.add_argument("subject", help="e.g. fleet.events.invoices.closed")
     publish.add_argument("--data", default="{}", help="the event's data, a JSON object")
     publish.add_argument("--id", default=None, help="the event id (default: a new one); a repeat is dropped")
@@ -161,8 +163,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     revoke.add_argument("kid", help="the key id (an RFC 7638 thumbprint)")
     revoke.add_argument("--reason", default="", help="recorded with the revocation")
-    with_dir(keys_sub.add_parser("rotate-registry", help="the registry signs with a new key from now on"))
-    with_dir(keys_sub.add_parser("revoked", help="list the revoked keys"))
+    _with_json(revoke)
+    _with_json(
+        with_dir(keys_sub.add_parser("rotate-registry", help="the registry signs with a new key from now on"))
+    )
+    _with_json(with_dir(keys_sub.add_parser("revoked", help="list the revoked keys")))
     enroll = with_dir(
         keys_sub.add_parser(
             "enrollment-token",
@@ -173,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     enroll.add_argument("--kind", default="specialist", choices=["specialist", "mcp_server", "worker"])
     enroll.add_argument("--scope", action="append", default=[], help="a scope it may ask for (repeat)")
     enroll.add_argument("--tenant", action="append", default=[], help="a tenant it may act for (repeat)")
+    _with_json(enroll)
     enroll.add_argument(
         "--external",
         action="store_true",
@@ -187,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     ptest.add_argument("--json", action="store_true")
     peval = policy_sub.add_parser("eval", help="evaluate a query (e.g. data.fleet.tools.decision)")
     peval.add_argument("query")
+    peval.add_argument("--json", action="store_true", help="accepted for symmetry: eval always prints JSON")
     peval.add_argument("--input", type=Path, default=None, help="a JSON file: the input document")
     peval.add_argument("--dir", type=Path, default=None, help="the bundle (default: the installed one)")
     ppush = with_dir(policy_sub.add_parser("push", help="test the bundle and make it every process's policy"))
@@ -260,11 +267,13 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
             return up_detached(layout)
         return asyncio.run(up_foreground(settings, layout, args.ready_fd))
     if command == "down":
-        return operator_cli.down(layout)
+        return operator_cli.down(layout, as_json=args.json)
     if command == "status":
         return asyncio.run(operator_cli.status(layout, as_json=args.json))
     if command == "token":
-        return asyncio.run(operator_cli.token(layout, args.audience, args.tenant, args.scope))
+        return asyncio.run(
+            operator_cli.token(layout, args.audience, args.tenant, args.scope, as_json=args.json)
+        )
     if command == "console":
         from fleet.console_cli import sign_in_link
 
@@ -328,17 +337,27 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
         type_ = args.type or args.subject.removeprefix("fleet.events.")
         return asyncio.run(
             operator_cli.publish_event(
-                layout, args.subject, args.data, args.id, args.tenant, type_, args.source
+                layout, args.subject, args.data, args.id, args.tenant, type_, args.source, as_json=args.json
             )
         )
     if command == "keys" and args.keys_command == "enrollment-token":
         return operator_cli.print_enrollment_token(
-            layout, args.identity, args.kind, args.scope, args.tenant, external=args.external
+            layout,
+            args.identity,
+            args.kind,
+            args.scope,
+            args.tenant,
+            external=args.external,
+            as_json=args.json,
         )
     if command == "keys":
         return asyncio.run(
             operator_cli.keys(
-                layout, args.keys_command, getattr(args, "kid", ""), getattr(args, "reason", "")
+                layout,
+                args.keys_command,
+                getattr(args, "kid", ""),
+                getattr(args, "reason", ""),
+                as_json=args.json,
             )
         )
     if command == "policy":

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -16,13 +15,16 @@ import httpx
 
 from deploy.local_stack import OPERATOR_ID
 from fleet import stacklock
+from fleet.cli_common import EXIT_FAILED as EXIT_FAILED  # re-exported: other commands use them
 from fleet.cli_common import EXIT_NO_OP, emit, operator_client
+from fleet.cli_common import EXIT_NOT_RUNNING as EXIT_NOT_RUNNING
+from fleet.cli_common import EXIT_OK as EXIT_OK
+from fleet.cli_common import EXIT_USAGE as EXIT_USAGE
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.tokens import TokenClient
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 DOWN_TIMEOUT_S = 60.0
 
 
@@ -38,21 +40,24 @@ def running_endpoints(layout: StackLayout) -> dict[str, Any]:
     return endpoints
 
 
-def down(layout: StackLayout) -> int:
+def down(layout: StackLayout, *, as_json: bool = False) -> int:
     """Ask the supervisor holding the data dir's lock to stop, and wait until it has."""
     pid = stacklock.holder(layout.lock_file)
     if pid is None:
-        print(f"fleet: no stack is running on {layout.home}")
+        text = f"fleet: no stack is running on {layout.home}"
+        emit(
+            {"data_dir": str(layout.home), "stopped": False, "was_running": False}, as_json=as_json, text=text
+        )
         return EXIT_OK
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + DOWN_TIMEOUT_S
     while stack_running(layout):
         if time.monotonic() > deadline:
-            print(f"fleet: the supervisor (pid {pid}) did not stop in time", file=sys.stderr)
-            return EXIT_FAILED
+            raise FleetError(ErrorCode.STACK_FAILED, f"the supervisor (pid {pid}) did not stop in time")
         time.sleep(0.1)
-    print(f"fleet: stopped the stack on {layout.home}")
+    text = f"fleet: stopped the stack on {layout.home}"
+    emit({"data_dir": str(layout.home), "stopped": True, "was_running": True}, as_json=as_json, text=text)
     return EXIT_OK
 
 
@@ -77,6 +82,7 @@ def print_enrollment_token(
     tenants: list[str],
     *,
     external: bool,
+    as_json: bool = False,
 ) -> int:
     """Print a one-time enrollment token for ``identity``, signed with the operator key of the data
     dir: whoever holds it may enroll one key under that id, with those scopes and tenants."""
@@ -85,25 +91,28 @@ def print_enrollment_token(
 
     key_file = layout.key_file(OPERATOR_ID)
     if not key_file.exists():
-        print(f"fleet: no operator key in {layout.keys_dir}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
+        raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"no operator key in {layout.keys_dir} (fleet up)")
     if not tenants:
-        print("fleet: name at least one --tenant (or '*')", file=sys.stderr)
-        return EXIT_USAGE
+        raise FleetError(ErrorCode.INVALID_REQUEST, "name at least one --tenant (or '*')")
     spec = ServiceSpec(identity, cast("ServiceKind", kind), "", scopes=tuple(scopes), tenants=tuple(tenants))
-    print(enrollment_token(SigningKey.load_or_create(key_file), spec, external=external))
+    minted = enrollment_token(SigningKey.load_or_create(key_file), spec, external=external)
+    emit({"enrollment_token": minted, "identity": identity, "kind": kind}, as_json=as_json, text=minted)
     return EXIT_OK
 
 
-async def token(layout: StackLayout, audience: str, tenant: str, scopes: list[str]) -> int:
-    try:
-        endpoints = running_endpoints(layout)
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
+async def token(
+    layout: StackLayout, audience: str, tenant: str, scopes: list[str], *, as_json: bool = False
+) -> int:
+    """Print a short-lived access token for the operator identity (``fleet token``)."""
+    endpoints = running_endpoints(layout)
     async with httpx.AsyncClient() as http:
         client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
-        print(await client.token(audience, tenant, scopes))
+        bearer = await client.token(audience, tenant, scopes)
+    emit(
+        {"token": bearer, "audience": audience, "tenant": tenant, "scopes": scopes},
+        as_json=as_json,
+        text=bearer,
+    )
     return EXIT_OK
 
 
@@ -174,43 +183,26 @@ async def decide(
     return EXIT_OK
 
 
-async def keys(layout: StackLayout, command: str, kid: str, reason: str) -> int:
+async def keys(layout: StackLayout, command: str, kid: str, reason: str, *, as_json: bool = False) -> int:
     """``fleet keys revoke KID``, ``fleet keys rotate-registry``, ``fleet keys revoked``, as the
     operator (scope ``registry:admin``)."""
-    try:
-        endpoints = running_endpoints(layout)
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
-    registry = endpoints["registry"]
-    async with httpx.AsyncClient(timeout=30.0) as http:
-        client = operator_token_client(layout, registry + "/oauth/token", http)
-        headers = {
-            "Authorization": f"Bearer {await client.token('registry', 'default', ['registry:admin', 'registry:read'])}"
-        }
+    async with operator_client(layout, "registry", "default", ("registry:admin", "registry:read")) as api:
         if command == "revoke":
-            response = await http.post(
-                f"{registry}/v1/keys/{kid}/revoke", json={"reason": reason}, headers=headers
-            )
+            answer = await api.post(f"/v1/keys/{kid}/revoke", {"reason": reason})
         elif command == "rotate-registry":
-            response = await http.post(f"{registry}/v1/issuer/rotate", headers=headers)
+            answer = await api.post("/v1/issuer/rotate", {})
         else:
-            response = await http.get(f"{registry}/v1/revocations", headers=headers)
-    answer: dict[str, Any] = response.json()
-    if response.status_code != 200:
-        error = answer.get("error", {})
-        print(f"fleet: [{error.get('code')}] {error.get('message')}", file=sys.stderr)
-        return EXIT_FAILED
-    if command == "revoke":
-        print(f"revoked {answer['kid']} (of {answer['identity']}): every service refuses it from now on")
-    elif command == "rotate-registry":
-        print(
-            f"the registry signs with {answer['kid']}; {', '.join(answer['retiring'])} verifies until its grace ends"
-        )
-    else:
-        for revoked in answer["revoked"]:
-            print(f"{revoked['kid']}  {revoked['identity']}  by {revoked['by']}  {revoked['reason']}")
+            answer = await api.get("/v1/revocations")
+    emit(answer, as_json=as_json, text=_keys_text(command, answer))
     return EXIT_OK
+
+
+def _keys_text(command: str, answer: dict[str, Any]) -> str:
+    if command == "revoke":
+        return f"revoked {answer['kid']} (of {answer['identity']}): every service refuses it from now on"
+    if command == "rotate-registry":
+        return f"the registry signs with {answer['kid']}; {', '.join(answer['retiring'])} verifies until its grace ends"
+    return "\n".join(f"{r['kid']}  {r['identity']}  by {r['by']}  {r['reason']}" for r in answer["revoked"])
 
 
 async def send_signal(
@@ -246,36 +238,36 @@ async def _post_for_run(
 
 
 async def publish_event(
-    layout: StackLayout, subject: str, data: str, event_id: str | None, tenant: str, type_: str, source: str
+    layout: StackLayout,
+    subject: str,
+    data: str,
+    event_id: str | None,
+    tenant: str,
+    type_: str,
+    source: str,
+    *,
+    as_json: bool = False,
 ) -> int:
     """Publish an event on the stack's NATS (``fleet events publish``)."""
-    from fleet.events import EventError
     from fleet.events import publish_event as publish
     from fleet.natsconn import connect
 
-    try:
-        endpoints = running_endpoints(layout)
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
+    endpoints = running_endpoints(layout)
     try:
         parsed = json.loads(data)
     except json.JSONDecodeError:
         parsed = None
     if not isinstance(parsed, dict):
-        print("fleet: --data must be a JSON object", file=sys.stderr)
-        return EXIT_USAGE
+        raise FleetError(ErrorCode.INVALID_REQUEST, "--data must be a JSON object")
     client = await connect(endpoints["nats"], "fleet-cli")
     try:
         event_id, kept = await publish(
             client, subject, tenant=tenant, source=source, type_=type_, data=parsed, event_id=event_id
         )
-    except EventError as exc:
-        print(f"fleet: [{exc.code}] {exc.message}", file=sys.stderr)
-        return EXIT_USAGE
     finally:
         await client.drain()
-    print(f"event {event_id} on {subject}: {'published' if kept else 'a duplicate (dropped by the stream)'}")
+    text = f"event {event_id} on {subject}: {'published' if kept else 'a duplicate (dropped by the stream)'}"
+    emit({"event_id": event_id, "subject": subject, "published": kept}, as_json=as_json, text=text)
     return EXIT_OK
 
 

@@ -56,7 +56,7 @@ def test(directory: Path | None, *, verbose: bool, coverage: bool, as_json: bool
         bundle = _load(directory)
         results, covered = run_bundle_tests(bundle, coverage=coverage)
     except PolicyError as exc:
-        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
         return EXIT_FAILED
     failed = [r for r in results if r.outcome != "pass"]
     if as_json:
@@ -104,7 +104,7 @@ def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int
         engine = RegorusEngine(_load(directory))
         value = engine.evaluate(query.removeprefix("data."), document)
     except PolicyError as exc:
-        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
         return EXIT_FAILED
     print(json.dumps({"result": value, "revision": engine.revision}, indent=2))
     return EXIT_OK
@@ -134,7 +134,7 @@ async def push_bundle(layout: StackLayout, directory: Path | None, note: str, wa
         bundle = _load(directory)
         failures = check(bundle)
     except PolicyError as exc:
-        print(f"fleet: refused [{exc.code}]: {exc.message}", file=sys.stderr)
+        print(f"fleet: refused: {exc.message} [{exc.code}]", file=sys.stderr)
         return EXIT_FAILED
     if failures:
         for r in failures:
@@ -179,7 +179,7 @@ async def roll_back(layout: StackLayout, wait_s: float) -> int:
         try:
             seq, bundle = await rollback(client, f"operator:{getpass.getuser()}")
         except PolicyError as exc:
-            print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+            print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
             return EXIT_FAILED
         print(f"rolled back to revision {bundle.revision}")
         return await _await_enforced(client, bundle.revision, seq, started, wait_s)
@@ -275,7 +275,7 @@ def serve(directory: Path | None, host: str, port: int) -> int:
     try:
         point = DecisionPoint(_load(directory) if directory else None)
     except PolicyError as exc:
-        print(f"fleet: error [{exc.code}]: {exc.message}", file=sys.stderr)
+        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
         return EXIT_FAILED
     uvicorn.run(build_app(point, token), host=host, port=port, log_level="warning")
     return EXIT_OK
