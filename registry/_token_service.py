@@ -268,9 +268,13 @@ class TokenService:
         if client.kind != "console" or subject_type != ACCESS_TOKEN_TYPE:
             raise OAuthError("invalid_request", "a session grant is for the console, from a person's token")
         scopes = sorted(str(subject.get("scope", "")).split())
+        # The console becomes the actor when it redeems the grant, not before (once in the chain).
+        claims = {k: v for k, v in extra.items() if k != "act"}
+        if isinstance(subject.get("act"), dict):
+            claims["act"] = subject["act"]
         return self._sign(
             str(subject["sub"]), client.id, client.id, tenant, scopes, client_kid,
-            {**extra, "token_use": "session_grant"}, SESSION_GRANT_TTL_S, "session-grant+jwt",
+            {**claims, "token_use": "session_grant"}, SESSION_GRANT_TTL_S, "session-grant+jwt",
         )  # fmt: skip
 
     async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:

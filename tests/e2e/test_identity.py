@@ -31,7 +31,7 @@ from fleet.errors import FleetError
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.operator_cli import operator_token_client
-from fleet.tokens import RUN_GRANT_TYPE, TokenClient, client_assertion
+from fleet.tokens import RUN_GRANT_TYPE, SESSION_GRANT_TYPE, TokenClient, client_assertion
 from mcp_servers._base import read_audit
 from tests.e2e.conftest import (
     Stack,
@@ -582,6 +582,41 @@ async def test_a_run_grant_outlives_the_caller_token_but_is_no_access_token(stac
         specialist_token = await coordinator.exchange(caller, "sql-analyst", ["agent:invoke"])
         assert "for the coordinator" in await exchange_refused(
             analyst, specialist_token, requested_type=RUN_GRANT_TYPE, run_id="run-43"
+        )
+
+
+async def test_a_console_session_grant_acts_in_the_persons_name_within_their_sign_in(stack: Stack) -> None:
+    sign_in = stack.token("console", tenant="acme", scopes=("agent:invoke", "registry:read"))
+    async with httpx.AsyncClient() as http:
+        console, analyst = acting_as(stack, "console", http), acting_as(stack, "sql-analyst", http)
+        grant = await console.exchange(sign_in, requested_type=SESSION_GRANT_TYPE)
+        claims = claims_of(grant)
+        assert (claims["sub"], claims["aud"], claims["tenant"], claims["token_use"]) == (
+            "operator", "console", "acme", "session_grant"
+        )  # fmt: skip
+        assert claims["scope"] == "agent:invoke registry:read"
+        assert claims["exp"] - claims["iat"] > 3600  # a working day, where a sign-in lasts minutes
+        refused = await runs_api(stack, grant)
+        assert refused.status_code == 401 and "session grant is not an access token" in refused.text
+        # Redeemed by the console for a backend, in the person's name, with the console acting.
+        hop = claims_of(
+            await console.exchange(grant, "coordinator", ["agent:invoke"], subject_type=SESSION_GRANT_TYPE)
+        )
+        assert (hop["sub"], hop["tenant"], hop["act"]) == ("operator", "acme", {"sub": "console"})
+        assert (await runs_api(stack, await console.exchange(
+            grant, "coordinator", ["agent:invoke"], subject_type=SESSION_GRANT_TYPE
+        ))).status_code == 200  # fmt: skip
+        # Never beyond the sign-in: this person did not sign in with runs:approve.
+        assert "not signed in with runs:approve" in await exchange_refused(
+            console, grant, "coordinator", ["runs:approve"], subject_type=SESSION_GRANT_TYPE
+        )
+        # Only the console it was given to redeems it, and only a console may take one.
+        assert "refused" in await exchange_refused(analyst, grant, "mcp-sql", subject_type=SESSION_GRANT_TYPE)
+        specialist_token = await acting_as(stack, "coordinator", http).exchange(
+            stack.token("coordinator", tenant="acme"), "sql-analyst", ["agent:invoke"]
+        )
+        assert "for the console" in await exchange_refused(
+            analyst, specialist_token, requested_type=SESSION_GRANT_TYPE
         )
 
 
