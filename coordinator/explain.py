@@ -205,11 +205,13 @@ def _operations(operations: list[dict[str, Any]]) -> list[str]:
 
 
 def _next(run: Run, failed: FailedStep | None) -> list[str]:
-    code = failed.code if failed is not None else (run.reason or "")
+    # The innermost code with advice: a tool's refusal says more than the agent's failure around it.
+    codes = [*(cause_chain(failed) if failed is not None else []), run.reason or ""]
+    known = [NEXT_STEPS[code] for code in reversed(codes[:-1]) if code in NEXT_STEPS]
     if run.state.value == "completed":
         advice = "Nothing: the run completed."
     else:
-        advice = NEXT_STEPS.get(code) or NEXT_STEPS.get(run.reason or "", "Read the last events above.")
+        advice = (known or [NEXT_STEPS.get(codes[-1], "Read the last events above.")])[0]
     return ["## What to do next", "", advice, ""]
 
 

@@ -1,0 +1,72 @@
+"""EXPLAIN.md, the summary of a debug bundle, from a run's recorded events and operations."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from coordinator.explain import explain
+from coordinator.runs import Run, RunEvent, RunState
+
+NOW = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.UTC)
+
+
+def run(state: RunState = RunState.FAILED, reason: str | None = "specialist_failed") -> Run:
+    return Run("r1", "acme", "operator", state, reason, {}, [], 6, 1, False, None, NOW, NOW)
+
+
+def event(seq: int, type_: str, **payload: Any) -> RunEvent:
+    return RunEvent("r1", seq, type_, NOW, "worker-1", payload)
+
+
+def failed_after_a_reroute(message: str) -> list[RunEvent]:
+    return [
+        event(1, "run.submitted", state="submitted"),
+        event(2, "step.started", step="score", skill="score-anomalies", agent="code-runner"),
+        event(
+            3, "step.rerouted", op_id="op-1", step="score", **{"from": "code-runner", "to": "code-runner-2"}
+        ),
+        event(
+            4, "step.failed", step="score", skill="score-anomalies", code="specialist_failed", message=message
+        ),
+        event(5, "run.failed", state="failed", reason="specialist_failed"),
+    ]
+
+
+def test_it_names_the_failed_step_its_agent_version_reroutes_and_cause() -> None:
+    events = failed_after_a_reroute("code-runner-2: [tool_failed] mcp-sandbox/run_python: [policy_denied] no")
+    operations = [
+        {
+            "op_id": "op-1",
+            "step_id": "score",
+            "target": "code-runner-2",
+            "status": "failed",
+            "attempts": 2,
+            "error": {"code": "specialist_failed", "message": "boom"},
+        }
+    ]
+    agents = {"code-runner-2": {"version": "1.0.0", "status": "healthy"}}
+    text = explain(run(), events, operations, "local-1+abc", agents)
+    assert text.startswith("# Run r1: failed (specialist_failed)")
+    assert "- failed step: `score`" in text
+    assert "- agent: `code-runner-2` (version `1.0.0` as registered now, status `healthy`)" in text
+    assert "code-runner -> code-runner-2" in text
+    assert "`specialist_failed` -> `tool_failed` -> `policy_denied`" in text
+    assert "[policy_denied]" in text.split("## Policy")[1].split("##")[0]  # the refusal is named
+    assert "| `op-1` | score | code-runner-2 | failed | 2 |" in text
+    assert "`fleet policy log`" in text.split("## What to do next")[1]  # advice for the innermost cause
+
+
+def test_secrets_in_what_was_recorded_do_not_reach_the_summary() -> None:
+    secret = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJvcGVyYXRvciJ9.c2lnbmF0dXJl"
+    text = explain(run(), failed_after_a_reroute(f"Bearer {secret} refused"), [], "rev", {})
+    assert secret not in text
+    assert "[redacted]" in text
+
+
+def test_a_completed_run_says_nothing_failed() -> None:
+    text = explain(
+        run(RunState.COMPLETED, None), [event(1, "run.completed", state="completed")], [], "rev", {}
+    )
+    assert "No step failed." in text
+    assert "Nothing: the run completed." in text
