@@ -19,6 +19,7 @@ from bench import (
     memory,
     pauses,
     policy_plane,
+    telemetry,
     throughput,
     tokens,
     tool_plane,
@@ -68,6 +69,7 @@ BENCHMARKS = {
     "tool_plane": tool_plane.main,
     "policy_plane": policy_plane.main,
     "memory": memory.main,
+    "telemetry": telemetry.main,
 }
 
 
@@ -354,6 +356,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (_tool_plane(results["tool_plane"]) if "tool_plane" in results else "")
         + (_policy_plane(results["policy_plane"]) if "policy_plane" in results else "")
         + (_memory(results["memory"]) if "memory" in results else "")
+        + _telemetry(results.get("telemetry"))
     )
 
 
@@ -444,6 +447,26 @@ def _policy_plane(result: dict[str, Any]) -> str:
         f"worst (target <= {pushed['enforced_target_s']} s: {verdict[push_ok]}).\nBaseline: the push "
         f"reached the slowest process after {pushed['arrived']['p50_ms']} ms at p50, "
         f"{pushed['arrived']['max_ms']} ms at worst; the rest is compiling\nthe bundle in each process.\n"
+    )
+
+
+def _telemetry(result: dict[str, Any] | None) -> str:
+    """The tracing section, once measured."""
+    if result is None:
+        return ""
+    return (
+        "\n## Tracing on a tool call (`bench/telemetry.py`)\n\n"
+        f"{result['measured_on']}\n\n"
+        "A tool call over Streamable HTTP to a fleet MCP server (its `execute_tool` span and latency "
+        "histogram) from a client\nthat opens an `execute_tool` span and sends `traceparent`, as the "
+        "kit does; a fresh MCP client per call, as the kit\nmakes one per attempt. Tracing on: the "
+        f"SDK, batching {result['spans_per_call']} spans per call (ours and the MCP SDK's) to an "
+        "OTLP/HTTP receiver. Off:\nno endpoint. Each mode in its own process, rounds interleaved; "
+        "client and server share one process, so the\ntime added is the call's whole cost.\n\n"
+        "| measure | tracing off | tracing on | ratio | time added |\n|---|---|---|---|---|\n"
+        f"| one call, p50 ({result['calls']:,} calls each) | {result['off_p50_ms']} ms "
+        f"| {result['on_p50_ms']} ms | **{result['ratio']}x** | {result['added_p50_ms']} ms |\n"
+        f"| one call, p99 | {result['off_p99_ms']} ms | {result['on_p99_ms']} ms | | |\n"
     )
 
 

@@ -151,13 +151,16 @@ def _fleet_attributes(
     return {k: v for k, v in found.items() if v}
 
 
+# A proxy until configure() sets the provider, then the provider's tracer (made once, not per span).
+_TRACER = trace.get_tracer(TRACER_NAME)
+
+
 @contextlib.contextmanager
 def _span(
     name: str, kind: SpanKind, attributes: dict[str, Any], parent: otel_context.Context | None = None
 ) -> Iterator[Span]:
     """A current span that records only an error's type: an exception's text can hold data."""
-    tracer = trace.get_tracer(TRACER_NAME)
-    with tracer.start_as_current_span(
+    with _TRACER.start_as_current_span(
         name,
         context=parent,
         kind=kind,
