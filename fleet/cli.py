@@ -200,8 +200,10 @@ def _parser() -> argparse.ArgumentParser:
     ppush.add_argument("dir", nargs="?", type=Path, default=None, help="default: the installed bundle")
     ppush.add_argument("--note", default="", help="recorded with the push")
     ppush.add_argument("--wait", type=float, default=10.0, help="seconds to wait for every process (10)")
+    _with_json(ppush)
     prollback = with_dir(policy_sub.add_parser("rollback", help="push the previous revision again"))
     prollback.add_argument("--wait", type=float, default=10.0)
+    _with_json(prollback)
     pstatus = with_dir(policy_sub.add_parser("status", help="the revision each process enforces"))
     pstatus.add_argument("--json", action="store_true")
     plog = with_dir(policy_sub.add_parser("log", help="the decision log"))
@@ -432,9 +434,9 @@ def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
     if which == "eval":
         return policy_cli.evaluate(args.query, args.input, args.dir)
     if which == "push":
-        return asyncio.run(policy_cli.push_bundle(layout, args.dir, args.note, args.wait))
+        return asyncio.run(policy_cli.push_bundle(layout, args.dir, args.note, args.wait, as_json=args.json))
     if which == "rollback":
-        return asyncio.run(policy_cli.roll_back(layout, args.wait))
+        return asyncio.run(policy_cli.roll_back(layout, args.wait, as_json=args.json))
     if which == "status":
         return asyncio.run(policy_cli.status(layout, as_json=args.json))
     if which == "serve":

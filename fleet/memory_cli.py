@@ -10,7 +10,8 @@ and audit trail as any agent:
 - ``approve ID``: a person approves a held procedural rule;
 - ``audit``: the memory server's audit events (``fleet.audit.memory.>``), read from NATS.
 
-Exit codes: 0 done, 1 refused or failed (the reason on stderr), 3 no stack runs on the data dir.
+Exit codes: 0 done, 1 refused or failed (the reason on stderr), 3 no stack runs on the data dir,
+6 the operator's token was refused (see :mod:`fleet.cli_common`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from fleet.cli_common import exit_code
 from fleet.errors import FleetError
 from fleet.eventlog import read_records
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
 
-EXIT_OK, EXIT_FAILED, EXIT_NOT_RUNNING = 0, 1, 3
+EXIT_OK, EXIT_FAILED = 0, 1
 SERVER = "mcp-memory"
 SCOPES = {
     "recall": ("memory:read",),
@@ -50,9 +52,9 @@ async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str,
         async with httpx.AsyncClient(timeout=30) as http:
             tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
             token = await tokens.token(SERVER, tenant, list(SCOPES[tool]))
-    except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING, None
+    except FleetError as exc:  # no stack (3), or the token refused (6): the one table's codes
+        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
+        return exit_code(exc), None
     except KeyError:
         print(f"fleet: the stack on {layout.home} runs no memory server", file=sys.stderr)
         return EXIT_FAILED, None
@@ -102,7 +104,7 @@ async def show(layout: StackLayout, tenant: str, ids: list[str], *, as_json: boo
     _print_entries(entries, as_json)
     missing = sorted(set(ids) - {e["id"] for e in entries})
     if missing:
-        print(f"fleet: no memory {', '.join(missing)} for tenant {tenant}", file=sys.stderr)
+        print(f"fleet: no memory {', '.join(missing)} for tenant {tenant} [not_found]", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -144,8 +146,8 @@ async def audit(layout: StackLayout, tenant: str | None, last: int, *, as_json: 
     try:
         url = str(running_endpoints(layout)["nats"])
     except FleetError as exc:
-        print(f"fleet: {exc.message}", file=sys.stderr)
-        return EXIT_NOT_RUNNING
+        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
+        return exit_code(exc)
     client = await connect(url, "fleet-memory-audit")
     try:
         events = await read_records(client, "fleet.audit.memory.>")

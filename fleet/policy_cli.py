@@ -129,49 +129,89 @@ async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
             await client.close()
 
 
-async def push_bundle(layout: StackLayout, directory: Path | None, note: str, wait_s: float) -> int:
+async def push_bundle(
+    layout: StackLayout, directory: Path | None, note: str, wait_s: float, *, as_json: bool = False
+) -> int:
+    """``fleet policy push``: compile and test the bundle here, push it, wait until it is enforced."""
     try:
         bundle = _load(directory)
         failures = check(bundle)
     except PolicyError as exc:
-        print(f"fleet: refused: {exc.message} [{exc.code}]", file=sys.stderr)
-        return EXIT_FAILED
+        return _refused(f"refused: {exc.message}", str(exc.code), as_json)
     if failures:
         for r in failures:
             print(f"data.{r.package}.{r.name}: {r.outcome.upper()} {r.detail}", file=sys.stderr)
-        print(f"fleet: refused: {len(failures)} test(s) of the bundle do not pass", file=sys.stderr)
-        return EXIT_FAILED
+        return _refused(
+            f"refused: {len(failures)} test(s) of the bundle do not pass", "invalid_request", as_json
+        )
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
         started = time.monotonic()
         seq = await push(client, bundle, f"operator:{getpass.getuser()}", note)
-        print(f"pushed revision {bundle.revision}")
-        return await _await_enforced(client, bundle.revision, seq, started, wait_s)
+        if not as_json:
+            print(f"pushed revision {bundle.revision}")
+        return await _await_enforced(client, bundle.revision, seq, started, wait_s, as_json)
 
 
-async def _await_enforced(client: Any, revision: str, seq: int, started: float, wait_s: float) -> int:
+def _refused(message: str, code: str, as_json: bool) -> int:
+    """A push or rollback refused here: exit 1 (the policy commands' one failure code)."""
+    if as_json:
+        error = {"code": code, "message": message, "retryable": False, "exit_code": EXIT_FAILED}
+        print(json.dumps({"error": error}), file=sys.stderr)
+    else:
+        print(f"fleet: {message} [{code}]", file=sys.stderr)
+    return EXIT_FAILED
+
+
+async def _await_enforced(
+    client: Any, revision: str, seq: int, started: float, wait_s: float, as_json: bool
+) -> int:
     """Wait until every live process has handled push ``seq``: each enforces ``revision``, or one
     refused that push (exit 1, with its reason)."""
     while True:
         reports = await statuses(client)
-        if not reports:
-            print("no running process reports its policy: nothing to wait for", file=sys.stderr)
-            return EXIT_OK
         behind = [r for r in reports if r.get("seq", 0) < seq or r["revision"] != revision]
         refused = [r for r in behind if r.get("refused") and r["refused"].get("seq") == seq]
-        if not behind:
-            print(f"enforced by {len(reports)} processes within {time.monotonic() - started:.2f} s")
-            return EXIT_OK
-        if refused or time.monotonic() - started > wait_s:
-            for r in behind:
-                why = f"refused: {r['refused']['error']}" if r in refused else "not yet"
-                print(f"  {r['service']}: still {r['revision']} ({why})", file=sys.stderr)
-            return EXIT_FAILED
+        if not reports or not behind or refused or time.monotonic() - started > wait_s:
+            return _enforced_outcome(revision, reports, behind, refused, time.monotonic() - started, as_json)
         await asyncio.sleep(0.05)
 
 
-async def roll_back(layout: StackLayout, wait_s: float) -> int:
+def _enforced_outcome(
+    revision: str,
+    reports: list[dict[str, Any]],
+    behind: list[dict[str, Any]],
+    refused: list[dict[str, Any]],
+    seconds: float,
+    as_json: bool,
+) -> int:
+    code = EXIT_FAILED if behind else EXIT_OK
+    if as_json:
+        outcome = {
+            "revision": revision,
+            "enforced": code == EXIT_OK,
+            "processes": len(reports),
+            "behind": [
+                {**r, "why": f"refused: {r['refused']['error']}" if r in refused else "not yet"}
+                for r in behind
+            ],
+            "seconds": round(seconds, 3),
+        }
+        print(json.dumps(outcome, indent=2, default=str))
+    elif not reports:
+        print("no running process reports its policy: nothing to wait for", file=sys.stderr)
+    elif not behind:
+        print(f"enforced by {len(reports)} processes within {seconds:.2f} s")
+    else:
+        for r in behind:
+            why = f"refused: {r['refused']['error']}" if r in refused else "not yet"
+            print(f"  {r['service']}: still {r['revision']} ({why})", file=sys.stderr)
+    return code
+
+
+async def roll_back(layout: StackLayout, wait_s: float, *, as_json: bool = False) -> int:
+    """``fleet policy rollback``: push the revision in force before the current one again."""
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
@@ -179,10 +219,10 @@ async def roll_back(layout: StackLayout, wait_s: float) -> int:
         try:
             seq, bundle = await rollback(client, f"operator:{getpass.getuser()}")
         except PolicyError as exc:
-            print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
-            return EXIT_FAILED
-        print(f"rolled back to revision {bundle.revision}")
-        return await _await_enforced(client, bundle.revision, seq, started, wait_s)
+            return _refused(exc.message, str(exc.code), as_json)
+        if not as_json:
+            print(f"rolled back to revision {bundle.revision}")
+        return await _await_enforced(client, bundle.revision, seq, started, wait_s, as_json)
 
 
 async def status(layout: StackLayout, *, as_json: bool) -> int:

@@ -263,3 +263,13 @@ async def test_a_batch_run_draws_one_progress_line_on_a_terminal_and_plain_lines
     piped = await acli(stack, "runs", "events", task.id, "--tenant", "acme")
     assert "\x1b[" not in piped.stdout
     assert sum("batch.progress" in line for line in piped.stdout.splitlines()) == 6
+
+
+def test_a_policy_push_reports_where_it_is_enforced_as_json(stack: Stack) -> None:
+    pushed = cli(stack, "policy", "push", "--note", "cli test: the installed bundle again", "--json")
+    assert pushed.returncode == 0, pushed.stderr
+    outcome = json.loads(pushed.stdout)
+    assert (outcome["enforced"], outcome["behind"]) == (True, [])
+    assert outcome["processes"] > 0
+    status = json.loads(cli(stack, "policy", "status", "--json").stdout)
+    assert status["pushed"] == outcome["revision"]
