@@ -36,7 +36,7 @@ from registry.client import RegistryClient
 
 STATIC = Path(__file__).parent / "static"
 RUN_SCOPES = ("agent:invoke",)
-ANSWER_SCOPES = ("agent:invoke", "runs:approve")
+ANSWER_SCOPES = ("agent:invoke", "runs:approve", "runs:resolve")  # those the person has
 REGISTRY_SCOPES = ("registry:read",)
 BACKEND_TIMEOUT_S = 15.0
 STREAM_TIMEOUT = httpx.Timeout(BACKEND_TIMEOUT_S, read=None)  # a run may be quiet for days
