@@ -87,16 +87,22 @@ async def events_of(
                 if not follow and cursor >= last_seq:
                     return
         except httpx.TransportError as exc:
-            failures += 1
-            if failures > RECONNECTS:
-                raise FleetError(
-                    ErrorCode.DEPENDENCY_UNAVAILABLE, f"lost the coordinator's event stream: {exc!r}"
-                ) from exc
-            await asyncio.sleep(min(0.25 * 2**failures, 5.0))  # the coordinator may be restarting
+            failures = await _backoff(failures, repr(exc))
             continue
         # The server closes the stream when the run has ended; a close without that is a drop.
         if (await api.get(f"/v1/runs/{run_id}"))["state"] in TERMINAL_STATES:
             return
+        failures = await _backoff(failures, "the stream ended before the run")
+
+
+async def _backoff(failures: int, why: str) -> int:
+    """Wait before reconnecting (the coordinator may be restarting); give up after RECONNECTS
+    drops in a row without an event."""
+    failures += 1
+    if failures > RECONNECTS:
+        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"lost the coordinator's event stream: {why}")
+    await asyncio.sleep(min(0.25 * 2**failures, 5.0))
+    return failures
 
 
 def _summary(event: dict[str, Any]) -> str:
