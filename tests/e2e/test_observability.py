@@ -3,12 +3,16 @@ receiver the test runs, and serves Prometheus metrics on ``/metrics``."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
+from mcp.client import Client
+from mcp.client.streamable_http import streamable_http_client
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +25,7 @@ ONE_QUERY: dict[str, Any] = {
     "steps": [{"id": "q", "skill": "sql-query", "input": {"sql": "SELECT 1 AS one"}}]
 }
 CLIENT, SERVER = SpanProto.SPAN_KIND_CLIENT, SpanProto.SPAN_KIND_SERVER
+INTERNAL = SpanProto.SPAN_KIND_INTERNAL
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +61,18 @@ async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
     run_id = outcome.task_id
 
     def complete(spans: list[ReceivedSpan]) -> bool:
-        return bool(_of_run(run_id, spans, "mcp-sql", "execute_tool", SERVER)) and bool(
-            _of_run(run_id, spans, "sql-analyst", "execute_tool", CLIENT)
-        )
+        # Each process exports on its own clock; the worker's run span ends last, after the run.
+        wanted = [
+            ("mcp-sql", "execute_tool", SERVER),
+            ("sql-analyst", "execute_tool", CLIENT),
+            ("sql-analyst", "invoke_agent", SERVER),
+        ]
+        ours = [s for s in spans if s.attributes.get("fleet.run_id") == run_id]
+        from_worker = {(s.name, s.kind) for s in ours if s.service.startswith("worker-")}
+        return all(_of_run(run_id, spans, *w) for w in wanted) and from_worker >= {
+            ("invoke_agent coordinator", INTERNAL),
+            ("invoke_agent sql-analyst", CLIENT),
+        }
 
     spans = await receiver.wait_for(complete)
     [delegated] = [
@@ -159,3 +173,30 @@ async def test_metrics_of_the_coordinator_and_the_mcp_server_count_a_run(
     assert "fleet_work_queue_messages" in runs_after
     # Aggregate counts only: no tenant, run or caller in any label.
     assert "acme" not in tools_after and outcome.task_id not in runs_after
+
+
+async def _remember(stack: Stack, text: str) -> str:
+    token = stack.token("mcp-memory", scopes=("memory:read", "memory:write"))
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
+        url = stack.endpoints["mcp_servers"]["mcp-memory"]
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            result = await client.call_tool("remember", {"text": text, "tier": "semantic"})
+    assert not result.is_error, result.content
+    return str((result.structured_content or {})["status"])
+
+
+async def test_memory_writes_are_counted_by_tier_and_outcome(traced: tuple[Stack, OtlpReceiver]) -> None:
+    stack, _ = traced
+    async with httpx.AsyncClient(timeout=10) as http:
+        before = await _scrape(http, stack, "mcp-memory")
+        clean = await _remember(
+            stack, f"Invoices from Northwind are settled monthly ({uuid.uuid4().hex[:6]})."
+        )
+        redacted = await _remember(stack, "Refunds above 500 EUR go to dana.whitfield@acme-corp.io first.")
+        denied = await _remember(stack, "prod db: postgresql://app:Hunter2x9@db:5432/app")
+        after = await _scrape(http, stack, "mcp-memory")
+    assert (clean, redacted, denied) == ("stored", "stored", "denied")
+    for outcome in ("committed", "redacted", "denied"):
+        counted = _samples(after, "fleet_memory_writes_total", tier="semantic", outcome=outcome)
+        assert counted - _samples(before, "fleet_memory_writes_total", tier="semantic", outcome=outcome) == 1
+    assert "dana" not in after and "Hunter2x9" not in after
