@@ -97,7 +97,8 @@ def configure(
 # INTERNAL spans per task, with exception texts (which can quote a caller's data) recorded on them.
 # Ours cover the same hops (invoke_agent on both sides) with explicit parents, so dropping its spans
 # orphans none of ours. The MCP SDK's spans stay: its tools/call hop links our client and server spans
-# (through the request's _meta) and records an error's code, not the call's arguments.
+# (through the request's _meta). They hold no arguments or results, but an exception that escapes the
+# SDK (a transport failure; tool failures are answers, not exceptions) is recorded with its text.
 DROPPED_SCOPES = frozenset({"a2a-python-sdk"})
 
 
