@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from coordinator.debug_bundle import bundle
 from coordinator.operations import Ledger
-from coordinator.runs import PostgresRunStore, Run, RunNotFound, event_json
+from coordinator.runs import PostgresRunStore, Run, RunNotFound, RunState, event_json
 from coordinator.signals import SignalDesk, parse_signal
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
@@ -27,6 +27,7 @@ from policy import PolicyEngine
 
 RUNS_PREFIX = "/v1/"
 RESOLVE_SCOPE = "runs:resolve"
+MAX_LISTED = 500
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,17 @@ def _cursor(request: Request) -> int:
     if not (raw.isascii() and raw.isdigit()):
         raise FleetError(ErrorCode.INVALID_REQUEST, "Last-Event-ID must be an event sequence number")
     return int(raw)
+
+
+def _listing(request: Request) -> tuple[int, RunState | None]:
+    raw_limit, raw_state = request.query_params.get("limit", "50"), request.query_params.get("state")
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 0 < int(raw_limit) <= MAX_LISTED:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"limit must be a number from 1 to {MAX_LISTED}")
+    try:
+        return int(raw_limit), RunState(raw_state) if raw_state else None
+    except ValueError as exc:
+        states = ", ".join(s.value for s in RunState)
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"state must be one of {states}") from exc
 
 
 def run_routes(
@@ -88,7 +100,12 @@ def run_routes(
             log.warning("could not submit run %s (%s); the sweep will", run_id, attempt, exc_info=True)
 
     async def list_runs(request: Request) -> Response:
-        runs = await store.list_runs(request_claims(request).tenant)
+        """The tenant's newest runs: ``?limit=`` (50, at most 500), ``?state=`` (one run state)."""
+        try:
+            limit, state = _listing(request)
+        except FleetError as exc:
+            return _error(exc)
+        runs = await store.list_runs(request_claims(request).tenant, limit, state)
         return JSONResponse({"runs": [_run_json(r) for r in runs]})
 
     async def get_run(request: Request) -> Response:

@@ -535,13 +535,14 @@ class PostgresRunStore:
             )
             return [(str(row[0]), int(row[1])) for row in await cursor.fetchall()]
 
-    async def list_runs(self, tenant: str, limit: int = 50) -> list[Run]:
+    async def list_runs(self, tenant: str, limit: int = 50, state: RunState | None = None) -> list[Run]:
+        """The tenant's newest runs (only those in ``state``, if given)."""
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
                 f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE tenant = %s"
-                " ORDER BY created_at DESC LIMIT %s",
-                (tenant, limit),
+                " AND (%s::text IS NULL OR state = %s) ORDER BY created_at DESC LIMIT %s",
+                (tenant, state and state.value, state and state.value, limit),
             )
             return [_run(row) for row in await cursor.fetchall()]
 

@@ -44,7 +44,7 @@ def _run_read_parsers(runs_sub: Any) -> None:
     """``fleet runs list|show|events|cancel`` (see :mod:`fleet.runs_cli`)."""
     listing = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("list", help="the tenant's runs"))))
     listing.add_argument("--state", default=None, help="only runs in this state (e.g. waiting, failed)")
-    listing.add_argument("--limit", type=int, default=50, help="at most this many, newest first (50)")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many, newest first (50; 500)")
     show = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("show", help="one run in detail"))))
     show.add_argument("run_id")
     show.add_argument("--watch", action="store_true", help="follow it to its end (a bar for batches)")

@@ -94,7 +94,7 @@ def emit_line(document: Any) -> None:
     print(json.dumps(document, default=str), flush=True)
 
 
-def _error_of(response: httpx.Response) -> FleetError:
+def error_of(response: httpx.Response) -> FleetError:
     """The FleetError a service answered with (``{"error": {"code", "message"}}``)."""
     try:
         error = response.json().get("error", {})
@@ -135,7 +135,7 @@ class ServiceClient:
     @staticmethod
     def _answer(response: httpx.Response) -> dict[str, Any]:
         if response.status_code >= 400:
-            raise _error_of(response)
+            raise error_of(response)
         body: dict[str, Any] = response.json()
         return body
 

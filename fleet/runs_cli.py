@@ -24,6 +24,7 @@ from fleet.cli_common import (
     ServiceClient,
     emit,
     emit_line,
+    error_of,
     operator_client,
 )
 from fleet.errors import ErrorCode, FleetError
@@ -44,9 +45,9 @@ def waiting_on(run: dict[str, Any]) -> str:
 
 async def list_runs(layout: StackLayout, tenant: str, state: str | None, limit: int, *, as_json: bool) -> int:
     """``fleet runs list``: the tenant's runs, newest first."""
+    params = {"limit": limit, **({"state": state} if state else {})}
     async with operator_client(layout, "coordinator", tenant, READ_SCOPES) as api:
-        runs = (await api.get("/v1/runs"))["runs"]
-    runs = [r for r in runs if state in (None, r["state"])][: max(limit, 0)]
+        runs = (await api.get("/v1/runs", params=params))["runs"]
     lines = [f"{'RUN':<34} {'STATE':<15} {'REASON':<20} {'WAITING ON':<30} UPDATED"]
     lines += [
         f"{r['run_id']:<34} {r['state']:<15} {r['reason'] or '':<20} {waiting_on(r):<30} {r['updated_at']}"
@@ -66,7 +67,7 @@ async def _sse(api: ServiceClient, run_id: str, after: int) -> AsyncIterator[dic
     async with api.http.stream("GET", url, headers=headers) as response:
         if response.status_code >= 400:
             await response.aread()
-            ServiceClient._answer(response)  # raises the service's error
+            raise error_of(response)
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 event: dict[str, Any] = json.loads(line.removeprefix("data: "))

@@ -82,6 +82,17 @@ async def test_transition_changes_state_and_records_it(store: PostgresRunStore) 
     assert last.payload == {"state": "failed", "reason": "specialist_failed", "message": "boom"}
 
 
+async def test_a_listing_takes_only_the_runs_in_a_state_newest_first(store: PostgresRunStore) -> None:
+    for run_id in ("r1", "r2", "r3"):
+        await store.create_run(run_id, "acme", "operator", {})
+    lease = await store.acquire_lease("r2", "w", ttl_s=30)
+    assert lease is not None
+    await store.transition(lease, RunState.FAILED, "w", {}, reason="specialist_failed")
+    assert [r.run_id for r in await store.list_runs("acme", state=RunState.FAILED)] == ["r2"]
+    assert [r.run_id for r in await store.list_runs("acme", state=RunState.SUBMITTED)] == ["r3", "r1"]
+    assert [r.run_id for r in await store.list_runs("acme", limit=1)] == ["r3"]
+
+
 async def test_another_tenant_cannot_see_a_run_or_its_events(store: PostgresRunStore) -> None:
     await store.create_run("r1", "acme", "operator", {})
     with pytest.raises(RunNotFound):

@@ -105,6 +105,9 @@ async def test_runs_list_and_show_describe_a_failed_run_in_text_and_json(stack: 
     text = await acli(stack, "runs", "list", "--tenant", "acme", "--limit", "1")
     assert text.stdout.splitlines()[0].split() == ["RUN", "STATE", "REASON", "WAITING", "ON", "UPDATED"]
     assert len(text.stdout.splitlines()) == 2
+    bad = await acli(stack, "runs", "list", "--tenant", "acme", "--state", "sleeping")
+    assert bad.returncode == 2
+    assert "state must be one of" in bad.stderr
 
     show = await acli(stack, "runs", "show", outcome.task_id, "--tenant", "acme", "--json")
     assert show.returncode == 0, show.stderr
