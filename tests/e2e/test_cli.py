@@ -16,7 +16,7 @@ import pytest
 
 from fleet.progress import CLEAR_LINE
 from tests.e2e.a2a_helpers import SLOW_STEPS, start
-from tests.e2e.conftest import TWO_STEPS, Stack, clean_env, fleet, send, user_message
+from tests.e2e.conftest import TWO_STEPS, Stack, clean_env, first_event, fleet, send, user_message
 
 pytestmark = pytest.mark.e2e
 
@@ -276,3 +276,22 @@ def test_a_policy_push_reports_where_it_is_enforced_as_json(stack: Stack) -> Non
     assert outcome["processes"] > 0
     status = json.loads(cli(stack, "policy", "status", "--json").stdout)
     assert status["pushed"] == outcome["revision"]
+
+
+async def test_a_waiting_run_shows_what_it_waits_on_since_when_and_until_when(stack: Stack) -> None:
+    token = stack.token("coordinator")
+    task = await start(stack, token, user_message(data={"steps": [{"id": "nap", "wait": {"for_s": 3600}}]}))
+    await first_event(stack, task.id, token, "run.waiting")
+    listing = await acli(stack, "runs", "list", "--tenant", "acme", "--state", "waiting")
+    line = next(line for line in listing.stdout.splitlines() if line.startswith(task.id))
+    assert line.split()[1:4] == ["waiting", "timer", "timer:nap"]
+    view = json.loads((await acli(stack, "runs", "show", task.id, "--tenant", "acme", "--json")).stdout)
+    assert (view["wait"]["type"], view["wait"]["awaited"]) == ("timer", "timer:nap")
+    assert view["wait"]["since"] < view["wait"]["deadline"]
+    text = (await acli(stack, "runs", "show", task.id, "--tenant", "acme")).stdout
+    assert (
+        f"waiting  timer timer:nap since {view['wait']['since']} deadline {view['wait']['deadline']}" in text
+    )
+    # A parked run holds no process: a cancel ends it at once, and a follower sees it end canceled.
+    assert (await acli(stack, "runs", "cancel", task.id, "--tenant", "acme")).returncode == 0
+    assert (await acli(stack, "runs", "events", task.id, "--tenant", "acme", "--follow")).returncode == 8
