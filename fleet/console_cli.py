@@ -6,31 +6,31 @@ within the token's life (``ACCESS_TOKEN_TTL_S``), to a session of the console's 
 
 from __future__ import annotations
 
-import json
-import sys
-
 import httpx
 
+from fleet.cli_common import EXIT_OK, emit, report_error
 from fleet.console import SIGN_IN_SCOPES
-from fleet.errors import FleetError
+from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
-from fleet.operator_cli import EXIT_NOT_RUNNING, EXIT_OK, operator_token_client, running_endpoints
+from fleet.operator_cli import operator_token_client, running_endpoints
 
 
 async def sign_in_link(layout: StackLayout, tenant: str, *, as_json: bool) -> int:
     """Print the console's URL and a one-time sign-in link for ``tenant``."""
     try:
         endpoints = running_endpoints(layout)
-        url = str(endpoints["console"])
-    except (FleetError, KeyError):
-        print(f"fleet: no stack with a console is running on {layout.home} (fleet up)", file=sys.stderr)
-        return EXIT_NOT_RUNNING
-    async with httpx.AsyncClient() as http:
-        client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
-        token = await client.token("console", tenant, SIGN_IN_SCOPES)
+        if "console" not in endpoints:
+            raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"the stack on {layout.home} runs no console")
+        async with httpx.AsyncClient() as http:
+            client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+            token = await client.token("console", tenant, SIGN_IN_SCOPES)
+    except FleetError as exc:
+        return report_error(exc, as_json=as_json)
+    url = str(endpoints["console"])
     link = f"{url}/login#token={token}"
-    if as_json:
-        print(json.dumps({"console": url, "tenant": tenant, "sign_in": link}))
-    else:
-        print(f"console: {url}\nsign in as operator of {tenant} (once, within 5 minutes):\n{link}")
+    emit(
+        {"console": url, "tenant": tenant, "sign_in": link},
+        as_json=as_json,
+        text=f"console: {url}\nsign in as operator of {tenant} (once, within 5 minutes):\n{link}",
+    )
     return EXIT_OK
