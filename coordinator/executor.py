@@ -12,7 +12,9 @@ from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.types import InternalError, InvalidParamsError, Task
 from a2a.utils.errors import UnsupportedOperationError
+from opentelemetry.trace import Span, SpanKind
 
+from coordinator import work
 from coordinator.delegation import Delegator
 from coordinator.handler import follow
 from coordinator.plan import Planner, Step, plan_request
@@ -20,17 +22,24 @@ from coordinator.runs import PostgresRunStore
 from coordinator.signals import Signal, SignalDesk, parse_signal
 from coordinator.task_events import TaskFold, event_id_of, initial_task
 from coordinator.task_store import PostgresTaskStore
+from fleet import telemetry
 from fleet.a2a_support import claims_of
 from fleet.errors import ErrorCode, FleetError
+from fleet.tokens import Claims
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
 
 
 def _request_of(context: RequestContext) -> dict[str, Any]:
-    """What the run was asked to do, as recorded on the run."""
+    """What the run was asked to do, as recorded on the run, with the trace context of the request
+    that asked (when traced), so a slice resumed much later can link back to it."""
     parts = list(context.message.parts) if context.message else []
-    return {"text": " ".join(get_text_parts(parts)), "data": get_data_parts(parts)}
+    recorded: dict[str, Any] = {"text": " ".join(get_text_parts(parts)), "data": get_data_parts(parts)}
+    trace_context = dict(telemetry.inject({}))
+    if trace_context:
+        recorded[work.TRACE_KEY] = trace_context
+    return recorded
 
 
 YES = frozenset({"approve", "approved", "yes", "ok"})
@@ -112,13 +121,31 @@ class CoordinatorExecutor(AgentExecutor):
         return steps
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        """Start a run, or pass a follow-up to one, under the request's SERVER span: the trace a
+        caller's ``traceparent`` names, or a new one. The work message carries that span's context,
+        so the worker's slice is its child."""
         claims = claims_of(context.call_context)
-        if context.current_task is not None:
-            await self._follow_up(context, context.current_task, event_queue)
-            return
+        headers = context.call_context.state.get("headers") if context.call_context else None
+        span = telemetry.invoke_agent_span(
+            "coordinator",
+            kind=SpanKind.SERVER,
+            run_id=context.current_task.id if context.current_task is not None else "",
+            tenant=claims.tenant,
+            parent=headers if isinstance(headers, dict) else None,
+        )
+        with span as current:
+            if context.current_task is not None:
+                await self._follow_up(context, context.current_task, event_queue)
+            else:
+                await self._start(context, event_queue, claims, current)
+
+    async def _start(
+        self, context: RequestContext, event_queue: EventQueue, claims: Claims, span: Span
+    ) -> None:
         steps = await self._plan(context, claims.tenant)
         assert context.message is not None
         task = new_task_from_user_message(context.message)
+        span.set_attribute("fleet.run_id", task.id)
         plan = [s.to_dict() for s in steps]
         try:  # the caller's authority, for the run's life (see coordinator.delegation)
             grant = await self._delegator.run_grant(claims, task.id)

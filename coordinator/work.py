@@ -4,21 +4,34 @@ A message is published when a run is submitted (de-duplicated by the run id, so 
 makes a second job) and is acked only once the run has reached a durable stopping point. A worker that
 dies leaves its message unacked; JetStream redelivers it after ``ack_wait`` to another worker, which
 resumes the run from its checkpoint once the dead worker's lease has expired.
+
+A message's headers also carry the W3C trace context of whatever submitted it (the coordinator's
+``invoke_agent`` span for a caller's request; nothing from a background sweep) and the time it was
+submitted, so a worker's slice joins the submitter's trace and the queue's lag can be measured.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Mapping
+
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from fleet import telemetry
 from fleet.natsconn import connect
 
 STREAM = "FLEET_WORK"
 RUN_SUBJECT = "fleet.work.run"
 CONSUMER = "run-workers"
 DUPLICATE_WINDOW_S = 600.0
+SUBMITTED_AT_HEADER = "Fleet-Submitted-At"  # epoch seconds, the submitter's clock
+TRACE_HEADERS = ("traceparent", "tracestate")
+TRACE_KEY = "trace"  # in a run's record: the trace context of the request that created the run
 
 
 async def ensure_stream(js: JetStreamContext) -> None:
@@ -42,7 +55,22 @@ async def submit_run(client: NATS, run_id: str, attempt: str = "") -> None:
     js = client.jetstream()
     await ensure_stream(js)
     msg_id = f"run-{run_id}" + (f"-{attempt}" if attempt else "")
-    await js.publish(RUN_SUBJECT, run_id.encode(), headers={"Nats-Msg-Id": msg_id})
+    headers = {"Nats-Msg-Id": msg_id, SUBMITTED_AT_HEADER: f"{time.time():.6f}"}
+    await js.publish(RUN_SUBJECT, run_id.encode(), headers=dict(telemetry.inject(headers)))
+
+
+def trace_context(message: Msg) -> dict[str, str]:
+    """The W3C trace context a work message carries (empty if its submitter traced nothing)."""
+    headers: Mapping[str, str] = message.headers or {}
+    return {name: headers[name] for name in TRACE_HEADERS if name in headers}
+
+
+def submitted_at(message: Msg) -> float | None:
+    """When the message was submitted (epoch seconds), if it says so."""
+    raw = (message.headers or {}).get(SUBMITTED_AT_HEADER)
+    with contextlib.suppress(TypeError, ValueError):
+        return float(raw) if raw is not None else None
+    return None  # a malformed stamp: the lag is unknown, the work still runs
 
 
 class RunSubmitter:

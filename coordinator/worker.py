@@ -14,7 +14,8 @@ import contextlib
 import datetime as dt
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -158,6 +159,23 @@ def _expiry_event(wait: dict[str, Any]) -> dict[str, str]:
     return {"event": "wait.expired", "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}"}
 
 
+def slice_trace(
+    sent: Mapping[str, str] | None, origin: Any
+) -> tuple[Mapping[str, str] | None, Mapping[str, str] | None]:
+    """The parent and the link of a worker's run slice: the span that submitted this work
+    (``sent``, from the work message) is the parent, so a run's first slice continues the trace
+    of the coordinator request that created it. A later slice (resumed after a pause, by an answer
+    or a sweep) is a child of what re-submitted it (a follow-up request's span, or nothing: a new
+    root) with a link to the run's first request (``origin``, kept in the run's record): a run that
+    waits days for a person would otherwise be one days-long trace."""
+    parent = sent or None
+    if not isinstance(origin, dict) or not origin.get("traceparent"):
+        return parent, None
+    if parent is not None and parent.get("traceparent") == origin["traceparent"]:
+        return parent, None  # the first slice, or its redelivery: already in that trace
+    return parent, {k: str(v) for k, v in origin.items()}
+
+
 def failure_text(failure: dict[str, Any]) -> str:
     return f"[{failure['code']}] step {failure['step']} ({failure['skill']}) failed: {failure['message']}"
 
@@ -228,9 +246,10 @@ class RunWorker:
             # Another worker holds a live lease: look again once it could have expired.
             await message.nak(delay=self._ttl)
             return
+        telemetry.record_queue_lag(work.submitted_at(message), time.time())
         try:
             async with self._heartbeat(lease, message) as signals:
-                await self.advance(run, lease, signals)
+                await self.advance(run, lease, signals, sent=work.trace_context(message))
         except StaleLease:
             log.warning("lost the lease on run %s; leaving it to its new owner", run_id)
             return
@@ -289,14 +308,26 @@ class RunWorker:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def advance(self, run: Run, lease: Lease, signals: RunSignals | None = None) -> None:
+    async def advance(
+        self,
+        run: Run,
+        lease: Lease,
+        signals: RunSignals | None = None,
+        sent: Mapping[str, str] | None = None,
+    ) -> None:
         """Run or resume the run's graph to its end and record the outcome; stop at a cancel request
         (seen at the next event the run writes, or by the heartbeat).
 
-        Each slice of a run is one trace (its root span names the run): a run resumed after a
-        pause, perhaps by another worker, starts a new trace with the same ``fleet.run_id``."""
+        ``sent``: the trace context of the work message (see :func:`slice_trace`)."""
+        parent, linked = slice_trace(sent, run.request.get(work.TRACE_KEY))
         span = telemetry.invoke_agent_span(
-            "coordinator", kind=SpanKind.INTERNAL, agent_id=self._id, run_id=run.run_id, tenant=run.tenant
+            "coordinator",
+            kind=SpanKind.INTERNAL,
+            agent_id=self._id,
+            run_id=run.run_id,
+            tenant=run.tenant,
+            parent=parent,
+            linked=linked,
         )
         with span:
             await self._advance_or_cancel(run, lease, signals)

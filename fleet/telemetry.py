@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,6 +35,7 @@ __all__ = [
     "RUNS_WAITING",
     "TOOL_CALL_SECONDS",
     "WORK_QUEUE",
+    "WORK_QUEUE_LAG",
     "Tracing",
     "chat_span",
     "configure",
@@ -45,6 +46,7 @@ __all__ = [
     "on_scrape",
     "record_memory_write",
     "record_policy_decision",
+    "record_queue_lag",
     "record_usage",
     "with_metrics",
 ]
@@ -158,7 +160,11 @@ _TRACER = trace.get_tracer(TRACER_NAME)
 
 @contextlib.contextmanager
 def _span(
-    name: str, kind: SpanKind, attributes: dict[str, Any], parent: otel_context.Context | None = None
+    name: str,
+    kind: SpanKind,
+    attributes: dict[str, Any],
+    parent: otel_context.Context | None = None,
+    links: list[Link] | None = None,
 ) -> Iterator[Span]:
     """A current span that records only an error's type: an exception's text can hold data."""
     with _TRACER.start_as_current_span(
@@ -166,6 +172,7 @@ def _span(
         context=parent,
         kind=kind,
         attributes=attributes,
+        links=links,
         record_exception=False,
         set_status_on_exception=False,
     ) as span:
@@ -189,9 +196,13 @@ def invoke_agent_span(
     tenant: str = "",
     step: str = "",
     parent: Mapping[str, str] | None = None,
+    linked: Mapping[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[Span]:
-    """``invoke_agent {agent}``: CLIENT where a step is delegated over A2A, SERVER where a
-    specialist handles it (``parent``: the request's headers), INTERNAL for a worker's run slice."""
+    """``invoke_agent {agent}``: CLIENT where a step is delegated over A2A, SERVER where the
+    coordinator takes a caller's request or a specialist handles it (``parent``: the request's
+    headers), INTERNAL for a worker's run slice. ``linked``: a carrier (as :func:`inject` fills)
+    naming a span this one follows from without being its child (a run's first request, for a slice
+    resumed later)."""
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "invoke_agent",
         "gen_ai.agent.name": agent,
@@ -201,7 +212,15 @@ def invoke_agent_span(
         attributes["gen_ai.agent.id"] = agent_id
     if skill:
         attributes["fleet.skill"] = skill
-    return _span(f"invoke_agent {agent}", kind, attributes, extract(parent))
+    return _span(f"invoke_agent {agent}", kind, attributes, extract(parent), _links(linked))
+
+
+def _links(carrier: Mapping[str, str] | None) -> list[Link] | None:
+    context = extract(carrier)
+    if context is None:
+        return None
+    span_context = trace.get_current_span(context).get_span_context()
+    return [Link(span_context)] if span_context.is_valid else None
 
 
 def execute_tool_span(
@@ -272,6 +291,20 @@ WORK_QUEUE = Gauge(
     "Run work on the JetStream work queue: pending (not yet delivered) and ack_pending (being worked).",
     ["status"],
 )
+
+# From the run's submission (the coordinator's clock, in the work message) to a worker starting it
+# (the worker's clock): hosts whose clocks disagree skew it, so a negative lag counts as 0.
+WORK_QUEUE_LAG = Histogram(
+    "fleet_work_queue_lag_seconds",
+    "Time from a run's submission to the work queue to a worker starting to advance it.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+
+
+def record_queue_lag(submitted_at: float | None, now: float) -> None:
+    """Observe one start of a run queued at ``submitted_at`` (epoch seconds; None: not known)."""
+    if submitted_at is not None:
+        WORK_QUEUE_LAG.observe(max(0.0, now - submitted_at))
 
 
 def record_policy_decision(query: str, result: str) -> None:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -221,15 +221,21 @@ async def fetch_card(http: httpx.AsyncClient, base_url: str) -> AgentCard:
 
 
 async def send(
-    stack: Stack, message: Message, *, token: str | None, agent: str = "coordinator"
+    stack: Stack,
+    message: Message,
+    *,
+    token: str | None,
+    agent: str = "coordinator",
+    headers: Mapping[str, str] | None = None,
 ) -> RunOutcome:
-    """Send ``message`` with the a2a-sdk streaming client and collect what comes back."""
+    """Send ``message`` with the a2a-sdk streaming client and collect what comes back (``headers``:
+    more HTTP headers of the call, e.g. a caller's ``traceparent``)."""
     base = stack.endpoints["coordinator"] if agent == "coordinator" else stack.endpoints["specialists"][agent]
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0)) as http:
         card = await fetch_card(http, base)
         client = ClientFactory(ClientConfig(streaming=True, httpx_client=http)).create(card)
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        context = ClientCallContext(service_parameters=headers)
+        sent = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        context = ClientCallContext(service_parameters={**sent, **(headers or {})})
         outcome = RunOutcome(TaskState.TASK_STATE_UNSPECIFIED, "", [], "", {})
         try:
             async for event in client.send_message(SendMessageRequest(message=message), context=context):

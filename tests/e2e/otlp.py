@@ -30,6 +30,7 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str
     attributes: dict[str, Any]
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id) of each span it links to
 
 
 def _value(value: AnyValue) -> Any:
@@ -51,6 +52,7 @@ def spans_of(request: ExportTraceServiceRequest) -> Iterator[ReceivedSpan]:
                     span_id=span.span_id.hex(),
                     parent_span_id=span.parent_span_id.hex(),
                     attributes={a.key: _value(a.value) for a in span.attributes},
+                    links=tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
                 )
 
 

@@ -52,7 +52,7 @@ def _of_run(run_id: str, spans: list[ReceivedSpan], service: str, name: str, kin
     ]
 
 
-async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
+async def test_one_trace_spans_the_coordinator_the_worker_the_specialist_and_the_mcp_server(
     traced: tuple[Stack, OtlpReceiver],
 ) -> None:
     stack, receiver = traced
@@ -63,6 +63,7 @@ async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
     def complete(spans: list[ReceivedSpan]) -> bool:
         # Each process exports on its own clock; the worker's run span ends last, after the run.
         wanted = [
+            ("coordinator", "invoke_agent coordinator", SERVER),
             ("mcp-sql", "execute_tool", SERVER),
             ("sql-analyst", "execute_tool", CLIENT),
             ("sql-analyst", "invoke_agent", SERVER),
@@ -91,10 +92,20 @@ async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
     [handled] = _of_run(run_id, spans, "sql-analyst", "invoke_agent", SERVER)
     [called] = _of_run(run_id, spans, "sql-analyst", "execute_tool", CLIENT)
     [served] = _of_run(run_id, spans, "mcp-sql", "execute_tool", SERVER)
-    # One trace, from the worker's run slice down to the tool.
-    assert {delegated.trace_id, handled.trace_id, called.trace_id, served.trace_id} == {delegated.trace_id}
+    [front] = _of_run(run_id, spans, "coordinator", "invoke_agent coordinator", SERVER)
+    # One trace, from the coordinator's A2A front door down to the tool.
+    hops = (front, delegated, handled, called, served)
+    assert {s.trace_id for s in hops} == {front.trace_id}
+    assert not front.parent_span_id  # the caller sent no traceparent: the trace starts here
+    assert front.attributes["gen_ai.operation.name"] == "invoke_agent"
+    assert front.attributes["fleet.tenant"] == "acme"
     [root] = [s for s in spans if s.span_id == delegated.parent_span_id]
     assert root.name == "invoke_agent coordinator" and root.attributes["fleet.run_id"] == run_id
+    assert root.service.startswith("worker-") and root.kind == INTERNAL
+    # The work message carried the request's context over NATS: the worker's slice is its child.
+    assert root.parent_span_id == front.span_id
+    for span in (root, delegated, handled, called, served):
+        assert front.span_id in _ancestors(span, spans), (span.service, span.name)
     assert handled.parent_span_id == delegated.span_id
     assert called.parent_span_id == handled.span_id
     # The MCP SDK's own spans of the request (tools/call) sit between the client's and the server's.
@@ -102,9 +113,42 @@ async def test_one_trace_spans_the_worker_the_specialist_and_the_mcp_server(
     assert served.attributes["gen_ai.tool.name"] == called.attributes["gen_ai.tool.name"]
     assert not [s for s in spans if s.scope == "a2a-python-sdk"]  # its spans are dropped (telemetry.py)
     # No argument, result or token rides on a span.
-    for span in (delegated, handled, called, served):
+    for span in hops:
         text = repr(span.attributes)
         assert "SELECT" not in text and "Bearer" not in text
+
+
+async def test_the_coordinator_continues_a_callers_traceparent_into_the_worker(
+    traced: tuple[Stack, OtlpReceiver],
+) -> None:
+    stack, receiver = traced
+    caller_trace, caller_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    traceparent = f"00-{caller_trace}-{caller_span}-01"
+    outcome = await send(
+        stack,
+        user_message(data=ONE_QUERY),
+        token=stack.token("coordinator"),
+        headers={"traceparent": traceparent},
+    )
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    run_id = outcome.task_id
+
+    def complete(spans: list[ReceivedSpan]) -> bool:
+        fronts = _of_run(run_id, spans, "coordinator", "invoke_agent coordinator", SERVER)
+        slices = [s for s in spans if s.kind == INTERNAL and s.attributes.get("fleet.run_id") == run_id]
+        return bool(fronts) and any(s.service.startswith("worker-") for s in slices)
+
+    spans = await receiver.wait_for(complete)
+    [front] = _of_run(run_id, spans, "coordinator", "invoke_agent coordinator", SERVER)
+    assert (front.trace_id, front.parent_span_id) == (caller_trace, caller_span)
+    [worked] = [
+        s
+        for s in spans
+        if s.service.startswith("worker-")
+        and s.kind == INTERNAL
+        and s.attributes.get("fleet.run_id") == run_id
+    ]
+    assert (worked.trace_id, worked.parent_span_id) == (caller_trace, front.span_id)
 
 
 def _ancestors(span: ReceivedSpan, spans: list[ReceivedSpan]) -> list[str]:
@@ -137,13 +181,16 @@ async def test_metrics_of_the_coordinator_and_the_mcp_server_count_a_run(
     traced: tuple[Stack, OtlpReceiver],
 ) -> None:
     stack, _ = traced
+    workers = [name for name in stack.endpoints["services"] if name.startswith("worker-")]
     async with httpx.AsyncClient(timeout=10) as http:
         tools_before = await _scrape(http, stack, "mcp-sql")
         runs_before = await _scrape(http, stack, "coordinator")
+        lag_before = [await _scrape(http, stack, worker) for worker in workers]
         outcome = await send(stack, user_message(data=ONE_QUERY), token=stack.token("coordinator"))
         assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
         tools_after = await _scrape(http, stack, "mcp-sql")
         runs_after = await _scrape(http, stack, "coordinator")
+        lag_after = [await _scrape(http, stack, worker) for worker in workers]
 
     def moved(before: str, after: str, name: str, **labels: str) -> float:
         return _samples(after, name, **labels) - _samples(before, name, **labels)
@@ -171,6 +218,9 @@ async def test_metrics_of_the_coordinator_and_the_mcp_server_count_a_run(
     assert moved(runs_before, runs_after, "fleet_runs", state="completed") == 1
     assert _samples(runs_after, "fleet_runs", state="submitted") >= 0
     assert "fleet_work_queue_messages" in runs_after
+    # The worker that took the run measured its wait on the queue (one start, no retries here).
+    lag = "fleet_work_queue_lag_seconds_count"
+    assert workers and sum(moved(b, a, lag) for b, a in zip(lag_before, lag_after, strict=True)) == 1
     # Aggregate counts only: no tenant, run or caller in any label.
     assert "acme" not in tools_after and outcome.task_id not in runs_after
 

@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from coordinator.worker import slice_trace
 from fleet import telemetry
 from tests.e2e.otlp import OtlpReceiver
 
@@ -72,6 +73,53 @@ def test_with_an_endpoint_spans_reach_the_collector_with_ids_and_no_error_text()
     }
     assert tool.attributes["error.type"] == "ValueError"
     assert "hunter2" not in repr(tool.attributes)
+
+
+ORIGIN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+LINKED = """
+from opentelemetry.trace import SpanKind
+from fleet import telemetry
+
+tracing = telemetry.configure("worker-1", "{url}", export_delay_ms=50)
+with telemetry.invoke_agent_span(
+    "coordinator", kind=SpanKind.INTERNAL, run_id="r1", linked={{"traceparent": "{origin}"}}
+):
+    pass
+tracing.shutdown()
+"""
+
+
+def test_a_linked_span_starts_its_own_trace_and_links_to_the_span_it_follows_from() -> None:
+    with OtlpReceiver() as receiver:
+        script = textwrap.dedent(LINKED.format(url=receiver.url, origin=ORIGIN))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        [span] = receiver.spans
+    assert span.links == (("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"),)
+    assert span.trace_id != "0af7651916cd43dd8448eb211c80319c" and not span.parent_span_id
+
+
+def test_a_first_slice_is_the_child_of_its_request_and_a_resumed_one_links_back_to_it() -> None:
+    first = {"traceparent": ORIGIN}
+    answer = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    assert slice_trace(first, first) == (first, None)  # the run's first slice (or its redelivery)
+    assert slice_trace(answer, first) == (answer, first)  # resumed by a traced follow-up request
+    assert slice_trace({}, first) == (None, first)  # resumed by a sweep: a new root, linked
+    assert slice_trace({}, None) == (None, None)  # a run no traced request created (a trigger)
+
+
+def test_queue_lag_is_observed_in_seconds_and_never_negative() -> None:
+    def lag() -> tuple[float, float]:
+        text = generate_latest().decode()
+        return _sample(text, "fleet_work_queue_lag_seconds_count"), _sample(
+            text, "fleet_work_queue_lag_seconds_sum"
+        )
+
+    count, total = lag()
+    telemetry.record_queue_lag(100.0, 102.5)
+    telemetry.record_queue_lag(105.0, 104.0)  # the submitter's clock ran ahead: 0, not negative
+    telemetry.record_queue_lag(None, 104.0)  # a message without a stamp: unknown, not counted
+    assert lag() == (count + 2, total + 2.5)
 
 
 def _sample(text: str, name: str, **labels: str) -> float:
