@@ -84,11 +84,16 @@ class ChatModel:
         self._where = str(where)  # how messages name the endpoint (without a password in its URL)
 
     async def complete(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        run_id: str = "",
     ) -> ChatReply:
         """The model's next turn of the conversation ``messages``, offered ``tools`` (OpenAI
-        function specs) if any. Each call is a ``chat {model}`` span with the tokens it used."""
-        with telemetry.chat_span(self._model) as span:
+        function specs) if any. Each call is a ``chat {model}`` span with the tokens it used (and
+        ``run_id``, the run it works for, if there is one yet)."""
+        with telemetry.chat_span(self._model, run_id=run_id) as span:
             reply, answer = await self._complete(messages, tools)
             usage = answer.get("usage") if isinstance(answer, dict) else None
             if isinstance(usage, dict):

@@ -3,8 +3,9 @@
 Prometheus metrics on ``/metrics``.
 
 Tracing is off unless :func:`configure` is given an OTLP endpoint: the API's default provider then
-hands out non-recording spans (no allocation of attributes, no export, nothing injected into
-requests). Metrics are always kept; they are process-local counters, read at scrape time.
+hands out non-recording spans (no allocation of attributes, no export), :func:`extract` reads no
+caller's trace context and :func:`inject` adds nothing to requests. Metrics are always kept; they are
+process-local counters, read at scrape time.
 
 What a span may carry: ids (run, operation, step, agent, tool, model), the tenant, token counts and an
 error's type. Never an argument, a result, a message text, a token or an exception's message: those
@@ -60,6 +61,11 @@ SCRAPE_REFRESH_TIMEOUT_S = 2.0  # a slow refresher leaves its gauges as they wer
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent/tracestate, whatever OTEL_PROPAGATORS says
 
+# Set by configure() once spans are exported. While it is False no trace context is read or written:
+# the API's non-recording span would carry a caller's traceparent through unchanged (it wraps its
+# parent's context), into the work message, every A2A and MCP request and the run's record.
+_tracing_on = False
+
 
 @dataclass(frozen=True, slots=True)
 class Tracing:
@@ -92,6 +98,8 @@ def configure(
     batch = BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms)
     provider.add_span_processor(_without_scopes(batch, DROPPED_SCOPES))
     trace.set_tracer_provider(provider)
+    global _tracing_on
+    _tracing_on = True
     return Tracing(provider)
 
 
@@ -131,14 +139,16 @@ def _without_scopes(inner: Any, dropped: frozenset[str]) -> Any:
 
 def inject(carrier: MutableMapping[str, str]) -> MutableMapping[str, str]:
     """Add the current span's ``traceparent`` (and ``tracestate``) to ``carrier`` (HTTP headers or
-    message metadata); nothing when no span is recording."""
-    _PROPAGATOR.inject(carrier)
+    message metadata); nothing when tracing is off (see :func:`configure`)."""
+    if _tracing_on:
+        _PROPAGATOR.inject(carrier)
     return carrier
 
 
 def extract(carrier: Mapping[str, str] | None) -> otel_context.Context | None:
-    """The remote parent that ``carrier`` names (lower-case header names), or None."""
-    if not carrier:
+    """The remote parent that ``carrier`` names (header names in any case), or None (also whenever
+    tracing is off: a caller's trace context is then not carried on)."""
+    if not carrier or not _tracing_on:
         return None
     return _PROPAGATOR.extract({k.lower(): v for k, v in carrier.items() if isinstance(v, str)})
 
@@ -244,12 +254,16 @@ def execute_tool_span(
     return _span(f"execute_tool {tool}", kind, attributes, extract(parent))
 
 
-def chat_span(model: str, *, system: str = "openai") -> contextlib.AbstractContextManager[Span]:
-    """``chat {model}``: one chat completion (set the usage on it with :func:`record_usage`)."""
+def chat_span(
+    model: str, *, system: str = "openai", run_id: str = ""
+) -> contextlib.AbstractContextManager[Span]:
+    """``chat {model}``: one chat completion (set the usage on it with :func:`record_usage`);
+    ``run_id``: the run it works for, when there is one yet (a plan is made before its run)."""
     attributes = {
         "gen_ai.operation.name": "chat",
         "gen_ai.request.model": model,
         "gen_ai.provider.name": system,
+        **_fleet_attributes(run_id=run_id),
     }
     return _span(f"chat {model}", SpanKind.CLIENT, attributes)
 
@@ -325,9 +339,16 @@ def record_memory_write(tier: str, status: str, redacted: bool) -> None:
 _refreshers: list[Callable[[], Awaitable[None]]] = []
 
 
-def on_scrape(refresh: Callable[[], Awaitable[None]]) -> None:
-    """Run ``refresh`` before each scrape (e.g. read run counts from the store into gauges)."""
+def on_scrape(refresh: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """Run ``refresh`` before each scrape (e.g. read run counts from the store into gauges).
+    Returns what stops that again (idempotent), for a component that goes before its process."""
     _refreshers.append(refresh)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _refreshers.remove(refresh)
+
+    return remove
 
 
 async def _refresh_all() -> None:

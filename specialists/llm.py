@@ -110,7 +110,7 @@ class AgentLoop:
         specs = [tool.spec() for tool in tools.values()]
         messages = _opening(skill, ctx, payload)
         for _ in range(self._max_turns):
-            reply = await self._model.complete(messages, specs or None)
+            reply = await self._model.complete(messages, specs or None, run_id=ctx.run_id)
             ctx.budget.spend_tokens(reply.usage)
             if not reply.tool_calls:
                 return _result_of(reply)

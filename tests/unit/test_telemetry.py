@@ -1,6 +1,7 @@
-"""The telemetry module: tracing off by default (nothing injected), on with an endpoint (spans with
-the service's name reach a real OTLP receiver, an error's type but never its text), W3C trace
-context round trips, and ``/metrics`` in front of an app."""
+"""The telemetry module: tracing off by default (nothing injected, a caller's trace context not
+carried on), on with an endpoint (spans with the service's name reach a real OTLP receiver, an
+error's type but never its text), W3C trace context round trips, and ``/metrics`` in front of an
+app."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import sys
 import textwrap
 
 import httpx
+import pytest
+from a2a.server.agent_execution import RequestContext
+from a2a.server.context import ServerCallContext
+from a2a.types import Message, Part, Role, SendMessageRequest
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from coordinator import work
+from coordinator.executor import _request_of
 from coordinator.worker import slice_trace
 from fleet import telemetry
 from tests.e2e.otlp import OtlpReceiver
@@ -29,7 +36,29 @@ def test_without_an_endpoint_tracing_is_off_and_nothing_is_injected() -> None:
         assert telemetry.inject({}) == {}
 
 
-def test_a_remote_parent_is_read_from_its_traceparent() -> None:
+CALLER = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "v=1"}
+
+
+def test_with_tracing_off_a_callers_trace_context_is_not_carried_on() -> None:
+    assert telemetry.configure("svc", "") is None
+    assert telemetry.extract(CALLER) is None
+    with telemetry.invoke_agent_span("coordinator", kind=SpanKind.SERVER, parent=CALLER) as span:
+        assert not span.get_span_context().is_valid
+        assert not trace.get_current_span().get_span_context().is_valid
+        assert telemetry.inject({}) == {}
+        message = Message(message_id="m1", role=Role.ROLE_USER, parts=[Part(text="hi")])
+        request = _request_of(RequestContext(ServerCallContext(), SendMessageRequest(message=message)))
+        assert work.TRACE_KEY not in request  # the run's record keeps no trace context
+    # Nor a remote parent made current by a library that extracts for itself (the MCP SDK does).
+    remote = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, True, TraceFlags(1))
+    with trace.use_span(NonRecordingSpan(remote)):
+        assert telemetry.inject({}) == {}
+
+
+def test_with_tracing_on_a_remote_parent_is_read_from_its_traceparent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(telemetry, "_tracing_on", True)  # what configure() sets (it is once a process)
     header = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     parent = telemetry.extract({"Traceparent": header})
     assert parent is not None
@@ -49,6 +78,8 @@ with telemetry.invoke_agent_span("sql-analyst", kind=SpanKind.SERVER, run_id="r1
         with telemetry.execute_tool_span("query", kind=SpanKind.CLIENT, server="mcp-sql", run_id="r1"):
             raise ValueError("password=hunter2")
     except ValueError:
+        pass
+    with telemetry.chat_span("tiny-1", run_id="r1"):
         pass
 assert carried["traceparent"].startswith("00-"), carried
 tracing.shutdown()
@@ -72,6 +103,8 @@ def test_with_an_endpoint_spans_reach_the_collector_with_ids_and_no_error_text()
         "fleet.step": "q",
     }
     assert tool.attributes["error.type"] == "ValueError"
+    assert spans["chat tiny-1"].attributes["fleet.run_id"] == "r1"
+    assert spans["chat tiny-1"].parent_span_id == agent.span_id
     assert "hunter2" not in repr(tool.attributes)
 
 
@@ -140,16 +173,23 @@ async def test_metrics_are_served_in_front_of_the_app_after_the_refreshers_ran()
     async def broken() -> None:
         raise RuntimeError("the store is down")
 
-    telemetry.on_scrape(broken)  # a failing source leaves the scrape answering
-    telemetry.on_scrape(refresh)
-    before = _sample(generate_latest().decode(), "fleet_memory_writes_total", outcome="redacted")
-    telemetry.record_memory_write("semantic", "stored", redacted=True)
-    telemetry.record_memory_write("no-such-tier", "denied", redacted=False)
     app = telemetry.with_metrics(Starlette(routes=[Route("/", lambda _: PlainTextResponse("app"))]))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-        assert (await http.get("/")).text == "app"
-        response = await http.get(telemetry.METRICS_PATH)
-    assert response.status_code == 200 and refreshed
+        # The refreshers are the process's: both are removed at the end, or they would run (and the
+        # broken one log) at every later scrape.
+        removals = [telemetry.on_scrape(broken), telemetry.on_scrape(refresh)]  # the scrape still answers
+        try:
+            before = _sample(generate_latest().decode(), "fleet_memory_writes_total", outcome="redacted")
+            telemetry.record_memory_write("semantic", "stored", redacted=True)
+            telemetry.record_memory_write("no-such-tier", "denied", redacted=False)
+            assert (await http.get("/")).text == "app"
+            response = await http.get(telemetry.METRICS_PATH)
+        finally:
+            for remove in removals:
+                remove()
+        assert response.status_code == 200 and refreshed
+        refreshed.clear()
+        assert (await http.get(telemetry.METRICS_PATH)).status_code == 200 and not refreshed
     text = response.text
     assert _sample(text, "fleet_memory_writes_total", tier="semantic", outcome="redacted") >= 1
     assert _sample(text, "fleet_memory_writes_total", outcome="redacted") == before + 1
