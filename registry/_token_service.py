@@ -237,12 +237,14 @@ class TokenService:
                 {**extra, "run_id": run_id, "token_use": "run_grant"}, RUN_GRANT_TTL_S, "run-grant+jwt",
             )  # fmt: skip
         if requested == SESSION_GRANT_TYPE:
-            return self._session_grant(client, client_kid, subject, subject_type, tenant, extra)
+            return await self._session_grant(client, client_kid, subject, subject_type, tenant, extra)
         if requested != ACCESS_TOKEN_TYPE:
             raise OAuthError("invalid_request", f"cannot issue a {requested!r}")
         audience = form.get("audience", "")
         scopes = sorted(set(form.get("scope", "").split()))
         if subject_type == SESSION_GRANT_TYPE:  # the console acts within the person's sign-in
+            if await self._person(str(subject["sub"])) is None:
+                raise OAuthError("invalid_grant", "the session's person is no longer enrolled")
             beyond = set(scopes) - set(str(subject.get("scope", "")).split())
             if beyond:
                 raise OAuthError(
@@ -254,7 +256,12 @@ class TokenService:
         extra["policy_decision"] = decided
         return self._sign(str(subject["sub"]), client.id, audience, tenant, scopes, client_kid, extra)
 
-    def _session_grant(
+    async def _person(self, subject: str) -> IdentityRecord | None:
+        """The enrolled person (an identity of kind ``operator``) named ``subject``, if any."""
+        identity = await self._identity(subject)
+        return identity if identity is not None and identity.kind == "operator" else None
+
+    async def _session_grant(
         self,
         client: IdentityRecord,
         client_kid: str,
@@ -267,11 +274,13 @@ class TokenService:
         it was given: same principal, tenant and scopes."""
         if client.kind != "console" or subject_type != ACCESS_TOKEN_TYPE:
             raise OAuthError("invalid_request", "a session grant is for the console, from a person's token")
+        # Only a person's own sign-in: not a token passed down a chain, not one of a run, not a service's.
+        own = "act" not in subject and "run_id" not in subject and subject.get("client_id") == subject["sub"]
+        if not own or await self._person(str(subject["sub"])) is None:
+            raise OAuthError("invalid_grant", "a session is opened with a person's own sign-in token")
         scopes = sorted(str(subject.get("scope", "")).split())
         # The console becomes the actor when it redeems the grant, not before (once in the chain).
         claims = {k: v for k, v in extra.items() if k != "act"}
-        if isinstance(subject.get("act"), dict):
-            claims["act"] = subject["act"]
         return self._sign(
             str(subject["sub"]), client.id, client.id, tenant, scopes, client_kid,
             {**claims, "token_use": "session_grant"}, SESSION_GRANT_TTL_S, "session-grant+jwt",

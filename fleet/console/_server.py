@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from nats.aio.client import Client as NATS
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -27,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet.console._feeds import memory_audit, policy_view
-from fleet.console._session import Sessions
+from fleet.console._session import Person, Sessions, SignOuts
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
@@ -36,7 +39,7 @@ from registry.client import RegistryClient
 
 STATIC = Path(__file__).parent / "static"
 RUN_SCOPES = ("agent:invoke",)
-ANSWER_SCOPES = ("agent:invoke", "runs:approve", "runs:resolve")  # those the person has
+ANSWER_SCOPES = ("agent:invoke", "runs:approve")
 REGISTRY_SCOPES = ("registry:read",)
 BACKEND_TIMEOUT_S = 15.0
 STREAM_TIMEOUT = httpx.Timeout(BACKEND_TIMEOUT_S, read=None)  # a run may be quiet for days
@@ -107,8 +110,13 @@ class _Api:
         return Response(response.content, status_code=response.status_code, media_type="application/json")
 
     async def run_api(self, request: Request) -> Response:
-        """``/api/runs...`` -> the coordinator's ``/v1/runs...`` (signals need the approve scope)."""
-        path = "/v1/runs" + request.path_params.get("rest", "")
+        """``/api/runs[/{run_id}[/signals|operations|debug-bundle]]`` -> the coordinator's
+        ``/v1/runs...`` (the routes name every part; each segment is checked: no ``..`` reaches a
+        backend)."""
+        try:
+            path = "/v1" + _backend_path(request, "/api")
+        except FleetError as exc:
+            return _error(exc)
         scopes = ANSWER_SCOPES if request.method == "POST" else RUN_SCOPES
         return await self._call(
             request,
@@ -119,11 +127,16 @@ class _Api:
             method=request.method,
         )
 
-    async def registry_api(self, request: Request) -> Response:
-        """``/api/agents...`` and ``/api/mcp-servers...`` -> the registry's."""
-        return await self._call(
-            request, self._registry.url, "registry", REGISTRY_SCOPES, "/v1" + request.url.path[4:]
-        )
+    async def agents(self, request: Request) -> Response:
+        """``/api/agents[/{agent_id}]`` -> the registry's."""
+        try:
+            path = "/v1" + _backend_path(request, "/api")
+        except FleetError as exc:
+            return _error(exc)
+        return await self._call(request, self._registry.url, "registry", REGISTRY_SCOPES, path)
+
+    async def mcp_servers(self, request: Request) -> Response:
+        return await self._call(request, self._registry.url, "registry", REGISTRY_SCOPES, "/v1/mcp-servers")
 
     async def events(self, request: Request) -> Response:
         """A run's event stream, relayed as it comes (the browser's ``EventSource`` reconnects
@@ -131,16 +144,19 @@ class _Api:
         try:
             person = await self._sessions.person(request)
             token = await self._sessions.token_for(person, self._backends.coordinator_id, RUN_SCOPES)
+            url = f"{self._backends.coordinator}/v1/runs/{_segment(request.path_params['run_id'])}/events"
         except FleetError as exc:
             return _error(exc)
         headers = {"authorization": f"Bearer {token}"}
         if cursor := request.headers.get("last-event-id"):
             headers["last-event-id"] = cursor
-        url = f"{self._backends.coordinator}/v1/runs/{request.path_params['run_id']}/events"
         upstream = self._http.build_request(
             "GET", url, headers=headers, params=dict(request.query_params), timeout=STREAM_TIMEOUT
         )
-        response = await self._http.send(upstream, stream=True)
+        try:
+            response = await self._http.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            return _error(FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"coordinator: {type(exc).__name__}"))
         if response.status_code != 200:
             body = await response.aread()
             await response.aclose()
@@ -156,8 +172,13 @@ class _Api:
             finally:
                 await response.aclose()
 
+        # The background task closes the upstream stream also when the browser left before the
+        # relay began (its ``finally`` then never runs); closing twice is harmless.
         return StreamingResponse(
-            relay(), media_type="text/event-stream", headers={"cache-control": "no-store"}
+            relay(),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store"},
+            background=BackgroundTask(response.aclose),
         )
 
     async def me(self, request: Request) -> Response:
@@ -176,15 +197,20 @@ class _Api:
         )
 
     async def policy(self, request: Request) -> Response:
+        """The fleet's policy status and decision log: for a sign-in that may read the fleet's
+        records (``registry:read``), as they name no tenant."""
         try:
-            await self._sessions.person(request)
+            person = await self._sessions.person(request)
+            _require(person, "registry:read")
             return JSONResponse(await policy_view(self._nats()))
         except FleetError as exc:
             return _error(exc)
 
     async def memory(self, request: Request) -> Response:
+        """The memory audit of the sign-in's tenant: for a sign-in that may read its runs."""
         try:
             person = await self._sessions.person(request)
+            _require(person, "agent:invoke")
             return JSONResponse({"events": await memory_audit(self._nats(), person.claims.tenant)})
         except FleetError as exc:
             return _error(exc)
@@ -213,7 +239,10 @@ class _Auth:
 
     async def sign_out(self, request: Request) -> Response:
         response = JSONResponse({"signed_out": True})
-        Sessions.sign_out(response)
+        try:
+            await self._sessions.sign_out(request, response)
+        except FleetError as exc:
+            return _error(exc)
         return response
 
 
@@ -222,15 +251,16 @@ class _Guard:
     page (same origin, and the header only a script of that page sets), on top of the
     ``SameSite=Strict`` cookie."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, public_origin: str) -> None:
         self._app = app
+        self._public_origin = public_origin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
         request = Request(scope)
-        if request.method not in ("GET", "HEAD") and not _same_origin(request):
+        if request.method not in ("GET", "HEAD") and not _same_origin(request, self._public_origin):
             refused = _error(
                 FleetError(ErrorCode.FORBIDDEN, "a change must come from the console's own page")
             )
@@ -246,11 +276,38 @@ class _Guard:
         await self._app(scope, receive, with_headers)
 
 
-def _same_origin(request: Request) -> bool:
+def _same_origin(request: Request, public_origin: str) -> bool:
     if request.headers.get("x-fleet-console") != "1":
         return False
     origin = request.headers.get("origin")
-    return origin is None or origin == f"{request.url.scheme}://{request.url.netloc}"
+    return origin is None or origin in (public_origin, f"{request.url.scheme}://{request.url.netloc}")
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+_SEGMENT = re.compile(r"^(?!\.+$)[A-Za-z0-9._:@~-]{1,200}$")
+
+
+def _segment(value: str) -> str:
+    """``value`` as one path segment of a backend URL, or ``invalid_request``: never ``.`` or
+    ``..`` (a client normalises those away, reaching another route) nor a ``/``."""
+    if not _SEGMENT.match(value):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "not an id")
+    return value
+
+
+def _backend_path(request: Request, prefix: str) -> str:
+    """The request's path after ``prefix``, every segment checked by :func:`_segment`."""
+    tail = request.url.path.removeprefix(prefix).strip("/")
+    return "".join(f"/{_segment(part)}" for part in tail.split("/"))
+
+
+def _require(person: Person, scope: str) -> None:
+    if scope not in person.claims.scopes:
+        raise FleetError(ErrorCode.FORBIDDEN, f"the session was signed in without {scope}")
 
 
 def _page(name: str) -> Any:
@@ -270,12 +327,14 @@ def build_app(settings: ServiceSettings) -> Starlette:
         console_id=settings.service_id,
         revocations=registry.revocations,
     )
+    signed_out = SignOuts()
     sessions = Sessions(
         console_id=settings.service_id,
         tokens=registry.tokens,
         login_verifier=login,
         grant_verifier=grants,
         secure_cookie=settings.public_url.startswith("https://"),
+        signed_out=signed_out,
     )
     backends = _Backends()
     api = _Api(sessions, registry, http, backends)
@@ -285,6 +344,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
     async def start() -> None:
         await registry.join_as_worker()  # enroll; the console registers nothing
         backends.nats = await connect(settings.nats_url, settings.service_id)
+        await signed_out.open(backends.nats)
         backends.coordinator = await _find_coordinator(registry)
 
     @contextlib.asynccontextmanager
@@ -308,12 +368,21 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/api/policy", api.policy),
         Route("/api/memory/audit", api.memory),
         Route("/api/runs/{run_id}/events", api.events),
-        Route("/api/runs{rest:path}", api.run_api, methods=["GET", "POST"]),
-        Route("/api/agents{rest:path}", api.registry_api),
-        Route("/api/mcp-servers{rest:path}", api.registry_api),
+        Route("/api/runs", api.run_api),
+        Route("/api/runs/{run_id}", api.run_api),
+        Route("/api/runs/{run_id}/signals", api.run_api, methods=["GET", "POST"]),
+        Route("/api/runs/{run_id}/operations", api.run_api),
+        Route("/api/runs/{run_id}/debug-bundle", api.run_api),
+        Route("/api/agents", api.agents),
+        Route("/api/agents/{agent_id}", api.agents),
+        Route("/api/mcp-servers", api.mcp_servers),
         Mount("/static", StaticFiles(directory=STATIC)),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_Guard)])
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(_Guard, public_origin=_origin(settings.public_url))],
+    )
 
 
 async def _find_coordinator(registry: RegistryClient) -> str:

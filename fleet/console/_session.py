@@ -6,9 +6,10 @@ posts it once to ``/session``; the console checks it (single use: a link opened 
 once), exchanges it at the token service for a **session grant** and keeps that in an ``HttpOnly``,
 ``SameSite=Strict`` cookie. For every backend call the console exchanges the grant for a token
 addressed to that backend, in the person's name (``sub``, tenant) with the console as the acting
-party (``act``), carrying no scope the person did not sign in with. The grant alone is worth
-nothing: only the console's own key can redeem it, and revoking the person's or the console's key
-ends the session at the next call.
+party (``act``), carrying no scope the person did not sign in with. A copy of the grant is worth
+nothing at any other service (only the console's own key can redeem it); at the console it is the
+session until it expires, the person signs out (its id is then kept in ``SIGNED_OUT_BUCKET`` until
+it would have expired, and refused by every replica), or a key of its chain is revoked.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
 from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.errors import AuthError, ErrorCode, FleetError
+from fleet.natsconn import key_value
 from fleet.revocations import Revocations
 from fleet.tokens import (
     SESSION_GRANT_TYPE,
@@ -34,6 +39,8 @@ from fleet.tokens import (
 COOKIE = "fleet_console"
 # What the console asks a sign-in for: reading runs and agents, answering and cancelling runs.
 SIGN_IN_SCOPES = ("agent:invoke", "runs:approve", "runs:resolve", "registry:read")
+SIGNED_OUT_BUCKET = "fleet-console-signouts"
+SIGNED_OUT_KEPT_S = 9 * 3600.0  # longer than a session grant lives (8 hours)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,33 @@ class Person:
         return self.claims.expires_at
 
 
+class SignOuts:
+    """The sessions ended by signing out before their grant expired, by the grant's ``jti``."""
+
+    def __init__(self) -> None:
+        self._bucket: KeyValue | None = None
+
+    async def open(self, client: NATS) -> None:
+        self._bucket = await key_value(client, SIGNED_OUT_BUCKET, history=1, ttl_s=SIGNED_OUT_KEPT_S)
+
+    async def add(self, jti: str) -> None:
+        await self._kv().put(jti, b"signed out")
+
+    async def contains(self, jti: str) -> bool:
+        try:
+            await self._kv().get(jti)
+        except (KeyNotFoundError, KeyDeletedError):
+            return False
+        return True
+
+    def _kv(self) -> KeyValue:
+        if self._bucket is None:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, "the console is still starting", retryable=True
+            )
+        return self._bucket
+
+
 class Sessions:
     """Sign-in, and the person behind each request."""
 
@@ -59,8 +93,10 @@ class Sessions:
         login_verifier: TokenVerifier,
         grant_verifier: TokenVerifier,
         secure_cookie: bool,
+        signed_out: SignOuts,
     ) -> None:
         self._id = console_id
+        self._signed_out = signed_out
         self._tokens = tokens
         self._login = login_verifier
         self._grants = grant_verifier
@@ -111,6 +147,8 @@ class Sessions:
             raise AuthError(f"the session ended ({exc.message}): sign in again") from exc
         if claims.raw.get("token_use") != "session_grant":
             raise AuthError("not a console session")
+        if await self._signed_out.contains(claims.jti):
+            raise AuthError("signed out: sign in again")
         return Person(claims, grant)
 
     async def token_for(self, person: Person, audience: str, scopes: tuple[str, ...]) -> str:
@@ -120,6 +158,12 @@ class Sessions:
             raise FleetError(ErrorCode.FORBIDDEN, f"the session was signed in without {' '.join(scopes)}")
         return await self._tokens.exchange(person.grant, audience, wanted, subject_type=SESSION_GRANT_TYPE)
 
-    @staticmethod
-    def sign_out(response: Response) -> None:
+    async def sign_out(self, request: Request, response: Response) -> None:
+        """End the session of ``request`` for good (not only in this browser), and drop the cookie."""
+        try:
+            person = await self.person(request)
+        except AuthError:
+            person = None  # nobody (or nobody any more) is signed in
+        if person is not None:
+            await self._signed_out.add(person.claims.jti)
         response.delete_cookie(COOKIE, path="/")

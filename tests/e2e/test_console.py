@@ -185,6 +185,23 @@ async def test_a_sign_in_link_works_once_and_nothing_is_served_without_a_session
             headers={"x-fleet-console": "1", "origin": "http://evil.example"},
         )
         assert elsewhere.status_code == 403
+        # Nothing but the run API's and the registry's own routes reaches a backend: a dot segment
+        # (which an HTTP client would resolve into another route) is refused.
+        for sneaky in (
+            "/api/agents/%2e%2e/records",
+            "/api/runs/%2e%2e/operations",
+            "/api/agents/..%2Frecords",
+        ):
+            answer = await http.get(base + sneaky)
+            assert answer.status_code in (400, 404) and "identities" not in answer.text, (sneaky, answer.text)
+        # Signing out ends the session everywhere, not only in this browser: a copy of the cookie
+        # is refused from then on.
+        copied = dict(http.cookies)
+        out = await http.post(f"{base}/session/end", headers={"x-fleet-console": "1"})
+        assert out.status_code == 200
+        async with httpx.AsyncClient(timeout=30, cookies=copied) as replay:
+            after = await replay.get(f"{base}/api/runs")
+        assert after.status_code == 401 and "signed out" in after.json()["error"]["message"]
 
 
 async def test_a_person_signed_in_without_the_right_to_approve_cannot_approve_from_the_console(
@@ -204,6 +221,12 @@ async def test_a_person_signed_in_without_the_right_to_approve_cannot_approve_fr
         )
         assert approve.status_code == 403, approve.text
         assert "runs:approve" in approve.json()["error"]["message"]
+    reader = stack.token("console", tenant=tenant, scopes=("agent:invoke",))
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert (await sign_in(http, base, reader)).status_code == 200
+        assert (await http.get(f"{base}/api/memory/audit")).status_code == 200
+        fleet_wide = await http.get(f"{base}/api/policy")  # the fleet's records need registry:read
+        assert fleet_wide.status_code == 403 and "registry:read" in fleet_wide.json()["error"]["message"]
     run = await run_when(
         stack, run_id, stack.token("coordinator", tenant=tenant), "waiting", "input-required"
     )

@@ -618,6 +618,19 @@ async def test_a_console_session_grant_acts_in_the_persons_name_within_their_sig
         assert "for the console" in await exchange_refused(
             analyst, specialist_token, requested_type=SESSION_GRANT_TYPE
         )
+        # A service's own token for the console, or a caller's token passed down a chain, opens no
+        # session: only a person's own sign-in does.
+        worker_sign_in = await acting_as(stack, "worker-1", http).token("console", "acme", ["agent:invoke"])
+        assert "own sign-in" in await exchange_refused(
+            console, worker_sign_in, requested_type=SESSION_GRANT_TYPE
+        )
+        passed_down = await exchange_refused(
+            acting_as(stack, "coordinator", http),
+            stack.token("coordinator", tenant="acme"),
+            "console",
+            ["agent:invoke"],
+        )
+        assert "cannot be delegated" in passed_down
 
 
 async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens(

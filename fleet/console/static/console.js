@@ -257,9 +257,21 @@ async function showRun(view, runId) {
   );
   const events = [];
   let stopped = false;
+  let ended = false;
   let timer = null;
+  let refreshing = null;
 
-  async function refresh() {
+  // One refresh at a time, and one timer: events and the timer both ask for one.
+  function refresh() {
+    clearTimeout(timer);
+    refreshing = refreshing || load().finally(() => {
+      refreshing = null;
+      if (!ended && !stopped) timer = setTimeout(refresh, LANE_POLL_MS);
+    });
+    return refreshing;
+  }
+
+  async function load() {
     try {
       const run = await api(`/api/runs/${encodeURIComponent(runId)}`);
       header.replaceChildren(
@@ -279,7 +291,7 @@ async function showRun(view, runId) {
           el("code", {}, (o.op_id || "").slice(0, 16)), o.step_id || "", `${o.kind || ""} ${o.target || ""}`.trim(),
           `${o.status || ""}${o.error ? ` (${o.error.code || ""} ${o.error.message || ""})` : ""}`, String(o.attempts ?? "")]))
         : el("p", { class: "empty" }, "No external effects."));
-      if (!ENDED.has(run.state) && !stopped) timer = setTimeout(refresh, LANE_POLL_MS);
+      ended = ENDED.has(run.state);
     } catch (error) {
       if (error.status !== 401) banner(`Could not load run: ${error.message} [${error.code}]`);
     }
@@ -300,8 +312,11 @@ async function showRun(view, runId) {
         : [el("strong", {}, a.name || "artifact"), ` (event #${a.seq})`, el("pre", { class: "json" }, a.text || "")])))
       : el("p", { class: "empty" }, "None yet."));
     if (event.type.startsWith("run.")) refresh();
+    if (event.type.startsWith("run.") && ENDED.has(event.type.slice(4))) source.close(); // the last event
   };
   source.addEventListener("message", onEvent);
+  // The coordinator ends the stream when the run ends; EventSource would reconnect for ever.
+  source.onerror = () => { if (ended) source.close(); };
   leaveView = () => { stopped = true; clearTimeout(timer); source.close(); };
   await refresh();
 }

@@ -45,6 +45,12 @@ deny contains msg if {
 	msg := sprintf("scope %s cannot be delegated", [scope])
 }
 
+# The console is signed in to by a person with their own token, never with one passed down a chain.
+deny contains "a console sign-in cannot be delegated" if {
+	input.audience.kind == "console"
+	count(input.actors) > 0
+}
+
 # Per tenant: services that tenant's tokens may not reach (e.g. a tenant kept off a tool server).
 deny contains msg if {
 	input.audience.id in object.get(cfg.tenant_denied_audiences, input.tenant, [])

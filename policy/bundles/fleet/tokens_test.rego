@@ -28,6 +28,13 @@ test_a_console_sign_in_carries_the_scopes_the_console_acts_with if {
 	not tokens.decision.allow with input as request("console", "console", ["registry:write"])
 }
 
+test_a_console_sign_in_is_never_a_delegated_token if {
+	delegated := object.union(request("console", "console", ["agent:invoke"]), {"grant": "token_exchange", "actors": ["worker-1"]})
+	d := tokens.decision with input as delegated
+	not d.allow
+	d.reasons == ["a console sign-in cannot be delegated"]
+}
+
 test_a_tool_server_gets_the_scopes_of_its_own_tools_only if {
 	tokens.decision.allow with input as request("mcp-sql", "mcp_server", ["sql:query"])
 	not tokens.decision.allow with input as request("mcp-sql", "mcp_server", ["cases:write"])
