@@ -7,11 +7,11 @@ Exit codes (one table for every command, so scripts can branch on them):
 code meaning
 ==== ==========================================================================================
 0    done (for ``runs events --follow`` and ``runs show --watch``: the run completed)
-1    the operation failed (a service answered with an error this table has no row for)
+1    the operation failed (a service cannot be reached, or answered with an error that has no row)
 2    bad usage (arguments, JSON that does not parse, an invalid request)
 3    no stack is running on the data dir
 4    a signal changed nothing (answered already, nothing awaited, the run has ended)
-5    not found (no such run, agent, MCP server, memory, for that tenant)
+5    not found (no such run, agent, key, memory, for that tenant)
 6    refused (forbidden by policy or scope, unauthenticated)
 7    the run ended ``failed``
 8    the run ended ``canceled``
@@ -33,6 +33,7 @@ import httpx
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
+from fleet.tokens import TokenClient
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -109,12 +110,34 @@ def error_of(response: httpx.Response) -> FleetError:
 
 
 @dataclass(frozen=True, slots=True)
+class OperatorAuth:
+    """Where a :class:`ServiceClient` gets the operator's bearer token for each request: the
+    ``TokenClient`` reuses one until shortly before it expires, then fetches another, so a command
+    that runs longer than a token lives (``runs events --follow``) keeps a valid one."""
+
+    tokens: TokenClient
+    audience: str
+    tenant: str
+    scopes: tuple[str, ...]
+
+    async def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header for one request (or one reconnect of a stream)."""
+        bearer = await self.tokens.token(self.audience, self.tenant, list(self.scopes))
+        return {"Authorization": f"Bearer {bearer}"}
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceClient:
-    """An operator's authenticated client for one service of the stack (its base URL)."""
+    """An operator's authenticated client for one service of the stack (its base URL); ``auth``
+    None: requests go without a token."""
 
     http: httpx.AsyncClient
     base_url: str
-    headers: Mapping[str, str]
+    auth: OperatorAuth | None = None
+
+    async def headers(self) -> dict[str, str]:
+        """The headers of one request: a bearer token valid now."""
+        return {} if self.auth is None else await self.auth.headers()
 
     async def get(self, path: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """GET ``path``: the JSON answer, or the service's error raised as FleetError."""
@@ -125,8 +148,9 @@ class ServiceClient:
         return self._answer(await self._call("POST", path, json=dict(body)))
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = await self.headers()
         try:
-            return await self.http.request(method, self.base_url + path, headers=dict(self.headers), **kwargs)
+            return await self.http.request(method, self.base_url + path, headers=headers, **kwargs)
         except httpx.HTTPError as exc:
             raise FleetError(
                 ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach {self.base_url}: {type(exc).__name__}"
@@ -144,17 +168,15 @@ class ServiceClient:
 async def operator_client(
     layout: StackLayout, service: str, tenant: str, scopes: tuple[str, ...], connect_s: float = 60.0
 ) -> AsyncIterator[ServiceClient]:
-    """A client for ``service`` (``coordinator`` or ``registry``) of the running stack, with a
-    short-lived operator token for ``tenant`` and ``scopes``. Raises ``stack_not_running``."""
+    """A client for ``service`` (``coordinator`` or ``registry``) of the running stack, with
+    short-lived operator tokens for ``tenant`` and ``scopes`` (a fresh one whenever the last nears
+    its expiry). Raises ``stack_not_running``, or ``dependency_unavailable`` when the registry
+    cannot be reached."""
     from fleet.operator_cli import operator_token_client, running_endpoints
 
     endpoints = running_endpoints(layout)
     async with httpx.AsyncClient(timeout=httpx.Timeout(connect_s, read=None)) as http:
         tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
-        try:
-            bearer = await tokens.token(service, tenant, list(scopes))
-        except httpx.HTTPError as exc:
-            raise FleetError(
-                ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach the registry: {type(exc).__name__}"
-            ) from exc
-        yield ServiceClient(http, endpoints[service], {"Authorization": f"Bearer {bearer}"})
+        auth = OperatorAuth(tokens, service, tenant, scopes)
+        await auth.headers()  # fail here, before any output, if the token is refused
+        yield ServiceClient(http, endpoints[service], auth)

@@ -11,7 +11,8 @@ and audit trail as any agent:
 - ``audit``: the memory server's audit events (``fleet.audit.memory.>``), read from NATS.
 
 Exit codes: 0 done, 1 refused or failed (the reason on stderr), 3 no stack runs on the data dir,
-6 the operator's token was refused (see :mod:`fleet.cli_common`).
+5 ``show``: an id that is not the tenant's, 6 the operator's token was refused (see
+:mod:`fleet.cli_common`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from fleet.cli_common import exit_code
-from fleet.errors import FleetError
+from fleet.cli_common import exit_code, report_error
+from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import read_records
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
@@ -104,8 +105,8 @@ async def show(layout: StackLayout, tenant: str, ids: list[str], *, as_json: boo
     _print_entries(entries, as_json)
     missing = sorted(set(ids) - {e["id"] for e in entries})
     if missing:
-        print(f"fleet: no memory {', '.join(missing)} for tenant {tenant} [not_found]", file=sys.stderr)
-        return EXIT_FAILED
+        missed = FleetError(ErrorCode.NOT_FOUND, f"no memory {', '.join(missing)} for tenant {tenant}")
+        return report_error(missed, as_json=as_json)  # 5, as every command's not found
     return EXIT_OK
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from fleet.errors import FleetError
+from fleet.cli_common import report_error
+from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
 from policy import Bundle, PolicyError, RegorusEngine
@@ -137,13 +138,11 @@ async def push_bundle(
         bundle = _load(directory)
         failures = check(bundle)
     except PolicyError as exc:
-        return _refused(f"refused: {exc.message}", str(exc.code), as_json)
+        return _refused(f"refused: {exc.message}", as_json)
     if failures:
         for r in failures:
             print(f"data.{r.package}.{r.name}: {r.outcome.upper()} {r.detail}", file=sys.stderr)
-        return _refused(
-            f"refused: {len(failures)} test(s) of the bundle do not pass", "invalid_request", as_json
-        )
+        return _refused(f"refused: {len(failures)} test(s) of the bundle do not pass", as_json)
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
@@ -154,14 +153,11 @@ async def push_bundle(
         return await _await_enforced(client, bundle.revision, seq, started, wait_s, as_json)
 
 
-def _refused(message: str, code: str, as_json: bool) -> int:
-    """A push or rollback refused here: exit 1 (the policy commands' one failure code)."""
-    if as_json:
-        error = {"code": code, "message": message, "retryable": False, "exit_code": EXIT_FAILED}
-        print(json.dumps({"error": error}), file=sys.stderr)
-    else:
-        print(f"fleet: {message} [{code}]", file=sys.stderr)
-    return EXIT_FAILED
+def _refused(message: str, as_json: bool) -> int:
+    """A push or rollback refused here (the bundle does not compile, its tests fail, nothing to roll
+    back to): ``policy_unavailable``, which the one table maps to exit 1, the policy commands' one
+    failure code (not ``invalid_request``: that is 2, bad usage)."""
+    return report_error(FleetError(ErrorCode.POLICY_UNAVAILABLE, message), as_json=as_json)
 
 
 async def _await_enforced(
@@ -219,7 +215,7 @@ async def roll_back(layout: StackLayout, wait_s: float, *, as_json: bool = False
         try:
             seq, bundle = await rollback(client, f"operator:{getpass.getuser()}")
         except PolicyError as exc:
-            return _refused(exc.message, str(exc.code), as_json)
+            return _refused(exc.message, as_json)
         if not as_json:
             print(f"rolled back to revision {bundle.revision}")
         return await _await_enforced(client, bundle.revision, seq, started, wait_s, as_json)

@@ -3,16 +3,19 @@ operator.
 
 ``runs events RUN`` replays the event log over SSE (``GET /v1/runs/{id}/events``); with ``--follow``
 it keeps streaming until the run ends, reconnecting with ``Last-Event-ID`` (the last seq it printed)
-when the connection drops, so no event is lost or printed twice. A command that saw the run end exits
-with the code of its end state (see :data:`fleet.cli_common.EXIT_BY_END_STATE`).
+when the connection drops (or the coordinator is restarting), so no event is lost or printed twice;
+every request and reconnect carries an operator token valid then, so a follow outlasts any token. A
+command that saw the run end exits with the code of its end state (see
+:data:`fleet.cli_common.EXIT_BY_END_STATE`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -60,9 +63,10 @@ async def list_runs(layout: StackLayout, tenant: str, state: str | None, limit: 
 # --- reading the event log -------------------------------------------------------------------
 
 
-async def _sse(api: ServiceClient, run_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
-    """The events the server streams after seq ``after``, parsed."""
-    headers = {**api.headers, "Last-Event-ID": str(after)}
+async def _sse(api: ServiceClient, run_id: str, after: int) -> AsyncGenerator[dict[str, Any], None]:
+    """The events the server streams after seq ``after``, parsed (with a token valid now: a
+    reconnect long after the first connection gets a fresh one)."""
+    headers = {**await api.headers(), "Last-Event-ID": str(after)}
     url = f"{api.base_url}/v1/runs/{run_id}/events"
     async with api.http.stream("GET", url, headers=headers) as response:
         if response.status_code >= 400:
@@ -78,22 +82,29 @@ async def events_of(
     api: ServiceClient, run_id: str, after: int, *, follow: bool, last_seq: int
 ) -> AsyncIterator[dict[str, Any]]:
     """The run's events after ``after``: up to ``last_seq`` (the run's last when asked), or with
-    ``follow`` until the run ends, resuming from the last event seen if the connection drops."""
+    ``follow`` until the run ends, resuming from the last event seen if the connection drops or
+    the coordinator (or the registry, for a fresh token) cannot be reached for a while."""
     cursor, failures = after, 0
     while follow or cursor < last_seq:
         try:
-            async for event in _sse(api, run_id, cursor):
-                cursor, failures = event["seq"], 0
-                yield event
-                if not follow and cursor >= last_seq:
-                    return
+            # aclosing: leaving early closes the stream (and its connection) now, not at GC.
+            async with contextlib.aclosing(_sse(api, run_id, cursor)) as stream:
+                async for event in stream:
+                    cursor, failures = event["seq"], 0
+                    yield event
+                    if not follow and cursor >= last_seq:
+                        return
+            # The server closes the stream when the run has ended; a close without that is a drop.
+            if (await api.get(f"/v1/runs/{run_id}"))["state"] in TERMINAL_STATES:
+                return
+            why = "the stream ended before the run"
         except httpx.TransportError as exc:
-            failures = await _backoff(failures, repr(exc))
-            continue
-        # The server closes the stream when the run has ended; a close without that is a drop.
-        if (await api.get(f"/v1/runs/{run_id}"))["state"] in TERMINAL_STATES:
-            return
-        failures = await _backoff(failures, "the stream ended before the run")
+            why = repr(exc)
+        except FleetError as exc:
+            if exc.code != ErrorCode.DEPENDENCY_UNAVAILABLE:
+                raise
+            why = exc.message  # restarting: back off as for a dropped stream
+        failures = await _backoff(failures, why)
 
 
 async def _backoff(failures: int, why: str) -> int:

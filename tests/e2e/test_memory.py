@@ -84,10 +84,10 @@ async def test_the_operator_searches_approves_forgets_and_audits_memory_from_the
     assert [hit["id"] for hit in json.loads(found.stdout)][:1] == [entry_id]
     shown = json.loads(run("show", entry_id, "--tenant", "acme", "--json").stdout)
     assert shown[0]["status"] == "active" and shown[0]["text"] == rule
-    assert run("show", entry_id, "--tenant", "globex").returncode == 1  # not globex's
+    assert run("show", entry_id, "--tenant", "globex").returncode == 5  # not globex's: not found
     forgot = run("forget", "--id", entry_id, "--tenant", "acme", "--reason", "cli test", "--json")
     assert forgot.returncode == 0 and json.loads(forgot.stdout) == {"deleted": [entry_id]}
-    assert run("show", entry_id, "--tenant", "acme").returncode == 1
+    assert run("show", entry_id, "--tenant", "acme").returncode == 5
 
     deadline = time.monotonic() + 5
     while True:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
+from fleet import progress
 from fleet.progress import CLEAR_LINE, ProgressBar, render
 
 
@@ -19,16 +22,28 @@ def test_the_bar_shows_items_done_of_total_and_a_percentage() -> None:
     assert "[" + "#" * 30 + "]" in render("s", 3, 3, 0.0)
 
 
-def test_on_a_terminal_each_update_redraws_the_same_line() -> None:
+class Clock:
+    """``time.monotonic`` for the bar: it stands still until the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_on_a_terminal_each_update_redraws_the_same_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(progress, "time", clock)
     out = Terminal()
     bar = ProgressBar.for_stream(out, as_json=False)
     bar.update("batch", 50, 100)
-    bar.update("batch", 100, 100)
+    clock.now += 2.0
+    bar.update("batch", 100, 100)  # 50 more items in 2 s
     bar.finish()
-    drawn = out.getvalue()
-    assert drawn.count(CLEAR_LINE) == 2
-    assert "\n" not in drawn[:-1] and drawn.endswith("100/100 100%  " + drawn.split("100%  ")[-1])
-    assert drawn.endswith("items/s\n")
+    first = "batch [" + "#" * 15 + "-" * 15 + "] 50/100 50%  0.0 items/s"
+    last = "batch [" + "#" * 30 + "] 100/100 100%  25.0 items/s"
+    assert out.getvalue() == CLEAR_LINE + first + CLEAR_LINE + last + "\n"
 
 
 def test_nothing_is_drawn_on_a_pipe_or_with_json() -> None:
