@@ -15,25 +15,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import Generator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx2
-import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from opentelemetry.trace import SpanKind
 
+from bench._mcp import serving
 from fleet import telemetry
-from fleet.service import Readiness
-from mcp_servers._base import READ_ONLY, TracedMCPServer, build_app
+from mcp_servers._base import READ_ONLY, TracedMCPServer
 
 ROUNDS, CALLS, WARMUP = 4, 300, 30
 # Per call: our execute_tool CLIENT and SERVER spans, and the MCP SDK's client and server span of each
@@ -60,32 +58,6 @@ def _server() -> TracedMCPServer:
     return mcp
 
 
-@contextlib.asynccontextmanager
-async def _serving(mcp: TracedMCPServer) -> AsyncIterator[str]:
-    readiness = Readiness("bench", "mcp_server")
-    readiness.set_ready()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        async with mcp.session_manager.run():
-            yield
-
-    sock = socket.socket()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    app = telemetry.with_metrics(build_app(mcp, readiness, lifespan))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110  (uvicorn has no event to wait on)
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def _calls(url: str, n: int) -> list[float]:
     samples = []
     async with httpx2.AsyncClient(auth=_Inject()) as http:
@@ -103,7 +75,7 @@ async def _calls(url: str, n: int) -> list[float]:
 async def _round(mode: str, otlp_url: str) -> list[float]:
     tracing = telemetry.configure("bench", otlp_url) if mode == "on" else None
     try:
-        async with _serving(_server()) as url:
+        async with serving(_server(), telemetry.with_metrics) as url:
             await _calls(url, WARMUP)
             return await _calls(url, CALLS)
     finally:

@@ -16,35 +16,32 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import socket
 import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import psycopg
-import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import MCPServer
 from pydantic import AnyHttpUrl
 
+from bench._mcp import serving
 from bench._nats import embedded_nats
 from bench._postgres import embedded_postgres
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
-from fleet.service import Readiness
 from fleet.tokens import TokenVerifier, any_public_key
-from mcp_servers._base import AUDIT_STREAM, READ_ONLY, AuditTrail, FleetTokenVerifier, ToolGate, build_app
+from mcp_servers._base import AUDIT_STREAM, READ_ONLY, AuditTrail, FleetTokenVerifier, ToolGate
 from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime
 from mcp_servers.sql._schema import OWNER_SETTING, ensure_schema
 from mcp_servers.sql.server import SqlServerSettings, SqlTools, TenantPools
@@ -113,34 +110,6 @@ def _server(gate: ToolGate | None, key: SigningKey, *, distinct: bool = False) -
     return mcp
 
 
-@contextlib.asynccontextmanager
-async def _serving(mcp: MCPServer) -> AsyncIterator[str]:
-    readiness = Readiness("bench", "mcp_server")
-    readiness.set_ready()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        async with mcp.session_manager.run():
-            yield
-
-    sock = socket.socket()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(mcp, readiness, lifespan), log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110  (uvicorn has no event to wait on)
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def _calls(url: str, token: str | None, n: int) -> list[float]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     samples = []
@@ -196,9 +165,9 @@ async def gate(nats_url: str, rounds: int = 20, per_round: int = 100) -> dict[st
             gates["uncached"].trail.publishing(broker),  # type: ignore[union-attr]
             policies["gated"].decisions.publishing(broker),
             policies["uncached"].decisions.publishing(broker),
-            _serving(_server(gates["gated"], key)) as gated_url,
-            _serving(_server(gates["uncached"], key, distinct=True)) as uncached_url,
-            _serving(_server(None, key)) as bare_url,
+            serving(_server(gates["gated"], key)) as gated_url,
+            serving(_server(gates["uncached"], key, distinct=True)) as uncached_url,
+            serving(_server(None, key)) as bare_url,
         ):
             urls = {"gated": (gated_url, token), "uncached": (uncached_url, token), "bare": (bare_url, None)}
             for url, bearer in urls.values():  # warm all three
