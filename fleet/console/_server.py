@@ -329,7 +329,6 @@ def build_app(settings: ServiceSettings) -> Starlette:
     )
     signed_out = SignOuts()
     sessions = Sessions(
-        console_id=settings.service_id,
         tokens=registry.tokens,
         login_verifier=login,
         grant_verifier=grants,

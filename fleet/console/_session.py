@@ -88,14 +88,12 @@ class Sessions:
     def __init__(
         self,
         *,
-        console_id: str,
         tokens: TokenClient,
         login_verifier: TokenVerifier,
         grant_verifier: TokenVerifier,
         secure_cookie: bool,
         signed_out: SignOuts,
     ) -> None:
-        self._id = console_id
         self._signed_out = signed_out
         self._tokens = tokens
         self._login = login_verifier
