@@ -141,7 +141,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
     saver = CompactCheckpointer(pool_for_checkpoints)  # read here (debug bundles); workers write
-    submitter = work.RunSubmitter(settings.nats_url, settings.service_id)
+    submitter = work.RunSubmitter(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
     desk = SignalDesk(run_pool, runs, engine, submitter.submit)
     handler = CoordinatorRequestHandler(
         tasks=tasks,

@@ -23,7 +23,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from fleet import telemetry
-from fleet.natsconn import connect
+from fleet.natsconn import connect, replicas
 
 STREAM = "FLEET_WORK"
 RUN_SUBJECT = "fleet.work.run"
@@ -45,6 +45,7 @@ async def ensure_stream(js: JetStreamContext) -> None:
                 retention=RetentionPolicy.WORK_QUEUE,
                 storage=StorageType.FILE,
                 duplicate_window=DUPLICATE_WINDOW_S,
+                num_replicas=replicas(js),
             )
         )
 
@@ -76,13 +77,14 @@ def submitted_at(message: Msg) -> float | None:
 class RunSubmitter:
     """The API process's handle on the work queue (an async context manager owning a connection)."""
 
-    def __init__(self, nats_url: str, name: str) -> None:
+    def __init__(self, nats_url: str, name: str, *, replicas: int = 1) -> None:
         self._url = nats_url
         self._name = name
+        self._replicas = replicas
         self._client: NATS | None = None
 
     async def __aenter__(self) -> RunSubmitter:
-        self._client = await connect(self._url, self._name)
+        self._client = await connect(self._url, self._name, replicas=self._replicas)
         await ensure_stream(self._client.jetstream())
         return self
 

@@ -14,6 +14,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -597,7 +598,9 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
         ledger,
         delegator,
         engine,
-        worker_id=f"{settings.service_id}:{os.getpid()}",
+        # Unique per process, wherever it runs: the pods of one worker Deployment share the service
+        # id, and in a container every worker may be pid 1.
+        worker_id=f"{settings.service_id}:{os.getpid()}:{secrets.token_hex(4)}",
         lease_ttl_s=settings.lease_ttl_s,
         memory=RunMemory(registry),
     )
@@ -618,7 +621,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await saver.setup()
             await store.setup()
             await ledger.setup()
-            nc = await connect(settings.nats_url, settings.service_id)
+            nc = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
             stack.push_async_callback(nc.drain)
             await stack.enter_async_context(enforcing(engine, nc))
             worker.approvals = nc.jetstream()

@@ -6,6 +6,7 @@ Entries name the service's entry point as ``module:function`` so that the superv
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,20 @@ class ServiceSpec:
 
 
 REGISTRY = ServiceSpec("registry", "registry", "registry.server:main")
+DEFAULT_WORKERS = 2  # ``FLEET_WORKERS`` starts another number
+
+
+def worker(n: int) -> ServiceSpec:
+    """Worker ``n`` (1-based): workers share the work queue, so any number of them may run."""
+    return ServiceSpec(
+        f"worker-{n}",
+        "worker",
+        "coordinator.worker:main",
+        scopes=("registry:read", "agent:invoke", "memory:consolidate"),  # a completed run's memory
+        database="fleet",
+    )
+
+
 MEMORY = ("memory:read", "memory:write")  # what an agent may do with its tenant's long-term memory
 
 SERVICES: tuple[ServiceSpec, ...] = (
@@ -115,16 +130,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         scopes=("registry:read", "registry:write", "agent:invoke"),
         database="fleet",
     ),
-    *(
-        ServiceSpec(
-            f"worker-{n}",
-            "worker",
-            "coordinator.worker:main",
-            scopes=("registry:read", "agent:invoke", "memory:consolidate"),  # a completed run's memory
-            database="fleet",
-        )
-        for n in (1, 2)
-    ),
+    *(worker(n) for n in range(1, DEFAULT_WORKERS + 1)),
     # The operator console: it acts only in a signed-in person's name, within their sign-in's scopes.
     ServiceSpec(
         "console",
@@ -144,8 +150,22 @@ OPERATOR_ID = "operator"
 OPERATOR_SCOPES: tuple[str, ...] = ("*",)
 
 
+def stack_services(workers: int = DEFAULT_WORKERS) -> tuple[ServiceSpec, ...]:
+    """The services of a stack with ``workers`` worker processes."""
+    if workers < 1:
+        raise ValueError("a stack needs at least one worker")
+    others = tuple(spec for spec in SERVICES if spec.kind != "worker")
+    return (*others, *(worker(n) for n in range(1, workers + 1)))
+
+
 def service(service_id: str) -> ServiceSpec:
     for spec in SERVICES:
         if spec.id == service_id:
             return spec
+    match = _WORKER_ID.fullmatch(service_id)
+    if match:
+        return worker(int(match.group(1)))
     raise KeyError(service_id)
+
+
+_WORKER_ID = re.compile(r"worker-([1-9][0-9]{0,2})")

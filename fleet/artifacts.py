@@ -23,6 +23,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.object_store import ObjectStore
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.natsconn import replicas
 
 ARTIFACTS_BUCKET = "fleet_artifacts"
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
@@ -87,7 +88,12 @@ class NatsArtifactStore:
         except BucketNotFoundError:
             store = await js.create_object_store(
                 bucket,
-                ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, description="fleet artifacts"),
+                ObjectStoreConfig(
+                    bucket=bucket,
+                    storage=StorageType.FILE,
+                    description="fleet artifacts",
+                    replicas=replicas(js),
+                ),
             )
         return cls(store, max_bytes=max_bytes)
 

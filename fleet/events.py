@@ -32,6 +32,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.natsconn import replicas
 
 EVENTS_STREAM = "FLEET_EVENTS"
 EVENTS_SUBJECTS = "fleet.events.>"
@@ -145,6 +146,7 @@ async def ensure_stream(js: JetStreamContext, name: str, subjects: str, *, max_a
                 storage=StorageType.FILE,
                 duplicate_window=DUPLICATE_WINDOW_S,
                 max_age=max_age_s,
+                num_replicas=replicas(js),
             )
         )
 

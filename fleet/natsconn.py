@@ -1,31 +1,70 @@
-"""The NATS connection every process opens, and get-or-create helpers for KV buckets."""
+"""The NATS connection every process opens, and get-or-create helpers for KV buckets.
+
+A connection knows how many replicas the streams, KV buckets and object stores it creates get: one
+on the embedded single server, three on a three-node cluster (``FLEET_NATS_REPLICAS``). Whoever
+creates a stream first sets it; every process of a deployment is given the same number.
+"""
 
 from __future__ import annotations
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from fleet.errors import ErrorCode, FleetError
 
 
-async def connect(url: str, name: str) -> NATS:
-    """Connect to NATS, failing within seconds (never hanging) if the broker is unreachable."""
+class FleetConnection(NATS):
+    """A NATS connection that carries the replica count of what it creates."""
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__()
+        self.replicas = replicas
+
+
+def server_urls(url: str) -> list[str]:
+    """``FLEET_NATS_URL`` as a list: one URL, or a cluster's seed servers separated by commas."""
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "no NATS server URL given")
+    return urls
+
+
+async def connect(url: str, name: str, *, replicas: int = 1) -> NATS:
+    """Connect to NATS (``url``: one server or a comma-separated list of a cluster's servers),
+    failing within seconds (never hanging) if no server is reachable. Once connected it follows the
+    cluster: a node going away moves the connection to another, and publishes wait for it.
+
+    ``replicas``: the replicas of every stream, KV bucket and object store created through this
+    connection (1 to 5, at most the cluster's size)."""
+    if not 1 <= replicas <= 5:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"NATS replicas must be 1 to 5, not {replicas}")
+    servers = server_urls(url)
+    client = FleetConnection(replicas)
     try:
-        client: NATS = await nats.connect(
-            url,
+        await client.connect(
+            servers=servers,
             name=name,
             connect_timeout=5,
             max_reconnect_attempts=-1,
             allow_reconnect=True,
+            # The order of a cluster's URLs should not decide which node every process lands on.
+            dont_randomize=False,
         )
     except (OSError, nats.errors.Error, TimeoutError) as exc:
         raise FleetError(
             ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach NATS at {url}", retryable=True
         ) from exc
     return client
+
+
+def replicas(handle: NATS | JetStreamContext) -> int:
+    """How many replicas a stream, bucket or object store created through ``handle`` gets."""
+    client = handle._nc if isinstance(handle, JetStreamContext) else handle
+    return client.replicas if isinstance(client, FleetConnection) else 1
 
 
 async def key_value(
@@ -40,7 +79,9 @@ async def key_value(
     try:
         return await js.key_value(bucket)
     except BucketNotFoundError:
-        config = KeyValueConfig(bucket=bucket, history=history, storage=StorageType.FILE, ttl=ttl_s)
+        config = KeyValueConfig(
+            bucket=bucket, history=history, storage=StorageType.FILE, ttl=ttl_s, replicas=replicas(client)
+        )
         return await js.create_key_value(config)
 
 

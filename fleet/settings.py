@@ -40,6 +40,10 @@ class FleetSettings(BaseSettings):
 
     home: Path = Field(default=Path(".fleet"), description="the data dir of the local stack")
     nats_url: str | None = Field(default=None, description="use this NATS instead of starting one")
+    nats_replicas: int = Field(
+        default=1, ge=1, le=5, description="with nats_url: the replicas of the streams the services create"
+    )
+    workers: int = Field(default=2, ge=1, le=64, description="how many worker processes to start")
     pg_dsn: str | None = Field(default=None, description="use this Postgres instead of starting one")
     log_level: str = "info"
 
@@ -58,7 +62,14 @@ class ServiceSettings(BaseSettings):
     public_url: str = Field(description="the base URL others reach this service at")
     registry_url: str = ""
     issuer: str = DEFAULT_ISSUER
-    nats_url: str = ""
+    nats_url: str = Field(default="", description="one NATS URL, or a cluster's servers separated by commas")
+    nats_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="replicas of every stream, KV bucket and object store this service creates"
+        " (3 on a three-node cluster)",
+    )
     pg_dsn: str = ""
     enrollment_token: str = ""
     operator_jwk_file: Path | None = None

@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
+from deploy.local_stack import DATABASES, OPERATOR_ID, ServiceSpec, service, stack_services
 from fleet import stacklock
 from fleet.errors import ErrorCode, FleetError
 from fleet.infra import as_user, nats_command, prepare_postgres
@@ -164,12 +164,14 @@ class Supervisor:
         env_common = {
             "FLEET_HOME": str(self.layout.home),
             "FLEET_NATS_URL": nats_url,
+            # Streams and buckets get one replica on the embedded server; a cluster's are replicated.
+            "FLEET_NATS_REPLICAS": str(self.settings.nats_replicas if self.settings.nats_url else 1),
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
         }
-        for tier in start_tiers(SERVICES):
+        for tier in start_tiers(stack_services(self.settings.workers)):
             envs = [
                 {**env_common, "FLEET_PG_DSN": dsns[spec.database]} if spec.database else dict(env_common)
                 for spec in tier

@@ -383,7 +383,9 @@ def tool_server_app(
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
             stack.push_async_callback(registry.aclose)
-            broker = await connect(settings.nats_url, f"{settings.service_id}-audit")
+            broker = await connect(
+                settings.nats_url, f"{settings.service_id}-audit", replicas=settings.nats_replicas
+            )
             stack.push_async_callback(broker.close)
             assert gate.trail is not None
             await stack.enter_async_context(gate.trail.publishing(broker))

@@ -108,7 +108,11 @@ class RegistryClient:
     async def follow_revocations(self) -> None:
         """Read the revoked keys and follow new revocations (every service does, when it joins)."""
         if self._nats is None:
-            self._nats = await connect(self._settings.nats_url, f"{self._settings.service_id}-revocations")
+            self._nats = await connect(
+                self._settings.nats_url,
+                f"{self._settings.service_id}-revocations",
+                replicas=self._settings.nats_replicas,
+            )
         if not self.revocations.synced:
             await self.revocations.follow(self._nats)
 

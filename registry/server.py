@@ -356,7 +356,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         key = SigningKey.load_or_create(settings.key_file)
-        nc = await connect(settings.nats_url, settings.service_id)
+        nc = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
         try:
             async with httpx.AsyncClient() as http, contextlib.AsyncExitStack() as stack:
                 store = await RegistryStore.open(nc)

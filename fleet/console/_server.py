@@ -342,7 +342,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
 
     async def start() -> None:
         await registry.join_as_worker()  # enroll; the console registers nothing
-        backends.nats = await connect(settings.nats_url, settings.service_id)
+        backends.nats = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
         await signed_out.open(backends.nats)
         backends.coordinator = await _find_coordinator(registry)
 

