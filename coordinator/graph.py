@@ -25,7 +25,7 @@ from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.plan import RESERVED_INPUT, dependencies, resolve_input
 from coordinator.runs import CancelRequested, StaleLease
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 from registry import AgentRecord
 
@@ -288,7 +288,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
                 {"step": step["id"], "done": offset, "total": total},
                 f"{step['id']}: {offset}/{total}",
             )
-    except (StaleLease, CancelRequested):
+    except (StaleLease, CancelRequested, DependencyUnavailable):
         raise  # not the step's failure: this worker must stop writing
     except FleetError as exc:
         _emit("step.failed", {**_failure(step, exc), "done": offset})
@@ -643,7 +643,7 @@ def build_graph(
                     completes=_completes,
                 )
                 result = await _run_or_wait(dispatcher, step["id"], asked)
-        except (StaleLease, CancelRequested):
+        except (StaleLease, CancelRequested, DependencyUnavailable):
             raise  # not the step's failure: this worker must stop writing
         except FleetError as exc:
             if not dispatcher.agent_id:  # it never got to an agent (none offers the skill)

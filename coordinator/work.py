@@ -12,14 +12,18 @@ submitted, so a worker's slice joins the submitter's trace and the queue's lag c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
+from nats.js.errors import Error as JetStreamError
 from nats.js.errors import NotFoundError
 
 from fleet import telemetry
@@ -32,6 +36,11 @@ DUPLICATE_WINDOW_S = 600.0
 SUBMITTED_AT_HEADER = "Fleet-Submitted-At"  # epoch seconds, the submitter's clock
 TRACE_HEADERS = ("traceparent", "tracestate")
 TRACE_KEY = "trace"  # in a run's record: the trace context of the request that created the run
+SUBMIT_PATIENCE_S = 20.0  # how long a submit keeps trying while the broker fails over
+PUBLISH_TIMEOUT_S = 2.0
+SUBMIT_RETRY_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
 async def ensure_stream(js: JetStreamContext) -> None:
@@ -54,10 +63,26 @@ async def submit_run(client: NATS, run_id: str, attempt: str = "") -> None:
     """Ask a worker to advance ``run_id`` (idempotent within the de-duplication window for the same
     ``attempt``; a re-submission of a stranded run names a new attempt)."""
     js = client.jetstream()
-    await ensure_stream(js)
     msg_id = f"run-{run_id}" + (f"-{attempt}" if attempt else "")
     headers = {"Nats-Msg-Id": msg_id, SUBMITTED_AT_HEADER: f"{time.time():.6f}"}
-    await js.publish(RUN_SUBJECT, run_id.encode(), headers=dict(telemetry.inject(headers)))
+    deadline = time.monotonic() + SUBMIT_PATIENCE_S
+    while True:
+        try:
+            await ensure_stream(js)
+            await js.publish(
+                RUN_SUBJECT,
+                run_id.encode(),
+                headers=dict(telemetry.inject(headers)),
+                timeout=PUBLISH_TIMEOUT_S,
+            )
+            return
+        except (NatsError, JetStreamError) as exc:
+            # A cluster node failing over: the stream elects a new leader within seconds. The same
+            # message id again cannot make a second job; past the patience, the sweeper's job.
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("submitting run %s failed (%s); trying again", run_id, type(exc).__name__)
+            await asyncio.sleep(SUBMIT_RETRY_S)
 
 
 def trace_context(message: Msg) -> dict[str, str]:

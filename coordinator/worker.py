@@ -27,8 +27,10 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, StateSnapshot
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
+from nats.js.errors import Error as JetStreamError
 from opentelemetry.trace import SpanKind
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
@@ -52,7 +54,7 @@ from coordinator.runs import (
     StaleLease,
 )
 from fleet import telemetry
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.natsconn import connect
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
@@ -70,6 +72,7 @@ T = TypeVar("T")
 # every earlier one). A crash of Postgres itself can lose the last of these, never a transition, an
 # operation or a gap.
 RELAXED_EVENTS = frozenset({"step.progress", "step.started", "step.completed"})
+FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the next
 
 
 class WorkerSettings(ServiceSettings):
@@ -212,6 +215,11 @@ class RunWorker:
             try:
                 messages = await subscription.fetch(1, timeout=5)
             except NatsTimeout:
+                continue
+            except (NatsError, JetStreamError) as exc:
+                # The connection is moving to another node of the cluster: keep pulling once it has.
+                log.warning("could not pull work (%s); trying again", type(exc).__name__)
+                await asyncio.sleep(FETCH_RETRY_S)
                 continue
             for message in messages:
                 try:
@@ -400,8 +408,11 @@ class RunWorker:
                     await self._park(lease, run.tenant, [i.value for i in parked.interrupts])
                     return
                 final = dict(parked.values)
-        except (StaleLease, CancelRequested, psycopg.OperationalError):
-            raise  # not the run's fault: lease lost, canceled, or the database is unreachable
+        except (StaleLease, CancelRequested, psycopg.OperationalError, DependencyUnavailable):
+            # Not the run's fault: lease lost, canceled, the database or the control plane (registry,
+            # token service) unreachable for now. The message goes back to the queue; the run
+            # resumes from its checkpoint, on whichever worker takes it.
+            raise
         except Exception:
             log.exception("run %s crashed", run.run_id)
             await self._store.transition(

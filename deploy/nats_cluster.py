@@ -76,7 +76,9 @@ class NatsCluster:
         return ",".join(node.url for node in self.nodes)
 
     def _command(self, node: Node) -> list[str]:
-        routes = ",".join(f"nats://127.0.0.1:{other.cluster_port}" for other in self.nodes if other is not node)
+        routes = ",".join(
+            f"nats://127.0.0.1:{other.cluster_port}" for other in self.nodes if other is not node
+        )
         command = [
             nats_server_binary(),
             "--jetstream",

@@ -94,6 +94,15 @@ class FleetError(Exception):
         return f"{type(self).__name__}({self.code!s}: {self.message})"
 
 
+class DependencyUnavailable(FleetError):
+    """The platform's own control plane (the registry, its token service, the broker behind them)
+    cannot answer right now: a node failing over, a service restarting. A run that meets it is not
+    failed: its worker stops the slice and the run is retried from its checkpoint."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.DEPENDENCY_UNAVAILABLE, message, retryable=True)
+
+
 class AuthError(FleetError):
     """A token is missing, malformed, expired, or not meant for this service."""
 

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,30 +61,13 @@ def down(layout: StackLayout, *, as_json: bool = False) -> int:
     return EXIT_OK
 
 
-class OperatorTokenClient(TokenClient):
-    """A :class:`TokenClient` for the commands: a token endpoint that cannot be reached is a
-    ``dependency_unavailable`` FleetError (a clear line and exit 1), not an ``httpx`` traceback."""
-
-    async def token(
-        self, audience: str, tenant: str, scopes: Iterable[str] = (), *, resource: str = "", run_id: str = ""
-    ) -> str:
-        try:
-            return await super().token(audience, tenant, scopes, resource=resource, run_id=run_id)
-        except httpx.HTTPError as exc:
-            raise FleetError(
-                ErrorCode.DEPENDENCY_UNAVAILABLE,
-                f"cannot reach the registry's token endpoint: {type(exc).__name__}",
-                retryable=True,
-            ) from exc
-
-
 def operator_token_client(layout: StackLayout, token_url: str, http: httpx.AsyncClient) -> TokenClient:
     """Tokens for the operator identity of the data dir, from the token endpoint at ``token_url``
     (an unreachable endpoint raises ``dependency_unavailable``)."""
     key_file = layout.key_file(OPERATOR_ID)
     if not key_file.exists():
         raise FleetError(ErrorCode.NOT_FOUND, f"no operator key in {layout.keys_dir}")
-    return OperatorTokenClient(
+    return TokenClient(
         token_url=token_url,
         client_id=OPERATOR_ID,
         key=SigningKey.load_or_create(key_file),

@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from jwt.algorithms import RSAAlgorithm
 
-from fleet.errors import AuthError, ErrorCode, FleetError
+from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
 from fleet.settings import ExternalIssuer
@@ -690,7 +690,12 @@ class TokenClient:
             "client_assertion_type": CLIENT_ASSERTION_TYPE,
             "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
         }
-        response = await self._http.post(self._token_url, data=form, timeout=10.0)
+        try:
+            response = await self._http.post(self._token_url, data=form, timeout=10.0)
+        except httpx.TransportError as exc:
+            raise DependencyUnavailable(
+                f"cannot reach the registry's token endpoint: {type(exc).__name__}"
+            ) from exc
         if response.status_code != 200:
             raise _token_error(response)
         body = response.json()
@@ -739,6 +744,8 @@ def _token_error(response: httpx.Response) -> FleetError:
         detail = f"{body.get('error')}: {body.get('error_description', '')}"
     except ValueError:
         detail = response.text[:200]
+    if response.status_code >= 500:
+        return DependencyUnavailable(f"the token service failed ({response.status_code}) {detail}")
     code = (
         ErrorCode.FORBIDDEN if response.status_code in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE
     )

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import httpx
 from nats.aio.client import Client as NATS
 
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.revocations import Revocations
@@ -42,6 +42,8 @@ def _raise_for(response: httpx.Response, what: str) -> None:
         message = str(error.get("message", ""))
     except (ValueError, AttributeError):
         code, message = ErrorCode.INTERNAL, response.text[:200]
+    if response.status_code in (502, 503, 504):  # the registry or what it stands on is failing over
+        raise DependencyUnavailable(f"{what}: {message or response.status_code}")
     raise FleetError(code, f"{what}: {message}", retryable=response.status_code >= 500)
 
 
@@ -201,47 +203,45 @@ class RegistryClient:
         await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_mcp_server(url, tools))
 
+    async def _read(
+        self, path: str, what: str, *, params: dict[str, str] | None = None, authorized: bool = True
+    ) -> Any:
+        """GET a registry resource; a registry that cannot be reached, or answers that what it
+        stands on is failing over, is :class:`DependencyUnavailable` (the caller may wait)."""
+        headers = await self._headers("registry:read") if authorized else {}
+        try:
+            response = await self._http.get(self._url + path, params=params, headers=headers)
+        except httpx.TransportError as exc:
+            raise DependencyUnavailable(
+                f"{what}: the registry did not answer ({type(exc).__name__})"
+            ) from exc
+        _raise_for(response, what)
+        return response.json()
+
     async def agents_with_skill(self, skill: str) -> list[AgentRecord]:
-        response = await self._http.get(
-            self._url + "/v1/agents", params={"skill": skill}, headers=await self._headers("registry:read")
-        )
-        _raise_for(response, "discovery failed")
-        return [AgentRecord.model_validate(a) for a in response.json()["agents"]]
+        body = await self._read("/v1/agents", "discovery failed", params={"skill": skill})
+        return [AgentRecord.model_validate(a) for a in body["agents"]]
 
     async def agents(self) -> list[AgentRecord]:
         """Every registered agent, whatever its status (see :attr:`AgentRecord.offered`)."""
-        response = await self._http.get(
-            self._url + "/v1/agents", headers=await self._headers("registry:read")
-        )
-        _raise_for(response, "agents")
-        return [AgentRecord.model_validate(a) for a in response.json()["agents"]]
+        body = await self._read("/v1/agents", "agents")
+        return [AgentRecord.model_validate(a) for a in body["agents"]]
 
     async def agent(self, agent_id: str) -> AgentRecord:
-        response = await self._http.get(
-            f"{self._url}/v1/agents/{agent_id}", headers=await self._headers("registry:read")
-        )
-        _raise_for(response, f"agent {agent_id}")
-        return AgentRecord.model_validate(response.json())
+        return AgentRecord.model_validate(await self._read(f"/v1/agents/{agent_id}", f"agent {agent_id}"))
 
     async def mcp_server(self, server_id: str) -> McpServerRecord:
-        response = await self._http.get(
-            f"{self._url}/v1/mcp-servers/{server_id}", headers=await self._headers("registry:read")
-        )
-        _raise_for(response, f"MCP server {server_id}")
-        return McpServerRecord.model_validate(response.json())
+        body = await self._read(f"/v1/mcp-servers/{server_id}", f"MCP server {server_id}")
+        return McpServerRecord.model_validate(body)
 
     async def mcp_servers(self) -> list[McpServerRecord]:
         """The MCP servers this identity may use, each with the tools it has the scopes for."""
-        response = await self._http.get(
-            self._url + "/v1/mcp-servers", headers=await self._headers("registry:read")
-        )
-        _raise_for(response, "MCP servers")
-        return [McpServerRecord.model_validate(m) for m in response.json()["mcp_servers"]]
+        body = await self._read("/v1/mcp-servers", "MCP servers")
+        return [McpServerRecord.model_validate(m) for m in body["mcp_servers"]]
 
     async def agent_keys(self, agent_id: str) -> list[dict[str, Any]]:
-        response = await self._http.get(f"{self._url}/v1/agents/{agent_id}/jwks.json")
-        _raise_for(response, f"keys of {agent_id}")
-        keys: list[dict[str, Any]] = response.json()["keys"]
+        body = await self._read(f"/v1/agents/{agent_id}/jwks.json", f"keys of {agent_id}", authorized=False)
+        keys: list[dict[str, Any]] = body["keys"]
         return keys
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import httpx
 import jwt
+import nats.errors
+import nats.js.errors
 from cryptography.hazmat.primitives.asymmetric import ec
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -21,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import connect
 from fleet.revocations import Revocations
@@ -81,6 +83,7 @@ def error_response(exc: FleetError) -> JSONResponse:
 
 
 Handler = Callable[[Request, RegistryState], Awaitable[Response]]
+_BROKER_TROUBLE = (nats.errors.Error, nats.js.errors.Error, TimeoutError)
 
 
 def _route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -89,6 +92,12 @@ def _route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request, request.app.state.registry)
+        except _BROKER_TROUBLE as exc:
+            # Records live in NATS KV: a node failing over makes reads time out for a few seconds.
+            log.warning(
+                "%s %s: NATS did not answer (%s)", request.method, request.url.path, type(exc).__name__
+            )
+            return error_response(DependencyUnavailable("the registry's store (NATS) did not answer"))
         except FleetError as exc:
             if exc.http_status in (400, 401, 403, 409):
                 log.warning("%s %s refused (%s): %s", request.method, request.url.path, exc.code, exc.message)
