@@ -19,6 +19,7 @@ from bench import (
     memory,
     pauses,
     policy_plane,
+    scaling,
     telemetry,
     throughput,
     tokens,
@@ -70,6 +71,7 @@ BENCHMARKS = {
     "policy_plane": policy_plane.main,
     "memory": memory.main,
     "telemetry": telemetry.main,
+    "scaling": scaling.main,
 }
 
 
@@ -150,7 +152,7 @@ def write_doc(results: dict[str, Any]) -> None:
         "Numbers on a shared machine are noisy: read the ratios, not the milliseconds. The raw\n"
         "measurements are in [benchmarks.json](benchmarks.json).\n\n"
         "Machine and commit of each measurement:\n\n"
-        + "".join(f"- {name}: {results[name]['measured_on']}\n" for name in BENCHMARKS)
+        + "".join(f"- {name}: {results[name]['measured_on']}\n" for name in BENCHMARKS if name in results)
         + "\n"
         "| benchmark | baseline | baseline time | fleet time | ratio | target |\n"
         "|---|---|---|---|---|---|\n"
@@ -187,7 +189,9 @@ def write_doc(results: dict[str, Any]) -> None:
         f"{token['grant_per_s_concurrent']:,}/s {token['grant_concurrency']} at once | "
         f"| >= {token['issue_target_per_s']:,.0f}/s ({'meets' if issue_ok else 'MISSES'}) |\n"
         f"| revocation -> refused by every service (3 processes) | | | slowest {token['reach_max_s']} s "
-        f"of {token['reach_tries']} tries | | <= {token['reach_target_s']:.0f} s ({'meets' if reach_ok else 'MISSES'}) |\n\n"
+        f"of {token['reach_tries']} tries | | <= {token['reach_target_s']:.0f} s ({'meets' if reach_ok else 'MISSES'}) |\n"
+        + (scaling.summary_row(results["scaling"]) + "\n" if "scaling" in results else "")
+        + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
         "The baseline is a bare\n"
@@ -357,6 +361,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (_policy_plane(results["policy_plane"]) if "policy_plane" in results else "")
         + (_memory(results["memory"]) if "memory" in results else "")
         + _telemetry(results.get("telemetry"))
+        + (scaling.section(results["scaling"]) if "scaling" in results else "")
     )
 
 
