@@ -1,0 +1,208 @@
+"""The Kubernetes base: valid against the API's schemas (offline), complete, and shaped as the
+architecture wants it (a 3-node NATS cluster, KEDA on the work queue, gVisor, OPA next to each
+service that decides, probes and resources everywhere)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate  # type: ignore[import-untyped]  # ships no type information
+import pytest
+import yaml
+
+from coordinator import work
+from deploy import keygen, render
+from tests.deploy._files import K8S, Doc, k8s_containers, k8s_docs, kustomization, pod_specs
+
+# The Kubernetes version the manifests are checked against: one kubernetes-validate ships, old
+# enough for managed clusters of today, new enough for native sidecars (restartPolicy: Always
+# init containers, on by default since 1.29).
+KUBERNETES_VERSION = "1.33"
+CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json"}
+SCHEMAS = Path(__file__).parent / "schemas"
+DOCS = k8s_docs()
+
+
+def validate(doc: Doc) -> None:
+    """Raise if ``doc`` does not validate: against the Kubernetes schemas (strict: no unknown
+    fields), or for a CRD against the schema written for it here."""
+    crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
+    if crd is not None:
+        schema = json.loads((SCHEMAS / crd).read_text())
+        jsonschema.Draft202012Validator(schema).validate(doc)
+        return
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def _id(item: tuple[str, Doc]) -> str:
+    return f"{item[0]}:{item[1]['kind']}/{item[1]['metadata']['name']}"
+
+
+@pytest.mark.parametrize("item", DOCS, ids=[_id(d) for d in DOCS])
+def test_every_manifest_validates_against_its_schema(item: tuple[str, Doc]) -> None:
+    validate(item[1])
+
+
+def _deployment() -> Doc:
+    return copy.deepcopy(next(doc for _, doc in DOCS if doc["kind"] == "Deployment"))
+
+
+def test_a_broken_manifest_fails_validation() -> None:
+    wrong_type = _deployment()
+    wrong_type["spec"]["replicas"] = "two"
+    misspelt = _deployment()
+    misspelt["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    for broken in (wrong_type, misspelt):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            validate(broken)
+    scaled = copy.deepcopy(next(doc for _, doc in DOCS if doc["kind"] == "ScaledObject"))
+    scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 4  # KEDA takes strings
+    with pytest.raises(jsonschema.ValidationError):
+        validate(scaled)
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        validate({**_deployment(), "apiVersion": "apps/v2"})
+
+
+def test_the_kustomization_lists_every_manifest_and_nothing_else() -> None:
+    listed = kustomization()["resources"]
+    on_disk = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(listed) == on_disk
+
+
+def test_every_secret_and_config_map_a_pod_uses_is_generated_from_files_keygen_writes(tmp_path: Path) -> None:
+    keygen.make_secrets(tmp_path / "secrets")
+    generated: set[str] = set()
+    base = kustomization()
+    for generator in base["secretGenerator"] + base["configMapGenerator"]:
+        generated.add(generator["name"])
+        for entry in generator["files"]:
+            relative = entry.split("=", 1)[1]
+            root = tmp_path if relative.startswith("secrets/") else K8S
+            assert (root / relative).is_file(), f"{generator['name']}: nothing writes {relative}"
+    used: set[str] = set()
+    for _, _, spec in pod_specs():
+        for volume in spec.get("volumes", []):
+            used.update([volume["secret"]["secretName"]] if "secret" in volume else [])
+            used.update([volume["configMap"]["name"]] if "configMap" in volume else [])
+        for container in spec["containers"]:
+            for item in container.get("env", []):
+                ref = item.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    used.add(ref["name"])
+    in_manifests = {doc["metadata"]["name"] for _, doc in DOCS if doc["kind"] in ("Secret", "ConfigMap")}
+    assert used - in_manifests <= generated, sorted(used - in_manifests - generated)
+    assert not any(doc["kind"] == "Secret" for _, doc in DOCS), "no secret value is committed"
+
+
+def test_the_rendered_files_are_up_to_date() -> None:
+    stale = [str(path) for path, text in render.rendered().items() if path.read_text() != text]
+    assert stale == [], "run python -m deploy.render"
+
+
+def _one(kind: str, name: str) -> Doc:
+    (doc,) = [d for _, d in DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_nats_is_a_three_node_cluster_routed_to_every_node_with_jetstream() -> None:
+    statefulset = _one("StatefulSet", "nats")
+    assert statefulset["spec"]["replicas"] == 3
+    headless = _one("Service", "nats")["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    config = _one("ConfigMap", "nats-config")["data"]["nats.conf"]
+    routes = {f"nats://nats-{n}.{statefulset['spec']['serviceName']}:6222" for n in range(3)}
+    assert all(route in config for route in routes)
+    assert "jetstream {" in config and "server_name: $POD_NAME" in config
+    assert _one("PodDisruptionBudget", "nats")["spec"]["maxUnavailable"] == 1
+
+
+def test_workers_scale_on_the_lag_of_the_work_queue_consumer() -> None:
+    scaled = _one("ScaledObject", "worker")["spec"]
+    target = _one("Deployment", scaled["scaleTargetRef"]["name"])
+    assert target["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "nats-jetstream"
+    assert trigger["metadata"]["stream"] == work.STREAM
+    assert trigger["metadata"]["consumer"] == work.CONSUMER
+    endpoint = trigger["metadata"]["natsServerMonitoringEndpoint"]
+    assert endpoint == f"nats.{kustomization()['namespace']}.svc.cluster.local:8222"
+    assert scaled["minReplicaCount"] >= 1, "timers and stranded runs need a worker alive"
+
+
+def test_the_sandbox_server_runs_in_gvisor_and_nothing_else_needs_to() -> None:
+    runtime = _one("RuntimeClass", "gvisor")
+    assert runtime["handler"] == "runsc"
+    classes = {name: spec.get("runtimeClassName") for name, _, spec in pod_specs()}
+    assert classes.pop("mcp-sandbox") == "gvisor"
+    assert set(classes.values()) == {None}
+
+
+def _containers(spec: Doc) -> list[Doc]:
+    containers: list[Doc] = [*spec.get("initContainers", []), *spec["containers"]]
+    return containers
+
+
+def test_every_container_has_requests_limits_and_a_hardened_security_context() -> None:
+    for name, _, spec in pod_specs():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name
+        for container in _containers(spec):
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(
+                resources["limits"]
+            )
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
+            assert context["capabilities"] == {"drop": ["ALL"]}, (name, container["name"])
+
+
+def test_every_service_container_is_probed_on_healthz() -> None:
+    for container in (c for c in k8s_containers() if not c.sidecar):
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            http = container.doc[probe]["httpGet"]
+            assert http["path"] == "/healthz" and http["port"] == "http", (container.workload, probe)
+        assert container.doc["ports"] == [{"name": "http", "containerPort": 8080}]
+
+
+def _sidecars(spec: Doc) -> dict[str, Any]:
+    return {c["name"]: c for c in spec.get("initContainers", [])}
+
+
+def test_services_that_decide_have_an_opa_sidecar_on_loopback_and_others_none() -> None:
+    for container in (c for c in k8s_containers() if not c.sidecar):
+        spec = next(s for name, _, s in pod_specs() if name == container.workload)
+        sidecars = _sidecars(spec)
+        if container.env.get("FLEET_POLICY_ENGINE") == "opa":
+            opa = sidecars["opa"]
+            assert opa["restartPolicy"] == "Always"
+            assert "--addr=127.0.0.1:8181" in opa["args"], "OPA's API only on the pod's loopback"
+            assert container.env["FLEET_OPA_URL"] == "http://127.0.0.1:8181"
+        else:
+            assert "opa" not in sidecars, container.workload
+
+
+def test_only_enrollers_mount_the_operator_key() -> None:
+    for name, _, spec in pod_specs():
+        for container in _containers(spec):
+            mounts = {m["name"] for m in container.get("volumeMounts", [])}
+            assert ("operator-key" in mounts) == (container["name"] == "enroller"), (name, container["name"])
+
+
+def test_specialists_keep_their_journal_on_a_volume_of_their_own() -> None:
+    for name, meta, spec in pod_specs():
+        if meta["labels"]["app.kubernetes.io/component"] != "specialist":
+            continue
+        (state,) = [v for v in spec["volumes"] if v["name"] == "state"]
+        claim = state["persistentVolumeClaim"]["claimName"]
+        assert _one("PersistentVolumeClaim", claim)
+        assert _one("Deployment", name)["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_the_yaml_files_parse_as_the_documents_render_made() -> None:
+    for name, docs in render.k8s_files().items():
+        assert list(yaml.safe_load_all((K8S / name).read_text())) == docs

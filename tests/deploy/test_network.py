@@ -1,0 +1,106 @@
+"""The NetworkPolicies (and compose's networks) let each service reach what it needs and keep
+everything else out: evaluated with NetworkPolicy semantics over the pods of the manifests."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from deploy.local_stack import SERVICES
+from tests.deploy._files import ROOT, Doc, allowed, compose, network_policies, outside_pod, pod, pods
+
+POLICIES = network_policies()
+SPECIALISTS = [s.id for s in SERVICES if s.kind == "specialist"]
+MCP_SERVERS = [s.id for s in SERVICES if s.kind == "mcp_server"]
+DATABASE_OWNERS = {
+    "coordinator",
+    "worker",
+    *(s.id for s in SERVICES if s.kind == "mcp_server" and s.database),
+}
+FLEET = [p.workload for p in pods() if p.labels["app.kubernetes.io/part-of"] == "agent-fleet"]
+FLEET_WORKLOADS = [w for w in FLEET if w not in ("nats", "postgres", "qdrant")]
+
+NEEDED: list[tuple[str, str, int]] = [
+    *((w, "nats", 4222) for w in FLEET_WORKLOADS),
+    *((w, "registry", 8080) for w in FLEET_WORKLOADS if w != "registry"),
+    *((w, "postgres", 5432) for w in DATABASE_OWNERS),
+    *(("worker", s, 8080) for s in SPECIALISTS),
+    ("worker", "mcp-memory", 8080),
+    *(("registry", s, 8080) for s in [*SPECIALISTS, "coordinator"]),
+    *((s, "mcp-memory", 8080) for s in SPECIALISTS),
+    ("console", "coordinator", 8080),
+    ("mcp-memory", "qdrant", 6333),
+    ("nats-peer", "nats", 6222),  # the cluster's routes
+]
+
+
+@pytest.mark.parametrize(("source", "target", "port"), NEEDED, ids=[f"{s}->{t}:{p}" for s, t, p in NEEDED])
+def test_each_service_reaches_what_it_needs(source: str, target: str, port: int) -> None:
+    source_pod = pod("nats") if source.startswith("nats-") else pod(source)
+    assert allowed(POLICIES, source_pod, pod(target), port)
+
+
+def _mcp_servers_named_in(package: str) -> set[str]:
+    text = "".join(p.read_text() for p in (ROOT / "specialists" / package).rglob("*.py"))
+    return set(re.findall(r'"(mcp-[a-z]+)"', text))
+
+
+@pytest.mark.parametrize("specialist", SPECIALISTS)
+def test_each_specialist_reaches_the_mcp_servers_its_code_calls_and_no_other(specialist: str) -> None:
+    entry = next(s.entry for s in SERVICES if s.id == specialist)
+    named = _mcp_servers_named_in(entry.split(".")[1]) | {"mcp-memory"}  # every specialist remembers
+    for server in MCP_SERVERS:
+        assert allowed(POLICIES, pod(specialist), pod(server), 8080) == (server in named), server
+
+
+def test_nothing_but_the_database_owners_reaches_postgres() -> None:
+    reach = {p.workload for p in pods() if allowed(POLICIES, p, pod("postgres"), 5432)}
+    assert reach == DATABASE_OWNERS
+    assert not allowed(POLICIES, outside_pod("ingress-nginx"), pod("postgres"), 5432)
+
+
+def test_only_the_memory_server_reaches_qdrant_and_nobody_reaches_a_worker() -> None:
+    assert {p.workload for p in pods() if allowed(POLICIES, p, pod("qdrant"), 6333)} == {"mcp-memory"}
+    assert not any(allowed(POLICIES, p, pod("worker"), 8080) for p in pods())
+
+
+def test_from_outside_only_the_front_doors_are_reachable_and_keda_reads_nats_monitoring() -> None:
+    ingress = outside_pod("ingress-nginx")
+    reach = {p.workload for p in pods() if allowed(POLICIES, ingress, p, 8080)}
+    assert reach == {"registry", "coordinator", "console"}
+    assert allowed(POLICIES, outside_pod("keda"), pod("nats"), 8222)
+    assert not allowed(POLICIES, outside_pod("keda"), pod("nats"), 4222)
+
+
+def test_everything_is_denied_by_default() -> None:
+    (deny,) = [p for p in POLICIES if p["metadata"]["name"] == "default-deny"]
+    assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+
+
+def test_the_evaluator_sees_a_missing_rule() -> None:
+    without: list[Doc] = copy.deepcopy(POLICIES)
+    for policy in without:
+        if policy["metadata"]["name"] == "postgres":
+            policy["spec"]["ingress"] = []
+    assert not allowed(without, pod("worker"), pod("postgres"), 5432)
+    assert allowed(POLICIES, pod("worker"), pod("postgres"), 5432)
+    assert not allowed(POLICIES, pod("worker"), pod("postgres"), 5433)
+
+
+def test_in_compose_only_the_database_owners_share_a_network_with_postgres() -> None:
+    services = compose()["services"]
+    (data,) = services["postgres"]["networks"]
+    on_data = {name for name, s in services.items() if data in s.get("networks", []) and name != "postgres"}
+    owners = {s.id for s in SERVICES if s.database}
+    assert on_data == owners
+    (memory,) = services["qdrant"]["networks"]
+    assert {n for n, s in services.items() if memory in s.get("networks", []) and n != "qdrant"} == {
+        "mcp-memory"
+    }
+    (policy,) = services["opa"]["networks"]
+    deciders = {
+        n for n, s in services.items() if s.get("environment", {}).get("FLEET_POLICY_ENGINE") == "opa"
+    }
+    assert {n for n, s in services.items() if policy in s.get("networks", []) and n != "opa"} == deciders
