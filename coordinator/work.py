@@ -12,22 +12,18 @@ submitted, so a worker's slice joins the submitter's trace and the queue's lag c
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
-from nats.js.errors import Error as JetStreamError
 from nats.js.errors import NotFoundError
 
 from fleet import telemetry
-from fleet.natsconn import connect, replicas
+from fleet.natsconn import connect, patiently, replicas
 
 STREAM = "FLEET_WORK"
 RUN_SUBJECT = "fleet.work.run"
@@ -38,9 +34,6 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 TRACE_KEY = "trace"  # in a run's record: the trace context of the request that created the run
 SUBMIT_PATIENCE_S = 20.0  # how long a submit keeps trying while the broker fails over
 PUBLISH_TIMEOUT_S = 2.0
-SUBMIT_RETRY_S = 0.2
-
-log = logging.getLogger(__name__)
 
 
 async def ensure_stream(js: JetStreamContext) -> None:
@@ -65,24 +58,16 @@ async def submit_run(client: NATS, run_id: str, attempt: str = "") -> None:
     js = client.jetstream()
     msg_id = f"run-{run_id}" + (f"-{attempt}" if attempt else "")
     headers = {"Nats-Msg-Id": msg_id, SUBMITTED_AT_HEADER: f"{time.time():.6f}"}
-    deadline = time.monotonic() + SUBMIT_PATIENCE_S
-    while True:
-        try:
-            await ensure_stream(js)
-            await js.publish(
-                RUN_SUBJECT,
-                run_id.encode(),
-                headers=dict(telemetry.inject(headers)),
-                timeout=PUBLISH_TIMEOUT_S,
-            )
-            return
-        except (NatsError, JetStreamError) as exc:
-            # A cluster node failing over: the stream elects a new leader within seconds. The same
-            # message id again cannot make a second job; past the patience, the sweeper's job.
-            if time.monotonic() >= deadline:
-                raise
-            log.warning("submitting run %s failed (%s); trying again", run_id, type(exc).__name__)
-            await asyncio.sleep(SUBMIT_RETRY_S)
+
+    async def publish() -> None:
+        await ensure_stream(js)
+        await js.publish(
+            RUN_SUBJECT, run_id.encode(), headers=dict(telemetry.inject(headers)), timeout=PUBLISH_TIMEOUT_S
+        )
+
+    # A cluster node failing over: the stream elects a new leader within seconds. The same message id
+    # again cannot make a second job; past the patience, the stranded-run sweep submits it.
+    await patiently(f"submitting run {run_id}", publish, patience_s=SUBMIT_PATIENCE_S)
 
 
 def trace_context(message: Msg) -> dict[str, str]:
@@ -133,8 +118,14 @@ class RunSubmitter:
 
 async def subscribe(client: NATS, ack_wait_s: float) -> JetStreamContext.PullSubscription:
     js = client.jetstream()
-    await ensure_stream(js)
     config = ConsumerConfig(
         durable_name=CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_deliver=-1
     )
-    return await js.pull_subscribe(RUN_SUBJECT, durable=CONSUMER, config=config)
+
+    async def pull_subscribe() -> JetStreamContext.PullSubscription:
+        await ensure_stream(js)
+        return await js.pull_subscribe(RUN_SUBJECT, durable=CONSUMER, config=config)
+
+    # Every worker creates-or-binds the one durable consumer when it starts; on a loaded cluster
+    # the replicated consumer's creation can answer late.
+    return await patiently("subscribing to the work queue", pull_subscribe)

@@ -32,7 +32,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from fleet.errors import ErrorCode, FleetError
-from fleet.natsconn import replicas
+from fleet.natsconn import patiently, replicas
 
 EVENTS_STREAM = "FLEET_EVENTS"
 EVENTS_SUBJECTS = "fleet.events.>"
@@ -135,20 +135,24 @@ async def ensure_event_streams(js: JetStreamContext) -> None:
 async def ensure_stream(js: JetStreamContext, name: str, subjects: str, *, max_age_s: float) -> None:
     """A file-backed JetStream stream over ``subjects`` that drops a message whose ``Nats-Msg-Id``
     it has seen within the de-duplication window; created if missing."""
-    try:
-        await js.stream_info(name)
-    except NotFoundError:
-        await js.add_stream(
-            StreamConfig(
-                name=name,
-                subjects=[subjects],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                duplicate_window=DUPLICATE_WINDOW_S,
-                max_age=max_age_s,
-                num_replicas=replicas(js),
+
+    async def get_or_create() -> None:
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            await js.add_stream(
+                StreamConfig(
+                    name=name,
+                    subjects=[subjects],
+                    retention=RetentionPolicy.LIMITS,
+                    storage=StorageType.FILE,
+                    duplicate_window=DUPLICATE_WINDOW_S,
+                    max_age=max_age_s,
+                    num_replicas=replicas(js),
+                )
             )
-        )
+
+    await patiently(f"opening stream {name}", get_or_create)
 
 
 async def publish_event(

@@ -7,6 +7,12 @@ creates a stream first sets it; every process of a deployment is given the same 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import nats
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
@@ -15,6 +21,20 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 
 from fleet.errors import ErrorCode, FleetError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a JetStream call meets while a cluster elects a leader or is slow under load: worth asking again.
+TRANSIENT: tuple[type[Exception], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+RETRY_S = 0.2
 
 
 class FleetConnection(NATS):
@@ -61,6 +81,21 @@ async def connect(url: str, name: str, *, replicas: int = 1) -> NATS:
     return client
 
 
+async def patiently(what: str, action: Callable[[], Awaitable[T]], *, patience_s: float = 30.0) -> T:
+    """``action`` (a JetStream call), tried again while it fails in a :data:`TRANSIENT` way, for
+    up to ``patience_s``; the last failure is raised after that. Only for calls that are safe to
+    repeat (a lookup, a create-if-missing, a publish with a message id)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return await action()
+        except TRANSIENT as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s: %s from NATS; trying again", what, type(exc).__name__)
+            await asyncio.sleep(RETRY_S)
+
+
 def replicas(handle: NATS | JetStreamContext) -> int:
     """How many replicas a stream, bucket or object store created through ``handle`` gets."""
     client = handle._nc if isinstance(handle, JetStreamContext) else handle
@@ -76,13 +111,17 @@ async def key_value(
 ) -> KeyValue:
     """The KV bucket ``bucket``, created (file storage) if it does not exist yet."""
     js = client.jetstream()
-    try:
-        return await js.key_value(bucket)
-    except BucketNotFoundError:
-        config = KeyValueConfig(
-            bucket=bucket, history=history, storage=StorageType.FILE, ttl=ttl_s, replicas=replicas(client)
-        )
-        return await js.create_key_value(config)
+
+    async def get_or_create() -> KeyValue:
+        try:
+            return await js.key_value(bucket)
+        except BucketNotFoundError:
+            config = KeyValueConfig(
+                bucket=bucket, history=history, storage=StorageType.FILE, ttl=ttl_s, replicas=replicas(client)
+            )
+            return await js.create_key_value(config)
+
+    return await patiently(f"opening KV bucket {bucket}", get_or_create)
 
 
 # nats-py's ``KeyValue.history`` and ``KeyValue.keys`` read through a watcher that can signal "no
