@@ -33,7 +33,7 @@ from coordinator.delegation import CallInterrupted, Delegator, Progress, skill_i
 from coordinator.operations import Event, Ledger, Operation, OperationConflict, OpStatus
 from coordinator.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, args_hash
 from registry import AgentRecord
 
@@ -247,6 +247,8 @@ class StepDispatcher:
             try:
                 return await self._delegator.agent(op.target)
             except FleetError as exc:
+                if attempt == RECONCILE_ATTEMPTS and isinstance(exc, DependencyUnavailable):
+                    raise  # the registry is down, not the agent gone: the run is retried later
                 if attempt == RECONCILE_ATTEMPTS:
                     await self._needs_human(
                         op, f"{op.target}, which received it, cannot be found: {exc.message}"
@@ -262,6 +264,10 @@ class StepDispatcher:
             return await self._reconcile(op, agent)
         except NeedsHuman:
             raise  # recorded as such by the supervisor
+        except DependencyUnavailable:
+            # The control plane (a token, a registry lookup), not the agent: the operation stays
+            # pending, the run goes back to the queue, and its next slice reconciles it first.
+            raise
         except FleetError as exc:
             if exc.code == ErrorCode.OUTCOME_UNKNOWN:
                 await self._needs_human(op, exc.message)
@@ -388,6 +394,8 @@ class StepDispatcher:
                 status = await self._delegator.operation_status(
                     agent, op.op_id, tenant=self._tenant, wait_s=MAX_WAIT_S
                 )
+            except DependencyUnavailable:
+                raise  # no token to ask with: not the agent's silence; the run asks again later
             except FleetError as exc:
                 if exc.code == ErrorCode.SPECIALIST_UNAVAILABLE and skill_is_idempotent(agent, self._skill):
                     # It cannot be asked, and a repeat is safe: another agent may take it over.

@@ -72,6 +72,7 @@ def operator_token_client(layout: StackLayout, token_url: str, http: httpx.Async
         client_id=OPERATOR_ID,
         key=SigningKey.load_or_create(key_file),
         http=http,
+        failover_patience_s=0,  # a person at a command line is told at once
     )
 
 

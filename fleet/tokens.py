@@ -636,6 +636,12 @@ class _Cached:
     use_until: float
 
 
+# A token service failing over (a NATS node lost under the registry's store) answers again within
+# seconds; a service's request waits that long rather than failing the work it is for.
+FAILOVER_PATIENCE_S = 10.0
+FAILOVER_RETRY_S = 0.25
+
+
 class TokenClient:
     """Gets access tokens from the registry's token endpoint and reuses each for at most
     ``REUSE_FOR_S`` (and never in its last 30 seconds): a token this service passes on leaves the
@@ -649,11 +655,15 @@ class TokenClient:
         client_id: str,
         key: SigningKey,
         http: httpx.AsyncClient,
+        failover_patience_s: float = FAILOVER_PATIENCE_S,
     ) -> None:
+        """``failover_patience_s``: how long a request keeps asking while the token service cannot
+        answer (it or its store failing over); 0 for a person's command, which should say so now."""
         self._token_url = token_url
         self._client_id = client_id
         self._key = key
         self._http = http
+        self._patience_s = failover_patience_s
         self._cache: dict[tuple[str, str, str], _Cached] = {}
 
     def use_key(self, key: SigningKey) -> None:
@@ -685,9 +695,21 @@ class TokenClient:
         cached = self._cache.get(cache_key)
         if cached is not None and cached.use_until > time.time():
             return cached.token
+        deadline = time.monotonic() + self._patience_s
+        while True:
+            try:
+                return await self._request_once(cache_key, form)
+            except DependencyUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("token request: %s; trying again", exc.message)
+                await asyncio.sleep(FAILOVER_RETRY_S)
+
+    async def _request_once(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:
         form = {
             **form,
             "client_assertion_type": CLIENT_ASSERTION_TYPE,
+            # a new assertion each try: its jti is single-use
             "client_assertion": client_assertion(self._key, self._client_id, self._token_url),
         }
         try:
