@@ -3,12 +3,9 @@ to the workers, and relay the run's progress and result to the caller."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from a2a.helpers import get_data_parts, get_text_parts, new_task_from_user_message
 from a2a.server.agent_execution import AgentExecutor, RequestContext
@@ -32,25 +29,6 @@ from fleet.tokens import Claims
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-# A request that meets the control plane failing over (a NATS node lost, the registry's store
-# electing a leader: seconds) waits this long for it before the caller is told to retry.
-FAILOVER_PATIENCE_S = 15.0
-FAILOVER_RETRY_S = 0.25
-
-
-async def _patiently(action: Callable[[], Awaitable[T]]) -> T:
-    """``action``, tried again while it meets :class:`DependencyUnavailable`, for a bounded time."""
-    deadline = time.monotonic() + FAILOVER_PATIENCE_S
-    while True:
-        try:
-            return await action()
-        except DependencyUnavailable as exc:
-            if time.monotonic() >= deadline:
-                raise
-            log.info("the control plane is unavailable (%s); trying again", exc.message)
-            await asyncio.sleep(FAILOVER_RETRY_S)
 
 
 def _request_of(context: RequestContext) -> dict[str, Any]:
@@ -134,9 +112,9 @@ class CoordinatorExecutor(AgentExecutor):
                 planner=self._planner,
             )
             for step in steps:
-                if step.wait is None and not await _patiently(partial(self._delegator.discover, step.skill)):
+                if step.wait is None and not await self._delegator.discover(step.skill):
                     raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {step.skill!r}")
-        except DependencyUnavailable as exc:  # not the request's fault: the caller may send it again
+        except DependencyUnavailable as exc:  # the control plane failed over for too long: send it again
             raise InternalError(
                 message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code), "retryable": True}
             ) from exc
@@ -174,7 +152,7 @@ class CoordinatorExecutor(AgentExecutor):
         span.set_attribute("fleet.run_id", task.id)
         plan = [s.to_dict() for s in steps]
         try:  # the caller's authority, for the run's life (see coordinator.delegation)
-            grant = await _patiently(lambda: self._delegator.run_grant(claims, task.id))
+            grant = await self._delegator.run_grant(claims, task.id)
         except FleetError as exc:
             log.warning("no run grant for %s's request: %s", claims.sub, exc)
             raise InternalError(

@@ -19,6 +19,8 @@ from fleet.natsconn import connect
 from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
 from fleet.tokens import (
+    FAILOVER_PATIENCE_S,
+    FAILOVER_RETRY_S,
     BearerVerifier,
     ExternalTokenVerifier,
     FederatedVerifier,
@@ -206,8 +208,20 @@ class RegistryClient:
     async def _read(
         self, path: str, what: str, *, params: dict[str, str] | None = None, authorized: bool = True
     ) -> Any:
-        """GET a registry resource; a registry that cannot be reached, or answers that what it
-        stands on is failing over, is :class:`DependencyUnavailable` (the caller may wait)."""
+        """GET a registry resource. A registry that cannot be reached, or answers that what it
+        stands on is failing over, is asked again for up to ``FAILOVER_PATIENCE_S``; then it is
+        :class:`DependencyUnavailable` (the caller's work waits and is retried, it does not fail)."""
+        deadline = time.monotonic() + FAILOVER_PATIENCE_S
+        while True:
+            try:
+                return await self._read_once(path, what, params, authorized)
+            except DependencyUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("%s; trying again", exc.message)
+                await asyncio.sleep(FAILOVER_RETRY_S)
+
+    async def _read_once(self, path: str, what: str, params: dict[str, str] | None, authorized: bool) -> Any:
         headers = await self._headers("registry:read") if authorized else {}
         try:
             response = await self._http.get(self._url + path, params=params, headers=headers)
