@@ -4,19 +4,23 @@ production mode on one host."""
 from __future__ import annotations
 
 from deploy._topology import (
+    ENROLL,
     IDENTITY_DIR,
     IMAGE,
     NATS_IMAGE,
     OPA_IMAGE,
     OPA_PORT,
+    OPERATOR_KEY_DIR,
     POLICY_KINDS,
     PORT,
     POSTGRES_IMAGE,
+    PUBLIC_KEYS_DIR,
     QDRANT_IMAGE,
     STATE_DIR,
     Deployed,
     Doc,
     deployed,
+    enroll_command,
     environment,
     serve_command,
 )
@@ -56,6 +60,8 @@ def _compose_depends(unit: Deployed) -> Doc:
         "keygen": {"condition": "service_completed_successfully"},
         "nats": {"condition": "service_healthy"},
     }
+    if unit.spec.kind != "registry":  # its key is enrolled before it starts
+        depends[ENROLL] = {"condition": "service_completed_successfully"}
     if unit.spec.database:
         depends["postgres"] = {"condition": "service_healthy"}
     if unit.spec.kind in POLICY_KINDS:
@@ -78,22 +84,15 @@ def _compose_service(unit: Deployed) -> Doc:
         networks.append("policy")
     if spec.id == "mcp-memory":
         networks.append("memory")
-    # Compose interpolates ``$``: the shell's ``$(...)`` is written ``$$(...)``.
-    command = [part.replace("$", "$$") for part in serve_command(unit, "compose")]
+    command = serve_command(unit)
     service: Doc = {
         "image": IMAGE,
         "build": {"context": "..", "dockerfile": "deploy/Dockerfile"},
-        "entrypoint": command[:-1] if command[0] == "/bin/sh" else command[:1],
-        "command": command[-1:] if command[0] == "/bin/sh" else command[1:],
+        "entrypoint": command[:1],
+        "command": command[1:],
         "environment": environment(unit, "compose"),
         "volumes": [
-            {
-                "type": "volume",
-                "source": "fleet-secrets",
-                "target": IDENTITY_DIR,
-                "read_only": True,
-                "volume": {"subpath": f"identities/{spec.id}"},
-            },
+            _secrets_subpath(f"identities/{spec.id}", IDENTITY_DIR),
             {"type": "volume", "source": f"state-{spec.id}", "target": STATE_DIR},
         ],
         "read_only": True,
@@ -112,6 +111,39 @@ def _compose_service(unit: Deployed) -> Doc:
     return service
 
 
+def _secrets_subpath(subpath: str, target: str) -> Doc:
+    return {
+        "type": "volume",
+        "source": "fleet-secrets",
+        "target": target,
+        "read_only": True,
+        "volume": {"subpath": subpath},
+    }
+
+
+def _compose_enroll() -> Doc:
+    """The one-shot that enrolls every identity once the registry is up: the only container but
+    ``keygen`` that sees the operator key. Services start after it completed."""
+    command = enroll_command()
+    return {
+        "image": IMAGE,
+        "build": {"context": "..", "dockerfile": "deploy/Dockerfile"},
+        "entrypoint": command[:3],
+        "command": command[3:],
+        "volumes": [
+            _secrets_subpath("operator", OPERATOR_KEY_DIR),
+            _secrets_subpath("public", PUBLIC_KEYS_DIR),
+        ],
+        "read_only": True,
+        "networks": ["fleet"],
+        "depends_on": {
+            "keygen": {"condition": "service_completed_successfully"},
+            "registry": {"condition": "service_healthy"},
+        },
+        "restart": "no",
+    }
+
+
 def _compose_infra() -> Doc:
     pg_dir = "/run/fleet/postgres"
     return {
@@ -119,11 +151,12 @@ def _compose_infra() -> Doc:
             "image": IMAGE,
             "build": {"context": "..", "dockerfile": "deploy/Dockerfile"},
             "entrypoint": ["python", "-m", "deploy.keygen"],
-            "command": ["compose-init", "/run/fleet/secrets"],
+            "command": ["secrets", "/run/fleet/secrets"],
             "volumes": [{"type": "volume", "source": "fleet-secrets", "target": "/run/fleet/secrets"}],
             "network_mode": "none",
             "restart": "no",
         },
+        ENROLL: _compose_enroll(),
         "nats": {
             "image": NATS_IMAGE,
             "command": ["--jetstream", "--store_dir", "/data", "--http_port", "8222"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 from deploy._topology import (
-    ENROLLMENT_DIR,
+    ENROLL,
     FRONT_DOORS,
     IDENTITY_DIR,
     IMAGE,
@@ -21,14 +21,14 @@ from deploy._topology import (
     POLICY_KINDS,
     PORT,
     PRIVATE_RANGES,
+    PUBLIC_KEYS_DIR,
     STATE_DIR,
-    TOKEN_EVERY_S,
-    TOKEN_FILE,
     Deployed,
     Doc,
     Platform,
     calls,
     deployed,
+    enroll_command,
     environment,
     internet,
     port_of,
@@ -89,43 +89,6 @@ def _k8s_env(unit: Deployed) -> list[Doc]:
     return env
 
 
-def _enroller(unit: Deployed) -> Doc:
-    """A native sidecar that keeps a fresh one-time enrollment token in the pod's memory volume:
-    the service reads it at each (re)start. Only it mounts the operator key."""
-    return {
-        "name": "enroller",
-        "image": IMAGE,
-        "restartPolicy": "Always",
-        "command": [
-            "python",
-            "-m",
-            "deploy.keygen",
-            "token",
-            unit.service_id,
-            "--operator-key",
-            f"{OPERATOR_KEY_DIR}/operator.pem",
-            "--out",
-            TOKEN_FILE["k8s"],
-            "--every",
-            str(TOKEN_EVERY_S),
-        ],
-        "startupProbe": {
-            "exec": {"command": ["test", "-s", TOKEN_FILE["k8s"]]},
-            "periodSeconds": 2,
-            "failureThreshold": 30,
-        },
-        "volumeMounts": [
-            {"name": "operator-key", "mountPath": OPERATOR_KEY_DIR, "readOnly": True},
-            {"name": "enrollment", "mountPath": ENROLLMENT_DIR},
-        ],
-        "resources": {
-            "requests": {"cpu": "10m", "memory": "96Mi"},
-            "limits": {"cpu": "200m", "memory": "192Mi"},
-        },
-        "securityContext": hardened(),
-    }
-
-
 def _opa_sidecar() -> Doc:
     """OPA next to the service, on the pod's loopback only: the service's opa engine pushes the
     bundle it enforces and asks it for decisions (policy/opa_rest.py)."""
@@ -161,13 +124,8 @@ def _volumes(unit: Deployed) -> list[Doc]:
         volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": f"state-{unit.name}"}})
     else:
         volumes.append({"name": "state", "emptyDir": {}})
-    if spec.kind == "registry":
+    if spec.kind == "registry":  # the operator's public key only: its private key is the Job's
         volumes.append({"name": "operator-jwk", "configMap": {"name": "fleet-operator-jwk"}})
-    else:
-        volumes.append(
-            {"name": "operator-key", "secret": {"secretName": "fleet-operator-key", "defaultMode": 0o440}}
-        )
-        volumes.append({"name": "enrollment", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
     return volumes
 
 
@@ -179,8 +137,6 @@ def _mounts(unit: Deployed) -> list[Doc]:
     ]
     if unit.spec.kind == "registry":
         mounts.append({"name": "operator-jwk", "mountPath": OPERATOR_JWK_DIR, "readOnly": True})
-    else:
-        mounts.append({"name": "enrollment", "mountPath": ENROLLMENT_DIR, "readOnly": True})
     return mounts
 
 
@@ -188,11 +144,12 @@ def _service_container(unit: Deployed) -> Doc:
     return {
         "name": "service",
         "image": IMAGE,
-        "command": serve_command(unit, "k8s"),
+        "command": serve_command(unit),
         "ports": [{"name": "http", "containerPort": PORT}],
         "env": _k8s_env(unit),
         "volumeMounts": _mounts(unit),
-        # /healthz answers 503 until the service has enrolled and registered, 200 after.
+        # /healthz answers 503 until the service has checked its enrollment and registered, 200
+        # after; a key not enrolled (yet: see the enroll Job) stops the container.
         "startupProbe": http_probe("/healthz", "http", 5, 60),
         "readinessProbe": http_probe("/healthz", "http", 5, 3),
         "livenessProbe": http_probe("/healthz", "http", 20, 3),
@@ -203,9 +160,7 @@ def _service_container(unit: Deployed) -> Doc:
 
 def _pod(unit: Deployed) -> Doc:
     spec = unit.spec
-    sidecars = [] if spec.kind == "registry" else [_enroller(unit)]
-    if spec.kind in POLICY_KINDS:
-        sidecars.append(_opa_sidecar())
+    sidecars = [_opa_sidecar()] if spec.kind in POLICY_KINDS else []
     pod: Doc = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -264,6 +219,60 @@ def fleet_docs(unit: Deployed) -> list[Doc]:
         docs.append(pvc(f"state-{unit.name}", component, "1Gi"))
     docs.append(network_policy(unit))
     return docs
+
+
+def enroll_docs() -> list[Doc]:
+    """The Job that enrolls every identity's public key with the registry (it waits for it): the
+    only pod that mounts the operator key. Services start without a token and check that their
+    key is enrolled. Run it again (delete it, apply) for a new identity or key."""
+    container: Doc = {
+        "name": ENROLL,
+        "image": IMAGE,
+        "command": enroll_command(),
+        "volumeMounts": [
+            {"name": "operator-key", "mountPath": OPERATOR_KEY_DIR, "readOnly": True},
+            {"name": "public-keys", "mountPath": PUBLIC_KEYS_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "96Mi"},
+            "limits": {"cpu": "200m", "memory": "192Mi"},
+        },
+        "securityContext": hardened(),
+    }
+    pod: Doc = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(10001),
+        "restartPolicy": "OnFailure",
+        "containers": [container],
+        "volumes": [
+            {"name": "operator-key", "secret": {"secretName": "fleet-operator-key", "defaultMode": 0o440}},
+            {"name": "public-keys", "configMap": {"name": "fleet-public-keys"}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    job: Doc = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta(ENROLL, ENROLL),
+        "spec": {
+            "backoffLimit": 6,
+            "template": {"metadata": {"labels": labels(ENROLL, ENROLL)}, "spec": pod},
+        },
+    }
+    policy: Doc = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta(ENROLL, ENROLL),
+        "spec": {
+            "podSelector": {"matchLabels": selector(ENROLL)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": [{"to": [peer("registry")], "ports": [tcp(PORT)]}, copy.deepcopy(DNS_EGRESS)],
+        },
+    }
+    return [job, policy]
 
 
 def scaled_object() -> Doc:
@@ -336,7 +345,8 @@ def network_policy(unit: Deployed) -> Doc:
     """What this workload may receive (from its callers) and open (to what it calls)."""
     spec = unit.spec
     ingress: list[Doc] = []
-    sources = [peer(name) for name in callers(spec.id)]
+    enrolls = [ENROLL] if spec.kind == "registry" else []  # the enroll Job calls the registry only
+    sources = [peer(name) for name in sorted([*callers(spec.id), *enrolls])]
     if spec.kind in FRONT_DOORS:
         sources.append(namespace_peer(INGRESS_NAMESPACE))
     if sources:

@@ -33,9 +33,8 @@ IDENTITY_DIR = "/run/fleet/identity"
 KEY_FILE = f"{IDENTITY_DIR}/key.pem"
 OPERATOR_KEY_DIR = "/run/fleet/operator"
 OPERATOR_JWK_DIR = "/run/fleet/operator-jwk"
-ENROLLMENT_DIR = "/run/fleet/enrollment"
-TOKEN_FILE = {"compose": f"{IDENTITY_DIR}/enrollment-token", "k8s": f"{ENROLLMENT_DIR}/token"}
-TOKEN_EVERY_S = 60  # a pod's enroller writes a fresh token this often (each lives 600 s, used once)
+PUBLIC_KEYS_DIR = "/run/fleet/public-keys"  # the enrollment's input: every identity's public JWK
+ENROLL = "enroll"  # the one-shot that enrolls every identity (a Kubernetes Job, a compose service)
 SANDBOX_PYTHON = "/usr/local/bin/python3.11"  # the base image's, under /usr (the sandbox sees only /usr)
 
 # Who calls which MCP server besides mcp-memory (every specialist may remember and recall).
@@ -167,15 +166,28 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
     return env
 
 
-def serve_command(unit: Deployed, platform: Platform) -> list[str]:
-    """The main container's command: ``fleet serve ID``, after reading the enrollment token that
-    was minted for this start into ``FLEET_ENROLLMENT_TOKEN`` (the registry enrolls nobody)."""
-    if unit.spec.kind == "registry":
-        return ["fleet", "serve", unit.service_id]
-    script = (
-        f'export FLEET_ENROLLMENT_TOKEN="$(cat {TOKEN_FILE[platform]})" && exec fleet serve {unit.service_id}'
-    )
-    return ["/bin/sh", "-c", script]
+def serve_command(unit: Deployed) -> list[str]:
+    """The main container's command: ``fleet serve ID``, with no enrollment token: the key was
+    enrolled once by the enrollment one-shot (:func:`enroll_command`), and the service only
+    checks that it was."""
+    return ["fleet", "serve", unit.service_id]
+
+
+def enroll_command() -> list[str]:
+    """The enrollment one-shot's command (both platforms): a fresh one-time token per identity,
+    minted with the operator key, and its public key enrolled with the registry."""
+    return [
+        "python",
+        "-m",
+        "deploy.keygen",
+        "enroll",
+        "--registry",
+        f"http://registry:{PORT}",
+        "--operator-key",
+        f"{OPERATOR_KEY_DIR}/operator.pem",
+        "--public-keys",
+        PUBLIC_KEYS_DIR,
+    ]
 
 
 def resources(unit: Deployed) -> Doc:

@@ -1,20 +1,23 @@
-"""Identities and passwords of a deployed fleet (compose or Kubernetes), and its enrollment tokens.
+"""Identities and passwords of a deployed fleet (compose or Kubernetes), and their enrollment.
 
 ``fleet up`` makes each service's key and mints its one-time enrollment token itself. A deployment
 has no supervisor, so this module does the same from the outside::
 
     python -m deploy.keygen secrets DIR       # keys and passwords, once (kept if present)
-    python -m deploy.keygen token ID --operator-key FILE --out FILE [--every S]
-    python -m deploy.keygen compose-init DIR  # the compose one-shot: secrets, then every token
+    python -m deploy.keygen enroll --registry URL --operator-key FILE --public-keys DIR
+    python -m deploy.keygen token ID --operator-key FILE --out FILE
 
 ``DIR`` holds ``operator/`` (the operator's key: the registry's root of trust, and its public JWK),
-``identities/<id>/key.pem`` (one per deployed identity), ``postgres/`` (the superuser's and each
-database role's password) and ``postgres/dsn-<database>`` (what ``FLEET_PG_DSN`` is in Kubernetes).
-Nothing here is ever committed: ``deploy/k8s/secrets/`` is ignored by git.
+``identities/<id>/key.pem`` (one per deployed identity), ``public/<id>.jwk.json`` (each one's
+public key: what ``enroll`` reads), ``postgres/`` (the superuser's and each database role's
+password) and ``postgres/dsn-<database>`` (what ``FLEET_PG_DSN`` is in Kubernetes). Nothing here is
+ever committed: ``deploy/k8s/secrets/`` is ignored by git.
 
-An enrollment token lives ten minutes and is used once (``registry/_enrollment.py``), and every
-service enrolls again at every start, so a token has to be minted right before each start: in
-Kubernetes by a sidecar of each pod (``token --every``), in compose by the ``keygen`` one-shot.
+``enroll`` runs once per deployment (a Kubernetes Job, a compose one-shot), after the registry is
+up: it mints a one-time token per identity with the operator key and enrolls that identity's
+public key. Services start without a token and only check that their key is enrolled, so the
+operator key stays out of every service's pod. Run it again for a new identity or key; for one
+already enrolled it changes nothing but the enrollment time (and the scopes, if they changed).
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import argparse
 import json
 import os
 import secrets
-import signal
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
 from fleet.keys import SigningKey
@@ -57,6 +60,14 @@ class SecretsDir:
 
     def key(self, service_id: str) -> Path:
         return self.identity(service_id) / "key.pem"
+
+    @property
+    def public(self) -> Path:
+        """The identities' public keys, ``<id>.jwk.json`` each (not secret: what ``enroll`` reads)."""
+        return self.root / "public"
+
+    def public_jwk(self, service_id: str) -> Path:
+        return self.public / f"{service_id}.jwk.json"
 
     def pg_password(self, role: str) -> Path:
         return self.root / "postgres" / f"{role}-password"
@@ -90,14 +101,18 @@ def _keep_or_write(path: Path, text: str, mode: int = 0o600) -> str:
 
 
 def make_secrets(root: Path) -> SecretsDir:
-    """Create what is missing under ``root``: the operator key and JWK, one key per identity, the
-    Postgres passwords and DSNs, the registry's copy of the operator JWK. Existing files are kept."""
+    """Create what is missing under ``root``: the operator key and JWK, one key per identity (and
+    its public JWK), the Postgres passwords and DSNs, the registry's copy of the operator JWK.
+    Existing files are kept."""
     layout = SecretsDir(root)
     operator = SigningKey.load_or_create(layout.operator_key)
     jwk = json.dumps(operator.public_jwk())
     _keep_or_write(layout.operator_jwk, jwk, 0o644)
     for spec in identities():
-        SigningKey.load_or_create(layout.key(spec.id))
+        key = SigningKey.load_or_create(layout.key(spec.id))
+        if spec.kind != "registry":  # the registry does not enroll (it holds the operator's JWK)
+            # Written every time: it follows the key (a key deleted and made again, to rotate it).
+            _write_private(layout.public_jwk(spec.id), json.dumps(key.public_jwk()), 0o644)
     _keep_or_write(layout.identity("registry") / "operator.jwk.json", layout.operator_jwk.read_text(), 0o644)
     # The Postgres image reads its password files as its own user: these few are world-readable
     # in their folder, which only the Postgres container mounts.
@@ -113,9 +128,8 @@ def make_secrets(root: Path) -> SecretsDir:
     return layout
 
 
-def mint(service_id: str, operator_key: Path) -> str:
-    """A one-time enrollment token for ``service_id``, with the kind, scopes and tenants of its
-    entry in the local stack definition (what ``fleet up`` gives it)."""
+def _enrolling(service_id: str, operator_key: Path) -> ServiceSpec:
+    """The local stack's entry of ``service_id``, which the operator key may enroll."""
     if not operator_key.is_file():
         raise SystemExit(f"keygen: no operator key at {operator_key} (python -m deploy.keygen secrets DIR)")
     try:
@@ -124,6 +138,13 @@ def mint(service_id: str, operator_key: Path) -> str:
         raise SystemExit(f"keygen: unknown service {service_id!r}") from None
     if spec.kind == "registry":
         raise SystemExit("keygen: the registry does not enroll (it holds the operator's public key)")
+    return spec
+
+
+def mint(service_id: str, operator_key: Path) -> str:
+    """A one-time enrollment token for ``service_id``, with the kind, scopes and tenants of its
+    entry in the local stack definition (what ``fleet up`` gives it)."""
+    spec = _enrolling(service_id, operator_key)
     return enrollment_token(SigningKey.load_or_create(operator_key), spec)
 
 
@@ -131,20 +152,55 @@ def write_token(service_id: str, operator_key: Path, out: Path) -> None:
     _write_private(out, mint(service_id, operator_key) + "\n")
 
 
-def compose_init(root: Path) -> None:
-    """The compose one-shot: secrets (once), then a fresh token for every identity."""
-    layout = make_secrets(root)
-    for spec in identities():
-        if spec.kind != "registry":
-            write_token(spec.id, layout.operator_key, layout.identity(spec.id) / "enrollment-token")
+class _Refused(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"{status}: {text}")
+        self.status = status
 
 
-def _token_loop(service_id: str, operator_key: Path, out: Path, every_s: float) -> None:
-    """Keep a fresh token at ``out`` (a pod's sidecar: the service reads it at each start)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+def _enroll_once(
+    http: httpx.Client, registry_url: str, service_id: str, jwk: object, operator_key: Path
+) -> str:
+    """Enroll ``jwk`` as ``service_id``'s key with a fresh one-time token; the key ids enrolled."""
+    body = {"id": service_id, "public_jwk": jwk, "enrollment_token": mint(service_id, operator_key)}
+    response = http.post(registry_url.rstrip("/") + "/v1/enroll", json=body)
+    if response.status_code != 201:
+        raise _Refused(response.status_code, response.text[:300])
+    return ", ".join(str(kid) for kid in response.json()["kids"])
+
+
+def _enroll_patiently(
+    http: httpx.Client, registry_url: str, service_id: str, jwk: object, operator_key: Path, deadline: float
+) -> str:
+    """:func:`_enroll_once`, asked again while the registry is not up or its store fails over (a
+    new token each time: a refused one may or may not have been used)."""
     while True:
-        write_token(service_id, operator_key, out)
-        time.sleep(every_s)
+        try:
+            return _enroll_once(http, registry_url, service_id, jwk, operator_key)
+        except (httpx.TransportError, _Refused) as exc:
+            if isinstance(exc, _Refused) and exc.status < 500:
+                raise SystemExit(f"keygen: the registry refused to enroll {service_id}: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"keygen: the registry at {registry_url} did not answer: {exc}") from exc
+            time.sleep(2.0)  # a command line waiting for the registry to come up
+
+
+def enroll(registry_url: str, operator_key: Path, public_keys: Path, wait_s: float = 300.0) -> list[str]:
+    """Enroll every identity whose public key is in ``public_keys`` (``<id>.jwk.json``), with the
+    kind, scopes and tenants of its entry in the local stack; the ids enrolled. Idempotent: an
+    identity enrolled again with the same key keeps it. The registry is waited for up to ``wait_s``."""
+    files = sorted(public_keys.glob("*.jwk.json"))
+    if not files:
+        raise SystemExit(f"keygen: no public keys (<id>.jwk.json) in {public_keys}")
+    jwks = {path.name.removesuffix(".jwk.json"): json.loads(path.read_text()) for path in files}
+    for service_id in jwks:
+        _enrolling(service_id, operator_key)  # an unknown id or a missing operator key: before any call
+    deadline = time.monotonic() + wait_s
+    with httpx.Client(timeout=10.0) as http:
+        for service_id, jwk in jwks.items():
+            kids = _enroll_patiently(http, registry_url, service_id, jwk, operator_key, deadline)
+            print(f"keygen: enrolled {service_id} ({kids})", flush=True)
+    return list(jwks)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -157,9 +213,11 @@ def parser() -> argparse.ArgumentParser:
     token.add_argument("service_id")
     token.add_argument("--operator-key", type=Path, required=True)
     token.add_argument("--out", type=Path, required=True)
-    token.add_argument("--every", type=float, default=0.0, help="write a fresh one every S seconds")
-    init = sub.add_parser("compose-init", help="secrets, then a token for every service (compose)")
-    init.add_argument("dir", type=Path)
+    enrolls = sub.add_parser("enroll", help="enroll every identity whose public key is in a folder")
+    enrolls.add_argument("--registry", required=True, help="the registry's base URL")
+    enrolls.add_argument("--operator-key", type=Path, required=True)
+    enrolls.add_argument("--public-keys", type=Path, required=True, help="a folder of <id>.jwk.json")
+    enrolls.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the registry")
     return top
 
 
@@ -168,11 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "secrets":
         layout = make_secrets(args.dir)
         print(f"keygen: secrets in {layout.root}")
-    elif args.command == "compose-init":
-        compose_init(args.dir)
-        print(f"keygen: secrets and enrollment tokens in {args.dir}")
-    elif args.every > 0:
-        _token_loop(args.service_id, args.operator_key, args.out, args.every)
+    elif args.command == "enroll":
+        enrolled = enroll(args.registry, args.operator_key, args.public_keys, args.wait)
+        print(f"keygen: {len(enrolled)} identities enrolled at {args.registry}")
     else:
         write_token(args.service_id, args.operator_key, args.out)
     return 0

@@ -22,7 +22,7 @@ from typing import Any
 import yaml  # a dev dependency: rendering is done in a checkout, never in the image
 
 from deploy._compose import compose
-from deploy._k8s import fleet_docs, scaled_object
+from deploy._k8s import enroll_docs, fleet_docs, scaled_object
 from deploy._k8s_infra import cluster_docs, nats_docs, postgres_docs, qdrant_docs
 from deploy._topology import DEPLOY, K8S, NAMESPACE, PART_OF, Doc, deployed
 
@@ -37,6 +37,7 @@ def k8s_files() -> dict[str, list[Doc]]:
         "nats.yaml": nats_docs(),
         "postgres.yaml": postgres_docs(),
         "qdrant.yaml": qdrant_docs(),
+        "enroll.yaml": enroll_docs(),
     }
     for unit in deployed("k8s"):
         files[f"{unit.name}.yaml"] = fleet_docs(unit)
@@ -54,6 +55,7 @@ def kustomization(files: Sequence[str]) -> Doc:
         for unit in deployed("k8s")
     ]
     generators += [
+        # Only the enroll Job mounts it (deploy/_k8s.py enroll_docs).
         {"name": "fleet-operator-key", "files": [f"operator.pem={secret_files}/operator/operator.pem"]},
         {
             "name": "fleet-postgres",
@@ -77,6 +79,15 @@ def kustomization(files: Sequence[str]) -> Doc:
             {
                 "name": "fleet-operator-jwk",
                 "files": [f"operator.jwk.json={secret_files}/operator/operator.jwk.json"],
+            },
+            {
+                # What the enroll Job enrolls: every identity's public key (the registry enrolls nobody).
+                "name": "fleet-public-keys",
+                "files": [
+                    f"{unit.service_id}.jwk.json={secret_files}/public/{unit.service_id}.jwk.json"
+                    for unit in deployed("k8s")
+                    if unit.spec.kind != "registry"
+                ],
             },
             {"name": "postgres-init", "files": ["init.sh=postgres/init.sh"]},
         ],

@@ -127,6 +127,13 @@ class RegistryClient:
             self._nats = None
 
     async def enroll(self) -> None:
+        """Enroll this identity's key with the one-time enrollment token of the settings. Without
+        one the key must be enrolled already (a deployment enrolls every identity once, with
+        ``python -m deploy.keygen enroll``): :meth:`check_enrolled` makes a start fail at once
+        if it is not."""
+        if not self._settings.enrollment_token:
+            await self.check_enrolled()
+            return
         response = await self._http.post(
             self._url + "/v1/enroll",
             json={
@@ -136,6 +143,23 @@ class RegistryClient:
             },
         )
         _raise_for(response, "enrollment refused")
+
+    async def check_enrolled(self) -> None:
+        """Prove that the registry knows this identity with the key it holds: get a token with it.
+        An unknown (or retired, or revoked) key is :attr:`ErrorCode.UNAUTHENTICATED`, which a
+        start-up does not retry."""
+        try:
+            await self.tokens.token("registry", "default", ["registry:read"])
+        except FleetError as exc:
+            if exc.code != ErrorCode.FORBIDDEN or "invalid_client" not in exc.message:
+                raise
+            service_id = self._settings.service_id
+            raise FleetError(
+                ErrorCode.UNAUTHENTICATED,
+                f"identity {service_id} is not enrolled with this key (kid {self.key.kid}; {exc.message}):"
+                f" enroll it (python -m deploy.keygen enroll --registry {self._url} ...), or start it"
+                " with FLEET_ENROLLMENT_TOKEN",
+            ) from exc
 
     async def rotate_key(self, new: SigningKey) -> None:
         """Make ``new`` this identity's key: the registry checks a proof signed by the current key;
@@ -189,7 +213,8 @@ class RegistryClient:
         return f"{self._url}/v1/agents/{self._settings.service_id}/jwks.json"
 
     async def join_as_agent(self, base_url: str) -> AgentRecord:
-        """Enroll this identity's key, then register the agent card served at ``base_url``."""
+        """Enroll this identity's key (or check it is enrolled), then register the agent card
+        served at ``base_url``."""
         await _retry("revocations", self.follow_revocations)
         await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_agent(base_url))

@@ -4,7 +4,6 @@ containers in both, and a small evaluator of NetworkPolicy semantics (pod select
 from __future__ import annotations
 
 import functools
-import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose.yaml"
-WRAPPER_PREFIX = 'export FLEET_ENROLLMENT_TOKEN="$(cat '
-WRAPPER_EXEC = ')" && exec '
+ONE_SHOTS = frozenset({"keygen", "enroll"})  # the fleet image's containers that serve nothing
 
 Doc = dict[str, Any]
 
@@ -62,17 +60,6 @@ class Container:
         return {name for name in self.env if name.startswith("FLEET_")}
 
 
-def served_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
-    """The ``fleet ...`` argv a container runs, and whether its enrollment-token wrapper set
-    ``FLEET_ENROLLMENT_TOKEN`` first. Anything else is returned unchanged."""
-    if len(argv) == 3 and argv[:2] == ("/bin/sh", "-c"):
-        script = argv[2]
-        if not script.startswith(WRAPPER_PREFIX) or WRAPPER_EXEC not in script:
-            raise AssertionError(f"a shell command that is not the enrollment wrapper: {script!r}")
-        return tuple(shlex.split(script.split(WRAPPER_EXEC, 1)[1])), True
-    return argv, False
-
-
 def _k8s_env(container: Doc) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in container.get("env", []):
@@ -85,9 +72,9 @@ def _k8s_env(container: Doc) -> dict[str, str]:
 
 
 def pod_specs() -> Iterator[tuple[str, Doc, Doc]]:
-    """(workload name, pod template metadata, pod spec) of every Deployment and StatefulSet."""
+    """(workload name, pod template metadata, pod spec) of every Deployment, StatefulSet and Job."""
     for _, doc in k8s_docs():
-        if doc["kind"] in ("Deployment", "StatefulSet"):
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
             template = doc["spec"]["template"]
             yield doc["metadata"]["name"], template["metadata"], template["spec"]
 

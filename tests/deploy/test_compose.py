@@ -72,6 +72,19 @@ def test_the_services_start_in_the_tiers_of_fleet_up() -> None:
         if service.get("image") == FLEET_IMAGE and name != "keygen":
             assert service["depends_on"]["keygen"] == {"condition": "service_completed_successfully"}, name
             assert service["read_only"] is True, name
+        if service.get("image") == FLEET_IMAGE and name not in ("keygen", "enroll", "registry"):
+            assert service["depends_on"]["enroll"] == {"condition": "service_completed_successfully"}, name
+    assert services["enroll"]["depends_on"]["registry"] == {"condition": "service_healthy"}
+
+
+def test_only_the_keygen_and_enroll_one_shots_see_the_operator_key() -> None:
+    seeing = set()
+    for name, service in compose()["services"].items():
+        for mount in service.get("volumes", []):
+            subpath = mount.get("volume", {}).get("subpath", "")  # "": the whole volume
+            if mount.get("source") == "fleet-secrets" and subpath in ("", "operator"):
+                seeing.add(name)
+    assert seeing == {"keygen", "enroll"}
 
 
 def test_opa_starts_empty_because_each_engine_pushes_its_own_bundle() -> None:

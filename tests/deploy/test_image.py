@@ -116,9 +116,29 @@ def test_keygen_refuses_the_registry_an_unknown_service_and_a_missing_operator_k
             keygen.mint(service_id, key)
 
 
-def test_compose_init_leaves_a_fresh_token_beside_every_enrolling_identity(tmp_path: Path) -> None:
-    keygen.compose_init(tmp_path)
-    layout = keygen.SecretsDir(tmp_path)
+def test_keygen_writes_the_public_key_of_every_enrolling_identity_and_follows_a_new_key(
+    tmp_path: Path,
+) -> None:
+    layout = keygen.make_secrets(tmp_path)
     for spec in SERVICES:
-        token = layout.identity(spec.id) / "enrollment-token"
-        assert token.exists() == (spec.kind != "registry"), spec.id
+        public = layout.public_jwk(spec.id)
+        assert public.exists() == (spec.kind != "registry"), spec.id
+        if public.exists():
+            key = SigningKey.load_or_create(layout.key(spec.id))
+            assert json.loads(public.read_text()) == key.public_jwk()
+            assert "d" not in json.loads(public.read_text()), "no private member"
+    layout.key("stats").unlink()  # rotating: a new key, and its public JWK with it
+    again = keygen.make_secrets(tmp_path)
+    assert (
+        json.loads(again.public_jwk("stats").read_text())["kid"]
+        == SigningKey.load_or_create(again.key("stats")).kid
+    )
+
+
+def test_keygen_enroll_refuses_an_unknown_identity_before_calling_the_registry(tmp_path: Path) -> None:
+    layout = keygen.make_secrets(tmp_path)
+    (layout.public / "nobody.jwk.json").write_text(layout.public_jwk("stats").read_text())
+    with pytest.raises(SystemExit, match="unknown service 'nobody'"):
+        keygen.enroll("http://127.0.0.1:9", layout.operator_key, layout.public, wait_s=0)
+    with pytest.raises(SystemExit, match="no public keys"):
+        keygen.enroll("http://127.0.0.1:9", layout.operator_key, tmp_path / "empty", wait_s=0)

@@ -16,7 +16,7 @@ import yaml
 
 from coordinator import work
 from deploy import keygen, render
-from tests.deploy._files import K8S, Doc, k8s_containers, k8s_docs, kustomization, pod_specs
+from tests.deploy._files import K8S, ONE_SHOTS, Doc, k8s_containers, k8s_docs, kustomization, pod_specs
 
 # The Kubernetes version the manifests are checked against: one kubernetes-validate ships, old
 # enough for managed clusters of today, new enough for native sidecars (restartPolicy: Always
@@ -162,7 +162,7 @@ def test_every_container_has_requests_limits_and_a_hardened_security_context() -
 
 
 def test_every_service_container_is_probed_on_healthz() -> None:
-    for container in (c for c in k8s_containers() if not c.sidecar):
+    for container in (c for c in k8s_containers() if not c.sidecar and c.workload not in ONE_SHOTS):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             http = container.doc[probe]["httpGet"]
             assert http["path"] == "/healthz" and http["port"] == "http", (container.workload, probe)
@@ -174,7 +174,7 @@ def _sidecars(spec: Doc) -> dict[str, Any]:
 
 
 def test_services_that_decide_have_an_opa_sidecar_on_loopback_and_others_none() -> None:
-    for container in (c for c in k8s_containers() if not c.sidecar):
+    for container in (c for c in k8s_containers() if not c.sidecar and c.workload not in ONE_SHOTS):
         spec = next(s for name, _, s in pod_specs() if name == container.workload)
         sidecars = _sidecars(spec)
         if container.env.get("FLEET_POLICY_ENGINE") == "opa":
@@ -186,11 +186,27 @@ def test_services_that_decide_have_an_opa_sidecar_on_loopback_and_others_none() 
             assert "opa" not in sidecars, container.workload
 
 
-def test_only_enrollers_mount_the_operator_key() -> None:
+def test_no_pod_but_the_enroll_job_mounts_the_operator_key_secret() -> None:
+    holders = set()
     for name, _, spec in pod_specs():
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+        operator = {volume for volume, secret in secrets.items() if secret == "fleet-operator-key"}
+        if operator:
+            holders.add(name)
         for container in _containers(spec):
-            mounts = {m["name"] for m in container.get("volumeMounts", [])}
-            assert ("operator-key" in mounts) == (container["name"] == "enroller"), (name, container["name"])
+            mounted = {m["name"] for m in container.get("volumeMounts", [])}
+            assert not operator & mounted or name == "enroll", (name, container["name"])
+    assert holders == {"enroll"}
+    assert _one("Job", "enroll")["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+
+
+def test_the_registry_gets_only_the_operators_public_jwk() -> None:
+    (spec,) = [s for name, _, s in pod_specs() if name == "registry"]
+    config_maps = {v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v}
+    secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    assert config_maps == {"fleet-operator-jwk"} and secrets == {"fleet-key-registry"}
+    (generator,) = [g for g in kustomization()["configMapGenerator"] if g["name"] == "fleet-operator-jwk"]
+    assert generator["files"] == ["operator.jwk.json=secrets/operator/operator.jwk.json"]
 
 
 def test_specialists_keep_their_journal_on_a_volume_of_their_own() -> None:

@@ -20,7 +20,7 @@ DATABASE_OWNERS = {
     *(s.id for s in SERVICES if s.kind == "mcp_server" and s.database),
 }
 FLEET = [p.workload for p in pods() if p.labels["app.kubernetes.io/part-of"] == "agent-fleet"]
-FLEET_WORKLOADS = [w for w in FLEET if w not in ("nats", "postgres", "qdrant")]
+FLEET_WORKLOADS = [w for w in FLEET if w not in ("nats", "postgres", "qdrant", "enroll")]
 
 NEEDED: list[tuple[str, str, int]] = [
     *((w, "nats", 4222) for w in FLEET_WORKLOADS),
@@ -33,6 +33,7 @@ NEEDED: list[tuple[str, str, int]] = [
     ("console", "coordinator", 8080),
     ("mcp-memory", "qdrant", 6333),
     ("nats-peer", "nats", 6222),  # the cluster's routes
+    ("enroll", "registry", 8080),  # the enroll Job
 ]
 
 
@@ -72,6 +73,19 @@ def test_from_outside_only_the_front_doors_are_reachable_and_keda_reads_nats_mon
     assert reach == {"registry", "coordinator", "console"}
     assert allowed(POLICIES, outside_pod("keda"), pod("nats"), 8222)
     assert not allowed(POLICIES, outside_pod("keda"), pod("nats"), 4222)
+
+
+def test_the_enroll_job_reaches_only_the_registry_and_nothing_reaches_it() -> None:
+    job = pod("enroll")
+    targets = {
+        (p.workload, port)
+        for p in pods()
+        for port in (4222, 5432, 6333, 8080)
+        if allowed(POLICIES, job, p, port)
+    }
+    assert targets == {("registry", 8080)}
+    assert not any(allowed(POLICIES, p, job, port) for p in pods() for port in (8080, 8181))
+    assert not allowed(POLICIES, outside_pod("ingress-nginx"), job, 8080)
 
 
 def test_everything_is_denied_by_default() -> None:

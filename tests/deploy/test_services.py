@@ -17,25 +17,28 @@ from deploy.local_stack import SERVICES, ServiceSpec, service
 from fleet.cli import _parser as fleet_parser
 from fleet.settings import ServiceSettings
 from tests.deploy._files import (
-    WRAPPER_EXEC,
-    WRAPPER_PREFIX,
+    ONE_SHOTS,
     Container,
     compose_containers,
     k8s_containers,
-    served_argv,
+    kustomization,
+    pod_specs,
 )
 
 ALL = [*compose_containers(), *k8s_containers()]
-MAIN = [c for c in ALL if not c.sidecar and c.workload != "keygen"]
+MAIN = [c for c in ALL if not c.sidecar and c.workload not in ONE_SHOTS]
+SHELLS = ("sh", "bash", "dash", "ash")
 
 
-def _served(container: Container) -> tuple[str, bool]:
-    """The service id a main container serves, and whether it reads an enrollment token first."""
-    argv, wrapped = served_argv(container.argv)
+def _served(container: Container) -> str:
+    """The service id a main container serves: its command is ``fleet serve ID`` itself, with no
+    shell around it (nothing is read or set before the service starts)."""
+    argv = container.argv
+    assert Path(argv[0]).name not in SHELLS, f"{container.workload}: a shell wrapper: {argv}"
     assert argv[0] == "fleet", f"{container.workload}: the service must be started by the fleet CLI: {argv}"
     args = fleet_parser().parse_args(list(argv[1:]))
     assert args.command == "serve", f"{container.workload}: runs {argv}, not fleet serve"
-    return str(args.service_id), wrapped
+    return str(args.service_id)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -86,17 +89,18 @@ def needed(spec: ServiceSpec, env: dict[str, str]) -> set[str]:
 
 
 @pytest.mark.parametrize("container", MAIN, ids=lambda c: f"{c.platform}-{c.workload}")
-def test_every_service_container_runs_fleet_serve_of_a_known_service(container: Container) -> None:
-    service_id, wrapped = _served(container)
-    spec = service(service_id)  # KeyError: not a service of the stack
-    assert wrapped == (spec.kind != "registry"), "every service but the registry enrolls with a fresh token"
+def test_every_service_container_runs_fleet_serve_of_a_known_service_without_a_token(
+    container: Container,
+) -> None:
+    service(_served(container))  # KeyError: not a service of the stack
+    assert "FLEET_ENROLLMENT_TOKEN" not in container.env, "services are enrolled by the enroll one-shot"
 
 
 def test_a_command_that_is_not_fleet_serve_is_refused() -> None:
     with pytest.raises(AssertionError):
         _served(Container("k8s", "x", "x", ("fleet", "status"), {}))
     with pytest.raises(AssertionError):
-        _served(Container("k8s", "x", "x", ("/bin/sh", "-c", "fleet serve registry; rm -rf /"), {}))
+        _served(Container("k8s", "x", "x", ("/bin/sh", "-c", "exec fleet serve registry"), {}))
     with pytest.raises(SystemExit):
         fleet_parser().parse_args(["serve"])  # no service id: argparse refuses it
 
@@ -104,7 +108,7 @@ def test_a_command_that_is_not_fleet_serve_is_refused() -> None:
 def test_every_service_of_the_stack_is_deployed_by_compose_and_by_kubernetes() -> None:
     by_platform: dict[str, set[str]] = {"compose": set(), "k8s": set()}
     for container in MAIN:
-        by_platform[container.platform].add(_served(container)[0])
+        by_platform[container.platform].add(_served(container))
     assert by_platform["compose"] == {spec.id for spec in SERVICES}
     # Kubernetes runs the workers as one autoscaled Deployment whose pods are all worker-1.
     expected_k8s = {spec.id for spec in SERVICES if spec.kind != "worker"} | {keygen.WORKER_ID}
@@ -114,7 +118,7 @@ def test_every_service_of_the_stack_is_deployed_by_compose_and_by_kubernetes() -
 
 @pytest.mark.parametrize("container", MAIN, ids=lambda c: f"{c.platform}-{c.workload}")
 def test_every_fleet_variable_is_a_setting_of_the_service(container: Container) -> None:
-    spec = service(_served(container)[0])
+    spec = service(_served(container))
     unknown = container.fleet_vars - env_names(settings_class(spec))
     assert unknown == set(), (
         f"{container.workload} sets {sorted(unknown)}, which {settings_class(spec)} lacks"
@@ -130,22 +134,19 @@ def test_a_misspelt_setting_is_caught() -> None:
 
 @pytest.mark.parametrize("container", MAIN, ids=lambda c: f"{c.platform}-{c.workload}")
 def test_every_service_gets_what_it_needs(container: Container) -> None:
-    service_id, wrapped = _served(container)
-    spec = service(service_id)
-    provided = container.fleet_vars | ({"FLEET_ENROLLMENT_TOKEN"} if wrapped else set())
-    missing = needed(spec, container.env) - provided
+    spec = service(_served(container))
+    missing = needed(spec, container.env) - container.fleet_vars
     assert missing == set(), f"{container.workload} lacks {sorted(missing)}"
     assert container.env["FLEET_HOST"] == "0.0.0.0", "a container must listen beyond its loopback"
 
 
 @pytest.mark.parametrize("container", MAIN, ids=lambda c: f"{c.platform}-{c.workload}")
 def test_the_settings_parse(container: Container, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = service(_served(container)[0])
+    spec = service(_served(container))
     for name in [n for n in os.environ if n.startswith("FLEET_")]:
         monkeypatch.delenv(name)
     for name, value in container.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("FLEET_ENROLLMENT_TOKEN", "token")
     settings = settings_class(spec).from_env(spec.id)  # a wrong type or choice raises here
     assert settings.port == 8080
 
@@ -153,7 +154,7 @@ def test_the_settings_parse(container: Container, monkeypatch: pytest.MonkeyPatc
 def test_compose_and_kubernetes_give_each_service_the_same_fleet_variables() -> None:
     names: dict[tuple[str, str], set[str]] = {}
     for container in MAIN:
-        names[(container.platform, _served(container)[0])] = container.fleet_vars
+        names[(container.platform, _served(container))] = container.fleet_vars
     for spec in SERVICES:
         k8s_id = keygen.WORKER_ID if spec.kind == "worker" else spec.id
         compose_vars, k8s_vars = names[("compose", spec.id)], names[("k8s", k8s_id)]
@@ -177,34 +178,66 @@ def test_kubernetes_env_references_only_variables_defined_before() -> None:
             defined.add(item["name"])
 
 
-def _token_file(container: Container) -> str:
-    script = container.argv[-1]
-    return script.removeprefix(WRAPPER_PREFIX).split(WRAPPER_EXEC, 1)[0]
+def _one_shot(platform: str, name: str) -> tuple[Container, argparse.Namespace]:
+    (container,) = [c for c in ALL if c.platform == platform and c.workload == name]
+    assert container.argv[:3] == ("python", "-m", "deploy.keygen"), container.argv
+    return container, _parse(keygen.parser(), list(container.argv[3:]))
 
 
-def test_every_kubernetes_enroller_mints_for_its_pods_service_into_the_file_it_reads() -> None:
-    mains = {c.workload: c for c in MAIN if c.platform == "k8s"}
-    enrollers = [c for c in ALL if c.platform == "k8s" and c.sidecar]
-    assert {c.workload for c in enrollers} == {w for w, c in mains.items() if _served(c)[1]}
-    for enroller in enrollers:
-        args = _parse(keygen.parser(), list(enroller.argv[3:]))
-        assert enroller.argv[:3] == ("python", "-m", "deploy.keygen")
-        main = mains[enroller.workload]
-        assert args.command == "token" and args.service_id == _served(main)[0]
-        assert str(args.out) == _token_file(main)
-        assert 0 < args.every < 600, "a fresh token well within the 10 minutes one lives"
-        assert "service" not in str(args.operator_key)
+def _mounts(container: Container) -> dict[str, str]:
+    """Where each volume is mounted in ``container`` (by volume name in Kubernetes, by the
+    secrets volume's subpath in compose)."""
+    if container.platform == "k8s":
+        return {m["name"]: m["mountPath"] for m in container.doc["volumeMounts"]}
+    return {
+        m.get("volume", {}).get("subpath", m["source"]): m["target"]
+        for m in container.doc["volumes"]
+        if m["type"] == "volume"
+    }
 
 
-def test_the_compose_keygen_writes_every_token_the_services_read() -> None:
-    (init,) = [c for c in ALL if c.platform == "compose" and c.workload == "keygen"]
-    args = _parse(keygen.parser(), list(init.argv[3:]))
-    assert args.command == "compose-init"
-    for container in (c for c in MAIN if c.platform == "compose"):
-        service_id, wrapped = _served(container)
-        if wrapped:
-            assert _token_file(container) == "/run/fleet/identity/enrollment-token"
-            (mount,) = [v for v in container.doc["volumes"] if v["target"] == "/run/fleet/identity"]
-            assert mount["read_only"] is True
-            assert mount["volume"]["subpath"] == f"identities/{service_id}"  # its own key, no one else's
+@pytest.mark.parametrize(
+    ("platform", "operator", "public"),
+    [("k8s", "operator-key", "public-keys"), ("compose", "operator", "public")],
+)
+def test_the_enroll_one_shot_enrolls_the_public_keys_it_mounts_at_the_registry(
+    platform: str, operator: str, public: str
+) -> None:
+    container, args = _one_shot(platform, "enroll")
+    assert args.command == "enroll"
+    assert args.registry == "http://registry:8080"
+    mounts = _mounts(container)
+    assert str(args.operator_key.parent) == mounts[operator]
+    assert str(args.public_keys) == mounts[public]
+
+
+def test_the_enroll_job_gets_the_public_key_of_every_identity_kubernetes_runs_and_no_private_one() -> None:
+    (generator,) = [g for g in kustomization()["configMapGenerator"] if g["name"] == "fleet-public-keys"]
+    names = {entry.split("=", 1)[0] for entry in generator["files"]}
+    enrolling = {_served(c) for c in MAIN if c.platform == "k8s"} - {"registry"}
+    assert names == {f"{service_id}.jwk.json" for service_id in enrolling}
+    (job,) = [spec for name, _, spec in pod_specs() if name == "enroll"]
+    secrets = {v["secret"]["secretName"] for v in job["volumes"] if "secret" in v}
+    assert secrets == {"fleet-operator-key"}, "no service's private key"
+
+
+def test_the_enroll_one_shot_reads_the_keys_keygen_writes(tmp_path: Path) -> None:
+    layout = keygen.make_secrets(tmp_path)
+    written = {p.name.removesuffix(".jwk.json") for p in layout.public.glob("*.jwk.json")}
+    assert written == {s.id for s in SERVICES if s.kind != "registry"}
+    container, args = _one_shot("compose", "enroll")
+    mounts = _mounts(container)  # the secrets volume's subpath: where it is mounted
+    assert mounts[str(layout.public.relative_to(tmp_path))] == str(args.public_keys)
+    assert mounts[str(layout.operator_key.parent.relative_to(tmp_path))] == str(args.operator_key.parent)
+    assert args.operator_key.name == layout.operator_key.name
+
+
+def test_the_compose_keygen_writes_the_secrets_each_service_mounts_its_own_folder_of() -> None:
+    _, args = _one_shot("compose", "keygen")
+    assert args.command == "secrets"
     assert Path(str(args.dir)).is_absolute()
+    for container in (c for c in MAIN if c.platform == "compose"):
+        service_id = _served(container)
+        (mount,) = [v for v in container.doc["volumes"] if v["target"] == "/run/fleet/identity"]
+        assert mount["read_only"] is True
+        assert mount["volume"]["subpath"] == f"identities/{service_id}"  # its own key, no one else's
