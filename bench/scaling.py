@@ -305,10 +305,38 @@ def _ceiling_text(result: Mapping[str, Any]) -> str:
             else f"The rate measured is below {CPU_BOUND_SHARE:.0%} of the CPU bound: the cores are not "
             "all it takes (see the bound by runs in flight in the table). "
         )
-        + "Below the ceiling, runs/s follows the bound by runs in flight (each worker holds "
-        f"{result['concurrency_per_worker']} runs, each lasting about one run alone), which is why the "
-        "worker count is the limit there. More cores, or workers on other machines with the rest "
-        "of the stack kept off their cores, raise the CPU bound: cores / CPU per run.\n"
+        + "Where the bound by runs in flight is the lower one (the table's last column; each worker "
+        f"holds {result['concurrency_per_worker']} runs, each lasting about one run alone), runs/s follows "
+        "it: there the worker count is the limit. More cores, or workers on other machines with the rest "
+        "of the stack kept off their cores, raise the CPU bound: cores / CPU per run. "
+    )
+
+
+def _confound_text(result: Mapping[str, Any]) -> str:
+    """What the other work on the machine did to the ratio, when it bound the baseline point."""
+    base, target = _at(result, BASELINE_WORKERS), _at(result, TARGET_WORKERS)
+    if _bound(base) != "CPU":
+        return ""
+    return (
+        f"Read the ratio with care: at {BASELINE_WORKERS} workers the CPU that other work left bound the "
+        f"rate before the workers did ({base['cpu_bound_left_per_s']}/s against "
+        f"{base['in_flight_bound_per_s']}/s by runs in flight), and other work took {base['others_cores']} "
+        f"cores there against {target['others_cores']} at {TARGET_WORKERS}: part of the rise is that "
+        "share moving.\n\n"
+    )
+
+
+def _idle_text(result: Mapping[str, Any]) -> str:
+    """Where the ceiling would be on the same machine with nothing else on it."""
+    points = result["points"]
+    bound = statistics.median(float(p["cpu_bound_per_s"]) for p in points)
+    one_run = statistics.median(float(p["one_run_s"]) for p in points)
+    needed = bound * one_run / result["concurrency_per_worker"]
+    return (
+        f"With the two cores to itself, the stack's ceiling is the bound by CPU, about {bound:.1f} runs/s "
+        f"(median over the points); with {result['concurrency_per_worker']} runs per worker and a run "
+        f"lasting about {one_run:.2f} s, it takes {needed:.1f} worker processes to reach it, and more "
+        "add nothing.\n"
     )
 
 
@@ -351,7 +379,9 @@ def section(result: Mapping[str, Any]) -> str:
         f"{rows}\n"
         f"Target: runs/s at {TARGET_WORKERS} worker processes above {BASELINE_WORKERS}: "
         f"**{result['ratio_4_vs_2']}x** ({'met' if result['target_met'] else 'missed'}).\n\n"
+        + _confound_text(result)
         + _ceiling_text(result)
+        + _idle_text(result)
         + _cluster_text(result)
     )
 
