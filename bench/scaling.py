@@ -92,7 +92,7 @@ def _role(process: str) -> str:
         return "nats"
     if process in ("coordinator", "postgres"):
         return process
-    if process.startswith("mcp-") or process in ("sql-analyst", "statistician"):
+    if process.startswith("mcp-") or process in ("sql-analyst", "stats"):
         return "specialists and MCP servers"
     return "the rest"
 

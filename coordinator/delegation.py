@@ -270,6 +270,12 @@ class Delegator:
         except A2AError as exc:
             raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} refused the step: {exc}") from exc
 
+    async def prepare(self, agent: AgentRecord, tenant: str, run_id: str) -> None:
+        """Get (and cache) the token a call to ``agent`` for the run will carry, before the call is
+        recorded: a control plane that cannot issue it then fails the call before anything exists
+        that a later attempt would have to reconcile."""
+        await self._agent_token(agent, tenant, run_id)
+
     async def run_grant(self, caller: Claims, run_id: str) -> str:
         """The grant of the run ``caller`` starts: its token exchanged at the registry."""
         return await self._registry.tokens.exchange(

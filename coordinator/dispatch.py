@@ -188,6 +188,7 @@ class StepDispatcher:
         op, self._known = self._known, None  # read once: after a wait for a person, read it again
         if op is None:
             agent = prefer or await self._delegator.assign(self._skill)
+            await self._delegator.prepare(agent, self._tenant, self._lease.run_id)
             crash_point("worker.before_intent", self._skill)
             try:
                 op, created = await self._ledger.record_intent(
@@ -237,6 +238,8 @@ class StepDispatcher:
         """The agent that got a settled operation: only named, never called again."""
         try:
             return await self._delegator.agent(op.target)
+        except DependencyUnavailable:
+            raise  # the registry is away, not the agent: a replay later finds it again
         except FleetError:
             return _departed(op.target)
 

@@ -73,6 +73,16 @@ T = TypeVar("T")
 # operation or a gap.
 RELAXED_EVENTS = frozenset({"step.progress", "step.started", "step.completed"})
 FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the next
+# A run whose work message comes back this often and still finds the control plane unavailable
+# fails (with the lease's delay between deliveries: about ten minutes at the default 15 s lease).
+MAX_UNAVAILABLE_DELIVERIES = 40
+
+
+def _deliveries(message: Msg) -> int:
+    try:
+        return int(message.metadata.num_delivered or 1)
+    except (AttributeError, ValueError, TypeError):  # not a JetStream message
+        return 1
 
 
 class WorkerSettings(ServiceSettings):
@@ -262,6 +272,15 @@ class RunWorker:
         except StaleLease:
             log.warning("lost the lease on run %s; leaving it to its new owner", run_id)
             return
+        except DependencyUnavailable as exc:
+            # The control plane has not answered for this run's last deliveries: not a failover
+            # any more but an outage or a misconfiguration, which a person must see (the run ends
+            # in the Errors lane with the reason) rather than a run retried forever.
+            if _deliveries(message) < MAX_UNAVAILABLE_DELIVERIES:
+                raise
+            await self._store.transition(
+                lease, RunState.FAILED, self._id, {"text": f"[{exc.code}] {exc.message}"}, reason=exc.code
+            )
         finally:
             await self._store.release_lease(lease)
         await self.prune(run_id)

@@ -656,14 +656,18 @@ class TokenClient:
         key: SigningKey,
         http: httpx.AsyncClient,
         failover_patience_s: float = FAILOVER_PATIENCE_S,
+        control_plane: bool = True,
     ) -> None:
         """``failover_patience_s``: how long a request keeps asking while the token service cannot
-        answer (it or its store failing over); 0 for a person's command, which should say so now."""
+        answer (it or its store failing over); 0 for a person's command, which should say so now.
+        ``control_plane``: the endpoint is the fleet's own token service. One outside the fleet (an
+        outside agent's) is never waited for: it failing is that agent being unavailable."""
         self._token_url = token_url
         self._client_id = client_id
         self._key = key
         self._http = http
-        self._patience_s = failover_patience_s
+        self._patience_s = failover_patience_s if control_plane else 0.0
+        self._control_plane = control_plane
         self._cache: dict[tuple[str, str, str], _Cached] = {}
 
     def use_key(self, key: SigningKey) -> None:
@@ -715,11 +719,20 @@ class TokenClient:
         try:
             response = await self._http.post(self._token_url, data=form, timeout=10.0)
         except httpx.TransportError as exc:
+            if not self._control_plane:
+                raise FleetError(
+                    ErrorCode.SPECIALIST_UNAVAILABLE,
+                    f"cannot reach the token endpoint {self._token_url}: {type(exc).__name__}",
+                    retryable=True,
+                ) from exc
             raise DependencyUnavailable(
                 f"cannot reach the registry's token endpoint: {type(exc).__name__}"
             ) from exc
         if response.status_code != 200:
-            raise _token_error(response)
+            error = _token_error(response)
+            if isinstance(error, DependencyUnavailable) and not self._control_plane:
+                raise FleetError(ErrorCode.SPECIALIST_UNAVAILABLE, error.message, retryable=True)
+            raise error
         body = response.json()
         token = str(body["access_token"])
         now = time.time()
@@ -761,12 +774,19 @@ class TokenClient:
 
 
 def _token_error(response: httpx.Response) -> FleetError:
+    failing_over = response.status_code in (502, 503, 504)
     try:
         body = response.json()
-        detail = f"{body.get('error')}: {body.get('error_description', '')}"
-    except ValueError:
-        detail = response.text[:200]
-    if response.status_code >= 500:
+        error = body.get("error")
+        detail = f"{error}: {body.get('error_description', '')}"
+        # Only the registry's own word that its store did not answer, not (say) a policy that
+        # cannot be evaluated, which must fail closed rather than be waited for.
+        failing_over = (
+            failing_over and isinstance(error, dict) and error.get("code") == "dependency_unavailable"
+        )
+    except (ValueError, AttributeError):
+        detail = response.text[:200]  # not the registry's answer: a proxy in front of it failing over
+    if failing_over:
         return DependencyUnavailable(f"the token service failed ({response.status_code}) {detail}")
     code = (
         ErrorCode.FORBIDDEN if response.status_code in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE

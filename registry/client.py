@@ -38,13 +38,15 @@ T = TypeVar("T")
 def _raise_for(response: httpx.Response, what: str) -> None:
     if response.status_code < 400:
         return
+    failing_over = response.status_code in (502, 503, 504)
     try:
         error = response.json().get("error", {})
         code = ErrorCode(error.get("code", "internal"))
         message = str(error.get("message", ""))
     except (ValueError, AttributeError):
-        code, message = ErrorCode.INTERNAL, response.text[:200]
-    if response.status_code in (502, 503, 504):  # the registry or what it stands on is failing over
+        # Not the registry's answer: a proxy in front of it that cannot reach it.
+        code, message = ErrorCode.DEPENDENCY_UNAVAILABLE, response.text[:200]
+    if failing_over and code == ErrorCode.DEPENDENCY_UNAVAILABLE:  # the registry's store failing over
         raise DependencyUnavailable(f"{what}: {message or response.status_code}")
     raise FleetError(code, f"{what}: {message}", retryable=response.status_code >= 500)
 
@@ -78,7 +80,11 @@ class RegistryClient:
         client = self._outside_tokens.get(token_url)
         if client is None:
             client = TokenClient(
-                token_url=token_url, client_id=self._settings.service_id, key=self.key, http=self._http
+                token_url=token_url,
+                client_id=self._settings.service_id,
+                key=self.key,
+                http=self._http,
+                control_plane=False,
             )
             self._outside_tokens[token_url] = client
         return client

@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
-from fleet.natsconn import connect
+from fleet.natsconn import TRANSIENT, connect
 from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
@@ -83,7 +83,13 @@ def error_response(exc: FleetError) -> JSONResponse:
 
 
 Handler = Callable[[Request, RegistryState], Awaitable[Response]]
-_BROKER_TROUBLE = (nats.errors.Error, nats.js.errors.Error, TimeoutError)
+# NATS not answering for now (a node failing over), not a request NATS refuses (a bad key: a 4xx/500).
+_BROKER_TROUBLE: tuple[type[Exception], ...] = (
+    *TRANSIENT,
+    nats.errors.ConnectionClosedError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+)
 
 
 def _route(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
