@@ -46,6 +46,7 @@ from a2a.utils.signing import SignatureVerificationError, create_signature_verif
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM
 from fleet.layout import StackLayout
+from fleet.natsconn import stream_replicas
 from fleet.operator_cli import operator_token_client, running_endpoints, stack_running
 from fleet.tokens import TokenClient
 
@@ -140,7 +141,7 @@ async def _demo(layout: StackLayout, auto_approve: bool, timeout_s: float | None
         night_of = await _next_night(api)
         since = dt.datetime.now(dt.UTC)
         print(f"demo: the billing system reports the night of {night_of:%Y-%m-%d} on NATS:")
-        await _publish_night(endpoints["nats"], night_of)
+        await _publish_night(endpoints["nats"], night_of, stream_replicas(endpoints))
         nights = [Night(tenant) for tenant in TENANTS]
         async with asyncio.timeout(timeout_s):
             for night in nights:
@@ -223,11 +224,11 @@ async def _next_night(api: RunApi) -> dt.datetime:
     return today + dt.timedelta(days=done)
 
 
-async def _publish_night(nats_url: str, night_of: dt.datetime) -> None:
+async def _publish_night(nats_url: str, night_of: dt.datetime, replicas: int) -> None:
     from fleet.events import publish_event
     from fleet.natsconn import connect
 
-    client = await connect(nats_url, "fleet-demo")
+    client = await connect(nats_url, "fleet-demo", replicas=replicas)
     try:
         for tenant, invoices in NIGHT.items():
             for invoice in invoices:

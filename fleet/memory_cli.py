@@ -31,7 +31,7 @@ from fleet.cli_common import exit_code, report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import read_records
 from fleet.layout import StackLayout
-from fleet.natsconn import connect
+from fleet.natsconn import connect, stream_replicas
 
 EXIT_OK, EXIT_FAILED = 0, 1
 SERVER = "mcp-memory"
@@ -145,11 +145,11 @@ async def audit(layout: StackLayout, tenant: str | None, last: int, *, as_json: 
     from fleet.operator_cli import running_endpoints
 
     try:
-        url = str(running_endpoints(layout)["nats"])
+        endpoints = running_endpoints(layout)
     except FleetError as exc:
         print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
         return exit_code(exc)
-    client = await connect(url, "fleet-memory-audit")
+    client = await connect(str(endpoints["nats"]), "fleet-memory-audit", replicas=stream_replicas(endpoints))
     try:
         events = await read_records(client, "fleet.audit.memory.>")
     finally:

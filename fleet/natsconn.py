@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -94,6 +94,13 @@ async def patiently(what: str, action: Callable[[], Awaitable[T]], *, patience_s
                 raise
             log.warning("%s: %s from NATS; trying again", what, type(exc).__name__)
             await asyncio.sleep(RETRY_S)
+
+
+def stream_replicas(endpoints: Mapping[str, Any]) -> int:
+    """The replicas a running stack's streams get (its ``endpoints.json``), for a command that may
+    be the first to create one."""
+    value = endpoints.get("nats_replicas", 1)
+    return value if isinstance(value, int) and 1 <= value <= 5 else 1
 
 
 def replicas(handle: NATS | JetStreamContext) -> int:

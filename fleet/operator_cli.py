@@ -252,7 +252,7 @@ async def publish_event(
 ) -> int:
     """Publish an event on the stack's NATS (``fleet events publish``)."""
     from fleet.events import publish_event as publish
-    from fleet.natsconn import connect
+    from fleet.natsconn import connect, stream_replicas
 
     endpoints = running_endpoints(layout)
     try:
@@ -261,7 +261,7 @@ async def publish_event(
         parsed = None
     if not isinstance(parsed, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "--data must be a JSON object")
-    client = await connect(endpoints["nats"], "fleet-cli")
+    client = await connect(endpoints["nats"], "fleet-cli", replicas=stream_replicas(endpoints))
     try:
         event_id, kept = await publish(
             client, subject, tenant=tenant, source=source, type_=type_, data=parsed, event_id=event_id

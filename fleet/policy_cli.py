@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 from fleet.cli_common import report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
-from fleet.natsconn import connect
+from fleet.natsconn import connect, stream_replicas
 from policy import Bundle, PolicyError, RegorusEngine
 from policy.live import DECISIONS_STREAM, push, pushed, rollback, statuses
 from policy.testing import RegoTestResult, run_bundle_tests
@@ -117,12 +117,12 @@ async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
     from fleet.operator_cli import running_endpoints
 
     try:
-        url = str(running_endpoints(layout)["nats"])
+        endpoints = running_endpoints(layout)
     except FleetError as exc:
         print(f"fleet: {exc.message}", file=sys.stderr)
         yield None
         return
-    client = await connect(url, "fleet-policy")
+    client = await connect(str(endpoints["nats"]), "fleet-policy", replicas=stream_replicas(endpoints))
     try:
         yield client
     finally:

@@ -152,6 +152,7 @@ class Supervisor:
         endpoints: dict[str, Any] = {
             "data_dir": str(self.layout.home),
             "nats": nats_url,
+            "nats_replicas": self.settings.nats_replicas if self.settings.nats_url else 1,
             "postgres_port": pg_port,
             "specialists": {},
             "mcp_servers": {},

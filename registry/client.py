@@ -290,16 +290,22 @@ class RegistryClient:
         return keys
 
 
+START_PATIENCE_S = 60.0
+
+
 async def _retry(
     what: str, action: Callable[[], Awaitable[T]], *, attempts: int = 50, delay_s: float = 0.1
 ) -> T:
-    """Retry a start-up call (enroll, register) while the registry is still coming up."""
+    """Retry a start-up call (enroll, register) while the registry is still coming up, for at most
+    ``attempts`` tries and ``START_PATIENCE_S`` in all (each try may itself wait out a failover):
+    a registry that never answers is a misconfiguration, reported while someone still watches."""
+    deadline = time.monotonic() + START_PATIENCE_S
     for attempt in range(attempts):
         try:
             return await action()
         except (httpx.HTTPError, FleetError) as exc:
             retryable = isinstance(exc, httpx.HTTPError) or exc.retryable
-            if not retryable or attempt == attempts - 1:
+            if not retryable or attempt == attempts - 1 or time.monotonic() >= deadline:
                 raise
             log.info("%s failed (%s); retrying", what, exc)
             await asyncio.sleep(delay_s)
