@@ -6,12 +6,14 @@ from __future__ import annotations
 import copy
 
 from deploy._topology import (
+    DNS_NAMESPACE,
     ENROLL,
     FRONT_DOORS,
     IDENTITY_DIR,
     IMAGE,
     INFRA_PORTS,
     INGRESS_NAMESPACE,
+    INTERNET_EXCEPT,
     NAMESPACE,
     OPA_IMAGE,
     OPA_PORT,
@@ -20,7 +22,6 @@ from deploy._topology import (
     PART_OF,
     POLICY_KINDS,
     PORT,
-    PRIVATE_RANGES,
     PUBLIC_KEYS_DIR,
     STATE_DIR,
     Deployed,
@@ -319,12 +320,19 @@ def tcp(port: int) -> Doc:
     return {"protocol": "TCP", "port": port}
 
 
+# The cluster DNS: pods labelled k8s-app=kube-dns in kube-system only (both selectors in one peer, so
+# both must match): a pod given that label in another namespace is no DNS server to the fleet.
 DNS_EGRESS: Doc = {
-    "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+    "to": [
+        {
+            **namespace_peer(DNS_NAMESPACE),
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ],
     "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
 }
 INTERNET_EGRESS: Doc = {
-    "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": list(PRIVATE_RANGES)}}],
+    "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": list(INTERNET_EXCEPT)}}],
     "ports": [tcp(443), tcp(80)],
 }
 

@@ -31,8 +31,19 @@ from deploy._topology import (
     Doc,
 )
 
-
 # ------------------------------------------------------------------------------- infrastructure
+# A NATS pod that stops first goes into lame duck mode (its preStop hook): it stops taking clients,
+# waits LAME_DUCK_GRACE_S, then closes its clients over LAME_DUCK_S so that they move to the other
+# nodes a few at a time, and exits. It ignores the kubelet's SIGTERM meanwhile, so only
+# terminationGracePeriodSeconds (longer than both together) bounds it. The server refuses a
+# lame_duck_duration under 30 s.
+LAME_DUCK_S = 30
+LAME_DUCK_GRACE_S = 10
+NATS_TERMINATION_GRACE_S = LAME_DUCK_GRACE_S + LAME_DUCK_S + 20
+NATS_PID_DIR = "/var/run/nats"  # an emptyDir (the root file system is read-only)
+NATS_PID_FILE = f"{NATS_PID_DIR}/nats.pid"
+
+
 def nats_config() -> str:
     routes = "\n".join(f"    nats://nats-{n}.nats:6222" for n in range(NATS_NODES))
     return (
@@ -41,7 +52,9 @@ def nats_config() -> str:
         "server_name: $POD_NAME\n"
         "listen: 0.0.0.0:4222\n"
         "http: 0.0.0.0:8222\n"
-        "lame_duck_duration: 30s\n"
+        f"pid_file: {NATS_PID_FILE}\n"
+        f"lame_duck_grace_period: {LAME_DUCK_GRACE_S}s\n"
+        f"lame_duck_duration: {LAME_DUCK_S}s\n"
         "jetstream {\n"
         "  store_dir: /data/jetstream\n"
         "  max_memory_store: 256MB\n"
@@ -79,7 +92,11 @@ def nats_docs() -> list[Doc]:
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
             {"name": "data", "mountPath": "/data"},
+            {"name": "pid", "mountPath": NATS_PID_DIR},
         ],
+        # Lame duck mode before the SIGTERM: the server (PID 1, from the image's entrypoint) found by
+        # its pid_file, as the NATS Helm chart does.
+        "lifecycle": {"preStop": {"exec": {"command": ["nats-server", f"-sl=ldm={NATS_PID_FILE}"]}}},
         "startupProbe": http_probe(health, "monitor", 5, 60),
         "readinessProbe": http_probe(health, "monitor", 10, 3),
         "livenessProbe": http_probe("/healthz?js-server-only=true", "monitor", 30, 3),
@@ -104,22 +121,24 @@ def nats_docs() -> list[Doc]:
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": pod_security(1000),
-                    "terminationGracePeriodSeconds": 60,
+                    "terminationGracePeriodSeconds": NATS_TERMINATION_GRACE_S,
+                    # Never two nodes of the cluster on one Kubernetes node: losing a node then loses
+                    # one NATS node at most (R3 survives it). A node short leaves a pod Pending.
                     "affinity": {
                         "podAntiAffinity": {
-                            "preferredDuringSchedulingIgnoredDuringExecution": [
+                            "requiredDuringSchedulingIgnoredDuringExecution": [
                                 {
-                                    "weight": 100,
-                                    "podAffinityTerm": {
-                                        "topologyKey": "kubernetes.io/hostname",
-                                        "labelSelector": {"matchLabels": selector("nats")},
-                                    },
+                                    "topologyKey": "kubernetes.io/hostname",
+                                    "labelSelector": {"matchLabels": selector("nats")},
                                 }
                             ]
                         }
                     },
                     "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": "nats-config"}}],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": "nats-config"}},
+                        {"name": "pid", "emptyDir": {}},
+                    ],
                 },
             },
             "volumeClaimTemplates": [

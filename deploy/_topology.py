@@ -53,9 +53,20 @@ POLICY_KINDS = frozenset({"registry", "coordinator", "worker", "mcp_server"})  #
 INTERNET = frozenset({"registry", "coordinator", "worker", "specialist", "mcp-outbox", "mcp-memory"})
 FRONT_DOORS = ("registry", "coordinator", "console")  # reached from outside (an ingress controller)
 INGRESS_NAMESPACE = "ingress-nginx"
+DNS_NAMESPACE = "kube-system"  # where the cluster DNS (k8s-app=kube-dns) runs
 KEDA_NAMESPACE = "keda"
 INFRA_PORTS = {"nats": 4222, "postgres": 5432, "qdrant": 6333}
-PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16")
+# What "the internet" (INTERNET's egress to 0.0.0.0/0 on 80/443) excludes: every range a cluster's
+# pods, Services and nodes commonly live in, so that internet egress never reaches in-cluster pods.
+# A cluster whose pod or Service CIDR is elsewhere (a public range) must add it here (and render):
+# docs/deployment.md lists these.
+INTERNET_EXCEPT = (
+    "10.0.0.0/8",  # RFC 1918
+    "172.16.0.0/12",  # RFC 1918
+    "192.168.0.0/16",  # RFC 1918
+    "100.64.0.0/10",  # RFC 6598 shared address space (CGNAT): pod CIDRs of some EKS and GKE setups
+    "169.254.0.0/16",  # link-local: cloud metadata endpoints
+)
 
 
 # ------------------------------------------------------------------------------- the topology

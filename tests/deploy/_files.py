@@ -125,9 +125,9 @@ def pod(workload: str) -> Pod:
     return next(p for p in pods() if p.workload == workload)
 
 
-def outside_pod(namespace: str) -> Pod:
-    """A pod of another namespace (an ingress controller, KEDA)."""
-    return Pod(f"{namespace}-pod", {}, namespace, {"kubernetes.io/metadata.name": namespace})
+def outside_pod(namespace: str, labels: dict[str, str] | None = None) -> Pod:
+    """A pod of another namespace (an ingress controller, KEDA, the cluster DNS)."""
+    return Pod(f"{namespace}-pod", dict(labels or {}), namespace, {"kubernetes.io/metadata.name": namespace})
 
 
 def network_policies() -> list[Doc]:

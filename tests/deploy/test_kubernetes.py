@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,40 @@ def test_nats_is_a_three_node_cluster_routed_to_every_node_with_jetstream() -> N
     assert all(route in config for route in routes)
     assert "jetstream {" in config and "server_name: $POD_NAME" in config
     assert _one("PodDisruptionBudget", "nats")["spec"]["maxUnavailable"] == 1
+
+
+def _seconds(config: str, key: str) -> int:
+    (value,) = re.findall(rf"^{key}: (\d+)s$", config, re.MULTILINE)
+    return int(value)
+
+
+def test_a_stopping_nats_node_drains_its_clients_in_lame_duck_mode() -> None:
+    config = _one("ConfigMap", "nats-config")["data"]["nats.conf"]
+    (pid_file,) = re.findall(r"^pid_file: (\S+)$", config, re.MULTILINE)
+    spec = _one("StatefulSet", "nats")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    # The hook signals the server by its pid file; the kubelet's SIGTERM, sent once the hook
+    # returned, is ignored by a server in lame duck mode.
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["nats-server", f"-sl=ldm={pid_file}"]
+    # The pid file's folder is writable (the root file system is not).
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == pid_file.rsplit("/", 1)[0]]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume.get("emptyDir") == {} and not mount.get("readOnly")
+    # The drain (grace period, then clients closed over the duration) ends before the SIGKILL.
+    drain = _seconds(config, "lame_duck_grace_period") + _seconds(config, "lame_duck_duration")
+    assert spec["terminationGracePeriodSeconds"] > drain
+
+
+def test_no_two_nats_nodes_are_scheduled_on_one_kubernetes_node() -> None:
+    template = _one("StatefulSet", "nats")["spec"]["template"]
+    anti = template["spec"]["affinity"]["podAntiAffinity"]
+    assert set(anti) == {"requiredDuringSchedulingIgnoredDuringExecution"}  # not merely preferred
+    (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    wanted = term["labelSelector"]["matchLabels"]
+    assert set(term["labelSelector"]) == {"matchLabels"}
+    assert all(template["metadata"]["labels"].get(k) == v for k, v in wanted.items())
 
 
 def test_workers_scale_on_the_lag_of_the_work_queue_consumer() -> None:

@@ -4,10 +4,12 @@ everything else out: evaluated with NetworkPolicy semantics over the pods of the
 from __future__ import annotations
 
 import copy
+import ipaddress
 import re
 
 import pytest
 
+from deploy._topology import INTERNET_EXCEPT
 from deploy.local_stack import SERVICES
 from tests.deploy._files import ROOT, Doc, allowed, compose, network_policies, outside_pod, pod, pods
 
@@ -86,6 +88,53 @@ def test_the_enroll_job_reaches_only_the_registry_and_nothing_reaches_it() -> No
     assert targets == {("registry", 8080)}
     assert not any(allowed(POLICIES, p, job, port) for p in pods() for port in (8080, 8181))
     assert not allowed(POLICIES, outside_pod("ingress-nginx"), job, 8080)
+
+
+def test_dns_is_only_the_cluster_dns_of_kube_system() -> None:
+    kube_dns = {"k8s-app": "kube-dns"}
+    cluster_dns = outside_pod("kube-system", kube_dns)
+    impostor = outside_pod("someones-namespace", kube_dns)  # anyone may label a pod so
+    for source in pods():
+        if source.workload not in ("postgres", "qdrant"):  # they open no connection at all
+            assert allowed(POLICIES, source, cluster_dns, 53), source.workload
+        assert not allowed(POLICIES, source, impostor, 53), source.workload
+        assert not allowed(POLICIES, source, outside_pod("kube-system"), 53), source.workload
+    for policy in POLICIES:
+        for rule in policy["spec"].get("egress", []):
+            if any("kube-dns" in str(peer.get("podSelector")) for peer in rule["to"]):
+                assert {"protocol": "UDP", "port": 53} in rule["ports"], policy["metadata"]["name"]
+
+
+IN_CLUSTER_ADDRESSES = [
+    "10.0.0.1",
+    "10.255.255.254",
+    "172.16.0.1",
+    "172.31.255.254",
+    "192.168.1.1",
+    "100.64.0.1",  # CGNAT pod CIDRs (EKS custom networking, some GKE setups)
+    "100.127.255.254",
+    "169.254.169.254",  # cloud metadata
+]
+
+
+def test_internet_egress_excludes_every_in_cluster_range_of_the_one_list() -> None:
+    blocks = [
+        peer["ipBlock"]
+        for policy in POLICIES
+        for rule in policy["spec"].get("egress", [])
+        for peer in rule["to"]
+        if "ipBlock" in peer
+    ]
+    assert blocks, "some workloads reach the internet"
+    for block in blocks:
+        assert block == {"cidr": "0.0.0.0/0", "except": list(INTERNET_EXCEPT)}
+    excepted = [ipaddress.ip_network(cidr) for cidr in INTERNET_EXCEPT]
+    for address in IN_CLUSTER_ADDRESSES:
+        assert any(ipaddress.ip_address(address) in net for net in excepted), address
+    assert not any(ipaddress.ip_address("1.1.1.1") in net for net in excepted)
+    # docs/deployment.md lists the ranges (and tells a site to add its own public pod/Service CIDRs).
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert all(f"`{cidr}`" in docs for cidr in INTERNET_EXCEPT)
 
 
 def test_everything_is_denied_by_default() -> None:
