@@ -5,11 +5,15 @@ It is the production broker's shape (three nodes, streams replicated on all thre
 ports, for the cluster tests and the scaling benchmark; ``fleet up`` uses it when
 ``FLEET_NATS_URL`` lists its servers (:attr:`NatsCluster.url`) and ``FLEET_NATS_REPLICAS=3``.
 A node can be killed and started again on its own ports and store, as a crashed pod would be.
+
+``python -m deploy.nats_cluster --dir DIR [--size 3] [--port 4222]`` runs one in the foreground
+(client ports from ``--port`` up) and prints the ``FLEET_NATS_URL`` to give ``fleet up``.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import time
@@ -63,12 +67,16 @@ class NatsCluster:
 
     root: Path
     size: int = 3
+    first_port: int = 0  # client ports first_port, first_port + 1, ...; 0: free ports
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError("a cluster needs at least one node")
         self.nodes = [Node(f"n{i + 1}", self.root / f"n{i + 1}") for i in range(self.size)]
+        if self.first_port:
+            for i, node in enumerate(self.nodes):
+                node.client_port = self.first_port + i
 
     @property
     def url(self) -> str:
@@ -191,3 +199,22 @@ class NatsCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deploy.nats_cluster", description=__doc__)
+    parser.add_argument("--dir", type=Path, required=True, help="where the nodes keep their streams")
+    parser.add_argument("--size", type=int, default=3)
+    parser.add_argument("--port", type=int, default=4222, help="the first node's client port")
+    args = parser.parse_args()
+    stopping = {signal.SIGINT, signal.SIGTERM}
+    with NatsCluster(args.dir, size=args.size, first_port=args.port) as cluster:
+        signal.pthread_sigmask(signal.SIG_BLOCK, stopping)  # after the nodes start: not theirs
+        print(f"FLEET_NATS_URL={cluster.url} FLEET_NATS_REPLICAS={min(3, args.size)}", flush=True)
+        signal.sigwait(stopping)  # Ctrl-C or a SIGTERM: the nodes are stopped on the way out
+
+
+if __name__ == "__main__":
+    main()
