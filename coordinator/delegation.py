@@ -62,7 +62,7 @@ from opentelemetry.trace import SpanKind
 
 from coordinator.plan import UNTRUSTED
 from fleet import telemetry
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import (
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
@@ -273,8 +273,15 @@ class Delegator:
     async def prepare(self, agent: AgentRecord, tenant: str, run_id: str) -> None:
         """Get (and cache) the token a call to ``agent`` for the run will carry, before the call is
         recorded: a control plane that cannot issue it then fails the call before anything exists
-        that a later attempt would have to reconcile."""
-        await self._agent_token(agent, tenant, run_id)
+        that a later attempt would have to reconcile. Any other refusal (a policy that denies the
+        call, an outside agent's token endpoint that fails) is left to the call itself, which
+        records it and may reroute as it always did."""
+        try:
+            await self._agent_token(agent, tenant, run_id)
+        except DependencyUnavailable:
+            raise
+        except FleetError:
+            pass
 
     async def run_grant(self, caller: Claims, run_id: str) -> str:
         """The grant of the run ``caller`` starts: its token exchanged at the registry."""
