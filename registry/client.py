@@ -44,8 +44,9 @@ def _raise_for(response: httpx.Response, what: str) -> None:
         code = ErrorCode(error.get("code", "internal"))
         message = str(error.get("message", ""))
     except (ValueError, AttributeError):
-        # Not the registry's answer: a proxy in front of it that cannot reach it.
-        code, message = ErrorCode.DEPENDENCY_UNAVAILABLE, response.text[:200]
+        # Not the registry's answer: on a 502-504, a proxy in front of it that cannot reach it.
+        code = ErrorCode.DEPENDENCY_UNAVAILABLE if failing_over else ErrorCode.INTERNAL
+        message = response.text[:200]
     if failing_over and code == ErrorCode.DEPENDENCY_UNAVAILABLE:  # the registry's store failing over
         raise DependencyUnavailable(f"{what}: {message or response.status_code}")
     raise FleetError(code, f"{what}: {message}", retryable=response.status_code >= 500)
