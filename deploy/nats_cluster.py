@@ -12,6 +12,7 @@ A node can be killed and started again on its own ports and store, as a crashed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -29,10 +30,13 @@ CLUSTER_NAME = "fleet-cluster"
 START_TIMEOUT_S = 60.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 @dataclass(slots=True)
@@ -41,9 +45,9 @@ class Node:
 
     name: str
     store_dir: Path
-    client_port: int = field(default_factory=_free_port)
-    cluster_port: int = field(default_factory=_free_port)
-    monitor_port: int = field(default_factory=_free_port)
+    client_port: int
+    cluster_port: int
+    monitor_port: int
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,7 +77,19 @@ class NatsCluster:
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError("a cluster needs at least one node")
-        self.nodes = [Node(f"n{i + 1}", self.root / f"n{i + 1}") for i in range(self.size)]
+        # Every port at once, each socket held until all are picked: one picked and released at a
+        # time, the system may hand the same free port out twice.
+        ports = _free_ports(3 * self.size)
+        self.nodes = [
+            Node(
+                f"n{i + 1}",
+                self.root / f"n{i + 1}",
+                client_port=ports[3 * i],
+                cluster_port=ports[3 * i + 1],
+                monitor_port=ports[3 * i + 2],
+            )
+            for i in range(self.size)
+        ]
         if self.first_port:
             for i, node in enumerate(self.nodes):
                 node.client_port = self.first_port + i
