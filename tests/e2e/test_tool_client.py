@@ -50,7 +50,8 @@ class Proxy:
     ``faults`` says: ``"drop"`` forwards the request, lets the server answer, and cuts the
     connection before the answer reaches the client (the tool ran; its outcome is lost); ``"503"``
     answers as a gateway whose upstream is away, without forwarding (the tool did not run).
-    :meth:`pause` stops it listening (connections are refused) until :meth:`resume`."""
+    :meth:`pause` stops it listening (connections are refused) until :meth:`resume`; :meth:`hang`
+    keeps the port but never answers (connections are made and then wait)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -58,16 +59,30 @@ class Proxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._silent: socket.socket | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def resume(self) -> None:
+        if self._silent is not None:
+            self._silent.close()
+            self._silent = None
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    async def hang(self) -> None:
+        await self.pause()
+        self._silent = socket.socket()
+        self._silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._silent.bind(("127.0.0.1", self.port))
+        self._silent.listen(64)  # the kernel completes connections; nobody ever reads them
+
     async def pause(self) -> None:
+        if self._silent is not None:
+            self._silent.close()
+            self._silent = None
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -339,7 +354,7 @@ async def test_a_server_that_cannot_be_reached_is_tried_three_times_and_the_tool
 
 
 async def test_the_caller_s_timeout_bounds_the_retries(world: World) -> None:
-    await world.proxy.pause()
+    await world.proxy.hang()  # every attempt waits: only the caller's timeout ends the call
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         await world.call("lookup", timeout_s=0.2)
