@@ -39,6 +39,7 @@ from fleet.a2a_support import (
     sign_card,
 )
 from fleet.keys import SigningKey
+from fleet.natsconn import service_credentials
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy.live import enforcing, live_policy
@@ -141,7 +142,12 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=4)
     saver = CompactCheckpointer(pool_for_checkpoints)  # read here (debug bundles); workers write
-    submitter = work.RunSubmitter(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
+    submitter = work.RunSubmitter(
+        settings.nats_url,
+        settings.service_id,
+        replicas=settings.nats_replicas,
+        credentials=service_credentials(settings),
+    )
     desk = SignalDesk(run_pool, runs, engine, submitter.submit)
     handler = CoordinatorRequestHandler(
         tasks=tasks,
@@ -187,6 +193,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             await push_configs.setup()
             await saver.setup()
             await desk.setup()
+            await registry.ready_for_bus()
             await stack.enter_async_context(submitter)
             telemetry.on_scrape(coordinator_metrics(runs, lambda: submitter.client))
             await stack.enter_async_context(enforcing(engine, submitter.client))

@@ -23,7 +23,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from fleet import telemetry
-from fleet.natsconn import connect, patiently, replicas
+from fleet.natsconn import Credentials, connect, patiently, replicas
 
 STREAM = "FLEET_WORK"
 RUN_SUBJECT = "fleet.work.run"
@@ -87,14 +87,19 @@ def submitted_at(message: Msg) -> float | None:
 class RunSubmitter:
     """The API process's handle on the work queue (an async context manager owning a connection)."""
 
-    def __init__(self, nats_url: str, name: str, *, replicas: int = 1) -> None:
+    def __init__(
+        self, nats_url: str, name: str, *, replicas: int = 1, credentials: Credentials | None = None
+    ) -> None:
         self._url = nats_url
         self._name = name
         self._replicas = replicas
+        self._credentials = credentials
         self._client: NATS | None = None
 
     async def __aenter__(self) -> RunSubmitter:
-        self._client = await connect(self._url, self._name, replicas=self._replicas)
+        self._client = await connect(
+            self._url, self._name, replicas=self._replicas, credentials=self._credentials
+        )
         await ensure_stream(self._client.jetstream())
         return self
 

@@ -55,7 +55,7 @@ from coordinator.runs import (
 )
 from fleet import telemetry
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
-from fleet.natsconn import connect
+from fleet.natsconn import connect, service_credentials
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import PolicyEngine, PolicyError
@@ -651,7 +651,13 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await saver.setup()
             await store.setup()
             await ledger.setup()
-            nc = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
+            await registry.ready_for_bus()
+            nc = await connect(
+                settings.nats_url,
+                settings.service_id,
+                replicas=settings.nats_replicas,
+                credentials=service_credentials(settings),
+            )
             stack.push_async_callback(nc.drain)
             await stack.enter_async_context(enforcing(engine, nc))
             worker.approvals = nc.jetstream()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleet.buskeys import BusKeys, stack_config
 from fleet.infra import nats_server_binary
 
 CLUSTER_NAME = "fleet-cluster"
@@ -72,6 +73,7 @@ class NatsCluster:
     root: Path
     size: int = 3
     first_port: int = 0  # client ports first_port, first_port + 1, ...; 0: free ports
+    keys_dir: Path | None = None  # the bus's keys (fleet.buskeys): its nodes authenticate every client
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -123,10 +125,14 @@ class NatsCluster:
         ]
         if routes:
             command += ["--routes", routes]
+        if self.keys_dir is not None:
+            command += ["--config", str(self.root / "auth.conf")]
         return command
 
     def start(self) -> None:
         """Start every node and wait until JetStream has a meta leader that every node knows."""
+        if self.keys_dir is not None:
+            (self.root / "auth.conf").write_text(stack_config(BusKeys.load_or_create(self.keys_dir)))
         for node in self.nodes:
             self._spawn(node)
         self.wait_healthy()
@@ -224,11 +230,16 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True, help="where the nodes keep their streams")
     parser.add_argument("--size", type=int, default=3)
     parser.add_argument("--port", type=int, default=4222, help="the first node's client port")
+    parser.add_argument("--keys", type=Path, help="the bus's keys (made if missing; default DIR/keys)")
     args = parser.parse_args()
     stopping = {signal.SIGINT, signal.SIGTERM}
-    with NatsCluster(args.dir, size=args.size, first_port=args.port) as cluster:
+    keys = (args.keys or args.dir / "keys").resolve()
+    with NatsCluster(args.dir, size=args.size, first_port=args.port, keys_dir=keys) as cluster:
         signal.pthread_sigmask(signal.SIG_BLOCK, stopping)  # after the nodes start: not theirs
-        print(f"FLEET_NATS_URL={cluster.url} FLEET_NATS_REPLICAS={min(3, args.size)}", flush=True)
+        print(
+            f"FLEET_NATS_URL={cluster.url} FLEET_NATS_REPLICAS={min(3, args.size)} FLEET_NATS_KEYS_DIR={keys}",
+            flush=True,
+        )
         signal.sigwait(stopping)  # Ctrl-C or a SIGTERM: the nodes are stopped on the way out
 
 

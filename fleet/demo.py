@@ -141,7 +141,7 @@ async def _demo(layout: StackLayout, auto_approve: bool, timeout_s: float | None
         night_of = await _next_night(api)
         since = dt.datetime.now(dt.UTC)
         print(f"demo: the billing system reports the night of {night_of:%Y-%m-%d} on NATS:")
-        await _publish_night(endpoints["nats"], night_of, stream_replicas(endpoints))
+        await _publish_night(endpoints, night_of)
         nights = [Night(tenant) for tenant in TENANTS]
         async with asyncio.timeout(timeout_s):
             for night in nights:
@@ -224,11 +224,17 @@ async def _next_night(api: RunApi) -> dt.datetime:
     return today + dt.timedelta(days=done)
 
 
-async def _publish_night(nats_url: str, night_of: dt.datetime, replicas: int) -> None:
+async def _publish_night(endpoints: dict[str, Any], night_of: dt.datetime) -> None:
     from fleet.events import publish_event
     from fleet.natsconn import connect
+    from fleet.operator_cli import operator_bus_credentials
 
-    client = await connect(nats_url, "fleet-demo", replicas=replicas)
+    client = await connect(
+        str(endpoints["nats"]),
+        "fleet-demo",
+        replicas=stream_replicas(endpoints),
+        credentials=operator_bus_credentials(endpoints),
+    )
     try:
         for tenant, invoices in NIGHT.items():
             for invoice in invoices:

@@ -34,9 +34,11 @@ def nats_server_binary() -> str:
     return found
 
 
-def nats_command(store_dir: Path, port: int, monitor_port: int) -> list[str]:
+def nats_command(store_dir: Path, port: int, monitor_port: int, config: Path | None = None) -> list[str]:
+    """The embedded server's command line (``config``: its authentication, see :mod:`fleet.buskeys`)."""
     return [
         nats_server_binary(),
+        *(["--config", str(config)] if config is not None else []),
         "--jetstream",
         "--store_dir",
         str(store_dir),

@@ -49,6 +49,15 @@ class StackLayout:
         return self.run_dir / "supervisor.lock"
 
     @property
+    def bus_keys_dir(self) -> Path:
+        """The bus's nkeys (see :mod:`fleet.buskeys`)."""
+        return self.keys_dir / "nats"
+
+    @property
+    def nats_config_file(self) -> Path:
+        return self.nats_dir / "auth.conf"
+
+    @property
     def operator_jwk_file(self) -> Path:
         return self.keys_dir / "operator.jwk.json"
 

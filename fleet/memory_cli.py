@@ -142,14 +142,19 @@ async def approve(layout: StackLayout, tenant: str, entry_id: str, *, as_json: b
 
 
 async def audit(layout: StackLayout, tenant: str | None, last: int, *, as_json: bool) -> int:
-    from fleet.operator_cli import running_endpoints
+    from fleet.operator_cli import operator_bus_credentials, running_endpoints
 
     try:
         endpoints = running_endpoints(layout)
     except FleetError as exc:
         print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
         return exit_code(exc)
-    client = await connect(str(endpoints["nats"]), "fleet-memory-audit", replicas=stream_replicas(endpoints))
+    client = await connect(
+        str(endpoints["nats"]),
+        "fleet-memory-audit",
+        replicas=stream_replicas(endpoints),
+        credentials=operator_bus_credentials(endpoints),
+    )
     try:
         events = await read_records(client, "fleet.audit.memory.>")
     finally:

@@ -8,12 +8,21 @@ creates a stream first sets it; every process of a deployment is given the same 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import logging
+import re
+import secrets
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
@@ -21,6 +30,8 @@ from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundErro
 from nats.js.kv import KeyValue
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.keys import SigningKey
+from fleet.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,88 @@ class FleetConnection(NATS):
         self.replicas = replicas
 
 
+BUS_AUDIENCE = "fleet-bus"  # the audience of the assertion a fleet identity connects with
+ASSERTION_TTL_S = 60
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def subject_token(value: str) -> str:
+    """``value`` as one NATS subject token: itself when it is 1-64 letters, digits, ``-`` and
+    ``_``; otherwise ``h`` and a hash of it (no ``.``, ``*``, ``>`` or space can reach a subject)."""
+    if _TOKEN.match(value):
+        return value
+    return "h" + hashlib.sha256(value.encode()).hexdigest()[:32]
+
+
+def inbox_prefix(principal: str) -> str:
+    """Where ``principal``'s replies arrive: its own inbox subjects, which nobody else may read."""
+    return f"_INBOX.{subject_token(principal)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """How a connection proves who it is to the bus; one of:
+
+    * a fleet identity and its key: at every connect (and reconnect) a fresh assertion, signed with
+      the key and good for a minute, once, which the registry checks against the identity's
+      enrolled keys;
+    * a NATS creds file (an outside producer's, issued by ``fleet producers issue``);
+    * a static user's nkey seed (the bootstrap admin, the registry's own connections).
+
+    ``principal`` names the connection's inbox (see :func:`inbox_prefix`); ``tls_ca``: the CA that
+    signed the servers' certificates, when the bus runs TLS."""
+
+    principal: str
+    key: SigningKey | None = None
+    creds_file: Path | None = None
+    nkey_seed: str = ""
+    tls_ca: Path | None = None
+
+    def assertion(self) -> str:
+        """A new single-use assertion of this identity (see the class's doc)."""
+        if self.key is None:
+            raise FleetError(ErrorCode.INVALID_REQUEST, "these credentials have no key")
+        now = int(time.time())
+        return self.key.sign(
+            {
+                "iss": self.principal,
+                "sub": self.principal,
+                "aud": BUS_AUDIENCE,
+                "iat": now,
+                "exp": now + ASSERTION_TTL_S,
+                "jti": secrets.token_hex(16),
+            },
+            typ="bus-assertion+jwt",
+        )
+
+    def _sign_nonce(self, nonce: str) -> bytes:
+        """The server's nonce signed with the identity's key (DER, base64): proof that whoever
+        presents the assertion holds the key, on this connection."""
+        assert self.key is not None
+        signature = self.key.private_key.sign(nonce.encode(), ec.ECDSA(hashes.SHA256()))
+        return base64.b64encode(signature)
+
+    def connect_options(self) -> dict[str, Any]:
+        """nats-py ``connect`` arguments for these credentials."""
+        options: dict[str, Any] = {"inbox_prefix": inbox_prefix(self.principal)}
+        if self.key is not None:
+            options["token"] = self.assertion
+            options["signature_cb"] = self._sign_nonce
+        elif self.creds_file is not None:
+            options["user_credentials"] = str(self.creds_file)
+        elif self.nkey_seed:
+            options["nkeys_seed_str"] = self.nkey_seed
+        if self.tls_ca is not None:
+            options["tls"] = ssl.create_default_context(cafile=str(self.tls_ca))
+        return options
+
+
+def service_credentials(settings: ServiceSettings) -> Credentials:
+    """A service's bus credentials: its identity and key (and the bus's CA, if any)."""
+    key = SigningKey.load_or_create(settings.key_file)
+    return Credentials(settings.service_id, key=key, tls_ca=settings.tls_ca_file)
+
+
 def server_urls(url: str) -> list[str]:
     """``FLEET_NATS_URL`` as a list: one URL, or a cluster's seed servers separated by commas."""
     urls = [part.strip() for part in url.split(",") if part.strip()]
@@ -53,13 +146,16 @@ def server_urls(url: str) -> list[str]:
     return urls
 
 
-async def connect(url: str, name: str, *, replicas: int = 1) -> NATS:
+async def connect(url: str, name: str, *, replicas: int = 1, credentials: Credentials | None = None) -> NATS:
     """Connect to NATS (``url``: one server or a comma-separated list of a cluster's servers),
-    failing within seconds (never hanging) if no server is reachable. Once connected it follows the
-    cluster: a node going away moves the connection to another, and publishes wait for it.
+    failing within seconds (never hanging) if no server is reachable or the bus refuses the
+    credentials. Once connected it follows the cluster: a node going away moves the connection to
+    another, and publishes wait for it; a connection the bus closes (its credentials expired) comes
+    back with fresh ones.
 
     ``replicas``: the replicas of every stream, KV bucket and object store created through this
-    connection (1 to 5, at most the cluster's size)."""
+    connection (1 to 5, at most the cluster's size). ``credentials``: who connects (none: an
+    anonymous connection, which only a bus without authentication takes)."""
     if not 1 <= replicas <= 5:
         raise FleetError(ErrorCode.INVALID_REQUEST, f"NATS replicas must be 1 to 5, not {replicas}")
     servers = server_urls(url)
@@ -73,12 +169,36 @@ async def connect(url: str, name: str, *, replicas: int = 1) -> NATS:
             allow_reconnect=True,
             # The order of a cluster's URLs should not decide which node every process lands on.
             dont_randomize=False,
+            error_cb=_report_error(name),
+            **(credentials.connect_options() if credentials is not None else {}),
         )
-    except (OSError, nats.errors.Error, TimeoutError) as exc:
+    except nats.errors.Error as exc:
+        if "authorization violation" in str(exc).lower():
+            raise FleetError(
+                ErrorCode.UNAUTHENTICATED, f"the bus at {url} refused {name}'s credentials"
+            ) from exc
+        raise FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach NATS at {url}", retryable=True
+        ) from exc
+    except (OSError, TimeoutError) as exc:
         raise FleetError(
             ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach NATS at {url}", retryable=True
         ) from exc
     return client
+
+
+def _report_error(name: str) -> Callable[[Exception], Awaitable[None]]:
+    """The connection's error callback: the bus refusing a publish or subscription outside the
+    connection's rights arrives here (not as an exception): it is logged as an error."""
+
+    async def report(exc: Exception) -> None:
+        text = str(exc)
+        if "permissions violation" in text.lower():
+            log.error("%s: the bus refused: %s", name, text)
+        else:
+            log.warning("%s: NATS: %s", name, text or type(exc).__name__)
+
+    return report
 
 
 async def patiently(what: str, action: Callable[[], Awaitable[T]], *, patience_s: float = 30.0) -> T:

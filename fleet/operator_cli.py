@@ -23,6 +23,7 @@ from fleet.cli_common import EXIT_USAGE as EXIT_USAGE
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
+from fleet.natsconn import Credentials
 from fleet.tokens import TokenClient
 
 DOWN_TIMEOUT_S = 60.0
@@ -31,6 +32,17 @@ DOWN_TIMEOUT_S = 60.0
 def stack_running(layout: StackLayout) -> bool:
     """True while a supervisor holds the data dir's lock (asked without taking it)."""
     return stacklock.holder(layout.lock_file) is not None
+
+
+def operator_bus_credentials(endpoints: dict[str, Any]) -> Credentials:
+    """The operator's credentials on a running stack's bus: its identity and key in the data dir."""
+    layout = StackLayout.at(Path(str(endpoints["data_dir"])))
+    ca = endpoints.get("tls_ca")
+    return Credentials(
+        OPERATOR_ID,
+        key=SigningKey.load_or_create(layout.key_file(OPERATOR_ID)),
+        tls_ca=Path(ca) if isinstance(ca, str) else None,
+    )
 
 
 def running_endpoints(layout: StackLayout) -> dict[str, Any]:
@@ -261,7 +273,12 @@ async def publish_event(
         parsed = None
     if not isinstance(parsed, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "--data must be a JSON object")
-    client = await connect(endpoints["nats"], "fleet-cli", replicas=stream_replicas(endpoints))
+    client = await connect(
+        endpoints["nats"],
+        "fleet-cli",
+        replicas=stream_replicas(endpoints),
+        credentials=operator_bus_credentials(endpoints),
+    )
     try:
         event_id, kept = await publish(
             client, subject, tenant=tenant, source=source, type_=type_, data=parsed, event_id=event_id

@@ -114,7 +114,7 @@ def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int
 @contextlib.asynccontextmanager
 async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
     """A connection to the NATS of the stack on ``layout``; None (and why, on stderr) if none runs."""
-    from fleet.operator_cli import running_endpoints
+    from fleet.operator_cli import operator_bus_credentials, running_endpoints
 
     try:
         endpoints = running_endpoints(layout)
@@ -122,7 +122,12 @@ async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
         print(f"fleet: {exc.message}", file=sys.stderr)
         yield None
         return
-    client = await connect(str(endpoints["nats"]), "fleet-policy", replicas=stream_replicas(endpoints))
+    client = await connect(
+        str(endpoints["nats"]),
+        "fleet-policy",
+        replicas=stream_replicas(endpoints),
+        credentials=operator_bus_credentials(endpoints),
+    )
     try:
         yield client
     finally:

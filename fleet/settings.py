@@ -43,6 +43,11 @@ class FleetSettings(BaseSettings):
     nats_replicas: int = Field(
         default=1, ge=1, le=5, description="with nats_url: the replicas of the streams the services create"
     )
+    nats_keys_dir: Path | None = Field(
+        default=None,
+        description="with nats_url: the keys that bus trusts (fleet.buskeys; python -m deploy.nats_cluster"
+        " prints them)",
+    )
     workers: int = Field(default=2, ge=1, le=64, description="how many worker processes to start")
     pg_dsn: str | None = Field(default=None, description="use this Postgres instead of starting one")
     log_level: str = "info"
@@ -69,6 +74,14 @@ class ServiceSettings(BaseSettings):
         le=5,
         description="replicas of every stream, KV bucket and object store this service creates"
         " (3 on a three-node cluster)",
+    )
+    nats_keys_dir: Path | None = Field(
+        default=None,
+        description="the registry only: the bus's nkeys (callout issuer, responder, system user), which"
+        " make it the bus's authority (see registry._callout)",
+    )
+    tls_ca_file: Path | None = Field(
+        default=None, description="the CA that signed the bus's (and the services') TLS certificates"
     )
     pg_dsn: str = ""
     enrollment_token: str = ""

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 import httpx
@@ -33,10 +34,13 @@ from psycopg.conninfo import make_conninfo
 
 from deploy.local_stack import DATABASES, OPERATOR_ID, ServiceSpec, service, stack_services
 from fleet import stacklock
+from fleet.buscatalog import provision
+from fleet.buskeys import BusKeys, stack_config
 from fleet.errors import ErrorCode, FleetError
 from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
+from fleet.natsconn import Credentials, connect
 from fleet.settings import FleetSettings
 
 log = logging.getLogger(__name__)
@@ -142,7 +146,10 @@ class Supervisor:
         previous = self.layout.read_endpoints() or {}
         operator = SigningKey.load_or_create(self.layout.key_file(OPERATOR_ID))
         self.layout.operator_jwk_file.write_text(json.dumps(operator.public_jwk()))
+        keys_dir = self._bus_keys_dir()
         nats_url = self.settings.nats_url or await self._start_nats(previous)
+        replicas = self.settings.nats_replicas if self.settings.nats_url else 1
+        await _provision_bus(nats_url, BusKeys.load_or_create(keys_dir), replicas)
         pg_port: int | None = None
         if self.settings.pg_dsn:
             dsns = dict.fromkeys(DATABASES, self.settings.pg_dsn)
@@ -152,7 +159,7 @@ class Supervisor:
         endpoints: dict[str, Any] = {
             "data_dir": str(self.layout.home),
             "nats": nats_url,
-            "nats_replicas": self.settings.nats_replicas if self.settings.nats_url else 1,
+            "nats_replicas": replicas,
             "postgres_port": pg_port,
             "specialists": {},
             "mcp_servers": {},
@@ -166,7 +173,7 @@ class Supervisor:
             "FLEET_HOME": str(self.layout.home),
             "FLEET_NATS_URL": nats_url,
             # Streams and buckets get one replica on the embedded server; a cluster's are replicated.
-            "FLEET_NATS_REPLICAS": str(self.settings.nats_replicas if self.settings.nats_url else 1),
+            "FLEET_NATS_REPLICAS": str(replicas),
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
@@ -174,7 +181,12 @@ class Supervisor:
         }
         for tier in start_tiers(stack_services(self.settings.workers)):
             envs = [
-                {**env_common, "FLEET_PG_DSN": dsns[spec.database]} if spec.database else dict(env_common)
+                {
+                    **env_common,
+                    **({"FLEET_PG_DSN": dsns[spec.database]} if spec.database else {}),
+                    # Only the registry holds the bus's keys: it decides who connects.
+                    **({"FLEET_NATS_KEYS_DIR": str(keys_dir)} if spec.kind == "registry" else {}),
+                }
                 for spec in tier
             ]
             started = await asyncio.gather(
@@ -298,10 +310,26 @@ class Supervisor:
         self.children.append(child)
         return child
 
+    def _bus_keys_dir(self) -> Path:
+        """Where the bus's keys are: the data dir's own (made on first use) for the embedded server;
+        those the given bus trusts (``FLEET_NATS_KEYS_DIR``) for another."""
+        if not self.settings.nats_url:
+            keys = BusKeys.load_or_create(self.layout.bus_keys_dir)
+            self.layout.nats_config_file.write_text(stack_config(keys))
+            return self.layout.bus_keys_dir
+        if self.settings.nats_keys_dir is None:
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST,
+                "FLEET_NATS_URL needs FLEET_NATS_KEYS_DIR: the keys that bus trusts"
+                " (python -m deploy.nats_cluster prints them)",
+            )
+        return self.settings.nats_keys_dir.resolve()
+
     async def _start_nats(self, previous: dict[str, Any]) -> str:
         async def attempt(port: int) -> str:
             monitor = _free_port(None)
-            child = await self._spawn("nats", nats_command(self.layout.nats_dir, port, monitor))
+            command = nats_command(self.layout.nats_dir, port, monitor, self.layout.nats_config_file)
+            child = await self._spawn("nats", command)
             health = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
             await self._wait_until(child, lambda: _http_ok(health), f"NATS on port {port}")
             return f"nats://127.0.0.1:{port}"
@@ -373,6 +401,22 @@ class Supervisor:
             sock.close()
         await self._wait_until(child, lambda: _http_ok(url + "/healthz"), f"{spec.id} at {url}")
         return url
+
+
+async def _provision_bus(url: str, keys: BusKeys, replicas: int) -> None:
+    """Create the bus's streams and buckets as its bootstrap identity (nobody else may)."""
+    client = await connect(
+        url,
+        "fleet-bootstrap",
+        replicas=replicas,
+        credentials=Credentials("fleet-admin", nkey_seed=keys.admin.seed),
+    )
+    try:
+        made = await provision(client)
+    finally:
+        await client.close()
+    if made:
+        log.info("created on the bus: %s", ", ".join(made))
 
 
 def enrollment_token(operator: SigningKey, spec: ServiceSpec, *, external: bool = False) -> str:

@@ -30,7 +30,7 @@ from fleet import telemetry
 from fleet import tokens as fleet_tokens
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
-from fleet.natsconn import connect, key_value
+from fleet.natsconn import connect, key_value, service_credentials
 from fleet.service import Readiness, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
@@ -383,8 +383,12 @@ def tool_server_app(
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
             stack.push_async_callback(registry.aclose)
+            await registry.ready_for_bus()
             broker = await connect(
-                settings.nats_url, f"{settings.service_id}-audit", replicas=settings.nats_replicas
+                settings.nats_url,
+                f"{settings.service_id}-audit",
+                replicas=settings.nats_replicas,
+                credentials=service_credentials(settings),
             )
             stack.push_async_callback(broker.close)
             assert gate.trail is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -153,3 +154,28 @@ class McpServerRecord(BaseModel):
         """The record with only the tools whose every scope ``allows_scope``."""
         tools = [t for t in self.tools if all(allows_scope(s) for s in t.scopes)]
         return self.model_copy(update={"tools": tools})
+
+
+class ProducerRecord(BaseModel):
+    """An event producer outside the fleet (a billing system, a webhook relay): the nkey it connects
+    to the bus with, the one tenant it publishes for, the sources it may publish as, and until when
+    (see :mod:`registry._callout`). The registry keeps the public key only; the seed is the
+    producer's."""
+
+    schema_version: int = 1
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    nkey: str
+    tenant: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    sources: list[str] = Field(min_length=1, max_length=32)
+    issued_by: str
+    issued_at: float
+    expires_at: float
+    revoked: bool = False
+
+    @field_validator("sources")
+    @classmethod
+    def _source_tokens(cls, sources: list[str]) -> list[str]:
+        for source in sources:
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", source):
+                raise ValueError(f"a source is 1-64 letters, digits, - and _, not {source!r}")
+        return sources

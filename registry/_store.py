@@ -11,7 +11,14 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from fleet.natsconn import key_value
-from registry._records import AgentHistory, AgentRecord, CardVersion, IdentityRecord, McpServerRecord
+from registry._records import (
+    AgentHistory,
+    AgentRecord,
+    CardVersion,
+    IdentityRecord,
+    McpServerRecord,
+    ProducerRecord,
+)
 
 RECORDS_BUCKET = "fleet-registry"
 NONCES_BUCKET = "fleet-nonces"
@@ -93,6 +100,15 @@ class RegistryStore:
 
     async def mcp_servers(self) -> list[McpServerRecord]:
         return await self._list("mcp", McpServerRecord)
+
+    async def producer(self, nkey: str) -> ProducerRecord | None:
+        return await self._get(f"producer.{nkey}", ProducerRecord)
+
+    async def put_producer(self, record: ProducerRecord) -> None:
+        await self._put(f"producer.{record.nkey}", record)
+
+    async def producers(self) -> list[ProducerRecord]:
+        return await self._list("producer", ProducerRecord)
 
     async def use_nonce(self, namespace: str, nonce: str) -> bool:
         """Record a single-use value; False if it was seen before (within the nonce TTL)."""

@@ -15,7 +15,7 @@ from nats.aio.client import Client as NATS
 
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import SigningKey
-from fleet.natsconn import connect
+from fleet.natsconn import Credentials, connect
 from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
 from fleet.tokens import (
@@ -73,6 +73,8 @@ class RegistryClient:
         self.revocations = Revocations()
         self.revocations.on_revoke(lambda revoked: self.jwks.forget(revoked.kid))
         self._nats: NATS | None = None
+        self._enrolled = False
+        self._enrolling = asyncio.Lock()
 
     def tokens_at(self, token_url: str) -> TokenClient:
         """Tokens from another token endpoint (an outside agent's, named by its card), for which this
@@ -123,6 +125,9 @@ class RegistryClient:
                 self._settings.nats_url,
                 f"{self._settings.service_id}-revocations",
                 replicas=self._settings.nats_replicas,
+                credentials=Credentials(
+                    self._settings.service_id, key=self.key, tls_ca=self._settings.tls_ca_file
+                ),
             )
         if not self.revocations.synced:
             await self.revocations.follow(self._nats)
@@ -219,22 +224,30 @@ class RegistryClient:
         """Where the registry publishes this identity's public keys (the ``jku`` of its card)."""
         return f"{self._url}/v1/agents/{self._settings.service_id}/jwks.json"
 
+    async def ready_for_bus(self) -> None:
+        """Enroll this identity's key, or check that it is enrolled (once per process): the bus
+        lets in enrolled identities only, so a service does this before it connects to NATS."""
+        async with self._enrolling:
+            if not self._enrolled:
+                await _retry("enroll", self.enroll)
+                self._enrolled = True
+
     async def join_as_agent(self, base_url: str) -> AgentRecord:
         """Enroll this identity's key (or check it is enrolled), then register the agent card
         served at ``base_url``."""
+        await self.ready_for_bus()
         await _retry("revocations", self.follow_revocations)
-        await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_agent(base_url))
 
     async def join_as_worker(self) -> None:
         """Enroll this identity's key (a worker registers nothing: it only calls others)."""
+        await self.ready_for_bus()
         await _retry("revocations", self.follow_revocations)
-        await _retry("enroll", self.enroll)
 
     async def join_as_mcp_server(self, url: str, tools: list[dict[str, Any]]) -> McpServerRecord:
         """Enroll this identity's key, then register the MCP endpoint at ``url``."""
+        await self.ready_for_bus()
         await _retry("revocations", self.follow_revocations)
-        await _retry("enroll", self.enroll)
         return await _retry("register", lambda: self.register_mcp_server(url, tools))
 
     async def _read(

@@ -23,18 +23,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleet.buskeys import BusKeys
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
-from fleet.natsconn import TRANSIENT, connect
+from fleet.natsconn import TRANSIENT, Credentials, connect
 from fleet.revocations import Revocations
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tokens import ACCESS_TOKEN_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
-from policy.live import enforcing, live_policy
+from policy.live import LivePolicy, enforcing, live_policy
+from registry._callout import BusAuthority
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
-from registry._records import IdentityRecord, McpServerRecord
+from registry._records import IdentityRecord, McpServerRecord, ProducerRecord
 from registry._refresh import refresh, refresh_forever, registered
 from registry._store import RegistryStore
 from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
@@ -371,15 +373,31 @@ def build_app(settings: ServiceSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         key = SigningKey.load_or_create(settings.key_file)
-        nc = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
+        revocations = Revocations()
+        door = await _open_bus(settings, key, revocations)
+        try:
+            nc = await connect(
+                settings.nats_url,
+                settings.service_id,
+                replicas=settings.nats_replicas,
+                credentials=Credentials(settings.service_id, key=key, tls_ca=settings.tls_ca_file),
+            )
+        except BaseException:
+            if door is not None:
+                await door.authority.stop()
+            raise
         try:
             async with httpx.AsyncClient() as http, contextlib.AsyncExitStack() as stack:
                 store = await RegistryStore.open(nc)
+                if door is not None:
+                    door.store = store
+                    stack.push_async_callback(door.authority.stop)
                 operator_key = await _enroll_operator(store, settings)
                 admin = KeyAdmin(store, nc, settings.service_id, settings.key_file, settings.public_url)
-                revocations = Revocations()
                 await revocations.follow(nc)
-                policy = await stack.enter_async_context(enforcing(live_policy(settings), nc))
+                policy = await stack.enter_async_context(
+                    enforcing(door.policy if door else live_policy(settings), nc)
+                )
 
                 async def own_key(kid: str) -> ec.EllipticCurvePublicKey | None:
                     registry: RegistryState = app.state.registry
@@ -449,6 +467,56 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/revocations", _route(list_revocations)),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+@dataclass(slots=True)
+class _BusDoor:
+    """The registry as the bus's authority: it answers NATS's authorization requests from before
+    its own connection exists (it connects through its own door), with records once the store is
+    open."""
+
+    authority: BusAuthority
+    policy: LivePolicy
+    store: RegistryStore | None = None
+
+
+async def _open_bus(settings: ServiceSettings, key: SigningKey, revocations: Revocations) -> _BusDoor | None:
+    """Start answering the bus's authorization requests, if this registry holds the bus's keys."""
+    if settings.nats_keys_dir is None:
+        return None
+    policy = live_policy(settings)
+    seen: set[str] = set()  # single use of the assertions met before the nonce bucket is open
+
+    async def identity(identity_id: str) -> IdentityRecord | None:
+        if identity_id == settings.service_id:  # itself: its own key, before any record exists
+            return IdentityRecord(
+                id=identity_id, kind="registry", keys={key.kid: key.public_jwk()}, enrolled_at=time.time()
+            )
+        return await door.store.identity(identity_id) if door.store is not None else None
+
+    async def producer(nkey: str) -> ProducerRecord | None:
+        return await door.store.producer(nkey) if door.store is not None else None
+
+    async def first_use(nonce: str) -> bool:
+        if door.store is not None:
+            return await door.store.use_nonce("bus", nonce)
+        fresh = nonce not in seen
+        seen.add(nonce)
+        return fresh
+
+    authority = BusAuthority(
+        keys=BusKeys.load(settings.nats_keys_dir, "callout_issuer", "responder", "system"),
+        identities=identity,
+        producers=producer,
+        first_use=first_use,
+        policy=policy,
+        revocations=revocations,
+        self_id=settings.service_id,
+        tls_ca=settings.tls_ca_file,
+    )
+    door = _BusDoor(authority, policy)
+    await authority.start(settings.nats_url)
+    return door
 
 
 def _distrust(state: RegistryState, kid: str) -> None:

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fleet.console._feeds import memory_audit, policy_view
 from fleet.console._session import Person, Sessions, SignOuts
 from fleet.errors import ErrorCode, FleetError
-from fleet.natsconn import connect
+from fleet.natsconn import connect, service_credentials
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from registry.client import RegistryClient
@@ -342,7 +342,12 @@ def build_app(settings: ServiceSettings) -> Starlette:
 
     async def start() -> None:
         await registry.join_as_worker()  # enroll; the console registers nothing
-        backends.nats = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
+        backends.nats = await connect(
+            settings.nats_url,
+            settings.service_id,
+            replicas=settings.nats_replicas,
+            credentials=service_credentials(settings),
+        )
         await signed_out.open(backends.nats)
         backends.coordinator = await _find_coordinator(registry)
 

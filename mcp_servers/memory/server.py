@@ -38,7 +38,7 @@ from typing_extensions import TypedDict  # pydantic nests these only from typing
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog
-from fleet.natsconn import connect
+from fleet.natsconn import connect, service_credentials
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -354,7 +354,10 @@ def build_app_for(settings: MemorySettings) -> Starlette:
             await asyncio.to_thread(load)
         await memory.store.open(memory.embedder.dim)
         client = await connect(
-            settings.nats_url, f"{settings.service_id}-memory-audit", replicas=settings.nats_replicas
+            settings.nats_url,
+            f"{settings.service_id}-memory-audit",
+            replicas=settings.nats_replicas,
+            credentials=service_credentials(settings),
         )
         try:
             async with audit.publishing(client), _housekeeping(memory, settings):

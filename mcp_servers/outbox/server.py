@@ -40,7 +40,7 @@ from starlette.applications import Starlette
 
 from fleet.artifacts import NatsArtifactStore, parse_ref
 from fleet.errors import FleetError
-from fleet.natsconn import connect
+from fleet.natsconn import connect, service_credentials
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -475,7 +475,12 @@ def build_app_for(settings: OutboxSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def artifacts() -> AsyncIterator[None]:
         tools = holder["tools"]
-        client: NATS = await connect(settings.nats_url, settings.service_id, replicas=settings.nats_replicas)
+        client: NATS = await connect(
+            settings.nats_url,
+            settings.service_id,
+            replicas=settings.nats_replicas,
+            credentials=service_credentials(settings),
+        )
         try:
             tools.artifacts = await NatsArtifactStore.open(client)
             yield

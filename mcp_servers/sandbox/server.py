@@ -39,7 +39,7 @@ from typing_extensions import TypedDict  # pydantic nests these only from typing
 
 from fleet.artifacts import ArtifactRef, NatsArtifactStore
 from fleet.errors import FleetError
-from fleet.natsconn import connect, key_value
+from fleet.natsconn import connect, key_value, service_credentials
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -389,7 +389,10 @@ def build_app_for(settings: SandboxSettings) -> Starlette:
                 )
             await tools.sandbox.prestart(tools.limits(10.0))  # every slot's first call starts warm
             client: NATS = await connect(
-                settings.nats_url, settings.service_id, replicas=settings.nats_replicas
+                settings.nats_url,
+                settings.service_id,
+                replicas=settings.nats_replicas,
+                credentials=service_credentials(settings),
             )
         except BaseException:
             await tools.sandbox.close()

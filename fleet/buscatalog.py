@@ -1,0 +1,131 @@
+"""Every stream, KV bucket and object store of the fleet's bus, and the bootstrap that creates them.
+
+On an authenticated bus nobody but the bootstrap identity may create or change a stream: the
+services only bind to what is here (``$JS.API.STREAM.INFO``), so whoever starts first cannot pick a
+stream's retention, replicas or size. :func:`provision` creates what is missing and is run by
+``fleet up`` (and by the bootstrap Job of a deployment) before any service starts; it is safe to run
+again. The services' own get-or-create paths stay for a bus without authentication (a test's bare
+server), where they create the same things with the same settings (``tests/broker/test_bus_catalog.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from fleet.natsconn import patiently, replicas
+
+DAY_S = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    name: str
+    subjects: str
+    max_age_s: float | None
+    duplicate_window_s: float = 3600.0
+    work_queue: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    name: str
+    history: int = 1
+    ttl_s: float | None = None
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec("FLEET_EVENTS", "fleet.events.>", 7 * DAY_S),
+    StreamSpec("FLEET_DEAD_LETTERS", "fleet.dead.>", 7 * DAY_S),
+    StreamSpec("FLEET_WORK", "fleet.work.>", None, duplicate_window_s=600.0, work_queue=True),
+    StreamSpec("FLEET_APPROVALS", "fleet.approvals.>", 30 * DAY_S),
+    StreamSpec("FLEET_SIGNALS", "fleet.signals.>", 30 * DAY_S),
+    StreamSpec("FLEET_DECISIONS", "fleet.decisions.>", 30 * DAY_S),
+    StreamSpec("FLEET_AUDIT", "fleet.audit.>", 90 * DAY_S),
+)
+
+BUCKETS: tuple[BucketSpec, ...] = (
+    BucketSpec("fleet-registry", history=5),
+    BucketSpec("fleet-nonces", ttl_s=900.0),
+    BucketSpec("fleet-revocations"),
+    BucketSpec("fleet-policy", history=16),
+    BucketSpec("fleet-policy-status", ttl_s=60.0),
+    BucketSpec("fleet-run-tool-calls", ttl_s=14 * DAY_S),
+    BucketSpec("fleet_sandbox_workspaces"),
+    BucketSpec("fleet-console-signouts", ttl_s=9 * 3600.0),
+)
+
+OBJECT_STORES: tuple[str, ...] = ("fleet_artifacts",)
+
+
+async def provision(client: NATS) -> list[str]:
+    """Create every stream, bucket and object store that does not exist yet (as the bootstrap
+    identity); the names of those created."""
+    js = client.jetstream()
+    made: list[str] = []
+    for stream in STREAMS:
+
+        async def stream_once(spec: StreamSpec = stream) -> bool:
+            try:
+                await js.stream_info(spec.name)
+                return False
+            except NotFoundError:
+                await js.add_stream(
+                    StreamConfig(
+                        name=spec.name,
+                        subjects=[spec.subjects],
+                        retention=RetentionPolicy.WORK_QUEUE if spec.work_queue else RetentionPolicy.LIMITS,
+                        storage=StorageType.FILE,
+                        duplicate_window=spec.duplicate_window_s,
+                        max_age=spec.max_age_s,
+                        num_replicas=replicas(client),
+                    )
+                )
+                return True
+
+        if await patiently(f"creating stream {stream.name}", stream_once):
+            made.append(stream.name)
+    for bucket in BUCKETS:
+
+        async def bucket_once(spec: BucketSpec = bucket) -> bool:
+            try:
+                await js.key_value(spec.name)
+                return False
+            except BucketNotFoundError:
+                await js.create_key_value(
+                    KeyValueConfig(
+                        bucket=spec.name,
+                        history=spec.history,
+                        storage=StorageType.FILE,
+                        ttl=spec.ttl_s,
+                        replicas=replicas(client),
+                    )
+                )
+                return True
+
+        if await patiently(f"creating bucket {bucket.name}", bucket_once):
+            made.append(bucket.name)
+    for name in OBJECT_STORES:
+
+        async def store_once(bucket: str = name) -> bool:
+            try:
+                await js.object_store(bucket)
+                return False
+            except BucketNotFoundError:
+                await js.create_object_store(
+                    bucket,
+                    ObjectStoreConfig(
+                        bucket=bucket,
+                        storage=StorageType.FILE,
+                        description="fleet artifacts",
+                        replicas=replicas(client),
+                    ),
+                )
+                return True
+
+        if await patiently(f"creating object store {name}", store_once):
+            made.append(name)
+    return made

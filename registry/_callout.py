@@ -1,0 +1,427 @@
+"""The bus's door: NATS asks the registry who every new connection is (an authorization callout),
+and the registry answers with exactly the rights that connection's identity has.
+
+A connection presents one of:
+
+* a fleet identity's assertion (``auth_token``): a JWT signed with a key enrolled for that identity,
+  addressed to the bus, good for a minute and once, and a signature of the server's nonce made
+  with the same key (``sig``), so a copy of the assertion is worth nothing on another connection;
+* a producer's nkey (``nkey`` and ``sig``): a key the registry issued credentials for, with a
+  tenant, the sources it may publish as, and an expiry (:mod:`registry._producers`).
+
+Anything else, an unknown or revoked key, a replayed assertion, an expired producer: refused, and
+the refusal logged. The rights come from policy (``fleet.bus.decision``, :file:`bus.rego`): the
+subjects the connection may publish and subscribe to, how many subscriptions it may hold, how large
+a message may be. They are written into the user JWT of the answer, which the server enforces; the
+registry is not asked again while the connection lives.
+
+Connections do not live for ever: every ``ttl_s`` (policy) the registry closes a connection, and
+the client comes back with a fresh credential, checked again; a revoked identity's connections are
+closed within a second of the revocation, and it cannot come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jwt
+import nats.errors
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from fleet import natsjwt
+from fleet.buskeys import FLEET_ACCOUNT
+from fleet.errors import FleetError
+from fleet.keys import ALGORITHM, public_key_from_jwk
+from fleet.natsconn import BUS_AUDIENCE, Credentials, connect, inbox_prefix, subject_token
+from fleet.natsjwt import KeyPair
+from fleet.revocations import Revocations
+from policy.engine import PolicyEngine
+from registry._records import IdentityRecord, ProducerRecord
+
+log = logging.getLogger(__name__)
+
+AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
+MAX_ASSERTION_LIFETIME_S = 300
+SWEEP_EVERY_S = 15.0
+CONNZ_TIMEOUT_S = 1.0
+_REFUSED = "refused"
+
+IdentityLookup = Callable[[str], Awaitable[IdentityRecord | None]]
+ProducerLookup = Callable[[str], Awaitable[ProducerRecord | None]]
+NonceGuard = Callable[[str], Awaitable[bool]]
+
+
+class Refused(Exception):
+    """A connection the bus does not let in, and why (logged; the client sees only a refusal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a connection is, as checked."""
+
+    type: str  # identity | producer
+    id: str
+    kid: str  # the key its credential was checked with (an identity's kid, a producer's nkey)
+    kind: str = ""
+    tenants: tuple[str, ...] = ()
+    scopes: tuple[str, ...] = ()
+    external: bool = False
+    sources: tuple[str, ...] = ()
+    expires_at: float | None = None
+
+    def user_name(self) -> str:
+        """A new connection's name, as the server shows it (``authorized_user``): whose, with which
+        key (what a revocation looks for), and which connection (what a renewal closes)."""
+        return f"{self.type}:{self.id}:{self.kid}:{secrets.token_hex(6)}"
+
+    def policy_input(self) -> dict[str, Any]:
+        return {
+            "principal": {
+                "type": self.type,
+                "id": self.id,
+                "token": subject_token(self.id),
+                "inbox": inbox_prefix(self.id),
+                "kind": self.kind,
+                "tenants": list(self.tenants),
+                "tenant_tokens": [subject_token(t) for t in self.tenants if t != "*"],
+                "scopes": list(self.scopes),
+                "external": self.external,
+                "sources": [subject_token(s) for s in self.sources],
+            }
+        }
+
+
+@dataclass(slots=True)
+class _Live:
+    """What the registry knows of a connection it let in: whom, and until when."""
+
+    principal: Principal
+    renew_at: float
+
+
+@dataclass(slots=True)
+class BusAuthority:
+    """Answers the bus's authorization requests (see the module's doc)."""
+
+    keys: dict[str, KeyPair]  # callout_issuer, responder, system
+    identities: IdentityLookup
+    producers: ProducerLookup
+    first_use: NonceGuard
+    policy: PolicyEngine
+    revocations: Revocations
+    self_id: str  # the registry's own identity: its rights are fixed here, not by policy
+    tls_ca: Any = None
+    _responder: NATS | None = None
+    _system: NATS | None = None
+    _live: dict[str, _Live] = field(default_factory=dict)  # by user name
+    _sweeper: asyncio.Task[None] | None = None
+    refused: int = 0
+
+    async def start(self, url: str) -> None:
+        """Connect as the callout responder and as the system user, and answer from now on."""
+        self._responder = await connect(
+            url, "registry-callout", credentials=self._static("responder", "registry-callout")
+        )
+        self._system = await connect(
+            url, "registry-system", credentials=self._static("system", "registry-system")
+        )
+        await self._responder.subscribe(AUTH_SUBJECT, cb=self._answer)
+        self.revocations.on_revoke(lambda revoked: self._schedule_close(kid=revoked.kid))
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="bus-sweeper")
+
+    def _static(self, name: str, principal: str) -> Credentials:
+        return Credentials(principal, nkey_seed=self.keys[name].seed, tls_ca=self.tls_ca)
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for client in (self._responder, self._system):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.drain()
+
+    # ------------------------------------------------------------------ answering
+    async def _answer(self, msg: Msg) -> None:
+        issuer = self.keys["callout_issuer"]
+        try:
+            request = natsjwt.decode(msg.data.decode())
+            server = request["nats"]["server_id"]["id"]
+            user_nkey = request["nats"]["user_nkey"]
+            if request["iss"] != server or request.get("sub") != issuer.public_key:
+                raise Refused("an authorization request not from a server of this bus")
+        except (natsjwt.NkeyError, KeyError, TypeError, UnicodeDecodeError, Refused) as exc:
+            log.warning("ignoring an unreadable authorization request: %s", exc)
+            return
+        answer: dict[str, Any] = {"type": "authorization_response", "version": 2}
+        try:
+            principal = await self.authenticate(request["nats"])
+            answer["jwt"] = await self._user_jwt(principal, user_nkey)
+        except Refused as exc:
+            self.refused += 1
+            info = request["nats"].get("client_info", {})
+            log.warning(
+                "bus connection refused (%s from %s, name %r): %s",
+                info.get("kind", "client"),
+                info.get("host"),
+                info.get("name"),
+                exc,
+            )
+            answer["error"] = _REFUSED
+        response = natsjwt.encode({"sub": user_nkey, "aud": server, "nats": answer}, issuer)
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(response.encode())
+
+    async def authenticate(self, request: dict[str, Any]) -> Principal:
+        """Who presents ``request``'s credentials; :class:`Refused` if nobody we let in."""
+        options = request.get("connect_opts") or {}
+        nonce = str((request.get("client_info") or {}).get("nonce") or "")
+        signature = str(options.get("sig") or "")
+        if options.get("auth_token"):
+            return await self._identity(str(options["auth_token"]), nonce, signature)
+        if options.get("nkey"):
+            return await self._producer(str(options["nkey"]), nonce, signature)
+        raise Refused("no credentials")
+
+    async def _identity(self, assertion: str, nonce: str, signature: str) -> Principal:
+        try:
+            header = jwt.get_unverified_header(assertion)
+            claimed = jwt.decode(assertion, options={"verify_signature": False}).get("iss")
+        except jwt.PyJWTError as exc:
+            raise Refused("the token is not an assertion") from exc
+        if header.get("typ") != "bus-assertion+jwt" or not isinstance(claimed, str):
+            raise Refused("the token is not a bus assertion")
+        identity = await self.identities(claimed)
+        kid = str(header.get("kid", ""))
+        jwk = identity.usable_keys(time.time()).get(kid) if identity is not None else None
+        if identity is None or jwk is None:
+            raise Refused(f"{claimed!r} has no enrolled key {kid!r}")
+        if claimed != self.self_id and self._revoked(kid):
+            raise Refused(f"key {kid} of {claimed} is revoked")
+        key = public_key_from_jwk(jwk)
+        try:
+            claims = jwt.decode(
+                assertion,
+                key,
+                algorithms=[ALGORITHM],
+                audience=BUS_AUDIENCE,
+                issuer=claimed,
+                leeway=10,
+                options={"require": ["exp", "iat", "jti", "iss", "aud", "sub"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise Refused(f"{claimed}'s assertion does not verify: {type(exc).__name__}") from exc
+        if claims["sub"] != claimed or int(claims["exp"]) - int(claims["iat"]) > MAX_ASSERTION_LIFETIME_S:
+            raise Refused(f"{claimed}'s assertion is not one to connect with")
+        if nonce and not _es256_signed(key, nonce, signature):
+            raise Refused(f"{claimed} did not sign the server's nonce")
+        if not await self.first_use(f"bus.{claimed}.{claims['jti']}"):
+            raise Refused(f"{claimed}'s assertion was already used")
+        return Principal(
+            type="identity",
+            id=identity.id,
+            kid=kid,
+            kind=identity.kind,
+            tenants=tuple(identity.tenants),
+            scopes=tuple(identity.scopes),
+            external=identity.external,
+        )
+
+    async def _producer(self, nkey: str, nonce: str, signature: str) -> Principal:
+        record = await self.producers(nkey)
+        if record is None or record.revoked:
+            raise Refused(f"no producer holds nkey {nkey[:12]}...")
+        if record.expires_at <= time.time():
+            raise Refused(f"producer {record.id}'s credentials expired")
+        if self._revoked(nkey):
+            raise Refused(f"producer {record.id}'s key is revoked")
+        if not nonce or not natsjwt.verify(nkey, nonce.encode(), _b64(signature)):
+            raise Refused(f"producer {record.id} did not sign the server's nonce")
+        return Principal(
+            type="producer",
+            id=record.id,
+            kid=nkey,
+            kind="producer",
+            tenants=(record.tenant,),
+            sources=tuple(record.sources),
+            expires_at=record.expires_at,
+        )
+
+    def _revoked(self, kid: str) -> bool:
+        try:
+            return self.revocations.check(kid) is not None
+        except FleetError as exc:  # the list is not loaded yet: nobody is believed unrevoked
+            raise Refused("the list of revoked keys is not loaded yet") from exc
+
+    async def _rights(self, principal: Principal) -> dict[str, Any]:
+        if principal.type == "identity" and principal.id == self.self_id:
+            return registry_rights(principal)
+        try:
+            decision = await self.policy.decide("fleet.bus.decision", principal.policy_input())
+        except FleetError as exc:
+            raise Refused(f"the bus policy cannot be evaluated: {exc.message}") from exc
+        if not decision.allow:
+            raise Refused(f"policy: {'; '.join(decision.reasons) or 'not allowed'}")
+        return decision.result if isinstance(decision.result, dict) else {}
+
+    async def _user_jwt(self, principal: Principal, user_nkey: str) -> str:
+        result = await self._rights(principal)
+        ttl_s = float(result.get("ttl_s", 3600))
+        renew_at = time.time() + ttl_s
+        if principal.expires_at is not None:
+            renew_at = min(renew_at, principal.expires_at)
+        name = principal.user_name()
+        self._live[name] = _Live(principal, renew_at)
+        permissions = {
+            "pub": {"allow": list(result.get("pub_allow", [])), "deny": list(result.get("pub_deny", []))},
+            "sub": {"allow": list(result.get("sub_allow", [])), "deny": list(result.get("sub_deny", []))},
+            "subs": int(result.get("subs", -1)),
+            "data": -1,
+            "payload": int(result.get("payload", -1)),
+            "type": "user",
+            "version": 2,
+        }
+        claims = {"sub": user_nkey, "aud": FLEET_ACCOUNT, "name": name, "nats": permissions}
+        return natsjwt.encode(claims, self.keys["callout_issuer"])
+
+    # ------------------------------------------------------------------ closing connections
+    def _schedule_close(self, *, kid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.close_connections(lambda name: f":{kid}:" in name))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def close_connections(self, matches: Callable[[str], bool]) -> int:
+        """Close every connection whose user name ``matches`` (on every server of the bus); how
+        many were closed."""
+        closed = 0
+        for server, connection in await self._connections():
+            name = str(connection.get("authorized_user") or "")
+            if name and matches(name):
+                closed += await self._kick(server, int(connection["cid"]), name)
+        return closed
+
+    async def _connections(self) -> list[tuple[str, dict[str, Any]]]:
+        """(server id, connection) of every client connection on every server, as CONNZ says."""
+        assert self._system is not None
+        inbox = self._system.new_inbox()
+        replies: asyncio.Queue[Msg] = asyncio.Queue()
+        subscription = await self._system.subscribe(inbox, cb=replies.put)
+        try:
+            await self._system.publish(
+                "$SYS.REQ.SERVER.PING.CONNZ",
+                json.dumps({"auth": True, "limit": 100_000, "acc": FLEET_ACCOUNT}).encode(),
+                reply=inbox,
+            )
+            found: list[tuple[str, dict[str, Any]]] = []
+            deadline = time.monotonic() + CONNZ_TIMEOUT_S
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    reply = await asyncio.wait_for(replies.get(), left)
+                except TimeoutError:
+                    break
+                body = json.loads(reply.data)
+                server = body.get("server", {}).get("id", "")
+                found += [(server, c) for c in (body.get("data", {}).get("connections") or [])]
+            return found
+        finally:
+            await subscription.unsubscribe()
+
+    async def _kick(self, server: str, cid: int, name: str) -> int:
+        assert self._system is not None
+        try:
+            reply = await self._system.request(
+                f"$SYS.REQ.SERVER.{server}.KICK", json.dumps({"cid": cid}).encode(), timeout=CONNZ_TIMEOUT_S
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("could not close bus connection %s of %s: %s", cid, name, exc)
+            return 0
+        if json.loads(reply.data or b"{}").get("error"):
+            return 0
+        log.warning("closed bus connection %s of %s", cid, name)
+        return 1
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            try:
+                await self.sweep()
+            except Exception:
+                log.warning("the bus sweep failed", exc_info=True)
+
+    async def sweep(self) -> int:
+        """Close the connections whose time is up (they come back with fresh credentials, or not
+        at all if their credentials no longer hold)."""
+        now = time.time()
+        due = {name for name, live in self._live.items() if live.renew_at <= now}
+        if not due:
+            return 0
+        closed = await self.close_connections(lambda name: name in due)
+        for name in due:
+            self._live.pop(name, None)
+        return closed
+
+
+def registry_rights(principal: Principal) -> dict[str, Any]:
+    """The registry's own rights on the bus. They are fixed here rather than in policy: policy
+    cannot lock the bus's authority out of the records it keeps, nor give it more."""
+    me = subject_token(principal.id)
+    buckets = ("fleet-registry", "fleet-nonces", "fleet-revocations")
+    publish = {
+        "$JS.API.STREAM.NAMES",
+        f"fleet.decisions.{me}",
+        "$JS.API.STREAM.INFO.FLEET_DECISIONS",
+        "$JS.API.CONSUMER.CREATE.KV_fleet-revocations",
+        "$JS.FC.KV_fleet-revocations.>",
+        "$JS.API.STREAM.INFO.KV_fleet-policy",
+        "$JS.API.STREAM.MSG.GET.KV_fleet-policy",
+        "$JS.API.CONSUMER.CREATE.KV_fleet-policy",
+        "$JS.FC.KV_fleet-policy.>",
+        "$JS.API.STREAM.INFO.KV_fleet-policy-status",
+        f"$KV.fleet-policy-status.{me}",
+    }
+    for bucket in buckets:
+        publish |= {
+            f"$JS.API.STREAM.INFO.KV_{bucket}",
+            f"$JS.API.STREAM.MSG.GET.KV_{bucket}",
+            f"$KV.{bucket}.>",
+        }
+    return {
+        "pub_allow": sorted(publish),
+        "sub_allow": [f"{inbox_prefix(principal.id)}.>"],
+        "subs": 1000,
+        "payload": 8 * 1024 * 1024,
+        "ttl_s": 24 * 3600,
+    }
+
+
+def _b64(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        try:
+            return base64.b64decode(text + "=" * (-len(text) % 4))
+        except (binascii.Error, ValueError):
+            return b""
+
+
+def _es256_signed(key: ec.EllipticCurvePublicKey, nonce: str, signature: str) -> bool:
+    """Whether ``signature`` (DER, base64) is ``key``'s over the nonce."""
+    try:
+        key.verify(_b64(signature), nonce.encode(), ec.ECDSA(hashes.SHA256()))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
