@@ -28,6 +28,7 @@ import psycopg
 
 from bench._stack import running_stack
 from coordinator.runs import NOTIFY_CHANNEL
+from fleet.buskeys import stack_admin
 from fleet.events import EVENTS_STREAM, ensure_event_streams, event_payload
 from fleet.natsconn import connect
 
@@ -105,7 +106,7 @@ async def delivery_latency(client: Any, count: int = LATENCY_EVENTS) -> list[flo
 
 
 async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
-    client = await connect(endpoints["nats"], "bench-events")
+    client = await connect(endpoints["nats"], "bench-events", credentials=stack_admin(endpoints))
     try:
         js = client.jetstream()
         await ensure_event_streams(js)

@@ -35,6 +35,7 @@ from bench._stack import running_stack
 from bench.events import delivery_latency
 from coordinator.runs import NOTIFY_CHANNEL
 from coordinator.signals import publish_signal
+from fleet.buskeys import stack_admin
 from fleet.events import Event, publish_event
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
@@ -60,7 +61,7 @@ async def _approval_latency(layout: StackLayout, endpoints: dict[str, Any]) -> l
     """Seconds from publishing an approval to the commit of the resumed step's intent."""
     url = dsn(layout, endpoints, "fleet")
     token = operator_token(layout, TENANT)
-    client = await connect(endpoints["nats"], "bench-pauses")
+    client = await connect(endpoints["nats"], "bench-pauses", credentials=stack_admin(endpoints))
     latencies = []
     try:
         async with (

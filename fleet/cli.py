@@ -156,6 +156,22 @@ def _parser() -> argparse.ArgumentParser:
     publish.add_argument("--tenant", default="default")
     publish.add_argument("--type", default=None, help="default: the subject after fleet.events.")
     publish.add_argument("--source", default="cli")
+    producers = sub.add_parser("producers", help="credentials for event producers outside the fleet")
+    producers_sub = producers.add_subparsers(dest="producers_command", required=True)
+    issue = _with_json(
+        with_dir(producers_sub.add_parser("issue", help="issue a producer's nkey credentials"))
+    )
+    issue.add_argument("producer", help="the producer's id, e.g. billing-acme")
+    issue.add_argument("--tenant", required=True, help="the one tenant it publishes for")
+    issue.add_argument("--source", action="append", required=True, help="a source it publishes as (repeat)")
+    issue.add_argument("--days", type=float, default=30.0, help="how long the credentials hold (default 30)")
+    issue.add_argument("--out", type=Path, required=True, help="where to write its seed (mode 0600)")
+    revoke_producer = _with_json(
+        with_dir(producers_sub.add_parser("revoke", help="revoke a producer's credentials"))
+    )
+    revoke_producer.add_argument("producer")
+    revoke_producer.add_argument("--reason", default="")
+    _with_json(with_dir(producers_sub.add_parser("list", help="the producers and their credentials")))
     keys = sub.add_parser("keys", help="signing keys: revoke one, rotate the registry's, list revoked")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     revoke = with_dir(
@@ -342,6 +358,8 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
                 layout, args.subject, args.data, args.id, args.tenant, type_, args.source, as_json=args.json
             )
         )
+    if command == "producers":
+        return _producers(args, layout)
     if command == "keys" and args.keys_command == "enrollment-token":
         return operator_cli.print_enrollment_token(
             layout,
@@ -561,3 +579,23 @@ def _print_endpoints(endpoints: dict[str, Any]) -> None:
     for name, url in endpoints["mcp_servers"].items():
         print(f"mcp server   {name:<14} {url}")
     print(f"endpoints    {Path(endpoints['data_dir']) / 'endpoints.json'}", flush=True)
+
+
+def _producers(args: argparse.Namespace, layout: StackLayout) -> int:
+    from fleet import producers_cli
+
+    if args.producers_command == "issue":
+        return asyncio.run(
+            producers_cli.issue(
+                layout,
+                args.producer,
+                args.tenant,
+                args.source,
+                args.days * 86400,
+                args.out,
+                as_json=args.json,
+            )
+        )
+    if args.producers_command == "revoke":
+        return asyncio.run(producers_cli.revoke(layout, args.producer, args.reason, as_json=args.json))
+    return asyncio.run(producers_cli.listing(layout, as_json=args.json))

@@ -46,7 +46,7 @@ class KeyAdmin:
         public_url: str,
     ) -> None:
         self._store = store
-        self._nats = nats
+        self.nats = nats
         self.issuer_id = issuer_id
         self._key_file = key_file
         self._public_url = public_url.rstrip("/")
@@ -151,7 +151,7 @@ class KeyAdmin:
         revocation = Revocation(
             kid=kid, identity=holders[0].id, revoked_at=time.time(), by=by, reason=reason[:200]
         )
-        await record_revocation(self._nats, revocation)
+        await record_revocation(self.nats, revocation)
         return revocation
 
 

@@ -27,11 +27,12 @@ from fleet.buskeys import BusKeys
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import TRANSIENT, Credentials, connect
-from fleet.revocations import Revocations
+from fleet.revocations import Revocations, record_revocation
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tokens import ACCESS_TOKEN_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
 from policy.live import LivePolicy, enforcing, live_policy
+from registry import _producers as producers
 from registry._callout import BusAuthority
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
@@ -331,6 +332,39 @@ async def rotate_issuer_key(request: Request, state: RegistryState) -> Response:
     return JSONResponse({"kid": state.key.kid, "retiring": [old]})
 
 
+async def issue_producer(request: Request, state: RegistryState) -> Response:
+    """Credentials for an event producer outside the fleet (the operator: ``fleet producers
+    issue``): its nkey may publish its tenant's events as its sources until it expires."""
+    claims = await _authorize(request, state, ADMIN_SCOPE)
+    record = await producers.issue(state.store, await _json_body(request), claims.sub)
+    log.warning(
+        "%s issued producer %s credentials for tenant %s, sources %s",
+        claims.sub,
+        record.id,
+        record.tenant,
+        record.sources,
+    )
+    return JSONResponse(record.model_dump(mode="json"), status_code=201)
+
+
+async def list_producers(request: Request, state: RegistryState) -> Response:
+    await _authorize(request, state, ADMIN_SCOPE)
+    return JSONResponse({"producers": [p.model_dump(mode="json") for p in await state.store.producers()]})
+
+
+async def revoke_producer(request: Request, state: RegistryState) -> Response:
+    """Take a producer's credentials back: its connections are closed within a second."""
+    claims = await _authorize(request, state, ADMIN_SCOPE)
+    body = await _json_body(request)
+    revoked = await producers.revoke(
+        state.store, request.path_params["producer_id"], claims.sub, str(body.get("reason", ""))
+    )
+    for revocation in revoked:
+        await record_revocation(state.keys.nats, revocation)
+        state.revocations.note(revocation)
+    return JSONResponse({"revoked": [r.to_json() for r in revoked]})
+
+
 async def list_revocations(request: Request, state: RegistryState) -> Response:
     await _authorize(request, state, "registry:read")
     return JSONResponse({"revoked": [r.to_json() for r in state.revocations.revoked()]})
@@ -465,6 +499,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/keys/{kid}/revoke", _route(revoke_key), methods=["POST"]),
         Route("/v1/issuer/rotate", _route(rotate_issuer_key), methods=["POST"]),
         Route("/v1/revocations", _route(list_revocations)),
+        Route("/v1/producers", _route(list_producers)),
+        Route("/v1/producers", _route(issue_producer), methods=["POST"]),
+        Route("/v1/producers/{producer_id}/revoke", _route(revoke_producer), methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 

@@ -23,8 +23,9 @@ from nats.js.errors import Error as JetStreamError
 
 from coordinator.work import STREAM as WORK_STREAM
 from deploy.nats_cluster import NatsCluster
+from fleet.buskeys import admin_credentials
 from fleet.events import Event, publish_event
-from fleet.natsconn import connect
+from fleet.natsconn import Credentials, connect
 from tests.e2e.conftest import FAST_FAILOVER, Stack, clean_env, send, start_stack, stop_stack, user_message
 
 pytestmark = pytest.mark.e2e
@@ -49,12 +50,19 @@ SLOW = {
 @pytest.fixture(scope="module")
 def fleet_on_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsCluster, Stack]]:
     root = tmp_path_factory.mktemp("cluster")
-    with NatsCluster(root / "nats", size=3) as cluster:
-        stack = start_stack(root / "fleet", env=clean_env(**SETTINGS, FLEET_NATS_URL=cluster.url))
+    keys = root / "bus-keys"
+    with NatsCluster(root / "nats", size=3, keys_dir=keys) as cluster:
+        env = clean_env(**SETTINGS, FLEET_NATS_URL=cluster.url, FLEET_NATS_KEYS_DIR=str(keys))
+        stack = start_stack(root / "fleet", env=env)
         try:
             yield cluster, stack
         finally:
             stop_stack(stack)
+
+
+def admin_of(cluster: NatsCluster) -> Credentials:
+    assert cluster.keys_dir is not None
+    return admin_credentials(cluster.keys_dir)
 
 
 async def query(stack: Stack, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -169,7 +177,7 @@ async def test_killing_the_work_queues_nats_node_loses_no_event_and_runs_continu
 ) -> None:
     cluster, stack = fleet_on_cluster
     token = stack.token("coordinator")
-    producer = await connect(cluster.url, "cluster-producer", replicas=3)
+    producer = await connect(cluster.url, "cluster-producer", replicas=3, credentials=admin_of(cluster))
     try:
         info = await producer.jetstream().stream_info(WORK_STREAM)
         assert info.config.num_replicas == 3 and info.cluster is not None and info.cluster.leader
@@ -212,7 +220,7 @@ async def test_killing_the_work_queues_nats_node_loses_no_event_and_runs_continu
     # The node returns and catches up; the work queue is replicated on three nodes again.
     await asyncio.to_thread(cluster.restart, doomed)
     await asyncio.to_thread(cluster.wait_healthy)
-    checker = await connect(cluster.url, "cluster-check")
+    checker = await connect(cluster.url, "cluster-check", credentials=admin_of(cluster))
     try:
         async with asyncio.timeout(60):
             while True:

@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 
 from deploy.local_stack import OPERATOR_ID, service
+from fleet.buskeys import stack_admin
 from fleet.events import event_payload
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
@@ -186,7 +187,7 @@ async def pause_and_resume(
     runs_db, data_db = dsn(layout, endpoints, "fleet"), dsn(layout, endpoints, "fleet_data")
     before = await disk_bytes(runs_db)
     batch = uuid.uuid4().hex[:8]
-    nc = await connect(endpoints["nats"], "pause-harness")
+    nc = await connect(endpoints["nats"], "pause-harness", credentials=stack_admin(endpoints))
     restarted: list[subprocess.Popen[bytes]] = []
     try:
         events = []

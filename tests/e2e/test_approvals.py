@@ -23,6 +23,7 @@ from a2a.types import Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import InvalidParamsError
 
 from coordinator.signals import OUTCOMES_PREFIX, publish_signal
+from fleet.buskeys import stack_admin
 from fleet.natsconn import connect
 from policy import DEFAULT_BUNDLE_DIR
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant
@@ -156,7 +157,7 @@ async def test_a_refund_over_the_threshold_waits_for_one_approval_however_often_
 ) -> None:
     stack, tenant = gate_stack, fresh_tenant()
     token = stack.token("coordinator", tenant=tenant)
-    nc = await connect(stack.endpoints["nats"], "test-approvals")
+    nc = await connect(stack.endpoints["nats"], "test-approvals", credentials=stack_admin(stack.endpoints))
     try:
         js = nc.jetstream()
         run_id = await paused_at_gate(stack, tenant, token)
@@ -258,7 +259,7 @@ async def test_a_forbidden_approver_is_refused_and_the_run_waits_for_a_real_one(
     ]
 
     # The operator's approval over NATS, with its token verified there, resumes the run.
-    nc = await connect(stack.endpoints["nats"], "test-approvals")
+    nc = await connect(stack.endpoints["nats"], "test-approvals", credentials=stack_admin(stack.endpoints))
     try:
         outcomes = await nc.subscribe(OUTCOMES_PREFIX + run_id)
         operator = stack.token("coordinator", tenant=tenant, scopes=("agent:invoke", "runs:approve"))

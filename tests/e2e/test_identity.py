@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from fleet.buskeys import stack_admin
 from fleet.errors import FleetError
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
@@ -86,7 +87,7 @@ async def audited(
 ) -> dict[str, Any]:
     """The first audit event of ``server`` (stream ``FLEET_AUDIT``) that ``match`` accepts, waiting for
     it to be stored (within about 50 ms of its call)."""
-    broker = await connect(stack.endpoints["nats"], "audit-reader")
+    broker = await connect(stack.endpoints["nats"], "audit-reader", credentials=stack_admin(stack.endpoints))
     try:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -12,6 +12,7 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from fleet.buskeys import stack_admin
 from fleet.eventlog import read_records
 from fleet.natsconn import connect
 from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
@@ -49,7 +50,7 @@ async def test_memory_through_its_mcp_server_is_governed_and_confined_to_the_ten
     refused = await call(stack, no_scope, "remember", {"text": "a note"})
     assert refused.is_error and "policy_denied" in refused.content[0].text
 
-    client = await connect(stack.endpoints["nats"], "test-memory")
+    client = await connect(stack.endpoints["nats"], "test-memory", credentials=stack_admin(stack.endpoints))
     try:
         deadline = time.monotonic() + 5
         while True:
@@ -106,7 +107,7 @@ async def test_a_completed_run_has_its_memory_consolidated_by_the_worker(stack: 
     token = stack.token("coordinator", tenant="acme")
     outcome = await send(stack, user_message(data=TWO_STEPS), token=token)
     assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
-    client = await connect(stack.endpoints["nats"], "test-memory")
+    client = await connect(stack.endpoints["nats"], "test-memory", credentials=stack_admin(stack.endpoints))
     try:
         deadline = time.monotonic() + 10
         while True:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fleet.buskeys import stack_admin
 from fleet.natsconn import connect
 from policy import DEFAULT_BUNDLE_DIR, Bundle
 from policy.live import bundle_message, push, pushed, statuses
@@ -50,7 +51,7 @@ def policy_processes(stack: Stack) -> set[str]:
 async def restored(stack: Stack) -> AsyncIterator[None]:
     """Put the installed bundle back in force after the test, whatever it pushed."""
     yield
-    client = await connect(stack.endpoints["nats"], "test-policy")
+    client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
         installed = Bundle.load()
         await push(client, installed, "test", "restore the installed bundle")
@@ -90,7 +91,7 @@ async def test_a_pushed_rule_is_enforced_by_every_process_within_two_seconds(
     assert f"pushed revision {revision}" in pushed_cli.stdout
 
     # Every process reports the new revision, each swapped in within 2 s of the push (one clock).
-    client = await connect(stack.endpoints["nats"], "test-policy")
+    client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
         pushes = await pushed(client)
         reports = {r["service"]: r for r in await statuses(client)}
@@ -141,7 +142,7 @@ async def test_a_bundle_that_does_not_compile_or_pass_its_tests_is_refused(
 
     # A bundle that reaches the bucket without the CLI's checks is refused by every process.
     uncompilable = Bundle.load(broken)
-    client = await connect(stack.endpoints["nats"], "test-policy")
+    client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
         from fleet.natsconn import key_value
         from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET
@@ -166,7 +167,7 @@ async def test_a_bundle_that_does_not_compile_or_pass_its_tests_is_refused(
 
 
 async def _statuses(stack: Stack) -> list[dict[str, Any]]:
-    client = await connect(stack.endpoints["nats"], "test-policy")
+    client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
         return await statuses(client)
     finally:
@@ -177,7 +178,7 @@ async def test_a_push_is_rolled_back_and_every_decision_is_in_the_log(
     stack: Stack, tmp_path: Path, restored: None
 ) -> None:
     installed = Bundle.load()
-    client = await connect(stack.endpoints["nats"], "test-policy")
+    client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
         await push(client, installed, "test", "the starting point")
     finally:

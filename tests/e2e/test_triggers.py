@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from coordinator.triggers import batch_owner, batch_run_id
+from fleet.buskeys import stack_admin
 from fleet.events import DEAD_LETTER_STREAM, Event, event_payload, publish_event, publish_raw
 from fleet.natsconn import connect
 from tests.e2e.a2a_helpers import fresh_tenant
@@ -70,7 +71,7 @@ async def test_an_event_published_twice_with_one_id_makes_one_run(stack: Stack) 
 
     # The same event again after the stream's de-duplication window (another message id): the run
     # id derives from the event, so it finds its run instead of making a second one.
-    client = await connect(stack.endpoints["nats"], "test-producer")
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
     try:
         assert await publish_raw(client, CLOSED, envelope(event_id, source="cli"), f"{event_id}-republished")
         sentinel = f"sentinel-{uuid.uuid4().hex[:8]}"
@@ -98,7 +99,9 @@ def envelope(
 
 
 async def dead_letters(stack: Stack) -> list[dict[str, Any]]:
-    client = await connect(stack.endpoints["nats"], "test-dead-letters")
+    client = await connect(
+        stack.endpoints["nats"], "test-dead-letters", credentials=stack_admin(stack.endpoints)
+    )
     try:
         js = client.jetstream()
         info = await js.stream_info(DEAD_LETTER_STREAM)
@@ -117,7 +120,7 @@ async def dead_letters(stack: Stack) -> list[dict[str, Any]]:
 async def test_a_malformed_event_is_dead_lettered_with_its_reason_and_the_rest_flow(stack: Stack) -> None:
     marker = uuid.uuid4().hex[:8]
     good = f"good-{marker}"
-    client = await connect(stack.endpoints["nats"], "test-producer")
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
     try:
         await publish_raw(client, CLOSED, b"this is not json " + marker.encode(), f"bad-{marker}")
         missing = json.dumps({"id": f"no-tenant-{marker}", "source": "test", "type": "t"}).encode()
@@ -143,7 +146,7 @@ async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start
     stack: Stack,
 ) -> None:
     source = f"bulk-{uuid.uuid4().hex[:8]}"
-    client = await connect(stack.endpoints["nats"], "test-producer")
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
     try:
         _, kept = await publish_event(
             client,
@@ -191,7 +194,7 @@ async def test_a_run_waits_for_an_event_of_its_tenant_and_goes_on_with_it(stack:
                 break
             await asyncio.sleep(0.1)
     run_id = str(row[0])
-    client = await connect(stack.endpoints["nats"], "test-producer")
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
     try:
         # Another tenant's event, and one of another type, on the same subject: not for this run.
         await publish_event(client, subject, tenant="globex", source="erp", type_="po.approved", data={})
@@ -233,7 +236,7 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
     calls, opening one case per invoice. An invoice after the close is dead-lettered, not lost."""
     tenant = fresh_tenant()
     count = 1000
-    client = await connect(stack.endpoints["nats"], "test-producer")
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
     try:
         js = client.jetstream()
         items = [
