@@ -163,11 +163,10 @@ def signer_of(layout: StackLayout, signing: Signing) -> PolicySigner:
         raise PolicyError(f"no signing key at {key_file}")
     try:
         key = SigningKey.load_or_create(key_file)
-    except ValueError as exc:
-        raise PolicyError(f"{key_file}: {exc}") from exc
-    if signing.certificate_file is None:
-        return PolicySigner.operator(key)
-    return PolicySigner.author_of(key, signing.certificate_file.read_text().strip())
+        certificate = signing.certificate_file.read_text().strip() if signing.certificate_file else None
+    except (OSError, ValueError) as exc:
+        raise PolicyError(f"cannot read the signing key or certificate: {exc}") from exc
+    return PolicySigner.operator(key) if certificate is None else PolicySigner.author_of(key, certificate)
 
 
 def verifier_of(layout: StackLayout) -> PushVerifier:

@@ -23,6 +23,7 @@ back before it expires: keep lifetimes short (``fleet policy authorize --days``)
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,11 @@ class PushVerifier:
 
     @classmethod
     def from_file(cls, path: Path) -> PushVerifier:
-        return cls(json.loads(path.read_text()))
+        """The verifier of the operator's public JWK in ``path``; :class:`PolicyError` if unusable."""
+        try:
+            return cls(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PolicyError(f"cannot read the operator's public key {path}: {exc}") from exc
 
     def verify(self, bundle: Bundle, facts: dict[str, Any], *, now: float | None = None) -> str:
         """The author of this push of ``bundle``, if its signature covers this bundle and these
@@ -157,7 +162,7 @@ class PushVerifier:
         if any(claims.get(k) != facts.get(k) for k in SIGNED_FACTS):
             raise PushRefused("bad_signature", "the push's facts are not the ones signed")
         pushed_at = claims.get("pushed_at")
-        if not isinstance(pushed_at, int | float):
+        if not isinstance(pushed_at, int | float) or not math.isfinite(pushed_at):
             raise PushRefused("bad_signature", "the signature has no pushed_at")
         if pushed_at > (time.time() if now is None else now) + MAX_CLOCK_SKEW_S:
             raise PushRefused("bad_signature", "the push is dated in the future")

@@ -17,7 +17,7 @@ import pytest
 
 from fleet.keys import SigningKey
 from fleet.natsconn import connect, key_value
-from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicySigner
+from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicySigner, certify_author
 from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET, bundle_message, push, pushed, statuses
 from tests.e2e.conftest import Stack, fleet
 from tests.e2e.test_mcp_and_registry import call_query
@@ -222,6 +222,17 @@ async def test_a_push_is_rolled_back_and_every_decision_is_in_the_log(
     assert tool_calls[-1]["result"]["allow"] is True and len(tool_calls[-1]["input_sha256"]) == 64
 
 
+async def handled_by_all(stack: Stack, client: Any, seq: int) -> dict[str, dict[str, Any]]:
+    """The reports of the stack's deciding processes once each has handled push ``seq``."""
+    deadline = time.monotonic() + 5
+    while True:
+        reports = {r["service"]: r for r in await statuses(client) if r["service"] in policy_processes(stack)}
+        if set(reports) == policy_processes(stack) and all(r["seq"] >= seq for r in reports.values()):
+            return reports
+        assert time.monotonic() < deadline, reports
+        await asyncio.sleep(0.05)
+
+
 def allow_all() -> Bundle:
     """The installed bundle with every tool call allowed: what an attacker would push."""
     installed = Bundle.load()
@@ -245,25 +256,29 @@ async def test_an_allow_all_bundle_written_into_the_bucket_is_enforced_by_no_pro
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
     assert "SQL is longer than 4000 characters" in (await call_query(stack, token, too_long)).content[0].text
     forged = allow_all()
+    # A bootstrap identity gone bad (the registry: the key the fleet trusts most after the operator's)
+    # certifies itself and signs; then a plain attacker writes the bundle unsigned.
+    registry_key = SigningKey.load_or_create(stack.layout.key_file("registry"))
+    self_certified = PolicySigner.author_of(
+        registry_key, certify_author(registry_key, "registry", registry_key.public_jwk())
+    )
     client = await connect(stack.endpoints["nats"], "attacker")  # the stack's NATS takes anyone for now
     try:
         bucket = await key_value(client, POLICY_BUCKET, history=HISTORY)
-        seq = int(await bucket.put(BUNDLE_KEY, bundle_message(forged, "operator:root", "open everything")))
-        deadline = time.monotonic() + 5
-        while True:  # every process has handled the write, and refused it
-            reports = {
-                r["service"]: r for r in await statuses(client) if r["service"] in policy_processes(stack)
+        for signer, reason in (
+            (self_certified, "unauthorized"),
+            (PolicySigner.operator(registry_key), "bad_signature"),
+            (None, "unsigned"),
+        ):
+            message = bundle_message(forged, "operator:root", "open everything", signer=signer)
+            seq = int(await bucket.put(BUNDLE_KEY, message))
+            reports = await handled_by_all(stack, client, seq)
+            assert {r["revision"] for r in reports.values()} == {Bundle.load().revision}
+            assert {(r["refused"]["revision"], r["refused"]["reason"]) for r in reports.values()} == {
+                (forged.revision, reason)
             }
-            if set(reports) == policy_processes(stack) and all(r["seq"] >= seq for r in reports.values()):
-                break
-            assert time.monotonic() < deadline, reports
-            await asyncio.sleep(0.05)
     finally:
         await client.close()
-    assert {r["revision"] for r in reports.values()} == {Bundle.load().revision}
-    assert {(r["refused"]["revision"], r["refused"]["reason"]) for r in reports.values()} == {
-        (forged.revision, "unsigned")
-    }
     refused = await call_query(stack, token, too_long)  # what the allow-all bundle would run
     assert refused.is_error and "SQL is longer than 4000 characters" in refused.content[0].text
 
