@@ -192,7 +192,6 @@ async def push_bundle(
     """``fleet policy push``: compile and test the bundle here, sign and push it, wait until it is
     enforced."""
     try:
-        signer = signer_of(layout, signing)
         bundle = _load(directory)
         failures = check(bundle)
     except PolicyError as exc:
@@ -201,6 +200,10 @@ async def push_bundle(
         for r in failures:
             print(f"data.{r.package}.{r.name}: {r.outcome.upper()} {r.detail}", file=sys.stderr)
         return _refused(f"refused: {len(failures)} test(s) of the bundle do not pass", as_json)
+    try:
+        signer = signer_of(layout, signing)
+    except PolicyError as exc:
+        return _refused(f"refused: {exc.message}", as_json)
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
