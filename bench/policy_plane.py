@@ -31,8 +31,9 @@ from typing import Any
 import httpx
 
 from bench._nats import embedded_nats, free_port
+from fleet.keys import SigningKey
 from fleet.natsconn import connect
-from policy import Bundle, RegorusEngine
+from policy import Bundle, PolicySigner, RegorusEngine
 from policy.live import LivePolicy, push, statuses
 from policy.opa_rest import OpaRestEngine
 
@@ -152,24 +153,27 @@ async def decisions(n: int = 4000) -> dict[str, Any]:
 
 
 FOLLOWER = """
-import asyncio, sys
+import asyncio, json, sys
+from fleet.keys import SigningKey
 from fleet.natsconn import connect
-from policy import Bundle, RegorusEngine
+from policy import Bundle, PushVerifier, RegorusEngine
 from policy.live import LivePolicy, enforcing
 
-async def main(url, name):
+async def main(url, name, operator_jwk):
     async def factory(bundle):
         return RegorusEngine(bundle)
     client = await connect(url, name)
-    async with enforcing(LivePolicy(name, factory, RegorusEngine(Bundle.load())), client):
+    verifier = PushVerifier(json.loads(operator_jwk))
+    async with enforcing(LivePolicy(name, factory, RegorusEngine(Bundle.load()), verifier=verifier), client):
         print("ready", flush=True)
         await asyncio.Event().wait()
 
-asyncio.run(main(sys.argv[1], sys.argv[2]))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
 """
 
 
 async def push_to_enforced(nats_url: str) -> dict[str, Any]:
+    operator = SigningKey.generate()  # the followers verify every push with its public key
     followers = [
         await asyncio.create_subprocess_exec(
             sys.executable,
@@ -177,6 +181,7 @@ async def push_to_enforced(nats_url: str) -> dict[str, Any]:
             FOLLOWER,
             nats_url,
             f"follower-{i}",
+            json.dumps(operator.public_jwk()),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
@@ -193,7 +198,7 @@ async def push_to_enforced(nats_url: str) -> dict[str, Any]:
             config["tools"]["mcp-sql"]["query"]["max_sql_length"] = 1000 + k
             bundle = base.with_data({**base.data, "config": config}, f"bench-{k}")
             pushed_at = time.time()
-            await push(client, bundle, "bench")
+            await push(client, bundle, "bench", signer=PolicySigner.operator(operator))
             deadline = time.monotonic() + 10
             while True:
                 reports = [r for r in await statuses(client) if r["service"].startswith("follower-")]

@@ -153,10 +153,10 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         "FLEET_NATS_REPLICAS": "1" if platform == "compose" else str(NATS_NODES),
         "FLEET_LOG_LEVEL": "info",
     }
-    if spec.kind == "registry":
-        jwk_dir = IDENTITY_DIR if platform == "compose" else OPERATOR_JWK_DIR
-        env["FLEET_OPERATOR_JWK_FILE"] = f"{jwk_dir}/operator.jwk.json"
-    else:
+    # Every service: the registry verifies enrollment tokens with it, every process the policy pushes.
+    jwk_dir = IDENTITY_DIR if platform == "compose" else OPERATOR_JWK_DIR
+    env["FLEET_OPERATOR_JWK_FILE"] = f"{jwk_dir}/operator.jwk.json"
+    if spec.kind != "registry":
         env["FLEET_REGISTRY_URL"] = f"http://registry:{PORT}"
     if spec.kind in POLICY_KINDS:
         host = "opa" if platform == "compose" else "127.0.0.1"  # compose: central; k8s: the pod's sidecar

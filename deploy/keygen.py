@@ -102,8 +102,8 @@ def _keep_or_write(path: Path, text: str, mode: int = 0o600) -> str:
 
 def make_secrets(root: Path) -> SecretsDir:
     """Create what is missing under ``root``: the operator key and JWK, one key per identity (and
-    its public JWK), the Postgres passwords and DSNs, the registry's copy of the operator JWK.
-    Existing files are kept."""
+    its public JWK), the Postgres passwords and DSNs, each identity's copy of the operator JWK.
+    Existing files are kept (the copies follow the operator JWK)."""
     layout = SecretsDir(root)
     operator = SigningKey.load_or_create(layout.operator_key)
     jwk = json.dumps(operator.public_jwk())
@@ -113,7 +113,8 @@ def make_secrets(root: Path) -> SecretsDir:
         if spec.kind != "registry":  # the registry does not enroll (it holds the operator's JWK)
             # Written every time: it follows the key (a key deleted and made again, to rotate it).
             _write_private(layout.public_jwk(spec.id), json.dumps(key.public_jwk()), 0o644)
-    _keep_or_write(layout.identity("registry") / "operator.jwk.json", layout.operator_jwk.read_text(), 0o644)
+    for spec in identities():  # the registry verifies enrollments with it; every service, policy pushes
+        _write_private(layout.identity(spec.id) / "operator.jwk.json", layout.operator_jwk.read_text(), 0o644)
     # The Postgres image reads its password files as its own user: these few are world-readable
     # in their folder, which only the Postgres container mounts.
     _keep_or_write(layout.pg_password("postgres"), secrets.token_urlsafe(24), 0o644)

@@ -35,6 +35,20 @@ def _with_json(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _with_signing(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Who signs a policy push: the data dir's operator key, or an author's (both options)."""
+    p.add_argument(
+        "--key", type=Path, default=None, help="an author's private key (PEM); default: the operator's"
+    )
+    p.add_argument(
+        "--certificate",
+        type=Path,
+        default=None,
+        help="the operator's certificate for that key (policy authorize)",
+    )
+    return p
+
+
 def _with_tenant(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tenant", default="default", help="the tenant the run belongs to")
     return p
@@ -216,10 +230,17 @@ def _parser() -> argparse.ArgumentParser:
     ppush.add_argument("dir", nargs="?", type=Path, default=None, help="default: the installed bundle")
     ppush.add_argument("--note", default="", help="recorded with the push")
     ppush.add_argument("--wait", type=float, default=10.0, help="seconds to wait for every process (10)")
-    _with_json(ppush)
+    _with_json(_with_signing(ppush))
     prollback = with_dir(policy_sub.add_parser("rollback", help="push the previous revision again"))
     prollback.add_argument("--wait", type=float, default=10.0)
-    _with_json(prollback)
+    _with_json(_with_signing(prollback))
+    pauthorize = with_dir(
+        policy_sub.add_parser("authorize", help="certify, as the operator, that an author may push policy")
+    )
+    pauthorize.add_argument("author", help="the author's id, e.g. alice")
+    pauthorize.add_argument("--key", type=Path, required=True, help="the author's public key (JWK or PEM)")
+    pauthorize.add_argument("--days", type=float, default=90.0, help="how long the certificate lasts (90)")
+    _with_json(pauthorize)
     pstatus = with_dir(policy_sub.add_parser("status", help="the revision each process enforces"))
     pstatus.add_argument("--json", action="store_true")
     plog = with_dir(policy_sub.add_parser("log", help="the decision log"))
@@ -451,10 +472,15 @@ def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
         return policy_cli.test(args.dir, verbose=args.verbose, coverage=args.coverage, as_json=args.json)
     if which == "eval":
         return policy_cli.evaluate(args.query, args.input, args.dir)
-    if which == "push":
-        return asyncio.run(policy_cli.push_bundle(layout, args.dir, args.note, args.wait, as_json=args.json))
-    if which == "rollback":
-        return asyncio.run(policy_cli.roll_back(layout, args.wait, as_json=args.json))
+    if which in ("push", "rollback"):
+        signing = policy_cli.Signing(args.key, args.certificate)
+        if which == "rollback":
+            return asyncio.run(policy_cli.roll_back(layout, args.wait, as_json=args.json, signing=signing))
+        return asyncio.run(
+            policy_cli.push_bundle(layout, args.dir, args.note, args.wait, as_json=args.json, signing=signing)
+        )
+    if which == "authorize":
+        return policy_cli.authorize(layout, args.author, args.key, args.days, as_json=args.json)
     if which == "status":
         return asyncio.run(policy_cli.status(layout, as_json=args.json))
     if which == "serve":

@@ -3,10 +3,14 @@
 - ``test [DIR]``: the bundle's Rego unit tests (every ``test_*`` rule), like ``opa test``;
   ``--coverage`` adds the lines of the policies the tests did not reach.
 - ``eval QUERY [--input FILE] [--dir DIR]``: one decision, as the fleet would take it.
-- ``push [DIR]``: compile and test the bundle, then make it the policy of every running process
-  (each swaps it in only if it compiles there too; see :mod:`policy.live`); waits until they do.
-- ``rollback``: push the revision before the current one again.
-- ``status``: the revision each process enforces, and what it refused.
+- ``push [DIR]``: compile and test the bundle, sign it, then make it the policy of every running
+  process (each swaps it in only if its signature verifies and it compiles there too; see
+  :mod:`policy.live`); waits until they do. Signed with the operator key of the data dir, or with
+  ``--key PEM --certificate FILE``: an author's key and the operator's certificate for it.
+- ``rollback``: push the revision before the current one again (signed again, as ``push``).
+- ``authorize AUTHOR --key FILE``: the operator's certificate that AUTHOR may push with that key.
+- ``status``: the revision each process enforces, what it refused, and whether the last push
+  verifies.
 - ``log [--follow]``: the decision log (``fleet.decisions.>``).
 - ``serve [DIR]``: OPA's REST API over the embedded engine (:mod:`policy.rest_server`).
 """
@@ -21,17 +25,28 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from deploy.local_stack import OPERATOR_ID
 from fleet.cli_common import report_error
 from fleet.errors import ErrorCode, FleetError
+from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import connect, stream_replicas
-from policy import Bundle, PolicyError, RegorusEngine
-from policy.live import DECISIONS_STREAM, push, pushed, rollback, statuses
+from policy import (
+    Bundle,
+    PolicyError,
+    PolicySigner,
+    PushVerifier,
+    RegorusEngine,
+    certify_author,
+    public_jwk_from_file,
+)
+from policy.live import DECISIONS_STREAM, last_push, push, pushed, rollback, statuses
 from policy.testing import RegoTestResult, run_bundle_tests
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
@@ -135,10 +150,52 @@ async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
             await client.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Signing:
+    """Who signs a push or rollback: the operator key of the data dir (both None), or an author's
+    private key and the operator's certificate for it."""
+
+    key_file: Path | None = None
+    certificate_file: Path | None = None
+
+
+def signer_of(layout: StackLayout, signing: Signing) -> PolicySigner:
+    """The signer ``signing`` names; :class:`PolicyError` if its files are missing or unusable."""
+    if (signing.key_file is None) != (signing.certificate_file is None):
+        raise PolicyError("an author signs with both --key and --certificate")
+    key_file = signing.key_file or layout.key_file(OPERATOR_ID)
+    if not key_file.is_file():
+        raise PolicyError(f"no signing key at {key_file}")
+    try:
+        key = SigningKey.load_or_create(key_file)
+        certificate = signing.certificate_file.read_text().strip() if signing.certificate_file else None
+    except (OSError, ValueError) as exc:
+        raise PolicyError(f"cannot read the signing key or certificate: {exc}") from exc
+    return PolicySigner.operator(key) if certificate is None else PolicySigner.author_of(key, certificate)
+
+
+def verifier_of(layout: StackLayout) -> PushVerifier:
+    """What every process checks pushes with: the operator's public key of the data dir."""
+    if not layout.operator_jwk_file.is_file():
+        raise PolicyError(f"no operator public key at {layout.operator_jwk_file}")
+    return PushVerifier.from_file(layout.operator_jwk_file)
+
+
+def _pushed_by(signer: PolicySigner) -> str:
+    return f"{signer.author}:{getpass.getuser()}"
+
+
 async def push_bundle(
-    layout: StackLayout, directory: Path | None, note: str, wait_s: float, *, as_json: bool = False
+    layout: StackLayout,
+    directory: Path | None,
+    note: str,
+    wait_s: float,
+    *,
+    as_json: bool = False,
+    signing: Signing = Signing(),
 ) -> int:
-    """``fleet policy push``: compile and test the bundle here, push it, wait until it is enforced."""
+    """``fleet policy push``: compile and test the bundle here, sign and push it, wait until it is
+    enforced."""
     try:
         bundle = _load(directory)
         failures = check(bundle)
@@ -148,11 +205,15 @@ async def push_bundle(
         for r in failures:
             print(f"data.{r.package}.{r.name}: {r.outcome.upper()} {r.detail}", file=sys.stderr)
         return _refused(f"refused: {len(failures)} test(s) of the bundle do not pass", as_json)
+    try:
+        signer = signer_of(layout, signing)
+    except PolicyError as exc:
+        return _refused(f"refused: {exc.message}", as_json)
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
         started = time.monotonic()
-        seq = await push(client, bundle, f"operator:{getpass.getuser()}", note)
+        seq = await push(client, bundle, _pushed_by(signer), note, signer=signer)
         if not as_json:
             print(f"pushed revision {bundle.revision}")
         return await _await_enforced(client, bundle.revision, seq, started, wait_s, as_json)
@@ -211,14 +272,21 @@ def _enforced_outcome(
     return code
 
 
-async def roll_back(layout: StackLayout, wait_s: float, *, as_json: bool = False) -> int:
-    """``fleet policy rollback``: push the revision in force before the current one again."""
+async def roll_back(
+    layout: StackLayout, wait_s: float, *, as_json: bool = False, signing: Signing = Signing()
+) -> int:
+    """``fleet policy rollback``: push the revision in force before the current one again, signed
+    by the one rolling back."""
+    try:
+        signer, verifier = signer_of(layout, signing), verifier_of(layout)
+    except PolicyError as exc:
+        return _refused(f"refused: {exc.message}", as_json)
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
         started = time.monotonic()
         try:
-            seq, bundle = await rollback(client, f"operator:{getpass.getuser()}")
+            seq, bundle = await rollback(client, _pushed_by(signer), signer=signer, verifier=verifier)
         except PolicyError as exc:
             return _refused(exc.message, as_json)
         if not as_json:
@@ -226,17 +294,51 @@ async def roll_back(layout: StackLayout, wait_s: float, *, as_json: bool = False
         return await _await_enforced(client, bundle.revision, seq, started, wait_s, as_json)
 
 
+def authorize(layout: StackLayout, author: str, key_file: Path, days: float, *, as_json: bool) -> int:
+    """``fleet policy authorize``: print the operator's certificate that ``author``, holding the key
+    in ``key_file`` (a public JWK or PEM), may push policy for ``days``."""
+    operator_key = layout.key_file(OPERATOR_ID)
+    try:
+        if not operator_key.is_file():
+            raise PolicyError(f"no operator key at {operator_key}")
+        jwk = public_jwk_from_file(key_file)
+        certificate = certify_author(
+            SigningKey.load_or_create(operator_key), author, jwk, lifetime_s=days * 86400
+        )
+    except (OSError, ValueError) as exc:
+        return report_error(FleetError(ErrorCode.INVALID_REQUEST, f"{key_file}: {exc}"), as_json=as_json)
+    except PolicyError as exc:
+        return _refused(exc.message, as_json)
+    if as_json:
+        print(json.dumps({"author": author, "kid": jwk["kid"], "days": days, "certificate": certificate}))
+    else:
+        print(certificate)
+    return EXIT_OK
+
+
 async def status(layout: StackLayout, *, as_json: bool) -> int:
+    try:
+        verifier = verifier_of(layout)
+    except PolicyError as exc:
+        return _refused(exc.message, as_json)
     async with _broker(layout) as client:
         if client is None:
             return EXIT_NOT_RUNNING
-        history = await pushed(client)
+        history = await pushed(client, verifier)
+        last = await last_push(client, verifier)
         reports = await statuses(client)
     current = history[-1][1].revision if history else None
+    refused_push = (
+        {"seq": last[0], "revision": last[1], "error": last[2]} if last is not None and last[2] else None
+    )
     if as_json:
-        print(json.dumps({"pushed": current, "processes": reports}, indent=2))
+        print(json.dumps({"pushed": current, "refused_push": refused_push, "processes": reports}, indent=2))
         return EXIT_OK
-    print(f"pushed   {current or '(nothing pushed: each process enforces the bundle it started with)'}")
+    print(f"pushed   {current or '(nothing valid pushed: each process enforces the bundle it started with)'}")
+    if refused_push:
+        print(
+            f"REFUSED  the last push (#{refused_push['seq']}, {refused_push['revision']}): {refused_push['error']}"
+        )
     for r in reports:
         refused = (
             f"  REFUSED {r['refused'].get('revision', '?')}: {r['refused']['error']}"

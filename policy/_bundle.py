@@ -45,6 +45,17 @@ class Bundle:
         digest.update(json.dumps(data, sort_keys=True).encode())
         return cls(root, modules, data, f"{label.split('+')[0]}+{digest.hexdigest()[:12]}")
 
+    @property
+    def digest(self) -> str:
+        """The SHA-256 of the content (all of it: the revision keeps 48 bits of a hash, too few to
+        sign), over canonical JSON so that no two contents encode alike."""
+        canonical = json.dumps(
+            {"modules": [list(m) for m in self.modules], "data": self.data},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
     def with_data(self, data: dict[str, Any], label: str | None = None) -> Bundle:
         """The same modules with ``data`` (a new revision)."""
         return Bundle.of(self.root, self.modules, data, label or self.revision)

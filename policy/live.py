@@ -1,15 +1,20 @@
 """The policy a running process enforces, and how a new bundle reaches every process at once.
 
 ``fleet policy push DIR`` compiles the bundle and runs its tests, then puts it (sources, data,
-revision) in the NATS KV bucket ``fleet-policy`` under ``bundle``. Every process holds a
-:class:`LivePolicy` that follows that key: a new revision is compiled in the process and swapped in
-only if it compiles; otherwise the process keeps serving the revision it has and reports the refusal.
+revision), signed by its author (:mod:`policy._signing`), in the NATS KV bucket ``fleet-policy``
+under ``bundle``. Every process holds a :class:`LivePolicy` that follows that key: a new revision is
+swapped in only if its signature verifies with the operator's key (the operator signed it, or an
+author the operator certified), it is newer than the push in force, and it compiles in the process;
+otherwise the process keeps serving the revision it has and reports the refusal. Anyone who can
+write the bucket can write to it, so nothing unsigned there is ever enforced.
 Each process reports what it enforces in the bucket ``fleet-policy-status`` (one key per process),
 which ``fleet policy status`` lists. The bucket keeps the last ``HISTORY`` pushes: ``fleet policy
 rollback`` pushes the one before the current again.
 
 Until the first push, a process enforces the bundle it was started with (``FLEET_POLICY_DIR``, or
-the installed one). A process that starts after a push reads the pushed bundle before it serves.
+the installed one). A process that starts after a push enforces, before it serves, the newest kept
+push that verifies and compiles (so a forged last push leaves the last valid one in force), or the
+bundle it was started with if none does.
 
 Every decision is also a record on ``fleet.decisions.<process>`` (stream ``FLEET_DECISIONS``),
 shaped like OPA's decision log: its id, the query, the bundle revision, a hash of the input (never the
@@ -32,7 +37,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
 from fleet import telemetry
 from fleet.errors import FleetError
@@ -40,6 +45,7 @@ from fleet.eventlog import EventLog
 from fleet.natsconn import key_value, kv_history, kv_keys
 from fleet.settings import ServiceSettings
 from policy._bundle import Bundle
+from policy._signing import PolicySigner, PushRefused, PushVerifier
 from policy.engine import Decision, PolicyEngine
 from policy.errors import PolicyError
 from policy.regorus_engine import RegorusEngine
@@ -60,29 +66,34 @@ STATUS_TTL_S = 60.0
 EngineFactory = Callable[[Bundle], Awaitable[PolicyEngine]]
 
 
-def bundle_message(bundle: Bundle, pushed_by: str, note: str = "", **facts: Any) -> bytes:
-    """What ``push`` stores: the bundle's sources, data and revision, and who pushed it."""
-    return json.dumps(
-        {
-            "revision": bundle.revision,
-            "modules": [list(m) for m in bundle.modules],
-            "data": bundle.data,
-            "pushed_by": pushed_by,
-            "pushed_at": time.time(),
-            "note": note,
-            **facts,
-        }
-    ).encode()
+def bundle_message(
+    bundle: Bundle,
+    pushed_by: str,
+    note: str = "",
+    *,
+    signer: PolicySigner | None = None,
+    restores: int | None = None,
+) -> bytes:
+    """What ``push`` stores: the bundle's sources, data and revision, who pushed it, and (with a
+    ``signer``) the author's signature over all of it. Without one, a push every process refuses."""
+    facts: dict[str, Any] = {"pushed_by": pushed_by, "pushed_at": time.time(), "note": note}
+    if restores is not None:
+        facts["restores"] = restores
+    if signer is not None:
+        facts |= signer.sign(bundle, facts)
+    body = {"revision": bundle.revision, "modules": [list(m) for m in bundle.modules], "data": bundle.data}
+    return json.dumps(body | facts).encode()
 
 
 def bundle_of(message: bytes) -> tuple[Bundle, dict[str, Any]]:
     """The bundle in a pushed ``message`` (its revision computed again from its content: a message
-    cannot name another content's revision), and the push's facts (who, when, note...)."""
+    cannot name another content's revision), and the push's facts (who, when, note, signature...),
+    not yet verified (:meth:`PushVerifier.verify`)."""
     try:
         body = json.loads(message)
         modules = tuple((str(name), str(source)) for name, source in body["modules"])
         bundle = Bundle.of(Path(f"nats:{POLICY_BUCKET}"), modules, dict(body["data"]), str(body["revision"]))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PolicyError(f"the pushed bundle is unreadable: {exc}") from exc
     facts = {k: v for k, v in body.items() if k not in ("revision", "modules", "data")}
     return bundle, facts
@@ -94,30 +105,65 @@ async def _bucket(client: NATS, name: str) -> Any:
     return await key_value(client, POLICY_BUCKET, history=HISTORY)
 
 
-async def push(client: NATS, bundle: Bundle, pushed_by: str, note: str = "", **facts: Any) -> int:
-    """Make ``bundle`` the fleet's policy (the caller has compiled and tested it); the push's
-    sequence (every process reports the sequence it last handled)."""
+async def push(
+    client: NATS,
+    bundle: Bundle,
+    pushed_by: str,
+    note: str = "",
+    *,
+    signer: PolicySigner,
+    restores: int | None = None,
+) -> int:
+    """Make ``bundle`` the fleet's policy, signed by ``signer`` (the caller has compiled and tested
+    it); the push's sequence (every process reports the sequence it last handled)."""
     bucket = await _bucket(client, POLICY_BUCKET)
-    return int(await bucket.put(BUNDLE_KEY, bundle_message(bundle, pushed_by, note, **facts)))
+    message = bundle_message(bundle, pushed_by, note, signer=signer, restores=restores)
+    return int(await bucket.put(BUNDLE_KEY, message))
 
 
-async def pushed(client: NATS) -> list[tuple[int, Bundle, dict[str, Any]]]:
-    """The pushes the bucket keeps, oldest first: (sequence, bundle, facts)."""
+async def pushed(
+    client: NATS, verifier: PushVerifier | None = None
+) -> list[tuple[int, Bundle, dict[str, Any]]]:
+    """The pushes the bucket keeps, oldest first: (sequence, bundle, facts). Unreadable ones are
+    left out; with a ``verifier``, so is every push it refuses (what no process enforces)."""
     bucket = await _bucket(client, POLICY_BUCKET)
     kept = []
     for revision, value in await kv_history(bucket, BUNDLE_KEY):
-        if value:
+        with contextlib.suppress(PolicyError):
             bundle, facts = bundle_of(value)
+            if verifier is not None:
+                verifier.verify(bundle, facts)
             kept.append((revision, bundle, facts))
     return kept
 
 
-async def rollback(client: NATS, pushed_by: str) -> tuple[int, Bundle]:
-    """Push again the revision that was in force before the current one: after a rollback, the one
-    before that (the bucket keeps the last ``HISTORY`` pushes). Its sequence and bundle."""
-    kept = await pushed(client)
+async def last_push(client: NATS, verifier: PushVerifier) -> tuple[int, str | None, str | None] | None:
+    """The last push in the bucket: its sequence, its revision (None if unreadable), and why no
+    process enforces it (None if it verifies); None if nothing was pushed."""
+    bucket = await _bucket(client, POLICY_BUCKET)
+    history = await kv_history(bucket, BUNDLE_KEY)
+    if not history:
+        return None
+    seq, value = history[-1]
+    revision = None
+    try:
+        bundle, facts = bundle_of(value)
+        revision = bundle.revision
+        verifier.verify(bundle, facts)
+    except PolicyError as exc:
+        return seq, revision, exc.message
+    return seq, revision, None
+
+
+async def rollback(
+    client: NATS, pushed_by: str, *, signer: PolicySigner, verifier: PushVerifier
+) -> tuple[int, Bundle]:
+    """Push again, signed by ``signer``, the revision that was in force before the current one:
+    after a rollback, the one before that (the bucket keeps the last ``HISTORY`` pushes; pushes
+    that do not verify are passed over). Its sequence and bundle."""
+    kept = await pushed(client, verifier)
     if not kept:
-        raise PolicyError("nothing was pushed: there is nothing to roll back")
+        raise PolicyError("nothing valid was pushed: there is nothing to roll back")
     sequences = [seq for seq, _, _ in kept]
     _, current, facts = kept[-1]
     start = sequences.index(facts["restores"]) if facts.get("restores") in sequences else len(kept) - 1
@@ -125,7 +171,8 @@ async def rollback(client: NATS, pushed_by: str) -> tuple[int, Bundle]:
     if not earlier:
         raise PolicyError("no earlier revision is kept to roll back to")
     target_seq, target = earlier[-1]
-    seq = await push(client, target, pushed_by, f"rollback from {current.revision}", restores=target_seq)
+    note = f"rollback from {current.revision}"
+    seq = await push(client, target, pushed_by, note, signer=signer, restores=target_seq)
     return seq, target
 
 
@@ -157,12 +204,16 @@ class LivePolicy:
         *,
         engine_name: str = "embedded",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        verifier: PushVerifier | None = None,
     ) -> None:
         """``engine``: the engine of the bundle this process starts with, or that bundle (its engine
         is made by :meth:`follow`, unless the fleet has pushed one; until then every decision is
         refused); ``make_engine`` makes the engine of a bundle (:class:`PolicyError` if it does not
-        compile)."""
+        compile); ``verifier`` checks each push's signature (without one, every push is refused)."""
         self.service_id = service_id
+        self._verifier = verifier
+        self._pushed_at = 0.0  # when the push in force was signed (0: the bundle started with)
+        self._author: str | None = None
         self._make = make_engine
         self._initial = engine if isinstance(engine, Bundle) else None
         self._engine: PolicyEngine | None = None if isinstance(engine, Bundle) else engine
@@ -194,6 +245,13 @@ class LivePolicy:
     @property
     def engine(self) -> PolicyEngine | None:
         return self._engine
+
+    @property
+    def refused(self) -> dict[str, Any] | None:
+        """The last push this process refused, if it refused the last one it handled: its ``seq``,
+        ``revision``, ``reason`` (``unsigned``, ``bad_signature``, ``unauthorized``, ``stale``,
+        ``no_trust_root``, ``unreadable``, ``does_not_compile``) and ``error``."""
+        return self._refused
 
     async def decide(
         self, path: str, input_document: dict[str, Any], *, log_decision: bool = True
@@ -262,12 +320,9 @@ class LivePolicy:
         the fleet has pushed none, or the pushed one does not compile here."""
         bucket = await _bucket(client, POLICY_BUCKET)  # exists before anyone reads it
         self._status = await _bucket(client, STATUS_BUCKET)
-        try:
-            entry = await bucket.get(BUNDLE_KEY)
-        except (KeyNotFoundError, NoKeysError):
-            entry = None
-        if entry is not None and entry.value:
-            await self._arrived(entry.value, int(entry.revision or 0))
+        if self._verifier is None:
+            log.warning("no operator key (FLEET_OPERATOR_JWK_FILE) here: every pushed bundle is refused")
+        await self._start_from(await kv_history(bucket, BUNDLE_KEY))
         if self._engine is None and self._initial is not None:
             self._engine = await self._make(self._initial)
 
@@ -306,6 +361,31 @@ class LivePolicy:
         await asyncio.gather(*self._closing, return_exceptions=True)
         await _close(engine)
 
+    async def _start_from(self, history: list[tuple[int, bytes]]) -> None:
+        """Enforce the newest push of ``history`` that verifies and compiles here (by the time it
+        was signed: a valid push written again later is no newer), and report why the last push
+        is not in force if it is not: a forged last push leaves the last valid one in force."""
+        if not history:
+            return
+        async with self._swap:
+            in_force = None
+            for seq, message in self._valid_newest_first(history):
+                if await self._handle(message, seq, time.time()):
+                    in_force = seq
+                    break
+            last_seq, last = history[-1]
+            if in_force != last_seq:
+                await self._handle(last, last_seq, time.time())
+
+    def _valid_newest_first(self, history: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+        valid = []
+        for seq, message in history:
+            with contextlib.suppress(PolicyError):
+                bundle, facts = bundle_of(message)
+                self._verify(bundle, facts)
+                valid.append((float(facts["pushed_at"]), seq, message))
+        return [(seq, message) for _, seq, message in sorted(valid, reverse=True)]
+
     async def _arrived(self, message: bytes, seq: int) -> None:
         if not message:
             return
@@ -313,31 +393,62 @@ class LivePolicy:
         async with self._swap:
             if seq and seq <= self._seq:
                 return  # handled already (read at start, then delivered again)
-            self._seq = max(self._seq, seq)
-            revision = None
-            try:
-                bundle, facts = bundle_of(message)
-                revision = bundle.revision
-                if revision == self.revision:
-                    self._refused = None
-                    await self._report()
-                    return
-                engine = await self._make(bundle)
-            except Exception as exc:
-                error = exc.message if isinstance(exc, FleetError) else repr(exc)
-                self._refused = {"revision": revision, "seq": seq, "error": error, "at": time.time()}
-                log.error("a pushed policy bundle was refused, still enforcing %s: %s", self.revision, error)
-            else:
-                replaced, previous = self._engine, self.revision
-                self._engine, self._since, self._received, self._refused = engine, time.time(), received, None
-                self._retire(replaced)
-                log.warning(
-                    "policy %s in force (was %s), pushed by %s",
-                    engine.revision,
-                    previous,
-                    facts.get("pushed_by"),
-                )
+            await self._handle(message, seq, received)
             await self._report()
+
+    async def _handle(self, message: bytes, seq: int, received: float) -> bool:
+        """Put push ``seq`` in force if it verifies, is newer than the push in force and compiles
+        here; otherwise record why not and keep the revision in force. Whether it is in force."""
+        self._seq = max(self._seq, seq)
+        revision = None
+        try:
+            bundle, facts = bundle_of(message)
+            revision = bundle.revision
+            author = self._verify(bundle, facts)
+            pushed_at = float(facts["pushed_at"])
+            if revision == self.revision:  # in force already: nothing to swap
+                self._refused = None
+                if pushed_at > self._pushed_at:
+                    self._pushed_at, self._author = pushed_at, author
+                return True
+            if pushed_at <= self._pushed_at:
+                raise PushRefused("stale", "the push is not newer than the one in force (written again?)")
+            engine = await self._make(bundle)
+        except Exception as exc:
+            self._refuse(revision, seq, exc)
+            return False
+        replaced, previous = self._engine, self.revision
+        self._engine, self._since, self._received, self._refused = engine, time.time(), received, None
+        self._pushed_at, self._author = pushed_at, author
+        self._retire(replaced)
+        log.warning(
+            "policy %s in force (was %s), pushed by %s, signed by %s",
+            engine.revision,
+            previous,
+            facts.get("pushed_by"),
+            author,
+        )
+        return True
+
+    def _verify(self, bundle: Bundle, facts: dict[str, Any]) -> str:
+        if self._verifier is None:
+            raise PushRefused("no_trust_root", "this process has no operator key to verify pushes with")
+        return self._verifier.verify(bundle, facts)
+
+    def _refuse(self, revision: str | None, seq: int, exc: Exception) -> None:
+        error = exc.message if isinstance(exc, FleetError) else repr(exc)
+        if isinstance(exc, PushRefused):
+            reason = exc.reason
+        else:
+            reason = "unreadable" if revision is None else "does_not_compile"
+        self._refused = {
+            "revision": revision,
+            "seq": seq,
+            "reason": reason,
+            "error": error,
+            "at": time.time(),
+        }
+        log.error("a pushed policy bundle was refused, still enforcing %s: %s", self.revision, error)
 
     def _retire(self, engine: PolicyEngine | None) -> None:
         """Close a replaced engine once decisions begun on it are done (they take at most the timeout)."""
@@ -370,6 +481,7 @@ class LivePolicy:
                 "since": self._since,  # when the revision came into force here
                 "received_at": self._received,  # when its push reached this process
                 "refused": self._refused,
+                "author": self._author,  # who signed the push in force (None: the bundle started with)
                 "reported_at": time.time(),
             }
             try:
@@ -391,9 +503,12 @@ async def _embedded(bundle: Bundle) -> PolicyEngine:
 def live_policy(settings: ServiceSettings) -> LivePolicy:
     """The policy of a service process: the bundle it was started with (``FLEET_POLICY_DIR``, or
     the installed one) until it follows the fleet's pushes (:func:`enforcing`), evaluated by the
-    engine the settings name (``FLEET_POLICY_ENGINE``)."""
+    engine the settings name (``FLEET_POLICY_ENGINE``). Pushes are verified with the operator's
+    public key (``FLEET_OPERATOR_JWK_FILE``); a process without one refuses every push."""
     bundle = Bundle.load(settings.policy_dir) if settings.policy_dir else Bundle.load()
     timeout_s = settings.policy_timeout_s
+    jwk_file = settings.operator_jwk_file
+    verifier = PushVerifier.from_file(jwk_file) if jwk_file is not None else None
     if settings.policy_engine == "opa":
         from policy.opa_rest import OpaRestEngine
 
@@ -403,8 +518,12 @@ def live_policy(settings: ServiceSettings) -> LivePolicy:
             return await OpaRestEngine.load(settings.opa_url, pushed, timeout_s=timeout_s, token=token)
 
         RegorusEngine(bundle)  # a bundle that does not compile fails the start here, not at first use
-        return LivePolicy(settings.service_id, on_opa, bundle, engine_name="opa", timeout_s=timeout_s)
-    return LivePolicy(settings.service_id, _embedded, RegorusEngine(bundle), timeout_s=timeout_s)
+        return LivePolicy(
+            settings.service_id, on_opa, bundle, engine_name="opa", timeout_s=timeout_s, verifier=verifier
+        )
+    return LivePolicy(
+        settings.service_id, _embedded, RegorusEngine(bundle), timeout_s=timeout_s, verifier=verifier
+    )
 
 
 @contextlib.asynccontextmanager

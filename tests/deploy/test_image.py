@@ -84,9 +84,10 @@ def test_keygen_makes_every_identity_once_and_keeps_it(tmp_path: Path) -> None:
     again = keygen.make_secrets(tmp_path)
     assert {s.id: SigningKey.load_or_create(again.key(s.id)).kid for s in SERVICES} == kids
     assert stat.S_IMODE(layout.operator_key.stat().st_mode) == 0o600
-    assert json.loads((layout.identity("registry") / "operator.jwk.json").read_text()) == json.loads(
-        layout.operator_jwk.read_text()
-    )
+    for spec in SERVICES:  # the registry verifies enrollments with it; every service, policy pushes
+        assert json.loads((layout.identity(spec.id) / "operator.jwk.json").read_text()) == json.loads(
+            layout.operator_jwk.read_text()
+        )
     for spec in SERVICES:
         pgpass = layout.identity(spec.id) / "pgpass"
         assert pgpass.exists() == bool(spec.database), spec.id

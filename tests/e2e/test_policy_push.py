@@ -1,6 +1,7 @@
 """A policy author edits a rule, tests and pushes the bundle, and every running process of the shared
 stack enforces it within 2 s, with no restart; a bundle that does not compile or pass its tests is
-refused and the old one keeps serving. Each test leaves the stack on the installed bundle."""
+refused and the old one keeps serving, and so is one written into the bucket without the operator's
+signature. Each test leaves the stack on the installed bundle."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Any
 import pytest
 
 from fleet.buskeys import stack_admin
-from fleet.natsconn import connect
-from policy import DEFAULT_BUNDLE_DIR, Bundle
-from policy.live import bundle_message, push, pushed, statuses
+from fleet.keys import SigningKey
+from fleet.natsconn import connect, key_value
+from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicySigner, certify_author
+from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET, bundle_message, push, pushed, statuses
 from tests.e2e.conftest import Stack, fleet
 from tests.e2e.test_mcp_and_registry import call_query
 from tests.e2e.test_memory import call as call_memory
@@ -41,6 +43,11 @@ def edited_bundle(tmp_path: Path, edit: Any, tests: dict[str, str] | None = None
     return root
 
 
+def operator(stack: Stack) -> PolicySigner:
+    """The stack's operator as a policy author (what ``fleet policy push`` signs with)."""
+    return PolicySigner.operator(SigningKey.load_or_create(stack.layout.key_file("operator")))
+
+
 def policy_processes(stack: Stack) -> set[str]:
     """The processes of the stack that take policy decisions."""
     services = set(stack.endpoints["services"])
@@ -54,7 +61,7 @@ async def restored(stack: Stack) -> AsyncIterator[None]:
     client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
         installed = Bundle.load()
-        await push(client, installed, "test", "restore the installed bundle")
+        await push(client, installed, "test", "restore the installed bundle", signer=operator(stack))
         deadline = time.monotonic() + 10
         while any(r["revision"] != installed.revision for r in await statuses(client)):
             assert time.monotonic() < deadline, await statuses(client)
@@ -140,15 +147,13 @@ async def test_a_bundle_that_does_not_compile_or_pass_its_tests_is_refused(
     assert result.returncode == 1 and "test(s) of the bundle do not pass" in result.stderr, result.stderr
     assert "test_query_without_scope_is_denied: FAIL" in result.stderr
 
-    # A bundle that reaches the bucket without the CLI's checks is refused by every process.
+    # A signed bundle that reaches the bucket without the CLI's checks is refused by every process.
     uncompilable = Bundle.load(broken)
     client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
-        from fleet.natsconn import key_value
-        from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET
-
         bucket = await key_value(client, POLICY_BUCKET, history=HISTORY)
-        await bucket.put(BUNDLE_KEY, bundle_message(uncompilable, "someone", "skipped the checks"))
+        message = bundle_message(uncompilable, "someone", "skipped the checks", signer=operator(stack))
+        await bucket.put(BUNDLE_KEY, message)
         deadline = time.monotonic() + 5
         while True:
             reports = {r["service"]: r for r in await statuses(client)}
@@ -180,7 +185,7 @@ async def test_a_push_is_rolled_back_and_every_decision_is_in_the_log(
     installed = Bundle.load()
     client = await connect(stack.endpoints["nats"], "test-policy", credentials=stack_admin(stack.endpoints))
     try:
-        await push(client, installed, "test", "the starting point")
+        await push(client, installed, "test", "the starting point", signer=operator(stack))
     finally:
         await client.close()
 
@@ -216,3 +221,116 @@ async def test_a_push_is_rolled_back_and_every_decision_is_in_the_log(
         assert time.monotonic() < deadline, records[-3:]
         await asyncio.sleep(0.2)
     assert tool_calls[-1]["result"]["allow"] is True and len(tool_calls[-1]["input_sha256"]) == 64
+
+
+async def handled_by_all(stack: Stack, client: Any, seq: int) -> dict[str, dict[str, Any]]:
+    """The reports of the stack's deciding processes once each has handled push ``seq``."""
+    deadline = time.monotonic() + 5
+    while True:
+        reports = {r["service"]: r for r in await statuses(client) if r["service"] in policy_processes(stack)}
+        if set(reports) == policy_processes(stack) and all(r["seq"] >= seq for r in reports.values()):
+            return reports
+        assert time.monotonic() < deadline, reports
+        await asyncio.sleep(0.05)
+
+
+def allow_all() -> Bundle:
+    """The installed bundle with every tool call allowed: what an attacker would push."""
+    installed = Bundle.load()
+    opened = tuple(
+        (
+            name,
+            source.replace('"allow": count(deny) == 0,', '"allow": true,')
+            if name == "tools.rego"
+            else source,
+        )
+        for name, source in installed.modules
+    )
+    assert opened != installed.modules
+    return installed.with_modules(opened, "attacker")
+
+
+async def test_an_allow_all_bundle_written_into_the_bucket_is_enforced_by_no_process(
+    stack: Stack, restored: None
+) -> None:
+    too_long = "SELECT " + ", ".join(f"{i} AS c{i}" for i in range(600))  # beyond the 4000 the rule allows
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
+    assert "SQL is longer than 4000 characters" in (await call_query(stack, token, too_long)).content[0].text
+    forged = allow_all()
+    # A bootstrap identity gone bad (the registry: the key the fleet trusts most after the operator's)
+    # certifies itself and signs; then a plain attacker writes the bundle unsigned.
+    registry_key = SigningKey.load_or_create(stack.layout.key_file("registry"))
+    self_certified = PolicySigner.author_of(
+        registry_key, certify_author(registry_key, "registry", registry_key.public_jwk())
+    )
+    # As the bootstrap admin (the one identity whose bus rights reach the policy bucket besides the
+    # operator's): what it writes is still not believed.
+    client = await connect(stack.endpoints["nats"], "attacker", credentials=stack_admin(stack.endpoints))
+    try:
+        bucket = await key_value(client, POLICY_BUCKET, history=HISTORY)
+        for signer, reason in (
+            (self_certified, "unauthorized"),
+            (PolicySigner.operator(registry_key), "bad_signature"),
+            (None, "unsigned"),
+        ):
+            message = bundle_message(forged, "operator:root", "open everything", signer=signer)
+            seq = int(await bucket.put(BUNDLE_KEY, message))
+            reports = await handled_by_all(stack, client, seq)
+            assert {r["revision"] for r in reports.values()} == {Bundle.load().revision}
+            assert {(r["refused"]["revision"], r["refused"]["reason"]) for r in reports.values()} == {
+                (forged.revision, reason)
+            }
+    finally:
+        await client.close()
+    refused = await call_query(stack, token, too_long)  # what the allow-all bundle would run
+    assert refused.is_error and "SQL is longer than 4000 characters" in refused.content[0].text
+
+    status = fleet("policy", "status", "--data-dir", stack.data_dir, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"REFUSED  the last push (#{seq}, {forged.revision}): the push is not signed" in status.stdout
+    assert f"REFUSED {forged.revision}: the push is not signed" in status.stdout
+    as_json = json.loads(fleet("policy", "status", "--data-dir", stack.data_dir, "--json", timeout=60).stdout)
+    assert as_json["pushed"] != forged.revision
+    assert as_json["refused_push"] == {
+        "seq": seq,
+        "revision": forged.revision,
+        "error": "the push is not signed",
+    }
+
+
+async def test_a_push_signed_by_a_certified_author_is_enforced_and_one_by_an_uncertified_key_is_not(
+    stack: Stack, tmp_path: Path, restored: None
+) -> None:
+    author_key = tmp_path / "alice.pem"
+    SigningKey.load_or_create(author_key)
+    certificate = tmp_path / "alice.cert"
+    certified = fleet(
+        "policy", "authorize", "alice", "--key", str(author_key), "--days", "1", "--data-dir", stack.data_dir,
+        timeout=60,
+    )  # fmt: skip
+    assert certified.returncode == 0, certified.stderr
+    certificate.write_text(certified.stdout)
+
+    def loosen(config: dict[str, Any]) -> None:
+        config["tools"]["mcp-sql"]["query"]["max_sql_length"] = 4400
+
+    bundle_dir = edited_bundle(tmp_path, loosen)
+    as_alice = ("--key", str(author_key), "--certificate", str(certificate), "--data-dir", stack.data_dir)
+    result = fleet("policy", "push", str(bundle_dir), *as_alice, "--json", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["enforced"] is True
+    reports = await _statuses(stack)
+    assert {r["author"] for r in reports if r["service"] in policy_processes(stack)} == {"alice"}
+
+    # The same key with a certificate the operator did not make: refused everywhere, exit 1.
+    header, payload, _ = certified.stdout.strip().split(".")
+    forged = tmp_path / "forged.cert"
+    forged.write_text(f"{header}.{payload}.{'A' * 86}")
+
+    def loosen_more(config: dict[str, Any]) -> None:
+        config["tools"]["mcp-sql"]["query"]["max_sql_length"] = 4500
+
+    again = edited_bundle(tmp_path / "again", loosen_more)
+    as_forger = ("--key", str(author_key), "--certificate", str(forged), "--data-dir", stack.data_dir)
+    result = fleet("policy", "push", str(again), *as_forger, timeout=120)
+    assert result.returncode == 1 and "the author certificate does not verify" in result.stderr, result.stderr

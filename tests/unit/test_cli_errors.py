@@ -65,3 +65,14 @@ async def test_a_refused_push_reports_the_exit_code_the_table_gives_its_code(
     assert error["exit_code"] == exit_code(FleetError(ErrorCode(error["code"]), ""))
     assert error["code"] == "policy_unavailable" and error["message"].startswith("refused: ")
     assert why in error["message"]
+
+
+async def test_a_push_without_a_signing_key_is_refused_before_it_reaches_the_fleet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = await push_bundle(StackLayout.at(tmp_path / "home"), None, "", 1.0, as_json=True)
+    error = json.loads(capsys.readouterr().err.splitlines()[-1])["error"]
+    assert code == EXIT_FAILED == error["exit_code"]
+    assert error["code"] == "policy_unavailable" and error["message"].startswith(
+        "refused: no signing key at "
+    )
