@@ -35,9 +35,10 @@ from deploy.local_stack import DATABASES, OPERATOR_ID, ServiceSpec, service, sta
 from fleet import stacklock
 from fleet.errors import ErrorCode, FleetError
 from fleet.infra import as_user, nats_command, prepare_postgres
+from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
-from fleet.settings import FleetSettings
+from fleet.settings import DEFAULT_ISSUER, FleetSettings
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class Supervisor:
         previous = self.layout.read_endpoints() or {}
         operator = SigningKey.load_or_create(self.layout.key_file(OPERATOR_ID))
         self.layout.operator_jwk_file.write_text(json.dumps(operator.public_jwk()))
+        self._certify_registry_key(operator)
         nats_url = self.settings.nats_url or await self._start_nats(previous)
         pg_port: int | None = None
         if self.settings.pg_dsn:
@@ -168,6 +170,7 @@ class Supervisor:
             # Streams and buckets get one replica on the embedded server; a cluster's are replicated.
             "FLEET_NATS_REPLICAS": str(self.settings.nats_replicas if self.settings.nats_url else 1),
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
+            "FLEET_ISSUER_CERT_FILE": str(self.layout.issuer_cert_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
@@ -196,6 +199,13 @@ class Supervisor:
         self.endpoints = endpoints
         self.layout.write_endpoints(endpoints)
         return endpoints
+
+    def _certify_registry_key(self, operator: SigningKey) -> None:
+        """The operator's certificate for the registry's signing key (made here if new, or left by
+        a rotation), without which no service trusts the tokens it signs."""
+        registry = SigningKey.load_or_create(self.layout.key_file("registry"))
+        cert = certify_issuer_key(operator, DEFAULT_ISSUER, registry.public_jwk())
+        self.layout.issuer_cert_file.write_text(cert)
 
     @staticmethod
     def _record(endpoints: dict[str, Any], spec: ServiceSpec, url: str) -> None:
