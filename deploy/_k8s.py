@@ -125,8 +125,8 @@ def _volumes(unit: Deployed) -> list[Doc]:
         volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": f"state-{unit.name}"}})
     else:
         volumes.append({"name": "state", "emptyDir": {}})
-    if spec.kind == "registry":  # the operator's public key only: its private key is the Job's
-        volumes.append({"name": "operator-jwk", "configMap": {"name": "fleet-operator-jwk"}})
+    # the operator's public key (every verifier pins it): its private key is the enroll Job's only
+    volumes.append({"name": "operator-jwk", "configMap": {"name": "fleet-operator-jwk"}})
     return volumes
 
 
@@ -136,8 +136,7 @@ def _mounts(unit: Deployed) -> list[Doc]:
         {"name": "state", "mountPath": STATE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if unit.spec.kind == "registry":
-        mounts.append({"name": "operator-jwk", "mountPath": OPERATOR_JWK_DIR, "readOnly": True})
+    mounts.append({"name": "operator-jwk", "mountPath": OPERATOR_JWK_DIR, "readOnly": True})
     return mounts
 
 
