@@ -413,7 +413,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 admin = KeyAdmin(
                     store, nc, settings.service_id, settings.key_file, settings.public_url, trust
                 )
-                seal.signer = await _certified(key, admin, settings)
+                signer = seal.signer = await _certified(key, admin, settings)
                 operator_key = await _enroll_operator(store, settings)
                 policy = await stack.enter_async_context(enforcing(live_policy(settings), nc))
 
@@ -445,9 +445,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
                     issuer_keys={},
                     http=http,
                     trust=trust,
-                    signer=seal.signer,
+                    signer=signer,
                 )
-                state.trust_issuer_keys(await admin.publish_issuer_key(seal.signer))
+                state.trust_issuer_keys(await admin.publish_issuer_key(signer))
                 revocations.on_revoke(lambda revoked: _distrust(state, revoked.kid))
                 app.state.registry = state
                 checks = (
