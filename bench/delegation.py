@@ -74,6 +74,7 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], dsn: str) -> d
         key_file=layout.key_file("worker-1"),
         public_url="http://127.0.0.1:9",
         registry_url=endpoints["registry"],
+        operator_jwk_file=layout.operator_jwk_file,
     )
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         dsn, max_size=4, open=False, kwargs={"autocommit": True}

@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from bench._nats import embedded_nats
 from bench._stack import running_stack
 from deploy.local_stack import ServiceSpec
+from fleet.issuer_certs import CertifiedKey, IssuerTrust, certify_issuer_key
 from fleet.keys import ALGORITHM, SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
@@ -46,6 +47,7 @@ from fleet.supervisor import enrollment_token
 from fleet.tokens import CLIENT_ASSERTION_TYPE, TokenVerifier, client_assertion
 from policy import RegorusEngine
 from registry._records import IdentityRecord
+from registry._seal import RecordSeal
 from registry._store import RegistryStore
 from registry._token_service import TokenService
 
@@ -55,6 +57,13 @@ ISSUE_N, ISSUE_CONCURRENCY = 2_000, 32
 REVOKED = 100
 REACH_TRIES = 5
 VERIFY_TARGET_US, ISSUE_TARGET_PER_S, REACH_TARGET_S = 200.0, 1_000.0, 2.0
+
+
+def _issuer() -> tuple[IssuerTrust, CertifiedKey]:
+    """A registry key certified by an operator key, and the trust of a verifier that pins it."""
+    operator, key = SigningKey.generate(), SigningKey.generate()
+    cert = certify_issuer_key(operator, ISSUER, key.public_jwk())
+    return IssuerTrust(operator.public_jwk(), ISSUER), CertifiedKey(key, cert)
 
 
 def _claims(audience: str = "coordinator") -> dict[str, Any]:
@@ -74,13 +83,15 @@ def _claims(audience: str = "coordinator") -> dict[str, Any]:
 
 
 async def verification(nats_url: str) -> dict[str, Any]:
-    key = SigningKey.generate()
+    trust, signer = _issuer()
+    key = signer.key
     public = key.private_key.public_key()
     client = await connect(nats_url, "bench-tokens")
     try:
         for n in range(REVOKED):
-            await record_revocation(client, Revocation(f"revoked-{n}", "someone", time.time(), "bench", ""))
-        revocations = Revocations()
+            revocation = Revocation(f"revoked-{n}", "someone", time.time(), "bench", "")
+            await record_revocation(client, revocation, signer, ISSUER)
+        revocations = Revocations(trust)
         await revocations.follow(client)
 
         async def lookup(kid: str) -> ec.EllipticCurvePublicKey | None:
@@ -113,11 +124,16 @@ async def verification(nats_url: str) -> dict[str, Any]:
 
 
 async def issuance(nats_url: str) -> dict[str, Any]:
-    issuer_key, client_key = SigningKey.generate(), SigningKey.generate()
+    (trust, signer), client_key = _issuer(), SigningKey.generate()
+    issuer_key = signer.key
     token_url = "http://registry.bench/oauth/token"
     client = await connect(nats_url, "bench-issuance")
     try:
-        store = await RegistryStore.open(client)
+        revocations = Revocations(trust)
+        await revocations.follow(client)
+        seal = RecordSeal(trust, lambda kid: revocations.check(kid) is not None)
+        seal.signer = signer  # the registry's records are signed and verified, as it runs
+        store = await RegistryStore.open(client, seal)
         await store.put_identity(
             IdentityRecord(
                 id="bench-client",
@@ -131,8 +147,6 @@ async def issuance(nats_url: str) -> dict[str, Any]:
         await store.put_identity(
             IdentityRecord(id="coordinator", kind="coordinator", keys={}, enrolled_at=time.time())
         )
-        revocations = Revocations()
-        await revocations.follow(client)
         # with the fleet's policy, as the registry runs it: every token is a fleet.tokens decision
         service = TokenService(
             store, issuer_key, ISSUER, token_url, revocations, policy=RegorusEngine.from_dir()

@@ -125,7 +125,7 @@ def _volumes(unit: Deployed) -> list[Doc]:
         volumes.append({"name": "state", "persistentVolumeClaim": {"claimName": f"state-{unit.name}"}})
     else:
         volumes.append({"name": "state", "emptyDir": {}})
-    # The operator's public key (every service verifies policy pushes with it); its private key is the Job's.
+    # the operator's public key (every verifier pins it): its private key is the enroll Job's only
     volumes.append({"name": "operator-jwk", "configMap": {"name": "fleet-operator-jwk"}})
     return volumes
 

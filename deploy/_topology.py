@@ -31,6 +31,7 @@ PART_OF = "agent-fleet"
 STATE_DIR = "/var/lib/fleet"
 IDENTITY_DIR = "/run/fleet/identity"
 KEY_FILE = f"{IDENTITY_DIR}/key.pem"
+ISSUER_CERT = "issuer-cert.jwt"  # the registry's: the operator's certificate for its key
 OPERATOR_KEY_DIR = "/run/fleet/operator"
 OPERATOR_JWK_DIR = "/run/fleet/operator-jwk"
 PUBLIC_KEYS_DIR = "/run/fleet/public-keys"  # the enrollment's input: every identity's public JWK
@@ -153,10 +154,12 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         "FLEET_NATS_REPLICAS": "1" if platform == "compose" else str(NATS_NODES),
         "FLEET_LOG_LEVEL": "info",
     }
-    # Every service: the registry verifies enrollment tokens with it, every process the policy pushes.
+    # Every verifier pins the operator's key: the registry's signing keys need its certificate.
     jwk_dir = IDENTITY_DIR if platform == "compose" else OPERATOR_JWK_DIR
     env["FLEET_OPERATOR_JWK_FILE"] = f"{jwk_dir}/operator.jwk.json"
-    if spec.kind != "registry":
+    if spec.kind == "registry":
+        env["FLEET_ISSUER_CERT_FILE"] = f"{IDENTITY_DIR}/{ISSUER_CERT}"
+    else:
         env["FLEET_REGISTRY_URL"] = f"http://registry:{PORT}"
     if spec.kind in POLICY_KINDS:
         host = "opa" if platform == "compose" else "127.0.0.1"  # compose: central; k8s: the pod's sidecar

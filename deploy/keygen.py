@@ -6,9 +6,12 @@ has no supervisor, so this module does the same from the outside::
     python -m deploy.keygen secrets DIR       # keys and passwords, once (kept if present)
     python -m deploy.keygen enroll --registry URL --operator-key FILE --public-keys DIR
     python -m deploy.keygen token ID --operator-key FILE --out FILE
+    python -m deploy.keygen certify --operator-key FILE --jwk FILE   # a rotated registry key's certificate
 
 ``DIR`` holds ``operator/`` (the operator's key: the registry's root of trust, and its public JWK),
-``identities/<id>/key.pem`` (one per deployed identity), ``public/<id>.jwk.json`` (each one's
+``identities/<id>/key.pem`` (one per deployed identity, beside a copy of the operator's public JWK,
+which every service pins; the registry's also beside ``issuer-cert.jwt``, the operator's
+certificate for the registry's signing key: see ``fleet.issuer_certs``), ``public/<id>.jwk.json`` (each one's
 public key: what ``enroll`` reads), ``postgres/`` (the superuser's and each database role's
 password) and ``postgres/dsn-<database>`` (what ``FLEET_PG_DSN`` is in Kubernetes). Nothing here is
 ever committed: ``deploy/k8s/secrets/`` is ignored by git.
@@ -34,7 +37,9 @@ from pathlib import Path
 import httpx
 
 from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
+from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
+from fleet.settings import DEFAULT_ISSUER
 from fleet.supervisor import enrollment_token
 
 WORKER_ID = "worker-1"  # the id every pod of the Kubernetes worker Deployment runs as
@@ -60,6 +65,10 @@ class SecretsDir:
 
     def key(self, service_id: str) -> Path:
         return self.identity(service_id) / "key.pem"
+
+    def issuer_cert(self, service_id: str) -> Path:
+        """The registry's: the operator's certificate for its signing key."""
+        return self.identity(service_id) / "issuer-cert.jwt"
 
     @property
     def public(self) -> Path:
@@ -110,11 +119,14 @@ def make_secrets(root: Path) -> SecretsDir:
     _keep_or_write(layout.operator_jwk, jwk, 0o644)
     for spec in identities():
         key = SigningKey.load_or_create(layout.key(spec.id))
-        if spec.kind != "registry":  # the registry does not enroll (it holds the operator's JWK)
+        # Every service pins the operator's key (compose mounts its identity folder).
+        _write_private(layout.identity(spec.id) / "operator.jwk.json", layout.operator_jwk.read_text(), 0o644)
+        if spec.kind == "registry":  # it does not enroll; its signing key needs the operator's certificate
+            cert = certify_issuer_key(operator, DEFAULT_ISSUER, key.public_jwk())
+            _write_private(layout.issuer_cert(spec.id), cert + "\n", 0o644)  # it follows the key
+        else:
             # Written every time: it follows the key (a key deleted and made again, to rotate it).
             _write_private(layout.public_jwk(spec.id), json.dumps(key.public_jwk()), 0o644)
-    for spec in identities():  # the registry verifies enrollments with it; every service, policy pushes
-        _write_private(layout.identity(spec.id) / "operator.jwk.json", layout.operator_jwk.read_text(), 0o644)
     # The Postgres image reads its password files as its own user: these few are world-readable
     # in their folder, which only the Postgres container mounts.
     _keep_or_write(layout.pg_password("postgres"), secrets.token_urlsafe(24), 0o644)
@@ -204,6 +216,15 @@ def enroll(registry_url: str, operator_key: Path, public_keys: Path, wait_s: flo
     return list(jwks)
 
 
+def certify(operator_key: Path, jwk_file: Path, issuer: str = DEFAULT_ISSUER) -> str:
+    """The operator's certificate for a new signing key of the registry (the second step of
+    ``POST /v1/issuer/rotate``: post it to ``/v1/issuer/certificate``)."""
+    if not operator_key.is_file():
+        raise SystemExit(f"keygen: no operator key at {operator_key}")
+    jwk = json.loads(jwk_file.read_text())
+    return certify_issuer_key(SigningKey.load_or_create(operator_key), issuer, jwk.get("public_jwk", jwk))
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m deploy.keygen`` (the deploy tests parse manifests with it)."""
     top = argparse.ArgumentParser(prog="python -m deploy.keygen", description=__doc__.split("\n")[0])
@@ -214,6 +235,12 @@ def parser() -> argparse.ArgumentParser:
     token.add_argument("service_id")
     token.add_argument("--operator-key", type=Path, required=True)
     token.add_argument("--out", type=Path, required=True)
+    certifies = sub.add_parser("certify", help="print the operator's certificate for a new registry key")
+    certifies.add_argument("--operator-key", type=Path, required=True)
+    certifies.add_argument(
+        "--jwk", type=Path, required=True, help="the key's public JWK (or the rotate answer)"
+    )
+    certifies.add_argument("--issuer", default=DEFAULT_ISSUER)
     enrolls = sub.add_parser("enroll", help="enroll every identity whose public key is in a folder")
     enrolls.add_argument("--registry", required=True, help="the registry's base URL")
     enrolls.add_argument("--operator-key", type=Path, required=True)
@@ -230,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "enroll":
         enrolled = enroll(args.registry, args.operator_key, args.public_keys, args.wait)
         print(f"keygen: {len(enrolled)} identities enrolled at {args.registry}")
+    elif args.command == "certify":
+        print(certify(args.operator_key, args.jwk, args.issuer))
     else:
         write_token(args.service_id, args.operator_key, args.out)
     return 0

@@ -195,7 +195,12 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("--reason", default="", help="recorded with the revocation")
     _with_json(revoke)
     _with_json(
-        with_dir(keys_sub.add_parser("rotate-registry", help="the registry signs with a new key from now on"))
+        with_dir(
+            keys_sub.add_parser(
+                "rotate-registry",
+                help="the registry signs with a new key from now on (certified with the data dir's operator key)",
+            )
+        )
     )
     _with_json(with_dir(keys_sub.add_parser("revoked", help="list the revoked keys")))
     enroll = with_dir(

@@ -61,6 +61,11 @@ class StackLayout:
     def operator_jwk_file(self) -> Path:
         return self.keys_dir / "operator.jwk.json"
 
+    @property
+    def issuer_cert_file(self) -> Path:
+        """The operator's certificate for the registry's signing key (``fleet.issuer_certs``)."""
+        return self.keys_dir / "registry.issuer-cert.jwt"
+
     def prepare(self) -> None:
         for folder in (self.home, self.logs_dir, self.run_dir, self.nats_dir):
             folder.mkdir(parents=True, exist_ok=True)

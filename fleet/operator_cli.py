@@ -16,11 +16,12 @@ import httpx
 from deploy.local_stack import OPERATOR_ID
 from fleet import stacklock
 from fleet.cli_common import EXIT_FAILED as EXIT_FAILED  # re-exported: other commands use them
-from fleet.cli_common import EXIT_NO_OP, emit, operator_client
+from fleet.cli_common import EXIT_NO_OP, ServiceClient, emit, operator_client
 from fleet.cli_common import EXIT_NOT_RUNNING as EXIT_NOT_RUNNING
 from fleet.cli_common import EXIT_OK as EXIT_OK
 from fleet.cli_common import EXIT_USAGE as EXIT_USAGE
 from fleet.errors import ErrorCode, FleetError
+from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import Credentials
@@ -204,11 +205,21 @@ async def keys(layout: StackLayout, command: str, kid: str, reason: str, *, as_j
         if command == "revoke":
             answer = await api.post(f"/v1/keys/{kid}/revoke", {"reason": reason})
         elif command == "rotate-registry":
-            answer = await api.post("/v1/issuer/rotate", {})
+            answer = await _rotate_registry_key(layout, api)
         else:
             answer = await api.get("/v1/revocations")
     emit(answer, as_json=as_json, text=_keys_text(command, answer))
     return EXIT_OK
+
+
+async def _rotate_registry_key(layout: StackLayout, api: ServiceClient) -> dict[str, Any]:
+    """The registry's two steps: it makes a pending key; the operator (the key of the data dir)
+    certifies it; the registry signs with it from then on."""
+    pending: dict[str, Any] = await api.post("/v1/issuer/rotate", {})
+    operator = SigningKey.load_or_create(layout.key_file(OPERATOR_ID))
+    cert = certify_issuer_key(operator, str(pending["issuer"]), pending["public_jwk"])
+    answer: dict[str, Any] = await api.post("/v1/issuer/certificate", {"certificate": cert})
+    return answer
 
 
 def _keys_text(command: str, answer: dict[str, Any]) -> str:

@@ -85,7 +85,12 @@ class ServiceSettings(BaseSettings):
     )
     pg_dsn: str = ""
     enrollment_token: str = ""
-    operator_jwk_file: Path | None = None
+    operator_jwk_file: Path | None = Field(
+        default=None, description="the operator's public key: the root of trust of every verifier"
+    )
+    issuer_cert_file: Path | None = Field(
+        default=None, description="the registry's: the operator's certificate for its signing key"
+    )
     policy_dir: Path | None = None
     policy_engine: Literal["embedded", "opa"] = Field(
         default="embedded", description="where decisions are evaluated: in process, or an OPA server"

@@ -38,10 +38,11 @@ from fleet.buscatalog import provision
 from fleet.buskeys import BusKeys, stack_config
 from fleet.errors import ErrorCode, FleetError
 from fleet.infra import as_user, nats_command, prepare_postgres
+from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import Credentials, connect
-from fleet.settings import FleetSettings
+from fleet.settings import DEFAULT_ISSUER, FleetSettings
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class Supervisor:
         operator = SigningKey.load_or_create(self.layout.key_file(OPERATOR_ID))
         self.layout.operator_jwk_file.write_text(json.dumps(operator.public_jwk()))
         keys_dir = self._bus_keys_dir()
+        self._certify_registry_key(operator)
         nats_url = self.settings.nats_url or await self._start_nats(previous)
         replicas = self.settings.nats_replicas if self.settings.nats_url else 1
         await _provision_bus(nats_url, BusKeys.load_or_create(keys_dir), replicas)
@@ -175,6 +177,7 @@ class Supervisor:
             # Streams and buckets get one replica on the embedded server; a cluster's are replicated.
             "FLEET_NATS_REPLICAS": str(replicas),
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
+            "FLEET_ISSUER_CERT_FILE": str(self.layout.issuer_cert_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
@@ -208,6 +211,13 @@ class Supervisor:
         self.endpoints = endpoints
         self.layout.write_endpoints(endpoints)
         return endpoints
+
+    def _certify_registry_key(self, operator: SigningKey) -> None:
+        """The operator's certificate for the registry's signing key (made here if new, or left by
+        a rotation), without which no service trusts the tokens it signs."""
+        registry = SigningKey.load_or_create(self.layout.key_file("registry"))
+        cert = certify_issuer_key(operator, DEFAULT_ISSUER, registry.public_jwk())
+        self.layout.issuer_cert_file.write_text(cert)
 
     @staticmethod
     def _record(endpoints: dict[str, Any], spec: ServiceSpec, url: str) -> None:

@@ -1,5 +1,6 @@
 """Key lifecycle: an identity rotates its key (proving it holds the current one), the registry
-rotates its own signing key, and the operator revokes a key.
+rotates its own signing key (in two steps: a pending key, then the operator's certificate for it),
+and the operator revokes a key.
 
 * A replaced key keeps verifying for ``KEY_GRACE_S`` (what it signed a moment ago, a token or a
   card, still verifies), then it is gone from the identity's keys and from the JWKS.
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from nats.aio.client import Client as NATS
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.issuer_certs import CertifiedKey, IssuerTrust
 from fleet.keys import ALGORITHM, SigningKey, public_jwk_of, public_key_from_jwk
 from fleet.revocations import Revocation, record_revocation
 from registry._enrollment import KEY_GRACE_S
@@ -44,12 +46,15 @@ class KeyAdmin:
         issuer_id: str,
         key_file: Path,
         public_url: str,
+        trust: IssuerTrust,
     ) -> None:
         self._store = store
         self.nats = nats
         self.issuer_id = issuer_id
         self._key_file = key_file
         self._public_url = public_url.rstrip("/")
+        self._trust = trust
+        self.pending: SigningKey | None = None  # a new signing key waiting for its certificate
 
     def rotation_url(self, identity_id: str) -> str:
         """The audience of a rotation proof: this endpoint, for this identity."""
@@ -108,21 +113,47 @@ class KeyAdmin:
             raise FleetError(ErrorCode.UNAUTHENTICATED, "the rotation proof lives too long")
         return claims
 
-    async def rotate_issuer_key(self, current: SigningKey) -> SigningKey:
-        """A new signing key for the registry (written over its key file), published beside the
-        old one, which verifies the tokens it signed until the grace ends."""
-        new = SigningKey.generate()
-        _replace_key_file(self._key_file, new)
-        identity = await self._issuer_identity(current)
-        await self._store.put_identity(identity.with_key(new.public_jwk(), time.time(), ISSUER_KEY_GRACE_S))
+    def begin_issuer_rotation(self) -> SigningKey:
+        """A new signing key for the registry, pending until the operator certifies it (the same
+        one until then: asking again changes nothing). Kept in memory only: a restart forgets it."""
+        if self.pending is None:
+            self.pending = SigningKey.generate()
+        return self.pending
+
+    async def complete_issuer_rotation(self, cert: str) -> CertifiedKey:
+        """Sign with the pending key from now on, given the operator's certificate for it (written
+        over the key file, published beside the old key, which verifies the tokens it signed
+        until the grace ends)."""
+        pending = self.pending
+        if pending is None:
+            raise FleetError(ErrorCode.CONFLICT, "no rotation is pending: POST /v1/issuer/rotate first")
+        if not self.trusts(pending, cert):
+            raise FleetError(
+                ErrorCode.UNAUTHENTICATED, "not an operator certificate for the pending key of this issuer"
+            )
+        new = CertifiedKey(pending, cert)
+        _replace_key_file(self._key_file, pending)
+        self.pending = None
+        await self.publish_issuer_key(new)
         return new
 
-    async def publish_issuer_key(self, key: SigningKey) -> IdentityRecord:
-        """Record the registry's signing key as the registry identity's current key (at start)."""
-        identity = await self._issuer_identity(key)
+    async def publish_issuer_key(self, key: CertifiedKey) -> IdentityRecord:
+        """Record ``key`` (with its certificate) as the registry identity's current key."""
+        identity = await self._issuer_identity(key.key)
         current = identity.with_key(key.public_jwk(), time.time(), ISSUER_KEY_GRACE_S)
         await self._store.put_identity(current)
         return current
+
+    async def certificate_of(self, key: SigningKey) -> str | None:
+        """The operator's certificate for ``key`` as the registry's record holds it (a key that a
+        rotation made, after a restart), if it verifies."""
+        identity = await self._store.identity(self.issuer_id)
+        cert = identity.keys.get(key.kid, {}).get("issuer_cert") if identity is not None else None
+        return cert if isinstance(cert, str) and self.trusts(key, cert) else None
+
+    def trusts(self, key: SigningKey, cert: str) -> bool:
+        """Whether ``cert`` is the operator's certificate for ``key`` as this issuer's."""
+        return self._trust.certified(key.public_jwk(), cert) is not None
 
     async def _issuer_identity(self, key: SigningKey) -> IdentityRecord:
         found = await self._store.identity(self.issuer_id)
@@ -131,14 +162,15 @@ class KeyAdmin:
         return IdentityRecord(
             id=self.issuer_id,
             kind="registry",
-            keys={key.kid: key.public_jwk()},
+            keys={},
             enrolled_at=time.time(),
         )
 
-    async def revoke(self, kid: str, by: str, reason: str, signing_kid: str) -> Revocation:
-        """Revoke ``kid`` wherever it is enrolled. The registry's current signing key cannot be
-        revoked (rotate it first: then the old one can be)."""
-        if kid == signing_kid:
+    async def revoke(self, kid: str, by: str, reason: str, signer: CertifiedKey, issuer: str) -> Revocation:
+        """Revoke ``kid`` wherever it is enrolled (the revocation signed by ``signer`` as
+        ``issuer``). The registry's current signing key cannot be revoked (rotate it first: then
+        the old one can be); before one of its old keys is, every record is signed again."""
+        if kid == signer.key.kid:
             raise FleetError(
                 ErrorCode.CONFLICT,
                 "this is the registry's current signing key: rotate it, then revoke the old one",
@@ -146,12 +178,14 @@ class KeyAdmin:
         holders = [i for i in await self._store.identities() if kid in i.keys]
         if not holders:
             raise FleetError(ErrorCode.NOT_FOUND, f"no identity holds key {kid!r}")
+        if any(identity.id == self.issuer_id for identity in holders):
+            await self._store.reseal()
         for identity in holders:
             await self._store.put_identity(identity.without_key(kid))
         revocation = Revocation(
             kid=kid, identity=holders[0].id, revoked_at=time.time(), by=by, reason=reason[:200]
         )
-        await record_revocation(self.nats, revocation)
+        await record_revocation(self.nats, revocation, signer, issuer)
         return revocation
 
 

@@ -14,6 +14,7 @@ import httpx
 from nats.aio.client import Client as NATS
 
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
+from fleet.issuer_certs import IssuerTrust
 from fleet.keys import SigningKey
 from fleet.natsconn import Credentials, connect
 from fleet.revocations import Revocations
@@ -67,10 +68,12 @@ class RegistryClient:
             key=self.key,
             http=http,
         )
-        self.jwks = JwksCache(self._url + "/.well-known/jwks.json", http)
+        # The registry's keys are trusted only with the operator's certificate (fleet.issuer_certs).
+        self.trust = IssuerTrust.from_file(settings.operator_jwk_file, settings.issuer)
+        self.jwks = JwksCache(self._url + "/.well-known/jwks.json", http, parse=self.trust.parse)
         # Revoked keys, followed live from NATS once the service joins (see fleet.revocations):
         # until then this service's verifiers refuse every token.
-        self.revocations = Revocations()
+        self.revocations = Revocations(self.trust)
         self.revocations.on_revoke(lambda revoked: self.jwks.forget(revoked.kid))
         self._nats: NATS | None = None
         self._enrolled = False

@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from fleet.buskeys import BusKeys
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
+from fleet.issuer_certs import CertifiedKey, IssuerTrust
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import TRANSIENT, Credentials, connect
 from fleet.revocations import Revocations, record_revocation
@@ -39,6 +40,7 @@ from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
 from registry._records import IdentityRecord, McpServerRecord, ProducerRecord
 from registry._refresh import refresh, refresh_forever, registered
+from registry._seal import RecordSeal
 from registry._store import RegistryStore
 from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
 
@@ -59,15 +61,25 @@ class RegistryState:
     # the registry's signing keys, by kid, with when each stops verifying (None: the current one)
     issuer_keys: dict[str, tuple[ec.EllipticCurvePublicKey, float | None]]
     http: httpx.AsyncClient
+    trust: IssuerTrust  # the operator's key: which of the registry's keys are its own
+    signer: CertifiedKey  # the current signing key and its certificate
 
     @property
     def key(self) -> SigningKey:
         return self.tokens.key
 
+    def sign_with(self, signer: CertifiedKey) -> None:
+        """Sign tokens, revocations and records with ``signer`` from now on."""
+        self.signer = signer
+        self.tokens.key = signer.key
+        self.store.seal.signer = signer
+
     def trust_issuer_keys(self, identity: IdentityRecord) -> None:
+        """Verify with the registry's usable keys that the operator certified (no other)."""
         self.issuer_keys = {
-            kid: (public_key_from_jwk(jwk), identity.retiring.get(kid))
+            kid: (key, identity.retiring.get(kid))
             for kid, jwk in identity.usable_keys(time.time()).items()
+            if (key := self.trust.certified(jwk)) is not None
         }
 
     def issuer_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
@@ -138,10 +150,11 @@ async def _json_body(request: Request) -> dict[str, object]:
 # ------------------------------------------------------------------------------------ handlers
 async def jwks(request: Request, state: RegistryState) -> Response:
     """The registry's signing keys: the current one, and any retiring after a rotation (the tokens
-    they signed still verify until the grace ends). Cached 60 s by verifiers; a new key id makes
-    them fetch again at once."""
+    they signed still verify until the grace ends), each with the operator's certificate (member
+    ``issuer_cert``: verifiers trust no key without one). Cached 60 s by verifiers; a new key id
+    makes them fetch again at once."""
     identity = await state.store.identity(state.keys.issuer_id)
-    keys = identity.usable_keys(time.time()) if identity else {state.key.kid: state.key.public_jwk()}
+    keys = identity.usable_keys(time.time()) if identity else {state.key.kid: state.signer.public_jwk()}
     return JSONResponse({"keys": list(keys.values())}, headers={"Cache-Control": "max-age=60"})
 
 
@@ -309,7 +322,7 @@ async def revoke_key(request: Request, state: RegistryState) -> Response:
     claims = await _authorize(request, state, ADMIN_SCOPE)
     body = await _json_body(request)
     revocation = await state.keys.revoke(
-        request.path_params["kid"], claims.sub, str(body.get("reason", "")), state.key.kid
+        request.path_params["kid"], claims.sub, str(body.get("reason", "")), state.signer, state.trust.issuer
     )
     state.revocations.note(revocation)  # refused here from this answer on; elsewhere as it arrives
     if revocation.identity == state.keys.issuer_id:
@@ -320,11 +333,29 @@ async def revoke_key(request: Request, state: RegistryState) -> Response:
 
 
 async def rotate_issuer_key(request: Request, state: RegistryState) -> Response:
-    """The registry signs with a new key from now on; the old one verifies what it signed until the
-    grace ends (revoke it to end that sooner)."""
+    """The first step of a rotation: a new signing key, pending until the operator certifies it
+    (the second step, :func:`certify_issuer_key`). The registry keeps signing with its key."""
+    claims = await _authorize(request, state, ADMIN_SCOPE)
+    pending = state.keys.begin_issuer_rotation()
+    log.warning("%s began a rotation of the registry's signing key: %s pending", claims.sub, pending.kid)
+    body = {
+        "status": "pending",
+        "issuer": state.trust.issuer,
+        "kid": pending.kid,
+        "public_jwk": pending.public_jwk(),
+    }
+    return JSONResponse(body)
+
+
+async def certify_issuer_key(request: Request, state: RegistryState) -> Response:
+    """The second step: given the operator's certificate for the pending key, the registry signs
+    with it from now on; the old one verifies what it signed until the grace ends (revoke it to
+    end that sooner)."""
     claims = await _authorize(request, state, ADMIN_SCOPE)
     old = state.key.kid
-    state.tokens.key = await state.keys.rotate_issuer_key(state.key)
+    state.sign_with(
+        await state.keys.complete_issuer_rotation(str((await _json_body(request)).get("certificate", "")))
+    )
     identity = await state.store.identity(state.keys.issuer_id)
     if identity is not None:
         state.trust_issuer_keys(identity)
@@ -360,7 +391,7 @@ async def revoke_producer(request: Request, state: RegistryState) -> Response:
         state.store, request.path_params["producer_id"], claims.sub, str(body.get("reason", ""))
     )
     for revocation in revoked:
-        await record_revocation(state.keys.nats, revocation)
+        await record_revocation(state.keys.nats, revocation, state.signer, state.trust.issuer)
         state.revocations.note(revocation)
     return JSONResponse({"revoked": [r.to_json() for r in revoked]})
 
@@ -407,7 +438,8 @@ def build_app(settings: ServiceSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         key = SigningKey.load_or_create(settings.key_file)
-        revocations = Revocations()
+        trust = IssuerTrust.from_file(settings.operator_jwk_file, settings.issuer)
+        revocations = Revocations(trust)
         door = await _open_bus(settings, key, revocations)
         try:
             nc = await connect(
@@ -422,13 +454,17 @@ def build_app(settings: ServiceSettings) -> Starlette:
             raise
         try:
             async with httpx.AsyncClient() as http, contextlib.AsyncExitStack() as stack:
-                store = await RegistryStore.open(nc)
+                await revocations.follow(nc)
+                seal = RecordSeal(trust, lambda kid: revocations.check(kid) is not None)
+                store = await RegistryStore.open(nc, seal)
                 if door is not None:
                     door.store = store
                     stack.push_async_callback(door.authority.stop)
+                admin = KeyAdmin(
+                    store, nc, settings.service_id, settings.key_file, settings.public_url, trust
+                )
+                signer = seal.signer = await _certified(key, admin, settings)
                 operator_key = await _enroll_operator(store, settings)
-                admin = KeyAdmin(store, nc, settings.service_id, settings.key_file, settings.public_url)
-                await revocations.follow(nc)
                 policy = await stack.enter_async_context(
                     enforcing(door.policy if door else live_policy(settings), nc)
                 )
@@ -460,8 +496,10 @@ def build_app(settings: ServiceSettings) -> Starlette:
                     revocations=revocations,
                     issuer_keys={},
                     http=http,
+                    trust=trust,
+                    signer=signer,
                 )
-                state.trust_issuer_keys(await admin.publish_issuer_key(key))
+                state.trust_issuer_keys(await admin.publish_issuer_key(signer))
                 revocations.on_revoke(lambda revoked: _distrust(state, revoked.kid))
                 app.state.registry = state
                 checks = (
@@ -498,6 +536,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/identities/{identity_id}/keys", _route(rotate_identity_key), methods=["POST"]),
         Route("/v1/keys/{kid}/revoke", _route(revoke_key), methods=["POST"]),
         Route("/v1/issuer/rotate", _route(rotate_issuer_key), methods=["POST"]),
+        Route("/v1/issuer/certificate", _route(certify_issuer_key), methods=["POST"]),
         Route("/v1/revocations", _route(list_revocations)),
         Route("/v1/producers", _route(list_producers)),
         Route("/v1/producers", _route(issue_producer), methods=["POST"]),
@@ -558,6 +597,23 @@ async def _open_bus(settings: ServiceSettings, key: SigningKey, revocations: Rev
 
 def _distrust(state: RegistryState, kid: str) -> None:
     state.issuer_keys.pop(kid, None)
+
+
+async def _certified(key: SigningKey, admin: KeyAdmin, settings: ServiceSettings) -> CertifiedKey:
+    """``key`` with the operator's certificate for it: from ``FLEET_ISSUER_CERT_FILE`` (written
+    where the operator key is: ``fleet up``, ``deploy.keygen``), or as a completed rotation
+    recorded it. Without one the registry does not start: no verifier would trust its tokens."""
+    if settings.issuer_cert_file is not None and settings.issuer_cert_file.exists():
+        cert = settings.issuer_cert_file.read_text().strip()
+        if admin.trusts(key, cert):
+            return CertifiedKey(key, cert)
+    recorded = await admin.certificate_of(key)
+    if recorded is None:
+        raise FleetError(
+            ErrorCode.INVALID_REQUEST,
+            f"the registry's signing key {key.kid} has no operator certificate (FLEET_ISSUER_CERT_FILE)",
+        )
+    return CertifiedKey(key, recorded)
 
 
 async def _enroll_operator(store: RegistryStore, settings: ServiceSettings) -> ec.EllipticCurvePublicKey:

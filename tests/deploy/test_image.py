@@ -15,7 +15,9 @@ import pytest
 
 from deploy import keygen
 from deploy.local_stack import SERVICES, service
+from fleet.issuer_certs import IssuerTrust
 from fleet.keys import SigningKey, public_key_from_jwk
+from fleet.settings import DEFAULT_ISSUER
 from tests.deploy._files import DEPLOY, ROOT
 
 DOCKERFILE = (DEPLOY / "Dockerfile").read_text()
@@ -93,6 +95,24 @@ def test_keygen_makes_every_identity_once_and_keeps_it(tmp_path: Path) -> None:
         assert pgpass.exists() == bool(spec.database), spec.id
         if spec.database:
             assert stat.S_IMODE(pgpass.stat().st_mode) == 0o600  # libpq ignores a more open one
+
+
+def test_keygen_certifies_the_registry_key_with_the_operator_key_that_every_service_pins(
+    tmp_path: Path,
+) -> None:
+    layout = keygen.make_secrets(tmp_path)
+    operator_jwk = json.loads(layout.operator_jwk.read_text())
+    for spec in SERVICES:
+        assert json.loads((layout.identity(spec.id) / "operator.jwk.json").read_text()) == operator_jwk
+    trust = IssuerTrust(operator_jwk, DEFAULT_ISSUER)
+    registry = SigningKey.load_or_create(layout.key("registry"))
+    cert = layout.issuer_cert("registry").read_text().strip()
+    assert trust.certified(registry.public_jwk(), cert) is not None
+    assert trust.certified(SigningKey.generate().public_jwk(), cert) is None  # that key only
+    rotated = SigningKey.generate()
+    (tmp_path / "new.jwk.json").write_text(json.dumps({"public_jwk": rotated.public_jwk()}))
+    printed = keygen.certify(layout.operator_key, tmp_path / "new.jwk.json")
+    assert trust.certified(rotated.public_jwk(), printed) is not None
 
 
 def test_a_minted_token_is_what_the_registry_verifies(tmp_path: Path) -> None:

@@ -78,8 +78,8 @@ def needed(spec: ServiceSpec, env: dict[str, str]) -> set[str]:
     cls = settings_class(spec)
     required = {f"FLEET_{n.upper()}" for n, f in cls.model_fields.items() if f.is_required()}
     out = (required - {"FLEET_SERVICE_ID"}) | {"FLEET_NATS_URL", "FLEET_HOST", "FLEET_PORT", "FLEET_HOME"}
-    out |= {"FLEET_OPERATOR_JWK_FILE"}  # every process verifies policy pushes with it
-    out |= set() if spec.kind == "registry" else {"FLEET_REGISTRY_URL"}
+    out.add("FLEET_OPERATOR_JWK_FILE")  # every verifier pins the operator's key (fleet.issuer_certs)
+    out |= {"FLEET_ISSUER_CERT_FILE"} if spec.kind == "registry" else {"FLEET_REGISTRY_URL"}
     if spec.database:
         out.add("FLEET_PG_DSN")
     if env.get("FLEET_POLICY_ENGINE") == "opa":

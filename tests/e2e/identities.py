@@ -161,6 +161,7 @@ async def team_mcp_server(stack: Stack, tmp: Path, scope: str) -> AsyncIterator[
         registry_url=stack.endpoints["registry"],
         nats_url=stack.endpoints["nats"],
         enrollment_token=enrollment_token(operator, spec),
+        operator_jwk_file=stack.layout.operator_jwk_file,
     )
     scopes = {"whoami": [scope]}
     gate = ToolGate(RegorusEngine.from_dir(), server_id)  # the fleet's bundle, as every server loads it

@@ -50,6 +50,7 @@ async def kit_agent(
         registry_url=stack.endpoints["registry"],
         nats_url=stack.endpoints["nats"],
         enrollment_token=issued.stdout.strip(),
+        operator_jwk_file=stack.layout.operator_jwk_file,
         heartbeat_s=0,
     )
     app = build_specialist_app(

@@ -29,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from fleet.buskeys import stack_admin
 from fleet.errors import FleetError
+from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.operator_cli import operator_token_client
@@ -364,13 +365,28 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
         load = asyncio.gather(*(_hammer(stack, stop, outcomes) for _ in range(4)))
         await _until(lambda: len(outcomes) >= 40)  # load before the rotation (however fast this host)
         admin = stack.token("registry", scopes=("registry:admin",))
+        headers = {"Authorization": f"Bearer {admin}"}
         async with httpx.AsyncClient() as http:
+            # Two steps: the registry makes a key; it signs with it once the operator certifies it.
+            pending = await http.post(stack.endpoints["registry"] + "/v1/issuer/rotate", headers=headers)
+            assert pending.status_code == 200 and pending.json()["status"] == "pending", pending.text
+            jwk = pending.json()["public_jwk"]
+            uncertified = await http.post(
+                stack.endpoints["registry"] + "/v1/issuer/certificate",
+                json={"certificate": certify_issuer_key(SigningKey.generate(), "fleet-registry", jwk)},
+                headers=headers,
+            )
+            assert uncertified.status_code == 401, uncertified.text  # not by the operator's key
+            assert jwt.get_unverified_header(stack.token("coordinator"))["kid"] != jwk["kid"]
+            operator = SigningKey.load_or_create(stack.layout.key_file("operator"))
             rotated = await http.post(
-                stack.endpoints["registry"] + "/v1/issuer/rotate",
-                headers={"Authorization": f"Bearer {admin}"},
+                stack.endpoints["registry"] + "/v1/issuer/certificate",
+                json={"certificate": certify_issuer_key(operator, "fleet-registry", jwk)},
+                headers=headers,
             )
         assert rotated.status_code == 200, rotated.text
         old_kid, new_kid = rotated.json()["retiring"][0], rotated.json()["kid"]
+        assert new_kid == jwk["kid"]
         before = len(outcomes)
         await asyncio.sleep(2)  # at least this long with tokens of both keys about
         await _until(lambda: len(outcomes) >= before + 80)

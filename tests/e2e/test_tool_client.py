@@ -188,6 +188,7 @@ def _settings(
         registry_url=stack.endpoints["registry"],
         nats_url=stack.endpoints["nats"],
         enrollment_token=enrollment_token(operator, spec),
+        operator_jwk_file=stack.layout.operator_jwk_file,  # what the stack's registry keys are certified by
     )
 
 

@@ -29,9 +29,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deploy.local_stack import ServiceSpec
 from fleet.a2a_support import build_card, sign_card
+from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.service import Readiness
-from fleet.settings import ServiceSettings
+from fleet.settings import DEFAULT_ISSUER, ServiceSettings
 from fleet.supervisor import enrollment_token
 from mcp_servers._base import MCP_PATH, READ_ONLY, build_app, declared_tools, fleet_mcp_server
 from registry import RegistryClient
@@ -115,6 +116,7 @@ def _settings(
         registry_url=registry_url,
         nats_url=nats_url,
         state_dir=tmp / identity,
+        operator_jwk_file=tmp / "operator.jwk.json",
         **more,
     )
 
@@ -179,6 +181,9 @@ async def tool_plane(
     server_id, agent_id = f"mcp-ledger-{suffix}", f"ledger-agent-{suffix}"
     operator = SigningKey.generate()
     (tmp / "operator.jwk.json").write_text(json.dumps(operator.public_jwk()))
+    registry_key = SigningKey.load_or_create(tmp / "registry.key")  # as fleet up: the key, certified
+    cert = certify_issuer_key(operator, DEFAULT_ISSUER, registry_key.public_jwk())
+    (tmp / "registry.issuer-cert.jwt").write_text(cert)
     registry_sock, mcp_sock, card_sock = _listening(), _listening(), _listening()
     registry_url = f"http://127.0.0.1:{registry_sock.getsockname()[1]}"
     mcp_url = f"http://127.0.0.1:{mcp_sock.getsockname()[1]}"
@@ -194,7 +199,7 @@ async def tool_plane(
         registry_url,
         registry_url,
         nats_url,
-        operator_jwk_file=tmp / "operator.jwk.json",
+        issuer_cert_file=tmp / "registry.issuer-cert.jwt",
         card_refresh_s=0,
     )
     server_settings = enrolled(server_id, "mcp_server", ("registry:read", "registry:write"), mcp_url)
