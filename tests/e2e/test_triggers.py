@@ -8,6 +8,7 @@ tenant's producer would (the per-identity permissions are what confine a real on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import uuid
@@ -16,10 +17,12 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from nats.js.errors import ServerError
 
 from coordinator.triggers import CONSUMER, batch_owner, batch_run_id
 from fleet.events import (
     DEAD_LETTER_STREAM,
+    EVENTS_DUPLICATE_WINDOW_S,
     EVENTS_STREAM,
     Event,
     ensure_event_streams,
@@ -457,3 +460,21 @@ async def test_the_same_item_id_from_two_sources_is_two_items_of_the_tenants_bat
         stack, await publish(stack, on(tenant, "erp", "fleet.events.nothing.matches"), envelope("s"))
     )
     assert await batch_count(stack, tenant) == (1, 2)
+
+
+async def test_the_events_stream_de_duplicates_only_for_the_100_ms_nats_server_allows(stack: Stack) -> None:
+    """The broker's de-duplication is not trusted across producers, so its window is the smallest
+    nats-server takes; a stream made by an earlier version (an hour) is narrowed when opened."""
+    client = await connect(stack.endpoints["nats"], "test-streams")
+    try:
+        js = client.jetstream()
+        config = (await js.stream_info(EVENTS_STREAM)).config
+        assert config.duplicate_window == EVENTS_DUPLICATE_WINDOW_S == 0.1
+        with pytest.raises(ServerError) as refused:
+            await js.update_stream(dataclasses.replace(config, duplicate_window=0.099))
+        assert refused.value.err_code == 10052  # "duplicates window needs to be >= 100ms"
+        await js.update_stream(dataclasses.replace(config, duplicate_window=3600.0))
+        await ensure_event_streams(js)
+        assert (await js.stream_info(EVENTS_STREAM)).config.duplicate_window == 0.1
+    finally:
+        await client.drain()
