@@ -3,8 +3,9 @@
 On a real local stack (NATS JetStream, Postgres, the coordinator's trigger ingest, the shipped trigger
 rule ``invoices-closed``), interleaved with their baselines:
 
-* ingest: ``N`` events published to the events stream with their id as ``Nats-Msg-Id`` (one in five a
-  repeat of an earlier id, which the stream drops), ``CONCURRENCY`` publishes in flight; baseline: the
+* ingest: ``N`` events published to the events stream (on ``fleet.events.bench.bench.bench.ingest``)
+  with ``tenant/source/id`` as ``Nats-Msg-Id`` (one in five a repeat of the id before it, which the
+  stream drops within its 100 ms window), ``CONCURRENCY`` publishes in flight; baseline: the
   same publishes without a message id (no de-duplication). Target (durable pauses issue): >= 3,000/s.
 * event -> run started: one event at a time; the time from the publish to the moment the run is
   durable (its row and first events committed, announced by Postgres ``NOTIFY``); baseline: publish
@@ -29,7 +30,7 @@ import psycopg
 from bench._stack import running_stack
 from coordinator.runs import NOTIFY_CHANNEL
 from fleet.buskeys import stack_admin
-from fleet.events import EVENTS_STREAM, ensure_event_streams, event_payload
+from fleet.events import EVENTS_STREAM, EventMessage, ensure_event_streams, event_message
 from fleet.natsconn import connect
 
 INGEST_EVENTS = 6000
@@ -45,19 +46,20 @@ async def _ingest_rate(js: Any, dedup: bool) -> float:
     """Events accepted per second (a repeat counts as accepted: the stream answered it)."""
     ids = [uuid.uuid4().hex for _ in range(INGEST_EVENTS)]
     ids = [ids[i - 1] if dedup and i % 5 == 4 else event_id for i, event_id in enumerate(ids)]
-    payloads = [
-        event_payload(tenant="bench", source="bench", type_="bench.ingest", data={"i": i}, event_id=event_id)
+    messages = [
+        event_message(
+            UNMATCHED, tenant="bench", source="bench", type_="bench.ingest", data={"i": i}, event_id=event_id
+        )
         for i, event_id in enumerate(ids)
     ]
-    queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-    for item in payloads:
+    queue: asyncio.Queue[EventMessage] = asyncio.Queue()
+    for item in messages:
         queue.put_nowait(item)
 
     async def publisher() -> None:
         while not queue.empty():
-            event_id, payload = queue.get_nowait()
-            headers = {"Nats-Msg-Id": event_id} if dedup else None
-            await js.publish(UNMATCHED, payload, headers=headers)
+            message = queue.get_nowait()
+            await js.publish(message.subject, message.payload, headers=message.headers if dedup else None)
 
     started = time.perf_counter()
     await asyncio.gather(*(publisher() for _ in range(CONCURRENCY)))
@@ -72,12 +74,16 @@ async def _to_run_latency(client: Any, dsn: str, seen: set[str]) -> list[float]:
         await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
         latencies = []
         for i in range(LATENCY_EVENTS):
-            event_id = f"bench-{uuid.uuid4().hex}"
-            _, payload = event_payload(
-                tenant="bench", source="bench", type_="invoices.closed", data={"i": i}, event_id=event_id
+            message = event_message(
+                MATCHED,
+                tenant="bench",
+                source="bench",
+                type_="invoices.closed",
+                data={"i": i},
+                event_id=f"bench-{uuid.uuid4().hex}",
             )
             started = time.perf_counter()
-            await js.publish(MATCHED, payload, headers={"Nats-Msg-Id": event_id})
+            await js.publish(message.subject, message.payload, headers=message.headers)
             async for note in listener.notifies(timeout=30):
                 # The first notification of a new run is its creation (run.submitted and the plan).
                 if note.payload not in seen:

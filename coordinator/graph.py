@@ -373,14 +373,16 @@ async def collect_batch(step: dict[str, Any], scope: RunScope, now: dt.datetime)
 
 
 def wait_for_event(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
-    """An event wait: park the run until an event on the subject (and of the type, if given) for the
-    run's tenant arrives (the trigger ingest answers the wait with it), or until ``timeout_s``."""
+    """An event wait: park the run until an event of the run's tenant on the logical subject (and of
+    the type and from the source, if given) arrives (the trigger ingest answers the wait with it), or
+    until ``timeout_s``."""
     wait = step["wait"]
     request: dict[str, Any] = {
         "type": "event",
         "awaited": f"event:{step['id']}",
         "subject": wait["event"],
         "event_type": wait.get("type"),
+        "event_source": wait.get("source"),
         "why": f"an event on {wait['event']}",
     }
     if wait.get("timeout_s") is not None:

@@ -4,11 +4,13 @@ chosen by the routing policy from the request's text."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fleet.errors import ErrorCode, FleetError
+from fleet.events import TOKEN_PATTERN
 from policy import PolicyEngine
 
 MAX_STEPS = 20
@@ -25,6 +27,7 @@ class PlanError(FleetError):
 MAX_CALL_SIZE = 500
 TIMER_SKILL = "fleet.timer"  # reserved: a step that only waits (no specialist offers it)
 MAX_WAIT_S = 366 * 24 * 3600.0
+_SOURCE = re.compile(rf"^{TOKEN_PATTERN}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +124,9 @@ def parse_steps(raw: Any) -> list[Step]:
 
 def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:
     """The wait of a wait step, validated: exactly one of ``until`` (RFC 3339, with its offset) and
-    ``for_s`` (seconds, up to a year); or an ``event`` (a subject under ``fleet.events.``, with an
-    optional ``type`` and ``timeout_s``)."""
+    ``for_s`` (seconds, up to a year); or an ``event`` (a logical subject under ``fleet.events.``,
+    without tenant and source, with an optional ``type``, ``source`` and ``timeout_s``; only an event
+    of the run's own tenant answers it)."""
     if "wait" not in item:
         return None
     wait = item["wait"]
@@ -164,8 +168,9 @@ def _batch_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:
 
 def _event_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:
     subject, type_, timeout = wait.get("event"), wait.get("type"), wait.get("timeout_s")
-    if not set(wait) <= {"event", "type", "timeout_s"}:
-        raise PlanError(f"step {step_id}: an event wait takes event, type and timeout_s")
+    source = wait.get("source")
+    if not set(wait) <= {"event", "type", "source", "timeout_s"}:
+        raise PlanError(f"step {step_id}: an event wait takes event, type, source and timeout_s")
     if (
         not isinstance(subject, str)
         or not subject.startswith("fleet.events.")
@@ -175,6 +180,8 @@ def _event_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:
         raise PlanError(f"step {step_id}: wait.event must be one subject under fleet.events. (no wildcards)")
     if type_ is not None and not isinstance(type_, str):
         raise PlanError(f"step {step_id}: wait.type must be a string")
+    if source is not None and (not isinstance(source, str) or not _SOURCE.match(source)):
+        raise PlanError(f"step {step_id}: wait.source must be a source: 1-64 letters, digits, _ or -")
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_WAIT_S
     ):
@@ -182,6 +189,8 @@ def _event_wait(wait: dict[str, Any], step_id: str) -> dict[str, Any]:
     found: dict[str, Any] = {"event": subject}
     if type_ is not None:
         found["type"] = type_
+    if source is not None:
+        found["source"] = source
     if timeout is not None:
         found["timeout_s"] = float(timeout)
     return found

@@ -695,9 +695,12 @@ class PostgresRunStore:
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return seq
 
-    async def awaiting_event(self, tenant: str, subject: str, event_type: str) -> list[tuple[str, str]]:
-        """(run id, awaited) of the tenant's runs that wait for an event on ``subject`` (of
-        ``event_type``, if their wait names one). For the trigger ingest."""
+    async def awaiting_event(
+        self, tenant: str, subject: str, event_type: str, source: str
+    ) -> list[tuple[str, str]]:
+        """(run id, awaited) of the tenant's runs that wait for an event on the logical ``subject``
+        (of ``event_type`` and from ``source``, if their wait names them). For the trigger ingest,
+        which passes the tenant and source of the event's NATS subject."""
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
                 "SELECT run_id, r->>'awaited' FROM fleet_runs.runs,"
@@ -706,8 +709,9 @@ class PostgresRunStore:
                 "  || jsonb_build_object('type', wait->'type', 'awaited', wait->'awaited'))"
                 "  || COALESCE(wait->'detail'->'others', wait->'detail'->'requests', '[]')) AS r"
                 " WHERE state = 'waiting' AND tenant = %s AND r->>'type' = 'event' AND r->>'subject' = %s"
-                " AND (r->>'event_type' IS NULL OR r->>'event_type' = %s)",
-                (tenant, subject, event_type),
+                " AND (r->>'event_type' IS NULL OR r->>'event_type' = %s)"
+                " AND (r->>'event_source' IS NULL OR r->>'event_source' = %s)",
+                (tenant, subject, event_type, source),
             )
             return [(str(row[0]), str(row[1])) for row in await cursor.fetchall()]
 

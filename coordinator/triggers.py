@@ -2,11 +2,14 @@
 
 For each event (a durable pull consumer on the events stream, see :mod:`fleet.events`):
 
-1. the envelope is parsed; a malformed one goes to the dead-letter subject with the reason;
-2. ``fleet.triggers.decision`` maps (subject, type, source, tenant, data) to a run template, or to
-   nothing (the event is acked and counted: not every event needs a run);
+1. the event is parsed, its tenant and source taken from its subject
+   (``fleet.events.<tenant>.<source>.<name>...``); a malformed one, or one whose envelope names
+   another tenant or source than its subject, goes to the dead-letter subject with the reason;
+2. ``fleet.triggers.decision`` maps (logical subject, type, source, tenant, data) to a run template,
+   or to nothing (the event is acked and counted: not every event needs a run);
 3. the run is created with an id derived from the tenant, source and event id, so a redelivered or
-   republished event finds its run instead of making a second one, and submitted to the workers;
+   republished event finds its run instead of making a second one (the ingest is idempotent by
+   (tenant, source, id); the stream's own de-duplication is not relied on), and submitted;
 4. only then is the event acked. A failure on the way (the database, the broker) leaves it unacked:
    it is delivered again, up to ``MAX_DELIVER`` times, and then dead-lettered with the reason. A
    dead letter is acked, so it blocks nothing behind it.
@@ -88,6 +91,12 @@ def window_number(time: Any, window_s: float) -> int:
     return int(at.timestamp() // window_s)
 
 
+def batch_item_key(event: Event) -> str:
+    """The key of an event's item in its tenant's batch: one item per (source, id) (the batch is the
+    tenant's already; a source token has no ``/``, so the key is unambiguous)."""
+    return f"{event.source}/{event.id}"
+
+
 def batch_owner(rule: str) -> str:
     return f"batch:{rule}"
 
@@ -148,7 +157,7 @@ class TriggerIngest:
     async def handle(self, message: Msg) -> str:
         """Settle one event; what became of it: ``started``, ``ignored`` or ``dead``, or ``retry``."""
         try:
-            event = parse_event(message.subject, message.data)
+            event = parse_event(message.subject, message.data, message.headers)
             outcome = await self._start(event)
         except EventError as exc:
             await self._dead_letter(message, exc.message)
@@ -235,7 +244,7 @@ class TriggerIngest:
                 batch_owner(rule),
                 request,
                 [s.to_dict() for s in steps],
-                event.id,
+                batch_item_key(event),
                 {**event.data, "event_id": event.id},
             )
         except BatchClosed as exc:
@@ -283,9 +292,12 @@ class TriggerIngest:
         await work.submit_run(self._client, run_id, attempt=f"closed-{seq}")
 
     async def _deliver_to_waiting(self, event: Event) -> None:
-        """Answer the waits of the tenant's runs that wait for this event (an event wait step), and
-        hand those runs back to the workers. A wait answered already (a redelivery) is left alone."""
-        for run_id, awaited in await self._runs.awaiting_event(event.tenant, event.subject, event.type):
+        """Answer the waits of the tenant's runs that wait for this event (an event wait step: its
+        logical subject, and its type and source if the wait names them), and hand those runs back to
+        the workers. Only the runs of the event's tenant (its subject's) are asked. A wait answered
+        already (a redelivery) is left alone."""
+        waiting = await self._runs.awaiting_event(event.tenant, event.subject, event.type, event.source)
+        for run_id, awaited in waiting:
             try:
                 seq = await self._runs.answer_wait(
                     run_id,
@@ -308,6 +320,7 @@ class TriggerIngest:
             "reason": reason,
             "deliveries": message.metadata.num_delivered,
             "payload": message.data.decode("utf-8", errors="replace"),
+            "headers": dict(message.headers or {}),  # a binary-mode event's attributes
         }
         headers = {"Nats-Msg-Id": f"dead-{message.metadata.stream}-{message.metadata.sequence.stream}"}
         await self._client.jetstream().publish(

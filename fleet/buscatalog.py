@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from fleet.events import EVENTS_DUPLICATE_WINDOW_S
 from fleet.natsconn import patiently, replicas
 
 DAY_S = 24 * 3600.0
@@ -38,7 +39,9 @@ class BucketSpec:
 
 
 STREAMS: tuple[StreamSpec, ...] = (
-    StreamSpec("FLEET_EVENTS", "fleet.events.>", 7 * DAY_S),
+    # Events are de-duplicated by the ingest, by (tenant, source, id): the broker's window, which
+    # any producer's message id could use to drop another tenant's event, is the least it allows.
+    StreamSpec("FLEET_EVENTS", "fleet.events.>", 7 * DAY_S, duplicate_window_s=EVENTS_DUPLICATE_WINDOW_S),
     StreamSpec("FLEET_DEAD_LETTERS", "fleet.dead.>", 7 * DAY_S),
     StreamSpec("FLEET_WORK", "fleet.work.>", None, duplicate_window_s=600.0, work_queue=True),
     StreamSpec("FLEET_APPROVALS", "fleet.approvals.>", 30 * DAY_S),

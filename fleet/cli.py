@@ -162,14 +162,22 @@ def _parser() -> argparse.ArgumentParser:
     events = sub.add_parser("events", help="ambient events on NATS")
     events_sub = events.add_subparsers(dest="events_command", required=True)
     publish = _with_json(
-        with_dir(events_sub.add_parser("publish", help="publish an event (fleet.events.<...>)"))
+        with_dir(
+            events_sub.add_parser(
+                "publish", help="publish an event (on fleet.events.<tenant>.<source>.<name>...)"
+            )
+        )
     )
-    publish.add_argument("subject", help="e.g. fleet.events.invoices.closed")
+    publish.add_argument(
+        "subject", help="the logical subject, e.g. fleet.events.invoices.closed (no tenant or source)"
+    )
     publish.add_argument("--data", default="{}", help="the event's data, a JSON object")
-    publish.add_argument("--id", default=None, help="the event id (default: a new one); a repeat is dropped")
-    publish.add_argument("--tenant", default="default")
+    publish.add_argument(
+        "--id", default=None, help="the event id (default: a new one); a repeat starts nothing new"
+    )
+    publish.add_argument("--tenant", default="default", help="the subject's tenant token")
     publish.add_argument("--type", default=None, help="default: the subject after fleet.events.")
-    publish.add_argument("--source", default="cli")
+    publish.add_argument("--source", default="cli", help="the subject's source token")
     producers = sub.add_parser("producers", help="credentials for event producers outside the fleet")
     producers_sub = producers.add_subparsers(dest="producers_command", required=True)
     issue = _with_json(

@@ -3,7 +3,8 @@
 1. As an outside agent would, it fetches the coordinator's A2A card, verifies its signature and gets a
    token from the token endpoint the card names.
 2. As the billing system would, it publishes the night's settled invoices of ``acme`` and ``globex`` on
-   NATS (``fleet.events.billing.invoice_settled``), then each tenant's ``day_closed`` event. The
+   NATS (``fleet.events.<tenant>.billing.billing.invoice_settled``: source ``billing``, logical subject
+   ``fleet.events.billing.invoice_settled``), then each tenant's ``day_closed`` event. The
    trigger policy gathers each tenant's events into one batch run.
 3. It follows both runs: the SQL analyst reconciles the invoices with the payments in the tenant's
    data (through the SQL MCP server, confined to the tenant by its database login), the code runner

@@ -273,8 +273,9 @@ async def publish_event(
     *,
     as_json: bool = False,
 ) -> int:
-    """Publish an event on the stack's NATS (``fleet events publish``)."""
-    from fleet.events import publish_event as publish
+    """Publish an event on the stack's NATS (``fleet events publish``): on the logical ``subject``
+    (``fleet.events.<name>...``), sent on ``fleet.events.<tenant>.<source>.<name>...``."""
+    from fleet.events import event_message, publish_message
     from fleet.natsconn import connect, stream_replicas
 
     endpoints = running_endpoints(layout)
@@ -284,6 +285,9 @@ async def publish_event(
         parsed = None
     if not isinstance(parsed, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "--data must be a JSON object")
+    message = event_message(
+        subject, tenant=tenant, source=source, type_=type_, data=parsed, event_id=event_id
+    )
     client = await connect(
         endpoints["nats"],
         "fleet-cli",
@@ -291,13 +295,15 @@ async def publish_event(
         credentials=operator_bus_credentials(endpoints),
     )
     try:
-        event_id, kept = await publish(
-            client, subject, tenant=tenant, source=source, type_=type_, data=parsed, event_id=event_id
-        )
+        kept = await publish_message(client, message)
     finally:
         await client.drain()
-    text = f"event {event_id} on {subject}: {'published' if kept else 'a duplicate (dropped by the stream)'}"
-    emit({"event_id": event_id, "subject": subject, "published": kept}, as_json=as_json, text=text)
+    text = f"event {message.id} on {message.subject}: {'published' if kept else 'a duplicate (dropped by the stream)'}"
+    emit(
+        {"event_id": message.id, "subject": subject, "nats_subject": message.subject, "published": kept},
+        as_json=as_json,
+        text=text,
+    )
     return EXIT_OK
 
 

@@ -29,7 +29,7 @@ import psycopg
 
 from deploy.local_stack import OPERATOR_ID, service
 from fleet.buskeys import stack_admin
-from fleet.events import event_payload
+from fleet.events import event_message
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
@@ -192,14 +192,15 @@ async def pause_and_resume(
     try:
         events = []
         for i in range(n):
-            event_id, payload = event_payload(
+            message = event_message(
+                SUBJECT,
                 tenant=tenant,
                 source="harness",
                 type_="refund.requested",
                 data={"subject": f"customer-{batch}-{i}", "amount_cents": 20_000 + i},
                 event_id=f"refund-{batch}-{i}",
             )
-            events.append((SUBJECT, payload, {"Nats-Msg-Id": event_id}))
+            events.append((message.subject, message.payload, message.headers))
         started = time.perf_counter()
         await _publish_all(nc, events)
         waiting = "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state = 'waiting'"

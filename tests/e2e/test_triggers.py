@@ -1,10 +1,14 @@
-"""Ambient triggers: events on ``fleet.events.>`` start runs through the trigger policy, once per event
-id; malformed events go to the dead-letter subject without holding up the rest. Real NATS JetStream,
-Postgres and the coordinator's ingest, with the shipped policy bundle (rule ``invoices-closed``)."""
+"""Ambient triggers: events on ``fleet.events.<tenant>.<source>.<name>...`` start runs through the
+trigger policy, once per (tenant, source, id); the tenant and source are the subject's, never the
+envelope's; malformed events go to the dead-letter subject without holding up the rest. Real NATS
+JetStream, Postgres and the coordinator's ingest, with the shipped policy bundle (rule
+``invoices-closed``). The stack's NATS is unauthenticated for now, so a test can publish as any
+tenant's producer would (the per-identity permissions are what confine a real one to its subjects)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import uuid
@@ -13,17 +17,34 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from nats.js.errors import ServerError
 
-from coordinator.triggers import batch_owner, batch_run_id
+from coordinator.triggers import CONSUMER, batch_owner, batch_run_id
 from fleet.buskeys import stack_admin
-from fleet.events import DEAD_LETTER_STREAM, Event, event_payload, publish_event, publish_raw
+from fleet.events import (
+    DEAD_LETTER_STREAM,
+    EVENTS_DUPLICATE_WINDOW_S,
+    EVENTS_STREAM,
+    Event,
+    ensure_event_streams,
+    event_message,
+    event_subject,
+    publish_event,
+    publish_message,
+    publish_raw,
+)
 from fleet.natsconn import connect
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.conftest import Stack, all_events, fleet
 
 pytestmark = pytest.mark.e2e
 
-CLOSED = "fleet.events.invoices.closed"
+CLOSED = "fleet.events.invoices.closed"  # the logical subject of the rule invoices-closed
+
+
+def on(tenant: str, source: str, subject: str = CLOSED) -> str:
+    """The NATS subject of an event of ``tenant`` from ``source`` on the logical ``subject``."""
+    return event_subject(subject, tenant=tenant, source=source)
 
 
 def run_id_for(tenant: str, source: str, event_id: str) -> str:
@@ -54,48 +75,71 @@ async def runs_owned_by(stack: Stack, owner: str) -> int:
     return int(row[0])
 
 
+async def runs_among(stack: Stack, run_ids: list[str]) -> list[tuple[str, str, int]]:
+    """(run id, tenant, how many times it was submitted by an event) of those of ``run_ids`` that exist."""
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn:
+        cursor = await conn.execute(
+            "SELECT r.run_id, r.tenant, count(e.seq) FROM fleet_runs.runs r LEFT JOIN fleet_runs.events e"
+            " ON e.run_id = r.run_id AND e.type = 'run.submitted' WHERE r.run_id = ANY(%s)"
+            " GROUP BY r.run_id, r.tenant",
+            (run_ids,),
+        )
+        return sorted((str(r[0]), str(r[1]), int(r[2])) for r in await cursor.fetchall())
+
+
+async def publish(stack: Stack, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> int:
+    """Publish bytes on a NATS subject as any producer could; the stream sequence they got."""
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
+    try:
+        js = client.jetstream()
+        await ensure_event_streams(js)
+        ack = await js.publish(subject, payload, headers=headers)
+    finally:
+        await client.drain()
+    return int(ack.seq)
+
+
+async def settled(stack: Stack, seq: int) -> None:
+    """Wait until the trigger ingest has settled (acked: started, ignored or dead-lettered) every
+    event of the stream up to ``seq``."""
+    client = await connect(stack.endpoints["nats"], "test-settled", credentials=stack_admin(stack.endpoints))
+    try:
+        js = client.jetstream()
+        async with asyncio.timeout(90):
+            while True:
+                info = await js.consumer_info(EVENTS_STREAM, CONSUMER)
+                if info.ack_floor is not None and info.ack_floor.stream_seq >= seq:
+                    return
+                await asyncio.sleep(0.1)
+    finally:
+        await client.drain()
+
+
 async def test_an_event_published_twice_with_one_id_makes_one_run(stack: Stack) -> None:
     event_id = f"close-{uuid.uuid4().hex[:8]}"
     args = ("events", "publish", "--data-dir", stack.data_dir, CLOSED, "--id", event_id, "--tenant", "acme")
-    first = await asyncio.to_thread(fleet, *args, "--data", '{"night": "2026-11-28"}', timeout=60)
+    first = await asyncio.to_thread(fleet, *args, "--data", '{"night": "2026-11-28"}', "--json", timeout=60)
     assert first.returncode == 0, first.stderr
-    assert "published" in first.stdout
+    said = json.loads(first.stdout)
+    assert said["published"] and said["nats_subject"] == "fleet.events.acme.cli.invoices.closed"
     again = await asyncio.to_thread(fleet, *args, "--data", '{"night": "2026-11-28"}', timeout=60)
-    assert again.returncode == 0, again.stderr
-    assert "duplicate" in again.stdout  # dropped by the stream (Nats-Msg-Id)
+    assert again.returncode == 0, again.stderr  # kept or dropped by the stream: either way one run
 
     run_id = run_id_for("acme", "cli", event_id)
     run = await run_when(stack, run_id, ("completed", "failed"))
     assert run["state"] == "completed", run
     assert run["owner"] == "event:cli"
 
-    # The same event again after the stream's de-duplication window (another message id): the run
-    # id derives from the event, so it finds its run instead of making a second one.
-    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
-    try:
-        assert await publish_raw(client, CLOSED, envelope(event_id, source="cli"), f"{event_id}-republished")
-        sentinel = f"sentinel-{uuid.uuid4().hex[:8]}"
-        await publish_raw(client, CLOSED, envelope(sentinel, source="cli"), sentinel)
-    finally:
-        await client.drain()
-    await run_when(
-        stack, run_id_for("acme", "cli", sentinel), ("submitted", "working", "completed", "failed")
-    )
-    await asyncio.sleep(1.0)
-    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet")) as conn:
-        cursor = await conn.execute(
-            "SELECT count(*) FROM fleet_runs.events WHERE run_id = %s AND type = 'run.submitted'", (run_id,)
-        )
-        row = await cursor.fetchone()
-    assert row is not None and row[0] == 1
+    # The same event again under another message id (as after the stream's short de-duplication
+    # window): the run id derives from the tenant, source and event id, so it finds its run.
+    seq = await publish(stack, on("acme", "cli"), envelope(event_id), {"Nats-Msg-Id": "republished"})
+    await settled(stack, seq)
+    assert await runs_among(stack, [run_id]) == [(run_id, "acme", 1)]
 
 
-def envelope(
-    event_id: str, *, source: str = "test", tenant: str = "acme", data: dict[str, Any] | None = None
-) -> bytes:
-    return json.dumps(
-        {"id": event_id, "source": source, "type": "invoices.closed", "tenant": tenant, "data": data or {}}
-    ).encode()
+def envelope(event_id: str, *, data: dict[str, Any] | None = None, **claims: str) -> bytes:
+    """A structured-mode envelope; ``claims`` (``tenant``, ``source``) are what it says of itself."""
+    return json.dumps({"id": event_id, "type": "invoices.closed", "data": data or {}, **claims}).encode()
 
 
 async def dead_letters(stack: Stack) -> list[dict[str, Any]]:
@@ -117,29 +161,94 @@ async def dead_letters(stack: Stack) -> list[dict[str, Any]]:
         await client.drain()
 
 
-async def test_a_malformed_event_is_dead_lettered_with_its_reason_and_the_rest_flow(stack: Stack) -> None:
-    marker = uuid.uuid4().hex[:8]
-    good = f"good-{marker}"
-    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
-    try:
-        await publish_raw(client, CLOSED, b"this is not json " + marker.encode(), f"bad-{marker}")
-        missing = json.dumps({"id": f"no-tenant-{marker}", "source": "test", "type": "t"}).encode()
-        await publish_raw(client, CLOSED, missing, f"no-tenant-{marker}")
-        await publish_raw(client, CLOSED, envelope(good), good)
-    finally:
-        await client.drain()
-    run = await run_when(stack, run_id_for("acme", "test", good), ("completed", "failed"))
-    assert run["state"] == "completed"
+async def dead_letters_of(stack: Stack, marker: str, count: int) -> list[dict[str, Any]]:
+    """The ``count`` dead letters whose payload holds ``marker``, once they are all there."""
     async with asyncio.timeout(30):
         while True:
             mine = [d for d in await dead_letters(stack) if marker in d["payload"]]
-            if len(mine) == 2:
-                break
+            if len(mine) >= count:
+                return mine
             await asyncio.sleep(0.3)
-    reasons = sorted(d["reason"] for d in mine)
-    assert "not JSON" in reasons[1] or "not JSON" in reasons[0]
-    assert any("'tenant'" in r for r in reasons)
-    assert all(d["subject"] == CLOSED for d in mine)
+
+
+async def test_a_malformed_event_is_dead_lettered_with_its_reason_and_the_rest_flow(stack: Stack) -> None:
+    marker = uuid.uuid4().hex[:8]
+    good = f"good-{marker}"
+    await publish(stack, on("acme", "test"), b"this is not json " + marker.encode())
+    await publish(stack, on("acme", "test"), json.dumps({"id": f"no-type-{marker}"}).encode())
+    # The layout before tenants and sources were in the subject: no name token left.
+    await publish(stack, CLOSED, envelope(f"old-{marker}", tenant="acme", source="test"))
+    await publish(stack, on("acme", "test"), envelope(good))
+    run = await run_when(stack, run_id_for("acme", "test", good), ("completed", "failed"))
+    assert run["state"] == "completed"
+    mine = await dead_letters_of(stack, marker, 3)
+    reasons = {d["subject"]: d["reason"] for d in mine if "not JSON" not in d["reason"]}
+    assert any("not JSON" in d["reason"] for d in mine)
+    assert "'type'" in reasons[on("acme", "test")]
+    assert "fleet.events.<tenant>.<source>.<name>" in reasons[CLOSED]
+
+
+async def test_an_envelope_claiming_another_tenant_than_its_subject_is_dead_lettered_and_starts_nothing(
+    stack: Stack,
+) -> None:
+    """A producer allowed only on tenant mallory's subjects claims acme in the envelope: refused."""
+    forged = f"forged-{uuid.uuid4().hex[:8]}"
+    seq = await publish(stack, on("mallory", "erp"), envelope(forged, tenant="acme", source="erp"))
+    await settled(stack, seq)
+    (letter,) = await dead_letters_of(stack, forged, 1)
+    assert letter["subject"] == on("mallory", "erp")
+    assert "names tenant 'acme' but its subject's tenant is 'mallory'" in letter["reason"]
+    assert await runs_among(stack, [run_id_for(t, "erp", forged) for t in ("acme", "mallory")]) == []
+
+
+async def test_the_same_event_id_from_two_tenants_or_two_sources_makes_a_run_each_and_from_one_twice_one(
+    stack: Stack,
+) -> None:
+    event_id = f"shared-{uuid.uuid4().hex[:8]}"
+    producers = [("acme", "erp"), ("globex", "erp"), ("acme", "crm")]
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
+    try:
+        for tenant, source in producers:
+            _, kept = await publish_event(
+                client,
+                CLOSED,
+                tenant=tenant,
+                source=source,
+                type_="invoices.closed",
+                data={},
+                event_id=event_id,
+            )
+            assert kept  # the stream's message id holds tenant and source: nothing is dropped
+        # The first producer again, with the fleet's own message id and with another one.
+        message = event_message(
+            CLOSED, tenant="acme", source="erp", type_="invoices.closed", data={}, event_id=event_id
+        )
+        await publish_message(client, message)
+        await publish_raw(client, message.subject, message.payload, "another-message-id")
+    finally:
+        await client.drain()
+    seq = await publish(stack, on("acme", "erp"), envelope(f"sentinel-{event_id}"))
+    await settled(stack, seq)
+    expected = sorted((run_id_for(t, s, event_id), t, 1) for t, s in producers)
+    assert await runs_among(stack, [r for r, _, _ in expected]) == expected
+
+
+async def test_a_binary_mode_event_starts_a_run(stack: Stack) -> None:
+    event_id = f"binary-{uuid.uuid4().hex[:8]}"
+    headers = {
+        "ce-specversion": "1.0",
+        "ce-id": event_id,
+        "ce-source": "ledger",
+        "ce-type": "invoices.closed",
+        "ce-time": dt.datetime.now(dt.UTC).isoformat(),
+        "ce-subject": "night-2026-11-28",
+        "content-type": "application/json",
+        "Nats-Msg-Id": f"acme/ledger/{event_id}",
+    }
+    await publish(stack, on("acme", "ledger"), b'{"night": "2026-11-28"}', headers)
+    run = await run_when(stack, run_id_for("acme", "ledger", event_id), ("completed", "failed"))
+    assert run["state"] == "completed", run
+    assert run["owner"] == "event:ledger"
 
 
 async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start_one_run_each(
@@ -159,7 +268,7 @@ async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start
         assert kept
         ids = [f"{source}-{i}" for i in range(100)]
         for event_id in ids:
-            await publish_raw(client, CLOSED, envelope(event_id, source=source, tenant="bulk"), event_id)
+            await publish_raw(client, on("bulk", source), envelope(event_id), event_id)
     finally:
         await client.drain()
     async with asyncio.timeout(120):
@@ -167,17 +276,21 @@ async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start
             if await runs_owned_by(stack, f"event:{source}") >= len(ids):
                 break
             await asyncio.sleep(0.5)
-    await asyncio.sleep(1.0)
-    assert await runs_owned_by(stack, f"event:{source}") == len(ids)  # none for the weather event
+    await settled(stack, await publish(stack, on("bulk", source), envelope(f"{source}-last")))
+    assert await runs_owned_by(stack, f"event:{source}") == len(ids) + 1  # none for the weather event
 
 
-async def test_a_run_waits_for_an_event_of_its_tenant_and_goes_on_with_it(stack: Stack) -> None:
+async def test_a_run_waits_for_an_event_of_its_tenant_and_source_and_goes_on_with_it(stack: Stack) -> None:
     from tests.e2e.conftest import send, user_message
 
-    subject = f"fleet.events.approvals.po{uuid.uuid4().hex[:8]}"
+    name = f"approvals.po{uuid.uuid4().hex[:8]}"
+    subject = f"fleet.events.{name}"
     plan = {
         "steps": [
-            {"id": "gate", "wait": {"event": subject, "type": "po.approved", "timeout_s": 600}},
+            {
+                "id": "gate",
+                "wait": {"event": subject, "type": "po.approved", "source": "erp", "timeout_s": 600},
+            },
             {"id": "after", "skill": "sql-query", "input": {"sql": "SELECT 21 AS n"}, "after": ["gate"]},
         ]
     }
@@ -194,13 +307,19 @@ async def test_a_run_waits_for_an_event_of_its_tenant_and_goes_on_with_it(stack:
                 break
             await asyncio.sleep(0.1)
     run_id = str(row[0])
+    approved = {"type": "po.approved", "data": {"po": "PO-9"}}
+    # Not for this run: another tenant's event (claiming acme in its envelope, or not), one of
+    # another type, and one of acme from another source than the gate names.
+    await publish(stack, on("globex", "erp", subject), json.dumps({"id": "x1", **approved}).encode())
+    await publish(
+        stack, on("globex", "erp", subject), json.dumps({"id": "x2", "tenant": "acme", **approved}).encode()
+    )
+    await publish(stack, on("acme", "erp", subject), json.dumps({"id": "x3", "type": "po.rejected"}).encode())
+    seq = await publish(stack, on("acme", "crm", subject), json.dumps({"id": "x4", **approved}).encode())
+    await settled(stack, seq)
+    assert (await run_when(stack, run_id, ("waiting",)))["state"] == "waiting"
     client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
     try:
-        # Another tenant's event, and one of another type, on the same subject: not for this run.
-        await publish_event(client, subject, tenant="globex", source="erp", type_="po.approved", data={})
-        await publish_event(client, subject, tenant="acme", source="erp", type_="po.rejected", data={})
-        await asyncio.sleep(1.5)
-        assert (await run_when(stack, run_id, ("waiting",)))["state"] == "waiting"
         event_id, _ = await publish_event(
             client, subject, tenant="acme", source="erp", type_="po.approved", data={"po": "PO-9"}
         )
@@ -211,6 +330,7 @@ async def test_a_run_waits_for_an_event_of_its_tenant_and_goes_on_with_it(stack:
     gate = outcome.result["steps"]["gate"]
     assert gate["expired"] is False
     assert (gate["event"]["id"], gate["event"]["data"]) == (event_id, {"po": "PO-9"})
+    assert (gate["event"]["tenant"], gate["event"]["source"]) == ("acme", "erp")
     assert set(outcome.result["steps"]) == {"gate", "after"}
 
 
@@ -240,7 +360,8 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
     try:
         js = client.jetstream()
         items = [
-            event_payload(
+            event_message(
+                RECEIVED,
                 tenant=tenant,
                 source="erp",
                 type_="invoice.received",
@@ -249,11 +370,11 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
             )
             for i in range(count)
         ]
-        await asyncio.gather(*(js.publish(RECEIVED, p, headers={"Nats-Msg-Id": i}) for i, p in items))
+        await asyncio.gather(*(js.publish(m.subject, m.payload, headers=m.headers) for m in items))
         # The same events again under other message ids (past the stream's de-duplication): the
-        # ingest keeps one item per event id.
+        # ingest keeps one item per (source, event id).
         await asyncio.gather(
-            *(js.publish(RECEIVED, p, headers={"Nats-Msg-Id": f"again-{i}"}) for i, p in items[:50])
+            *(js.publish(m.subject, m.payload, headers={"Nats-Msg-Id": f"again-{m.id}"}) for m in items[:50])
         )
         async with asyncio.timeout(120):
             while True:
@@ -261,7 +382,7 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
                     break
                 await asyncio.sleep(0.3)
         # The run's id derives from the tenant, the rule and the window of the events' time.
-        window = int(dt.datetime.fromisoformat(json.loads(items[0][1])["time"]).timestamp() // 86400)
+        window = int(dt.datetime.fromisoformat(json.loads(items[0].payload)["time"]).timestamp() // 86400)
         run_id = batch_run_id(tenant, "invoices-nightly", window)
         token = stack.token("coordinator", tenant=tenant)
         async with httpx.AsyncClient(timeout=30) as http:
@@ -273,10 +394,15 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
             ).json()
         assert run["state"] in ("submitted", "working", "waiting")
 
-        _, done = event_payload(
-            tenant=tenant, source="erp", type_="export.done", data={}, event_id=f"done-{tenant}"
+        done = event_message(
+            "fleet.events.invoices.export_done",
+            tenant=tenant,
+            source="erp",
+            type_="export.done",
+            data={},
+            event_id=f"done-{tenant}",
         )
-        await js.publish("fleet.events.invoices.export_done", done, headers={"Nats-Msg-Id": f"done-{tenant}"})
+        await publish_message(client, done)
         finished = await run_when(stack, run_id, ("completed", "failed"), tenant=tenant)
         assert finished["state"] == "completed", finished
 
@@ -296,14 +422,15 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
         assert [e["payload"]["done"] for e in progress][-1] == count
 
         # A late invoice of the same night: its batch has closed; it is dead-lettered with the reason.
-        late_id, late = event_payload(
+        late = event_message(
+            RECEIVED,
             tenant=tenant,
             source="erp",
             type_="invoice.received",
             data={"invoice": "INV-late"},
             event_id=f"late-{tenant}",
         )
-        await js.publish(RECEIVED, late, headers={"Nats-Msg-Id": late_id})
+        await publish_message(client, late)
     finally:
         await client.drain()
     async with asyncio.timeout(30):
@@ -314,3 +441,43 @@ async def test_a_nights_invoices_gather_into_one_batch_run_that_a_closing_event_
             await asyncio.sleep(0.3)
     assert "closed" in mine[0]["reason"] and "too late" in mine[0]["reason"]
     assert await batch_count(stack, tenant) == (1, count)
+
+
+async def test_the_same_item_id_from_two_sources_is_two_items_of_the_tenants_batch(stack: Stack) -> None:
+    tenant = fresh_tenant()
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
+    try:
+        for source in ("erp", "erp", "crm"):  # erp twice: one item
+            message = event_message(
+                RECEIVED,
+                tenant=tenant,
+                source=source,
+                type_="invoice.received",
+                data={"invoice": "INV-1"},
+                event_id="inv-1",
+            )
+            await publish_raw(client, message.subject, message.payload, f"{source}-{uuid.uuid4().hex}")
+    finally:
+        await client.drain()
+    await settled(
+        stack, await publish(stack, on(tenant, "erp", "fleet.events.nothing.matches"), envelope("s"))
+    )
+    assert await batch_count(stack, tenant) == (1, 2)
+
+
+async def test_the_events_stream_de_duplicates_only_for_the_100_ms_nats_server_allows(stack: Stack) -> None:
+    """The broker's de-duplication is not trusted across producers, so its window is the smallest
+    nats-server takes; a stream made by an earlier version (an hour) is narrowed when opened."""
+    client = await connect(stack.endpoints["nats"], "test-streams", credentials=stack_admin(stack.endpoints))
+    try:
+        js = client.jetstream()
+        config = (await js.stream_info(EVENTS_STREAM)).config
+        assert config.duplicate_window == EVENTS_DUPLICATE_WINDOW_S == 0.1
+        with pytest.raises(ServerError) as refused:
+            await js.update_stream(dataclasses.replace(config, duplicate_window=0.099))
+        assert refused.value.err_code == 10052  # "duplicates window needs to be >= 100ms"
+        await js.update_stream(dataclasses.replace(config, duplicate_window=3600.0))
+        await ensure_event_streams(js)
+        assert (await js.stream_info(EVENTS_STREAM)).config.duplicate_window == 0.1
+    finally:
+        await client.drain()

@@ -1,9 +1,13 @@
 # Triggers: which run an ambient event starts, if any.
-# Input: {subject, type, source, tenant, data} of an event on fleet.events.>.
+# Input: {subject, type, source, tenant, data} of an event on fleet.events.>. The tenant and source
+# are those of the event's NATS subject, fleet.events.<tenant>.<source>.<name>... (the broker lets a
+# producer publish only under its own), and subject is the logical subject fleet.events.<name>...
+# with them taken out, so a rule's subject never names a tenant or a source.
 # data.config.triggers: rules, first match wins. A rule has a NATS-style subject pattern ("*" one
-# token, ">" the rest), optionally a type and a tenant list, and the template of the run: its steps
-# (inputs may take event fields with {"$event": "data.path"}) and a priority. A rule with "batch"
-# gathers events into one batch run per tenant and window (see closes below).
+# token, ">" the rest) over the logical subject, optionally a type, a tenants list and a sources list,
+# and the template of the run: its steps (inputs may take event fields with {"$event": "data.path"})
+# and a priority. A rule with "batch" gathers events into one batch run per tenant and window (see
+# closes below).
 package fleet.triggers
 
 subject_matches(pattern, subject) if {
@@ -29,8 +33,18 @@ subject_matches(pattern, subject) if {
 applies(rule) if {
 	subject_matches(rule.subject, input.subject)
 	object.get(rule, "type", input.type) == input.type
-	input.tenant in object.get(rule, "tenants", [input.tenant])
+	admits(rule)
 }
+
+# The rule's tenants and sources lists, when it has them, name the event's.
+admits(rule) if {
+	input.tenant in object.get(rule, "tenants", [input.tenant])
+	admits_source(rule)
+}
+
+admits_source(rule) if not "sources" in object.keys(rule)
+
+admits_source(rule) if input.source in rule.sources
 
 matches contains i if {
 	some i, rule in data.config.triggers
@@ -42,7 +56,7 @@ matches contains i if {
 closes contains {"rule": rule.name, "batch": rule.batch} if {
 	some rule in data.config.triggers
 	subject_matches(object.get(object.get(rule, "batch", {}), "close_subject", ""), input.subject)
-	input.tenant in object.get(rule, "tenants", [input.tenant])
+	admits(rule)
 }
 
 decision := {

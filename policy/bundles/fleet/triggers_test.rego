@@ -44,3 +44,17 @@ test_a_close_subject_names_the_batch_rule_it_closes if {
 	item.run.batch.window_s == 86400
 	item.closes == []
 }
+
+test_sources_restrict_like_tenants if {
+	src_rules := [{"name": "erp-only", "subject": "fleet.events.invoices.closed", "sources": ["erp"], "tenants": ["acme"], "steps": []}]
+	erp := triggers.decision with input as {"subject": "fleet.events.invoices.closed", "type": "t", "source": "erp", "tenant": "acme", "data": {}}
+		with data.config.triggers as src_rules
+	erp.rule == "erp-only"
+	crm := triggers.decision with input as {"subject": "fleet.events.invoices.closed", "type": "t", "source": "crm", "tenant": "acme", "data": {}}
+		with data.config.triggers as src_rules
+	crm.run == null
+	batch_rules := [{"name": "nightly", "subject": "fleet.events.invoices.received", "sources": ["erp"], "batch": {"window_s": 60, "close_subject": "fleet.events.invoices.export_done"}, "steps": []}]
+	close_crm := triggers.decision with input as {"subject": "fleet.events.invoices.export_done", "type": "t", "source": "crm", "tenant": "acme", "data": {}}
+		with data.config.triggers as batch_rules
+	close_crm.closes == []
+}
