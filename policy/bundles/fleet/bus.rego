@@ -154,7 +154,7 @@ memory_audit_rights := set() if server_extra.memory_audit != true
 producer_pub := {sprintf("fleet.events.%s.%s.>", [tenant, source]) |
 	some tenant in p.tenant_tokens
 	some source in p.sources
-} | {"$JS.API.STREAM.INFO.FLEET_EVENTS"}
+} | {"$JS.API.STREAM.INFO.FLEET_EVENTS", "$JS.API.STREAM.INFO.FLEET_DEAD_LETTERS"}
 
 # ------------------------------------------------------------------------------------ the answer
 identity_pub := pub[p.kind] | server_rights if p.kind == "mcp_server"
