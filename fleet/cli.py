@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
 
     up = with_dir(sub.add_parser("up", help="start the local stack"))
     up.add_argument("--detach", action="store_true", help="return once healthy; keep running")
+    up.add_argument(
+        "--tls", action="store_true", help="NATS and every service over TLS, on a CA made in the data dir"
+    )
     up.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     _with_json(with_dir(sub.add_parser("down", help="stop the local stack")))
     status = with_dir(sub.add_parser("status", help="health and what the registry knows"))
@@ -302,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = FleetSettings()
     data_dir = getattr(args, "data_dir", None) or settings.home
     layout = StackLayout.at(data_dir)
+    _trust_stack_ca(layout)
     try:
         return _dispatch(args, settings, layout)
     except FleetError as exc:
@@ -310,13 +314,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _trust_stack_ca(layout: StackLayout) -> None:
+    """A stack started with ``--tls`` serves HTTPS with certificates of its own CA: this process's
+    HTTP clients trust it (set here, at the entry point, once)."""
+    endpoints = layout.read_endpoints() or {}
+    trust = endpoints.get("tls_trust")
+    if isinstance(trust, str) and not endpoints.get("stopped"):
+        os.environ["SSL_CERT_FILE"] = trust  # the stack's CA and the public roots
+
+
 def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
     from fleet import operator_cli
 
     command: str = args.command
     if command == "up":
+        if args.tls:
+            settings = settings.model_copy(update={"tls": True})
         if args.detach:
-            return up_detached(layout)
+            return up_detached(layout, tls=settings.tls)
         return asyncio.run(up_foreground(settings, layout, args.ready_fd))
     if command == "down":
         return operator_cli.down(layout, as_json=args.json)
@@ -554,7 +569,7 @@ async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: 
     return EXIT_OK
 
 
-def up_detached(layout: StackLayout) -> int:
+def up_detached(layout: StackLayout, *, tls: bool = False) -> int:
     """Start a supervisor in the background and return once it reports the stack healthy."""
     layout.prepare()
     read_fd, write_fd = os.pipe()
@@ -569,6 +584,7 @@ def up_detached(layout: StackLayout) -> int:
                 str(layout.home),
                 "--ready-fd",
                 str(write_fd),
+                *(["--tls"] if tls else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,

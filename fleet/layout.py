@@ -54,6 +54,11 @@ class StackLayout:
         return self.keys_dir / "nats"
 
     @property
+    def tls_dir(self) -> Path:
+        """The local CA and the services' certificate (``fleet up --tls``, :mod:`fleet.tlsca`)."""
+        return self.keys_dir / "tls"
+
+    @property
     def nats_config_file(self) -> Path:
         return self.nats_dir / "auth.conf"
 

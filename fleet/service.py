@@ -68,6 +68,8 @@ async def _serve(app: ASGIApp, settings: ServiceSettings) -> None:
         # Longer than any client keeps an idle connection (httpx: 5 s), so a client never reuses a
         # connection the server is closing at that moment (a spurious ReadError on the next call).
         timeout_keep_alive=KEEP_ALIVE_S,
+        ssl_certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
+        ssl_keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
     )
     server = uvicorn.Server(config)
     await server.serve(sockets=[listening_socket(settings)])

@@ -49,6 +49,7 @@ class FleetSettings(BaseSettings):
         " prints them)",
     )
     workers: int = Field(default=2, ge=1, le=64, description="how many worker processes to start")
+    tls: bool = Field(default=False, description="NATS and every service over TLS, on a CA of the data dir's")
     pg_dsn: str | None = Field(default=None, description="use this Postgres instead of starting one")
     log_level: str = "info"
 
@@ -83,6 +84,8 @@ class ServiceSettings(BaseSettings):
     tls_ca_file: Path | None = Field(
         default=None, description="the CA that signed the bus's (and the services') TLS certificates"
     )
+    tls_cert_file: Path | None = Field(default=None, description="serve HTTPS with this certificate (PEM)")
+    tls_key_file: Path | None = Field(default=None, description="and this key (PEM)")
     pg_dsn: str = ""
     enrollment_token: str = ""
     operator_jwk_file: Path | None = Field(

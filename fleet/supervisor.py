@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import sys
 import time
 import uuid
@@ -35,7 +36,7 @@ from psycopg.conninfo import make_conninfo
 from deploy.local_stack import DATABASES, OPERATOR_ID, ServiceSpec, service, stack_services
 from fleet import stacklock
 from fleet.buscatalog import provision
-from fleet.buskeys import BusKeys, stack_config
+from fleet.buskeys import BusKeys, ServerTls, stack_config
 from fleet.errors import ErrorCode, FleetError
 from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.issuer_certs import certify_issuer_key
@@ -43,6 +44,7 @@ from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import Credentials, connect
 from fleet.settings import DEFAULT_ISSUER, FleetSettings
+from fleet.tlsca import LocalTls, local_tls
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class Supervisor:
     children: list[_Child] = field(default_factory=list)
     endpoints: dict[str, Any] = field(default_factory=dict)
     _lock_fd: int | None = None
+    _tls: LocalTls | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> dict[str, Any]:
@@ -147,11 +150,12 @@ class Supervisor:
         previous = self.layout.read_endpoints() or {}
         operator = SigningKey.load_or_create(self.layout.key_file(OPERATOR_ID))
         self.layout.operator_jwk_file.write_text(json.dumps(operator.public_jwk()))
-        keys_dir = self._bus_keys_dir()
+        tls = local_tls(self.layout.tls_dir) if self.settings.tls else None
+        keys_dir = self._bus_keys_dir(tls)
         self._certify_registry_key(operator)
         nats_url = self.settings.nats_url or await self._start_nats(previous)
         replicas = self.settings.nats_replicas if self.settings.nats_url else 1
-        await _provision_bus(nats_url, BusKeys.load_or_create(keys_dir), replicas)
+        await _provision_bus(nats_url, BusKeys.load_or_create(keys_dir), replicas, tls)
         pg_port: int | None = None
         if self.settings.pg_dsn:
             dsns = dict.fromkeys(DATABASES, self.settings.pg_dsn)
@@ -182,6 +186,16 @@ class Supervisor:
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
         }
+        if tls is not None:
+            endpoints["tls_ca"] = str(tls.ca_file)
+            endpoints["tls_trust"] = str(tls.trust_file)
+            env_common |= {
+                "FLEET_TLS_CA_FILE": str(tls.ca_file),
+                "FLEET_TLS_CERT_FILE": str(tls.cert_file),
+                "FLEET_TLS_KEY_FILE": str(tls.key_file),
+                "SSL_CERT_FILE": str(tls.trust_file),  # every HTTP client of the services trusts the CA
+            }
+        self._tls = tls
         for tier in start_tiers(stack_services(self.settings.workers)):
             envs = [
                 {
@@ -320,12 +334,13 @@ class Supervisor:
         self.children.append(child)
         return child
 
-    def _bus_keys_dir(self) -> Path:
+    def _bus_keys_dir(self, tls: LocalTls | None) -> Path:
         """Where the bus's keys are: the data dir's own (made on first use) for the embedded server;
         those the given bus trusts (``FLEET_NATS_KEYS_DIR``) for another."""
         if not self.settings.nats_url:
             keys = BusKeys.load_or_create(self.layout.bus_keys_dir)
-            self.layout.nats_config_file.write_text(stack_config(keys))
+            server_tls = ServerTls(tls.cert_file, tls.key_file) if tls is not None else None
+            self.layout.nats_config_file.write_text(stack_config(keys, server_tls))
             return self.layout.bus_keys_dir
         if self.settings.nats_keys_dir is None:
             raise FleetError(
@@ -395,7 +410,8 @@ class Supervisor:
         previous: dict[str, Any],
     ) -> str:
         sock = _bind_loopback(_port_of(previous.get("services", {}).get(spec.id)))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        scheme = "https" if self._tls is not None else "http"
+        url = f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
         env = {
             **env_common,
             "FLEET_SERVICE_ID": spec.id,
@@ -409,18 +425,15 @@ class Supervisor:
             child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
         finally:
             sock.close()
-        await self._wait_until(child, lambda: _http_ok(url + "/healthz"), f"{spec.id} at {url}")
+        ca = self._tls.ca_file if self._tls is not None else None
+        await self._wait_until(child, lambda: _http_ok(url + "/healthz", ca), f"{spec.id} at {url}")
         return url
 
 
-async def _provision_bus(url: str, keys: BusKeys, replicas: int) -> None:
+async def _provision_bus(url: str, keys: BusKeys, replicas: int, tls: LocalTls | None) -> None:
     """Create the bus's streams and buckets as its bootstrap identity (nobody else may)."""
-    client = await connect(
-        url,
-        "fleet-bootstrap",
-        replicas=replicas,
-        credentials=Credentials("fleet-admin", nkey_seed=keys.admin.seed),
-    )
+    admin = Credentials("fleet-admin", nkey_seed=keys.admin.seed, tls_ca=tls.ca_file if tls else None)
+    client = await connect(url, "fleet-bootstrap", replicas=replicas, credentials=admin)
     try:
         made = await provision(client)
     finally:
@@ -508,9 +521,10 @@ async def _with_port_retry(attempt: Callable[[int], Awaitable[T]], preferred: in
     raise AssertionError("unreachable")
 
 
-async def _http_ok(url: str) -> bool:
+async def _http_ok(url: str, ca: Path | None = None) -> bool:
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca is not None else True
     try:
-        async with httpx.AsyncClient(timeout=2.0) as http:
+        async with httpx.AsyncClient(timeout=2.0, verify=verify) as http:
             response = await http.get(url)
     except httpx.HTTPError:
         return False
