@@ -529,11 +529,11 @@ class SignalIngest:
                 headers={"Nats-Msg-Id": f"dead-signal-{message.metadata.sequence.stream}"},
             )
             outcome = {"run_id": run_id, "outcome": "dead", "applied": False, "error": {"message": reason}}
+        if _bearer_header(headers):
+            await self._erase(message)
         with contextlib.suppress(Exception):
             await self._client.publish(OUTCOMES_PREFIX + run_id, json.dumps(outcome).encode())
         await message.ack()
-        if _bearer_header(headers):
-            await self._erase(message)
         return outcome
 
     async def _erase(self, message: Msg) -> None:
