@@ -596,15 +596,13 @@ async def sign_signal(
     tenant: str,
     signal_id: str | None = None,
     audience: str = "coordinator",
-    subject_token: str = "",
 ) -> tuple[bytes, dict[str, str]]:
     """The payload and headers of a signal for ``run_id``: its id and a signal grant for exactly
-    this payload, asked of the token service with ``tokens`` (the signer's own credentials; with
-    ``subject_token``, an access token addressed to that client: in its subject's name)."""
+    this payload, asked of the token service with ``tokens`` (the signer's own credentials)."""
     signal_id = signal_id or uuid.uuid4().hex
     payload = json.dumps(body).encode()
     binding = SignalBinding.of(run_id, str(body.get("action", "")), signal_id, payload)
-    grant = await tokens.signal_grant(audience, tenant, binding, subject_token=subject_token)
+    grant = await tokens.signal_grant(audience, tenant, binding)
     return payload, {"Nats-Msg-Id": signal_id, GRANT_HEADER: grant}
 
 

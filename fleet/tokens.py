@@ -786,28 +786,21 @@ class TokenClient:
         return await self._request(cache_key, form)
 
     async def signal_grant(
-        self,
-        audience: str,
-        tenant: str,
-        signal: SignalBinding,
-        scopes: Iterable[str] = ("runs:approve",),
-        *,
-        subject_token: str = "",
+        self, audience: str, tenant: str, signal: SignalBinding, scopes: Iterable[str] = ("runs:approve",)
     ) -> str:
-        """A single-use grant for one signal (see ``registry._token_service``): in this client's
-        own name, or (``subject_token``: an access token addressed to this client) in its
-        subject's. Good only for the exact signal ``signal`` describes, for a few minutes."""
+        """A single-use grant for one signal in this client's own name (see
+        ``registry._token_service``): good only for the exact signal ``signal`` describes, for a
+        few minutes."""
         scope = " ".join(sorted(set(scopes)))
-        form = {"requested_token_type": SIGNAL_GRANT_TYPE, "audience": audience, "scope": scope}
-        form |= {"run_id": signal.run_id, **signal.form()}
-        if subject_token:
-            form |= {
-                "grant_type": TOKEN_EXCHANGE,
-                "subject_token": subject_token,
-                "subject_token_type": ACCESS_TOKEN_TYPE,
-            }
-        else:
-            form |= {"grant_type": "client_credentials", "tenant": tenant}
+        form = {
+            "grant_type": "client_credentials",
+            "requested_token_type": SIGNAL_GRANT_TYPE,
+            "audience": audience,
+            "tenant": tenant,
+            "scope": scope,
+            "run_id": signal.run_id,
+            **signal.form(),
+        }
         cache_key = (
             f"signal|{audience}|{signal.run_id}|{signal.signal_id}|{signal.body_sha256}",
             tenant,

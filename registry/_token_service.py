@@ -28,9 +28,9 @@ Two grants:
   without: whatever the console does, it does in the person's name and within their rights.
 
   A signer that sends a signal over NATS (``coordinator.signals``) asks for a **signal grant**
-  (``urn:fleet:params:oauth:token-type:signal-grant``), with its own assertion or by exchanging
-  an access token addressed to it: the principal, tenant and scopes policy grants, addressed to
-  the coordinator, bound to one run (``run_id``), one action, one signal id and the SHA-256 of
+  (``urn:fleet:params:oauth:token-type:signal-grant``) with its own assertion (client
+  credentials only: a signal is in the name of whoever holds the key), for the tenant and scopes
+  policy grants, addressed to the coordinator, bound to one run (``run_id``), one action, one signal id and the SHA-256 of
   the exact body (the ``signal`` claim), living ``SIGNAL_GRANT_TTL_S``. No verifier takes it as
   an access token (``token_use: signal_grant``, ``typ: signal-grant+jwt``), and it is never the
   subject of an exchange: copied from a stored message, it can carry that one signal again, which
@@ -206,7 +206,7 @@ class TokenService:
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
         if form.get("requested_token_type") == SIGNAL_GRANT_TYPE:
-            return await self._signal_grant(client, client_kid, client.id, tenant, [], scopes, form, {})
+            return await self._signal_grant(client, client_kid, tenant, scopes, form)
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
         extra: dict[str, Any] = {"policy_decision": decided}
         run_id = form.get("run_id", "")
@@ -259,17 +259,6 @@ class TokenService:
             )  # fmt: skip
         if requested == SESSION_GRANT_TYPE:
             return await self._session_grant(client, client_kid, subject, subject_type, tenant, extra)
-        if requested == SIGNAL_GRANT_TYPE:
-            scopes = sorted(set(form.get("scope", "").split()))
-            beyond = set(scopes) - set(str(subject.get("scope", "")).split())
-            if subject_type != ACCESS_TOKEN_TYPE or beyond:
-                raise OAuthError(
-                    "invalid_request", "a signal grant is exchanged for an access token with its scopes"
-                )
-            sub = str(subject["sub"])
-            return await self._signal_grant(
-                client, client_kid, sub, tenant, actors_of(act), scopes, form, extra
-            )
         if requested != ACCESS_TOKEN_TYPE:
             raise OAuthError("invalid_request", f"cannot issue a {requested!r}")
         audience = form.get("audience", "")
@@ -319,15 +308,7 @@ class TokenService:
         )  # fmt: skip
 
     async def _signal_grant(
-        self,
-        client: IdentityRecord,
-        client_kid: str,
-        subject: str,
-        tenant: str,
-        actors: list[str],
-        scopes: list[str],
-        form: Mapping[str, str],
-        extra: Mapping[str, Any],
+        self, client: IdentityRecord, client_kid: str, tenant: str, scopes: list[str], form: Mapping[str, str]
     ) -> IssuedToken:
         """A grant for the one signal ``form`` describes (see the module's doc)."""
         bound = {name: form.get(name, "") for name in SIGNAL_FIELDS}
@@ -336,11 +317,11 @@ class TokenService:
             raise OAuthError("invalid_request", f"a signal grant needs a valid {', '.join(wrong)}")
         action = bound["signal_action"]
         audience = form.get("audience", "")
-        decided = await self._check_grant(client, audience, tenant, scopes, subject, actors, signal=action)
+        decided = await self._check_grant(client, audience, tenant, scopes, client.id, [], signal=action)
         signal = {"action": action, "id": bound["signal_id"], "sha256": bound["signal_sha256"]}
-        claims = {**extra, "policy_decision": decided, "run_id": bound["run_id"], "signal": signal}
+        claims = {"policy_decision": decided, "run_id": bound["run_id"], "signal": signal}
         return self._sign(
-            subject, client.id, audience, tenant, scopes, client_kid,
+            client.id, client.id, audience, tenant, scopes, client_kid,
             {**claims, "token_use": "signal_grant"}, SIGNAL_GRANT_TTL_S, "signal-grant+jwt",
         )  # fmt: skip
 
