@@ -30,9 +30,9 @@ Two grants:
   A signer that sends a signal over NATS (``coordinator.signals``) asks for a **signal grant**
   (``urn:fleet:params:oauth:token-type:signal-grant``) with its own assertion (client
   credentials only: a signal is in the name of whoever holds the key), for the tenant and scopes
-  policy grants, addressed to the coordinator, bound to one run (``run_id``), one action, one signal id and the SHA-256 of
-  the exact body (the ``signal`` claim), living ``SIGNAL_GRANT_TTL_S``. No verifier takes it as
-  an access token (``token_use: signal_grant``, ``typ: signal-grant+jwt``), and it is never the
+  policy grants, addressed to the coordinator, bound to one run (``run_id``), one action, one
+  signal id and the SHA-256 of the exact body (the ``signal`` claim), living
+  ``SIGNAL_GRANT_TTL_S``. No verifier takes it as an access token (``token_use: signal_grant``, ``typ: signal-grant+jwt``), and it is never the
   subject of an exchange: copied from a stored message, it can carry that one signal again, which
   the coordinator answers with the first answer.
 
