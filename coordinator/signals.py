@@ -22,8 +22,9 @@ goes through :meth:`SignalDesk.apply`:
 
 The rules:
 
-- the signer is the verified token's (or signal grant's) subject; ``fleet.approvals.decision`` decides whether they may
-  give this answer to this wait (a refusal is recorded and answered ``forbidden``);
+- the signer is the verified token's (or signal grant's) subject; ``fleet.approvals.decision``
+  decides whether they may give this answer to this wait (a refusal is recorded and answered
+  ``forbidden``);
 - the answer is delivered to the exact wait it names (``awaited``; by default the gate the run
   waits at now) and recorded with the run (``runs.answers``) under the run's row lock, so
   concurrent signals are serialised and only the first answer to a wait counts;
