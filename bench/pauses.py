@@ -7,7 +7,7 @@ and its cases MCP server, the shipped bundle plus a trigger rule for refund even
 * scale (the scenario of ``tests/e2e/pause_harness.py``): ``RUNS`` refund runs pause at the approval
   gate; every worker process is stopped; the disk the paused runs take is measured (the run tables
   with indexes and TOAST, compacted, against before); ``RUNS`` approvals arrive over NATS with no
-  worker alive; workers start again and every run resumes; refunds are counted at the tool.
+  worker alive (each with a signal grant, asked for as it is sent); workers start again and every run resumes; refunds are counted at the tool.
   Targets: every run resumes exactly once; disk per paused run <= 5 KB.
 * approval -> resumed step durable: one paused run at a time, an approval published on
   ``fleet.signals.<run>``, and the time until the resumed step's operation intent is committed (the
@@ -29,17 +29,18 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+import httpx
 import psycopg
 
 from bench._stack import running_stack
 from bench.events import delivery_latency
 from coordinator.runs import NOTIFY_CHANNEL
-from coordinator.signals import publish_signal
+from coordinator.signals import SIGNALS_PREFIX, sign_signal
 from fleet.buskeys import stack_admin
 from fleet.events import Event, publish_event
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
-from tests.e2e.pause_harness import SUBJECT, TENANT, dsn, operator_token, pause_and_resume, refund_policy
+from tests.e2e.pause_harness import SUBJECT, TENANT, dsn, operator_signer, pause_and_resume, refund_policy
 
 RUNS = 10_000
 LATENCY_RUNS = 60
@@ -60,14 +61,15 @@ async def _paused(url: str, run_id: str) -> None:
 async def _approval_latency(layout: StackLayout, endpoints: dict[str, Any]) -> list[float]:
     """Seconds from publishing an approval to the commit of the resumed step's intent."""
     url = dsn(layout, endpoints, "fleet")
-    token = operator_token(layout, TENANT)
     client = await connect(endpoints["nats"], "bench-pauses", credentials=stack_admin(endpoints))
     latencies = []
     try:
         async with (
+            httpx.AsyncClient(timeout=30) as http,
             await psycopg.AsyncConnection.connect(url, autocommit=True) as listener,
             await psycopg.AsyncConnection.connect(url, autocommit=True) as reader,
         ):
+            signer = operator_signer(layout, endpoints, http)
             await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
             for i in range(LATENCY_RUNS):
                 event_id = f"latency-{uuid.uuid4().hex}"
@@ -83,8 +85,10 @@ async def _approval_latency(layout: StackLayout, endpoints: dict[str, Any]) -> l
                 run_id = Event(SUBJECT, event_id, "bench", "refund.requested", TENANT, "", {}).run_id()
                 await asyncio.wait_for(_paused(url, run_id), 60)
                 await asyncio.sleep(0.05)  # the worker's last writes of the park
+                # The signal grant is asked for first: the time is from publishing, as before.
+                payload, headers = await sign_signal(signer, run_id, {"action": "approve"}, tenant=TENANT)
                 started = time.perf_counter()
-                await publish_signal(client, run_id, token, {"action": "approve"})
+                await client.jetstream().publish(SIGNALS_PREFIX + run_id, payload, headers=headers)
                 async for note in listener.notifies(timeout=30):
                     if note.payload != run_id:
                         continue

@@ -28,7 +28,7 @@ from coordinator.operations import Ledger
 from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
-from coordinator.signals import SignalDesk, SignalIngest
+from coordinator.signals import SIGNAL_GRANT, SignalDesk, SignalIngest
 from coordinator.task_store import PostgresTaskStore, sweep_retention
 from coordinator.triggers import TriggerIngest
 from fleet import telemetry
@@ -171,7 +171,8 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     readiness = Readiness(settings.service_id, "coordinator")
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(settings.pg_dsn)]
     jobs.append(lambda: TriggerIngest(submitter.client, runs, engine).run())
-    jobs.append(lambda: SignalIngest(submitter.client, desk, registry.verifier()).run())
+    grants = registry.verifier(grant=SIGNAL_GRANT)
+    jobs.append(lambda: SignalIngest(submitter.client, desk, grants).run())
     if settings.event_retention_s is not None:
         retention_s = settings.event_retention_s
         jobs.append(lambda: sweep_retention(tasks, retention_s, settings.retention_sweep_s))

@@ -11,15 +11,20 @@ deadline, by ``extend_s`` seconds) or ``cancel``. It arrives on one of three cha
 goes through :meth:`SignalDesk.apply`:
 
 - the run API: ``POST /v1/runs/{id}/signals`` (``fleet approve|reject RUN``);
-- NATS: a message on ``fleet.signals.<run_id>`` (JetStream stream ``FLEET_SIGNALS``) with the
-  signer's access token in the ``Authorization`` header, verified like any request; the outcome
-  is published on ``fleet.signal_outcomes.<run_id>``;
+- NATS: a message on ``fleet.signals.<run_id>`` (JetStream stream ``FLEET_SIGNALS``, which keeps
+  it) with its id in ``Nats-Msg-Id`` and a **signal grant** in ``Fleet-Signal-Grant``: a grant the
+  registry's token service signed for the signer, good for this run, this action, this id and
+  the SHA-256 of these exact bytes, for five minutes (see :func:`publish_signal`). A copy read
+  from the stream carries that one signal again and nothing else: the same id gets the first
+  answer. No bearer token travels on NATS: a message with an ``Authorization`` header is refused
+  and erased from the stream. The outcome is published on ``fleet.signal_outcomes.<run_id>``;
 - A2A: a follow-up message on the run's task while it is ``input-required``.
 
 The rules:
 
-- the signer is the verified token's subject; ``fleet.approvals.decision`` decides whether they may
-  give this answer to this wait (a refusal is recorded and answered ``forbidden``);
+- the signer is the verified token's (or signal grant's) subject; ``fleet.approvals.decision``
+  decides whether they may give this answer to this wait (a refusal is recorded and answered
+  ``forbidden``);
 - the answer is delivered to the exact wait it names (``awaited``; by default the gate the run
   waits at now) and recorded with the run (``runs.answers``) under the run's row lock, so
   concurrent signals are serialised and only the first answer to a wait counts;
@@ -49,9 +54,9 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_requests
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.events import ensure_stream
-from fleet.tokens import Claims, TokenVerifier, bearer_token
+from fleet.tokens import Claims, SignalBinding, TokenClient, TokenVerifier
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,8 @@ SIGNALS_SUBJECTS = "fleet.signals.>"
 SIGNALS_PREFIX = "fleet.signals."
 OUTCOMES_PREFIX = "fleet.signal_outcomes."
 DEAD_LETTER_SUBJECT = "fleet.dead.signals"
+GRANT_HEADER = "Fleet-Signal-Grant"
+SIGNAL_GRANT = "signal_grant"  # its token_use
 MAX_EXTEND_S = 30 * 24 * 3600.0
 MAX_NOTE = 2000
 CONSUMER = "signals"
@@ -445,13 +452,15 @@ async def announce(js: JetStreamContext, run_id: str, tenant: str, wait: dict[st
 
 class SignalIngest:
     """Takes signals from ``fleet.signals.<run_id>`` (a durable consumer on ``FLEET_SIGNALS``):
-    verifies the signer's token, applies the signal, publishes the outcome, then acks. A signal
-    that cannot be settled (the database is away) is retried, then dead-lettered."""
+    verifies the signal grant and that it is for exactly this message, applies the signal,
+    publishes the outcome, then acks. A signal that cannot be settled (the database is away) is
+    retried, then dead-lettered. ``grants``: a verifier of signal grants addressed to this
+    coordinator (``TokenVerifier(..., grant="signal_grant")``)."""
 
-    def __init__(self, client: NATS, desk: SignalDesk, verifier: TokenVerifier) -> None:
+    def __init__(self, client: NATS, desk: SignalDesk, grants: TokenVerifier) -> None:
         self._client = client
         self._desk = desk
-        self._verifier = verifier
+        self._grants = grants
 
     async def subscribe(self, ack_wait_s: float = 30.0) -> JetStreamContext.PullSubscription:
         js = self._client.jetstream()
@@ -521,36 +530,100 @@ class SignalIngest:
                 headers={"Nats-Msg-Id": f"dead-signal-{message.metadata.sequence.stream}"},
             )
             outcome = {"run_id": run_id, "outcome": "dead", "applied": False, "error": {"message": reason}}
+        if _bearer_header(headers):
+            await self._erase(message)
         with contextlib.suppress(Exception):
             await self._client.publish(OUTCOMES_PREFIX + run_id, json.dumps(outcome).encode())
         await message.ack()
         return outcome
 
+    async def _erase(self, message: Msg) -> None:
+        """Take a message that carried a bearer token out of the stream (it was refused), so that
+        the token is not kept there for everyone who reads the stream."""
+        sequence = message.metadata.sequence.stream
+        try:
+            await self._client.jetstream().delete_msg(SIGNALS_STREAM, sequence)
+        except Exception:  # the stream keeps it until max_age: say so, and go on
+            log.warning("could not erase signal message %d, which carried a bearer token", sequence)
+
     async def _settle(self, run_id: str, message: Msg, headers: dict[str, str]) -> dict[str, Any]:
+        if _bearer_header(headers):  # never read, never logged: only refused
+            raise AuthError(f"a signal carries a signal grant ({GRANT_HEADER}), never a bearer token")
         if not _TOKEN.match(run_id):
             raise FleetError(ErrorCode.INVALID_REQUEST, "the subject must be fleet.signals.<run id>")
-        claims = await self._verifier.verify(bearer_token(headers.get("Authorization")))
+        grant = headers.get(GRANT_HEADER)
+        if not grant:
+            raise AuthError(f"a signal needs a signal grant in the {GRANT_HEADER} header")
+        claims = await self._grants.verify(grant)
         try:
             body = json.loads(message.data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise FleetError(ErrorCode.INVALID_REQUEST, f"the signal is not JSON: {exc}") from exc
-        signal_id = headers.get("Nats-Msg-Id") or f"nats-{message.metadata.sequence.stream}"
+        signal_id = headers.get("Nats-Msg-Id", "")
+        if not signal_id:
+            raise FleetError(ErrorCode.INVALID_REQUEST, "a signal needs its id in the Nats-Msg-Id header")
         signal = parse_signal(run_id, body, "nats", signal_id)
+        bound_to(claims, SignalBinding.of(run_id, signal.action, signal_id, message.data))
+        # The signal id is the grant's nonce: it is recorded with the signal (fleet_runs.signals,
+        # shared by every coordinator), and the same id again gets the first answer.
         outcome = await self._desk.apply(signal, claims)
         return outcome.to_json()
 
 
-async def publish_signal(
-    client: NATS, run_id: str, token: str, body: dict[str, Any], signal_id: str | None = None
-) -> tuple[str, bool]:
-    """Send a signal for ``run_id`` on NATS as the holder of ``token``: (its id, whether the
-    stream kept it; False when that id was sent within the hour, e.g. a retry)."""
+def _bearer_header(headers: dict[str, str]) -> bool:
+    return any(name.lower() == "authorization" for name in headers)
+
+
+def bound_to(claims: Claims, signal: SignalBinding) -> None:
+    """Refuse a signal grant that was not given for exactly ``signal``."""
+    granted = claims.raw.get("signal")
+    granted = granted if isinstance(granted, dict) else {}
+    expected = signal.claim()
+    wrong = [name for name, value in expected.items() if granted.get(name) != value]
+    if claims.raw.get("run_id") != signal.run_id:
+        wrong.insert(0, "run")
+    if wrong:
+        names = {"id": "signal id", "sha256": "body"}
+        raise AuthError(
+            f"the signal grant is for another {', '.join(names.get(name, name) for name in wrong)}"
+        )
+
+
+async def sign_signal(
+    tokens: TokenClient,
+    run_id: str,
+    body: dict[str, Any],
+    *,
+    tenant: str,
+    signal_id: str | None = None,
+    audience: str = "coordinator",
+) -> tuple[bytes, dict[str, str]]:
+    """The payload and headers of a signal for ``run_id``: its id and a signal grant for exactly
+    this payload, asked of the token service with ``tokens`` (the signer's own credentials)."""
     signal_id = signal_id or uuid.uuid4().hex
+    payload = json.dumps(body).encode()
+    binding = SignalBinding.of(run_id, str(body.get("action", "")), signal_id, payload)
+    grant = await tokens.signal_grant(audience, tenant, binding)
+    return payload, {"Nats-Msg-Id": signal_id, GRANT_HEADER: grant}
+
+
+async def publish_signal(
+    client: NATS,
+    run_id: str,
+    tokens: TokenClient,
+    body: dict[str, Any],
+    *,
+    tenant: str,
+    signal_id: str | None = None,
+    audience: str = "coordinator",
+) -> tuple[str, bool]:
+    """Send a signal for ``run_id`` of ``tenant`` on NATS, signed for the holder of ``tokens``'
+    key (see :func:`sign_signal`): (its id, whether the stream kept it; False when that id was
+    sent within the de-duplication window, e.g. a retry)."""
+    payload, headers = await sign_signal(
+        tokens, run_id, body, tenant=tenant, signal_id=signal_id, audience=audience
+    )
     js = client.jetstream()
     await ensure_signal_streams(js)
-    ack = await js.publish(
-        SIGNALS_PREFIX + run_id,
-        json.dumps(body).encode(),
-        headers={"Nats-Msg-Id": signal_id, "Authorization": f"Bearer {token}"},
-    )
-    return signal_id, not ack.duplicate
+    ack = await js.publish(SIGNALS_PREFIX + run_id, payload, headers=headers)
+    return headers["Nats-Msg-Id"], not ack.duplicate

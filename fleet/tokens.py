@@ -52,7 +52,13 @@ TOKEN_EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"  # RFC 8693
 ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
 RUN_GRANT_TYPE = "urn:fleet:params:oauth:token-type:run-grant"  # see registry._token_service
 SESSION_GRANT_TYPE = "urn:fleet:params:oauth:token-type:session-grant"  # the console's; ditto
-GRANT_TYPS = {"run-grant+jwt": "run_grant", "session-grant+jwt": "session_grant"}  # typ -> token_use
+SIGNAL_GRANT_TYPE = "urn:fleet:params:oauth:token-type:signal-grant"  # one NATS signal's; ditto
+GRANT_TYPS = {  # typ -> token_use: none of them is an access token
+    "run-grant+jwt": "run_grant",
+    "session-grant+jwt": "session_grant",
+    "signal-grant+jwt": "signal_grant",
+}
+EXCHANGEABLE_GRANTS = ("run_grant", "session_grant")  # what the token service takes as a subject
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,11 +245,14 @@ class TokenVerifier:
         revocations: Revocations | None = None,
         single_use: ReplayGuard | None = None,
         run_grants: bool = False,
+        grant: str | None = None,
     ) -> None:
         """``run_grants``: accept grants too (the coordinator's run grants and the console's session
         grants: the token service does, as the subject of an exchange); every other verifier refuses
-        them, as they are no access tokens."""
+        them, as they are no access tokens. ``grant``: verify this kind of grant (a ``token_use``,
+        e.g. ``signal_grant``) and nothing else, access tokens included."""
         self._run_grants = run_grants
+        self._grant = grant
         self._keys = keys
         self._issuer = issuer
         self._audience = audience
@@ -279,7 +288,10 @@ class TokenVerifier:
                 return _with_scopes(seen.claims, required_scopes)
             del memo[token]  # the full check below says why it no longer passes
         header, kid = _header_of(token, ALLOWED_ALGORITHMS)
-        if header.get("typ") in GRANT_TYPS and not self._run_grants:
+        if self._grant is not None:
+            if GRANT_TYPS.get(str(header.get("typ"))) != self._grant:
+                raise AuthError(f"not a {self._grant.replace('_', ' ')}")
+        elif header.get("typ") in GRANT_TYPS and not self._run_grants:
             raise AuthError(f"a {GRANT_TYPS[header['typ']].replace('_', ' ')} is not an access token")
         if self._revocations is not None and self._revocations.check(kid):
             raise AuthError("token signed by a revoked key")
@@ -289,9 +301,10 @@ class TokenVerifier:
         if not isinstance(key, ec.EllipticCurvePublicKey):
             raise AuthError("token algorithm does not match its key")
         raw = decode_es256(token, key, self._audience, self._issuer, self._leeway, REQUIRED_CLAIMS, header)
-        if raw.get("token_use", "access") != "access" and not (
-            self._run_grants and raw["token_use"] in GRANT_TYPS.values()
-        ):
+        use = raw.get("token_use", "access")
+        if self._grant is not None and use != self._grant:
+            raise AuthError(f"not a {self._grant.replace('_', ' ')}")
+        if self._grant is None and use != "access" and not (self._run_grants and use in EXCHANGEABLE_GRANTS):
             raise AuthError("not an access token")
         claims = _claims_of(raw, self._audience, token)
         # the client's key, and every key of the chain that passed the caller's token down
@@ -771,6 +784,52 @@ class TokenClient:
         if run_id:
             form["run_id"] = run_id
         return await self._request(cache_key, form)
+
+    async def signal_grant(
+        self, audience: str, tenant: str, signal: SignalBinding, scopes: Iterable[str] = ("runs:approve",)
+    ) -> str:
+        """A single-use grant for one signal in this client's own name (see
+        ``registry._token_service``): good only for the exact signal ``signal`` describes, for a
+        few minutes."""
+        scope = " ".join(sorted(set(scopes)))
+        form = {
+            "grant_type": "client_credentials",
+            "requested_token_type": SIGNAL_GRANT_TYPE,
+            "audience": audience,
+            "tenant": tenant,
+            "scope": scope,
+            "run_id": signal.run_id,
+            **signal.form(),
+        }
+        cache_key = (
+            f"signal|{audience}|{signal.run_id}|{signal.signal_id}|{signal.body_sha256}",
+            tenant,
+            scope,
+        )
+        return await self._request(cache_key, form)
+
+
+@dataclass(frozen=True, slots=True)
+class SignalBinding:
+    """What a signal grant is bound to: one run, one action, one signal id (the nonce) and the
+    SHA-256 (hex) of the exact message body."""
+
+    run_id: str
+    action: str
+    signal_id: str
+    body_sha256: str
+
+    @classmethod
+    def of(cls, run_id: str, action: str, signal_id: str, body: bytes) -> SignalBinding:
+        return cls(run_id, action, signal_id, hashlib.sha256(body).hexdigest())
+
+    def form(self) -> dict[str, str]:
+        """The token request's fields for it (``run_id`` aside)."""
+        return {"signal_action": self.action, "signal_id": self.signal_id, "signal_sha256": self.body_sha256}
+
+    def claim(self) -> dict[str, str]:
+        """The grant's ``signal`` claim."""
+        return {"action": self.action, "id": self.signal_id, "sha256": self.body_sha256}
 
 
 def _token_error(response: httpx.Response) -> FleetError:

@@ -27,6 +27,15 @@ Two grants:
   exchange by the console it was given to, for tokens carrying no scope the person signed in
   without: whatever the console does, it does in the person's name and within their rights.
 
+  A signer that sends a signal over NATS (``coordinator.signals``) asks for a **signal grant**
+  (``urn:fleet:params:oauth:token-type:signal-grant``) with its own assertion (client
+  credentials only: a signal is in the name of whoever holds the key), for the tenant and scopes
+  policy grants, addressed to the coordinator, bound to one run (``run_id``), one action, one
+  signal id and the SHA-256 of the exact body (the ``signal`` claim), living
+  ``SIGNAL_GRANT_TTL_S``. No verifier takes it as an access token (``token_use: signal_grant``, ``typ: signal-grant+jwt``), and it is never the
+  subject of an exchange: copied from a stored message, it can carry that one signal again, which
+  the coordinator answers with the first answer.
+
   The subject may also be an access token of an outside identity provider the fleet trusts
   (``external``; only the coordinator may pass one on): its mapped principal and tenant, nothing
   else of it (see ``fleet.tokens.ExternalTokenVerifier``).
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Iterable, Mapping
@@ -59,6 +69,7 @@ from fleet.tokens import (
     CLIENT_ASSERTION_TYPE,
     RUN_GRANT_TYPE,
     SESSION_GRANT_TYPE,
+    SIGNAL_GRANT_TYPE,
     TOKEN_EXCHANGE,
     ExternalTokenVerifier,
     KeyLookup,
@@ -75,6 +86,14 @@ SESSION_GRANT_TTL_S = 8 * 3600  # a console session: a working day, then the per
 GRANT_KINDS = {
     RUN_GRANT_TYPE: ("run-grant+jwt", "run_grant"),
     SESSION_GRANT_TYPE: ("session-grant+jwt", "session_grant"),
+}
+SIGNAL_GRANT_TTL_S = 300  # published at once; refused once expired, even if it waited in the stream
+ISSUED_TYPES = {"signal-grant+jwt": SIGNAL_GRANT_TYPE} | {typ: t for t, (typ, _) in GRANT_KINDS.items()}
+SIGNAL_FIELDS = {  # a signal grant's binding: the token request's field, and what it must look like
+    "run_id": re.compile(r"[A-Za-z0-9_-]{1,128}"),
+    "signal_action": re.compile(r"[a-z_]{1,32}"),
+    "signal_id": re.compile(r"[A-Za-z0-9._:@/-]{1,200}"),
+    "signal_sha256": re.compile(r"[0-9a-f]{64}"),
 }
 MAX_CHAIN = 5  # actors in one delegation chain, the subject's excluded
 MAX_ASSERTION_LIFETIME_S = 300
@@ -186,6 +205,8 @@ class TokenService:
         audience = form.get("audience", "")
         tenant = form.get("tenant", "")
         scopes = sorted(set(form.get("scope", "").split()))
+        if form.get("requested_token_type") == SIGNAL_GRANT_TYPE:
+            return await self._signal_grant(client, client_kid, tenant, scopes, form)
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
         extra: dict[str, Any] = {"policy_decision": decided}
         run_id = form.get("run_id", "")
@@ -284,6 +305,24 @@ class TokenService:
         return self._sign(
             str(subject["sub"]), client.id, client.id, tenant, scopes, client_kid,
             {**claims, "token_use": "session_grant"}, SESSION_GRANT_TTL_S, "session-grant+jwt",
+        )  # fmt: skip
+
+    async def _signal_grant(
+        self, client: IdentityRecord, client_kid: str, tenant: str, scopes: list[str], form: Mapping[str, str]
+    ) -> IssuedToken:
+        """A grant for the one signal ``form`` describes (see the module's doc)."""
+        bound = {name: form.get(name, "") for name in SIGNAL_FIELDS}
+        wrong = [name for name, shape in SIGNAL_FIELDS.items() if not shape.fullmatch(bound[name])]
+        if wrong:
+            raise OAuthError("invalid_request", f"a signal grant needs a valid {', '.join(wrong)}")
+        action = bound["signal_action"]
+        audience = form.get("audience", "")
+        decided = await self._check_grant(client, audience, tenant, scopes, client.id, [], signal=action)
+        signal = {"action": action, "id": bound["signal_id"], "sha256": bound["signal_sha256"]}
+        claims = {"policy_decision": decided, "run_id": bound["run_id"], "signal": signal}
+        return self._sign(
+            client.id, client.id, audience, tenant, scopes, client_kid,
+            {**claims, "token_use": "signal_grant"}, SIGNAL_GRANT_TTL_S, "signal-grant+jwt",
         )  # fmt: skip
 
     async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:
@@ -406,10 +445,13 @@ class TokenService:
         scopes: list[str],
         subject: str,
         actors: list[str],
+        *,
+        signal: str = "",
     ) -> str:
         """Refuse the token unless the audience exists, the client may act for the tenant, its
         enrollment allows every scope, and policy grants them (see the module's doc); the id of the
-        decision that granted them (the token carries it as ``policy_decision``)."""
+        decision that granted them (the token carries it as ``policy_decision``). ``signal``: the
+        action of the signal a signal grant is asked for."""
         if not audience:
             raise OAuthError("invalid_request", "audience is required")
         if not tenant:
@@ -436,6 +478,8 @@ class TokenService:
             "tenant": tenant,
             "scopes": scopes,
         }
+        if signal:  # policy sees the action, not the run or the id: one decision serves many signals
+            request["signal"] = {"action": signal}
         try:
             decision = await self._token_decision(request)
         except FleetError as exc:
@@ -485,10 +529,7 @@ class TokenService:
             },
             typ=typ,
         )
-        issued_type = next(
-            (t for t, (grant_typ, _) in GRANT_KINDS.items() if grant_typ == typ), ACCESS_TOKEN_TYPE
-        )
-        return IssuedToken(token, ttl_s, scope, issued_type)
+        return IssuedToken(token, ttl_s, scope, ISSUED_TYPES.get(typ, ACCESS_TOKEN_TYPE))
 
 
 def actors_of(act: Mapping[str, Any] | None) -> list[str]:

@@ -103,13 +103,15 @@ class RegistryClient:
     def token_url(self) -> str:
         return self._url + "/oauth/token"
 
-    def verifier(self, audience: str | None = None) -> TokenVerifier:
-        """A verifier for tokens addressed to this service (or to ``audience``)."""
+    def verifier(self, audience: str | None = None, *, grant: str | None = None) -> TokenVerifier:
+        """A verifier for tokens addressed to this service (or to ``audience``); ``grant``: for
+        that kind of grant only (e.g. ``signal_grant``), no access token."""
         return TokenVerifier(
             self.jwks.get,
             issuer=self._settings.issuer,
             audience=audience or self._settings.service_id,
             revocations=self.revocations,
+            grant=grant,
         )
 
     def federated_verifier(self) -> BearerVerifier:

@@ -5,8 +5,8 @@ pauses issue, shared by its test (a few hundred runs) and its benchmark (10,000)
    over the approval threshold: the tool does nothing and the run parks at the gate.
 2. Every worker process is stopped (SIGTERM). The runs wait with no process held; the disk they use
    is measured (tables of the runs database, after ``VACUUM FULL``, against before step 1).
-3. ``n`` approvals arrive over NATS (``fleet.signals.<run>``, the operator's token); the coordinator
-   records them and queues the runs. Still no worker runs.
+3. ``n`` approvals arrive over NATS (``fleet.signals.<run>``, each with a signal grant the operator
+   asked for); the coordinator records them and queues the runs. Still no worker runs.
 4. The workers start again (new processes, same identities); every run resumes, the approved call
    refunds, the run completes. Effects are counted at the tool.
 """
@@ -25,15 +25,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 
+from coordinator.signals import publish_signal
 from deploy.local_stack import OPERATOR_ID, service
 from fleet.buskeys import stack_admin
 from fleet.events import event_message
 from fleet.keys import SigningKey
 from fleet.layout import StackLayout
 from fleet.natsconn import connect
+from fleet.operator_cli import operator_token_client
 from fleet.supervisor import enrollment_token
+from fleet.tokens import TokenClient
 from policy import DEFAULT_BUNDLE_DIR
 
 SUBJECT = "fleet.events.refunds.requested"
@@ -151,15 +155,26 @@ def start_workers(
     return started
 
 
-def operator_token(layout: StackLayout, tenant: str) -> str:
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "fleet", "token", "--data-dir", str(layout.home), "--audience", "coordinator",
-            "--tenant", tenant, "--scope", "agent:invoke", "--scope", "runs:approve",
-        ],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    return result.stdout.strip()
+def operator_signer(layout: StackLayout, endpoints: dict[str, Any], http: httpx.AsyncClient) -> TokenClient:
+    """The operator's credentials (its key), which ask for a signal grant per signal."""
+    return operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+
+
+async def _signal_all(
+    nc: Any, signer: TokenClient, tenant: str, run_ids: list[str], concurrency: int = 64
+) -> None:
+    """Approve every run over NATS: a signal grant each, asked for and published as it comes."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for run_id in run_ids:
+        queue.put_nowait(run_id)
+
+    async def signer_task() -> None:
+        while not queue.empty():
+            run_id = queue.get_nowait()
+            body = {"action": "approve", "note": "bulk"}
+            await publish_signal(nc, run_id, signer, body, tenant=tenant, signal_id=f"approve-{run_id}")
+
+    await asyncio.gather(*(signer_task() for _ in range(concurrency)))
 
 
 async def _publish_all(
@@ -222,20 +237,15 @@ async def pause_and_resume(
             await _scalar(runs_db, "SELECT count(*) FROM fleet_runs.runs WHERE lease_owner IS NOT NULL")
         )
 
-        token = operator_token(layout, tenant)
         run_ids = [
             str(r)
             for r in await _all(
                 runs_db, "SELECT run_id FROM fleet_runs.runs WHERE tenant = %s AND state = 'waiting'", tenant
             )
         ]
-        signals = [
-            (f"fleet.signals.{run_id}", json.dumps({"action": "approve", "note": "bulk"}).encode(),
-             {"Nats-Msg-Id": f"approve-{run_id}", "Authorization": f"Bearer {token}"})
-            for run_id in run_ids
-        ]  # fmt: skip
-        started = time.perf_counter()
-        await _publish_all(nc, signals)
+        started = time.perf_counter()  # a signal grant each is part of sending an approval
+        async with httpx.AsyncClient(timeout=30) as http:
+            await _signal_all(nc, operator_signer(layout, endpoints, http), tenant, run_ids)
         applied = "SELECT count(*) FROM fleet_runs.signals WHERE tenant = %s AND outcome = 'applied'"
         await _until(runs_db, applied, tenant, n, timeout_s)
         approvals_s = time.perf_counter() - started

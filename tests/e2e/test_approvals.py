@@ -22,9 +22,11 @@ import pytest
 from a2a.types import Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import InvalidParamsError
 
-from coordinator.signals import OUTCOMES_PREFIX, publish_signal
+from coordinator.signals import GRANT_HEADER, OUTCOMES_PREFIX, SIGNALS_PREFIX, publish_signal
 from fleet.buskeys import stack_admin
 from fleet.natsconn import connect
+from fleet.operator_cli import operator_token_client
+from fleet.tokens import TokenClient
 from policy import DEFAULT_BUNDLE_DIR
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant
 from tests.e2e.conftest import (
@@ -131,6 +133,11 @@ async def signals_of(stack: Stack, run_id: str, token: str) -> list[dict[str, An
     return found
 
 
+def operator_signer(stack: Stack, http: httpx.AsyncClient) -> TokenClient:
+    """The operator's credentials, as an automation holding the operator key has them."""
+    return operator_token_client(stack.layout, stack.endpoints["registry"] + "/oauth/token", http)
+
+
 async def refunds(stack: Stack, tenant: str) -> list[dict[str, Any]]:
     async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn:
         cursor = await conn.execute(
@@ -219,7 +226,9 @@ async def test_a_refund_over_the_threshold_waits_for_one_approval_however_often_
 
         # An approval for the finished run is a clear no-op, over NATS too.
         published = await nc.subscribe(OUTCOMES_PREFIX + run_id)
-        await publish_signal(nc, run_id, operator, {"action": "approve"}, signal_id="late-1")
+        async with httpx.AsyncClient() as http:
+            signer = operator_signer(stack, http)
+            await publish_signal(nc, run_id, signer, {"action": "approve"}, tenant=tenant, signal_id="late-1")
         finished = json.loads((await published.next_msg(timeout=30)).data)
         assert (finished["outcome"], finished["applied"]) == ("finished", False)
         assert len(await refunds(stack, tenant)) == 1
@@ -258,15 +267,17 @@ async def test_a_forbidden_approver_is_refused_and_the_run_waits_for_a_real_one(
         ("lead", "forbidden"),
     ]
 
-    # The operator's approval over NATS, with its token verified there, resumes the run.
+    # The operator's approval over NATS, with its signal grant verified there, resumes the run.
     nc = await connect(stack.endpoints["nats"], "test-approvals", credentials=stack_admin(stack.endpoints))
     try:
         outcomes = await nc.subscribe(OUTCOMES_PREFIX + run_id)
-        operator = stack.token("coordinator", tenant=tenant, scopes=("agent:invoke", "runs:approve"))
-        await publish_signal(nc, run_id, "not-a-token", {"action": "approve"})
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex, GRANT_HEADER: "not-a-grant"}
+        await nc.jetstream().publish(SIGNALS_PREFIX + run_id, b'{"action": "approve"}', headers=headers)
         bad = json.loads((await outcomes.next_msg(timeout=30)).data)
         assert (bad["outcome"], bad["error"]["code"]) == ("refused", "unauthenticated")
-        await publish_signal(nc, run_id, operator, {"action": "approve", "note": "checked"})
+        async with httpx.AsyncClient() as http:
+            body = {"action": "approve", "note": "checked"}
+            await publish_signal(nc, run_id, operator_signer(stack, http), body, tenant=tenant)
         applied = json.loads((await outcomes.next_msg(timeout=30)).data)
         assert applied["outcome"] == "applied", applied
     finally:

@@ -290,3 +290,30 @@ async def test_a_single_use_verifier_sees_every_use(key: SigningKey) -> None:
     await verifier.verify(token)
     with pytest.raises(AuthError, match="already used"):
         await verifier.verify(token)
+
+
+async def test_a_signal_grant_is_no_access_token_and_a_grant_verifier_takes_nothing_else(
+    key: SigningKey, verifier: TokenVerifier
+) -> None:
+    public = key.private_key.public_key()
+
+    async def lookup(kid: str) -> ec.EllipticCurvePublicKey | None:
+        return public if kid == key.kid else None
+
+    grant = key.sign(claims(token_use="signal_grant"), typ="signal-grant+jwt")
+    with pytest.raises(AuthError, match="signal grant is not an access token"):
+        await verifier.verify(grant)
+    untyped = key.sign(claims(token_use="signal_grant"))  # the claim alone says so too
+    with pytest.raises(AuthError, match="not an access token"):
+        await verifier.verify(untyped)
+    exchanging = TokenVerifier(lookup, issuer=ISSUER, audience="coordinator", run_grants=True)
+    with pytest.raises(AuthError, match="not an access token"):
+        await exchanging.verify(grant)  # never the subject of an exchange
+    signals = TokenVerifier(lookup, issuer=ISSUER, audience="coordinator", grant="signal_grant")
+    assert (await signals.verify(grant)).sub == "operator"
+    for other in (key.sign(claims()), key.sign(claims(token_use="run_grant"), typ="run-grant+jwt")):
+        with pytest.raises(AuthError, match="not a signal grant"):
+            await signals.verify(other)
+    forged_use = key.sign(claims(token_use="access"), typ="signal-grant+jwt")
+    with pytest.raises(AuthError, match="not a signal grant"):
+        await signals.verify(forged_use)

@@ -84,6 +84,8 @@ coordinator_pub := ((((revocations | enforcing) | pulling("FLEET_EVENTS", "trigg
 	"fleet.dead.signals",
 	"$JS.API.STREAM.INFO.FLEET_APPROVALS",
 	"fleet.signal_outcomes.*",
+	# a signal that arrived with a bearer token is erased (no stored message keeps a token)
+	"$JS.API.STREAM.MSG.DELETE.FLEET_SIGNALS",
 })
 
 worker_pub := ((revocations | enforcing) | pulling("FLEET_WORK", "run-workers")) | {

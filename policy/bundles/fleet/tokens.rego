@@ -9,7 +9,9 @@
 #         actors: [id, ..],                   who passes it on, nearest first (empty: the client's own)
 #         audience: {id, kind, scopes?},      the one service the token is for (an MCP server:
 #                                             with the scopes its registered tools declare)
-#         tenant, scopes: [..]}               what is asked for
+#         tenant, scopes: [..],               what is asked for
+#         signal?: {action}}                  a signal grant's: the action of the one signal it is
+#                                             for (its run, id and body are bound by the service)
 package fleet.tokens
 
 cfg := data.config.tokens
@@ -55,6 +57,28 @@ deny contains "a console sign-in cannot be delegated" if {
 deny contains msg if {
 	input.audience.id in object.get(cfg.tenant_denied_audiences, input.tenant, [])
 	msg := sprintf("tenant %s may not use %s", [input.tenant, input.audience.id])
+}
+
+# A signal grant (one NATS signal, signed by the token service for its signer) goes to a coordinator,
+# for an action a signal may take, and carries only the scopes that answer a run.
+signal_actions := {"approve", "reject", "input", "extend", "cancel"}
+
+deny contains "a signal grant is addressed to a coordinator" if {
+	input.signal
+	input.audience.kind != "coordinator"
+}
+
+deny contains msg if {
+	input.signal
+	not input.signal.action in signal_actions
+	msg := sprintf("a signal cannot %v", [input.signal.action])
+}
+
+deny contains msg if {
+	input.signal
+	some scope in input.scopes
+	not scope in cfg.signal_scopes
+	msg := sprintf("scope %s is not one a signal grant carries", [scope])
 }
 
 decision := {"allow": count(deny) == 0, "reasons": sort(deny)}

@@ -67,3 +67,29 @@ test_a_server_registered_at_run_time_gets_the_scopes_its_tools_declare if {
 	named := object.union(registered, {"audience": {"id": "mcp-sql", "kind": "mcp_server", "scopes": ["cases:write"]}})
 	not tokens.decision.allow with input as object.union(named, {"scopes": ["cases:write"]})
 }
+
+signal_request(action, audience, kind, scopes) := object.union(request(audience, kind, scopes), {
+	"client": {"id": "operator", "kind": "operator", "scopes": ["*"]},
+	"subject": "operator",
+	"signal": {"action": action},
+})
+
+test_a_signal_grant_to_the_coordinator_carries_the_approve_scope if {
+	tokens.decision.allow with input as signal_request("approve", "coordinator", "coordinator", ["runs:approve"])
+	tokens.decision.allow with input as signal_request("cancel", "coordinator", "coordinator", ["runs:approve"])
+}
+
+test_a_signal_grant_carries_no_other_scope if {
+	d := tokens.decision with input as signal_request("approve", "coordinator", "coordinator", ["agent:invoke", "runs:approve"])
+	d.reasons == ["scope agent:invoke is not one a signal grant carries"]
+}
+
+test_a_signal_grant_goes_to_a_coordinator_only if {
+	d := tokens.decision with input as signal_request("approve", "console", "console", ["runs:approve"])
+	d.reasons == ["a signal grant is addressed to a coordinator"]
+}
+
+test_a_signal_grant_is_for_a_signal_action_only if {
+	d := tokens.decision with input as signal_request("delete", "coordinator", "coordinator", ["runs:approve"])
+	d.reasons == ["a signal cannot delete"]
+}
