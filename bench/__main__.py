@@ -13,6 +13,7 @@ from typing import Any
 
 from bench import (
     batch,
+    bus,
     checkpoint_overhead,
     delegation,
     events,
@@ -72,6 +73,7 @@ BENCHMARKS = {
     "memory": memory.main,
     "telemetry": telemetry.main,
     "scaling": scaling.main,
+    "bus": bus.main,
 }
 
 
@@ -191,6 +193,7 @@ def write_doc(results: dict[str, Any]) -> None:
         f"| revocation -> refused by every service (3 processes) | | | slowest {token['reach_max_s']} s "
         f"of {token['reach_tries']} tries | | <= {token['reach_target_s']:.0f} s ({'meets' if reach_ok else 'MISSES'}) |\n"
         + (scaling.summary_row(results["scaling"]) + "\n" if "scaling" in results else "")
+        + (bus.summary_row(results["bus"]) + "\n" if "bus" in results else "")
         + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
@@ -363,6 +366,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (_memory(results["memory"]) if "memory" in results else "")
         + _telemetry(results.get("telemetry"))
         + (scaling.section(results["scaling"]) if "scaling" in results else "")
+        + (bus.section(results["bus"]) if "bus" in results else "")
     )
 
 

@@ -20,11 +20,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def embedded_nats() -> Iterator[str]:
+def embedded_nats(config: str | None = None) -> Iterator[str]:
+    """A server on a free port (``config``: more configuration, e.g. the bus's authentication)."""
     with tempfile.TemporaryDirectory(prefix="fleet-bench-nats-") as tmp:
         port = free_port()
+        conf = None
+        if config is not None:
+            conf = Path(tmp) / "auth.conf"
+            conf.write_text(config)
         process = subprocess.Popen(
-            nats_command(Path(tmp), port, free_port()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            nats_command(Path(tmp), port, free_port(), conf),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             deadline = time.monotonic() + 30
