@@ -29,6 +29,7 @@ from fleet.buskeys import stack_admin
 from fleet.keys import SigningKey
 from fleet.natsconn import BUS_AUDIENCE, Credentials, connect, inbox_prefix
 from fleet.natsjwt import PREFIX_USER, KeyPair
+from fleet.tokens import client_assertion
 from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
 from tests.e2e.identities import Impostor
 
@@ -428,6 +429,50 @@ async def test_a_revoked_identity_is_disconnected_within_two_seconds_and_kept_ou
     await asyncio.wait_for(probe.disconnected.wait(), 5.0)
     assert time.monotonic() - sent < 2.0
     assert await refused_connection(stack, name=impostor.id, **identity_options(impostor.id, impostor.key))
+
+
+# ------------------------------------------------------------------------------ a service key is no tenant's key
+async def own_token(stack: Stack, identity: str, audience: str, tenant: str, scope: str) -> httpx.Response:
+    """A client-credentials token request with ``identity``'s own key, for a tenant it chooses."""
+    token_url = stack.endpoints["registry"] + "/oauth/token"
+    form = {
+        "grant_type": "client_credentials",
+        "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
+        "client_assertion": client_assertion(key_of(stack, identity), identity, token_url),
+        "audience": audience,
+        "tenant": tenant,
+        "scope": scope,
+    }
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        return await http.post(token_url, data=form)
+
+
+@pytest.mark.parametrize(
+    ("identity", "audience", "scope"),
+    [
+        ("researcher", "mcp-memory", "memory:read"),
+        ("sql-analyst", "mcp-sql", "sql:query"),
+        ("case-desk", "mcp-cases", "cases:write"),
+    ],
+)
+async def test_a_specialist_s_key_gets_no_token_for_a_tenant_of_its_choosing(
+    stack: Stack, identity: str, audience: str, scope: str
+) -> None:
+    response = await own_token(stack, identity, audience, "globex", scope)
+    assert response.status_code in (400, 401, 403), response.text
+    assert "acts only for its callers" in response.text
+
+
+async def test_the_console_s_key_gets_no_token_for_the_coordinator(stack: Stack) -> None:
+    response = await own_token(stack, "console", "coordinator", "globex", "agent:invoke")
+    assert response.status_code in (400, 401, 403), response.text
+    assert "acts only for its callers" in response.text
+
+
+async def test_no_token_is_issued_for_every_tenant(stack: Stack) -> None:
+    response = await own_token(stack, "operator", "coordinator", "*", "agent:invoke")
+    assert response.status_code in (400, 401, 403), response.text
+    assert "never for every tenant" in response.text
 
 
 # ------------------------------------------------------------------------------ and the fleet still serves

@@ -81,4 +81,18 @@ deny contains msg if {
 	msg := sprintf("scope %s is not one a signal grant carries", [scope])
 }
 
+# A token is for one tenant: "*" (an enrollment's "any tenant") is never a token's.
+deny contains "a token is for one tenant, never for every tenant (*)" if input.tenant == "*"
+
+# Specialists, MCP servers and the console act for their callers only: with tokens exchanged from
+# the caller's (which keep the caller's tenant), never with a token for a tenant of their own
+# choosing. Only the registry (which is no tenant's) hears them in their own name. So one stolen
+# specialist key is not a key to every tenant's memory, SQL or cases.
+deny contains msg if {
+	input.grant == "client_credentials"
+	input.client.kind in cfg.exchange_only_kinds
+	input.audience.kind != "registry"
+	msg := sprintf("%s acts only for its callers (a token exchanged from theirs), not for a tenant of its own", [input.client.id])
+}
+
 decision := {"allow": count(deny) == 0, "reasons": sort(deny)}

@@ -93,3 +93,41 @@ test_a_signal_grant_is_for_a_signal_action_only if {
 	d := tokens.decision with input as signal_request("delete", "coordinator", "coordinator", ["runs:approve"])
 	d.reasons == ["a signal cannot delete"]
 }
+
+test_a_specialist_cannot_take_a_token_for_a_tenant_of_its_own_choosing if {
+	own := object.union(request("mcp-memory", "mcp_server", ["memory:read"]), {
+		"client": {"id": "researcher", "kind": "specialist", "scopes": ["memory:read"]},
+		"subject": "researcher",
+		"tenant": "globex",
+	})
+	d := tokens.decision with input as own
+	not d.allow
+	d.reasons == ["researcher acts only for its callers (a token exchanged from theirs), not for a tenant of its own"]
+}
+
+test_a_specialist_acts_for_its_caller_with_an_exchanged_token if {
+	exchanged := object.union(request("mcp-memory", "mcp_server", ["memory:read"]), {
+		"grant": "token_exchange",
+		"client": {"id": "researcher", "kind": "specialist", "scopes": ["memory:read"]},
+		"subject": "operator",
+		"actors": ["researcher", "worker-1"],
+	})
+	tokens.decision.allow with input as exchanged
+}
+
+test_a_tool_server_and_the_console_still_reach_the_registry_in_their_own_name if {
+	for_registry := object.union(request("registry", "registry", ["registry:read"]), {
+		"client": {"id": "mcp-sql", "kind": "mcp_server", "scopes": ["registry:read"]},
+		"subject": "mcp-sql",
+		"tenant": "default",
+	})
+	tokens.decision.allow with input as for_registry
+	console := object.union(for_registry, {"client": {"id": "console", "kind": "console", "scopes": ["registry:read"]}, "subject": "console"})
+	tokens.decision.allow with input as console
+}
+
+test_no_token_is_for_every_tenant if {
+	d := tokens.decision with input as object.union(request("sql-analyst", "specialist", ["agent:invoke"]), {"tenant": "*"})
+	not d.allow
+	"a token is for one tenant, never for every tenant (*)" in d.reasons
+}
