@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -101,9 +103,23 @@ class NatsCluster:
         """Every node's client URL, comma-separated: what ``FLEET_NATS_URL`` takes."""
         return ",".join(node.url for node in self.nodes)
 
+    def _route_auth(self) -> str:
+        """``user:password@`` of the routes between the nodes (with the bus's keys): a process that
+        reaches a route port must not join the cluster as a server (and so read every message)."""
+        if self.keys_dir is None:
+            return ""
+        secret = self.keys_dir / "routes.secret"
+        if not secret.exists():
+            self.keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_hex(24))
+        return f"route:{secret.read_text().strip()}@"
+
     def _command(self, node: Node) -> list[str]:
+        auth = self._route_auth()
         routes = ",".join(
-            f"nats://127.0.0.1:{other.cluster_port}" for other in self.nodes if other is not node
+            f"nats://{auth}127.0.0.1:{other.cluster_port}" for other in self.nodes if other is not node
         )
         command = [
             nats_server_binary(),
@@ -121,7 +137,7 @@ class NatsCluster:
             "--cluster_name",
             CLUSTER_NAME,
             "--cluster",
-            f"nats://127.0.0.1:{node.cluster_port}",
+            f"nats://{auth}127.0.0.1:{node.cluster_port}",
         ]
         if routes:
             command += ["--routes", routes]

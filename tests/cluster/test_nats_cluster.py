@@ -137,3 +137,30 @@ async def test_killing_the_streams_leader_under_load_loses_no_event_and_duplicat
     finally:
         for client in (producer, reader):
             await client.close()
+
+
+def test_a_cluster_with_the_bus_keys_takes_no_anonymous_client_and_no_rogue_route(tmp_path: Path) -> None:
+    """With the bus's keys, every node authenticates its clients (the registry's callout: here
+    nobody answers it, so an anonymous client is refused) and its routes (a process that reaches a
+    route port cannot join the cluster as a server and read every message)."""
+    with NatsCluster(tmp_path / "nats", size=3, keys_dir=tmp_path / "keys") as secured:
+        node = secured.nodes[1]
+        assert "Authorization Violation" in _answer_to_connect(node.client_port, "anonymous")
+        assert "Authorization Violation" in _answer_to_connect(node.cluster_port, "rogue")
+
+
+def _answer_to_connect(port: int, name: str) -> str:
+    """What a server answers a CONNECT without credentials (its PINGs meanwhile aside), until it
+    says PONG (taken) or -ERR (refused), or closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.recv(4096)  # INFO
+        conn.sendall(b'CONNECT {"verbose":false,"pedantic":false,"name":"%s"}\r\nPING\r\n' % name.encode())
+        received = b""
+        while b"PONG" not in received and b"-ERR" not in received:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            received += chunk
+        return received.decode(errors="replace")
