@@ -1,0 +1,154 @@
+"""The registry's bus door against a real ``nats-server`` configured as the fleet configures it:
+credentials are renewed by closing a connection whose time is up (the client comes back with a fresh
+assertion, checked again), and a policy that refuses keeps an enrolled identity out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+
+from bench._nats import embedded_nats
+from fleet.buscatalog import provision
+from fleet.buskeys import BusKeys, admin_credentials, stack_config
+from fleet.issuer_certs import IssuerTrust
+from fleet.keys import SigningKey
+from fleet.natsconn import Credentials, connect
+from fleet.revocations import Revocations
+from policy._bundle import Bundle
+from policy.engine import Decision
+from policy.regorus_engine import RegorusEngine
+from registry._callout import BusAuthority
+from registry._records import IdentityRecord
+
+
+@dataclass
+class Door:
+    url: str
+    authority: BusAuthority
+    key: SigningKey
+    requests: list[str]
+
+
+class ShortLived:
+    """The shipped bus policy, with connections renewed after ``ttl_s``."""
+
+    def __init__(self, ttl_s: float, refuse: bool = False) -> None:
+        self._engine = RegorusEngine(Bundle.load())
+        self._ttl_s = ttl_s
+        self._refuse = refuse
+
+    async def decide(self, path: str, input_document: dict[str, Any], **_: Any) -> Decision:
+        decision = await self._engine.decide(path, input_document)
+        result = {**decision.result, "ttl_s": self._ttl_s}
+        if self._refuse:
+            result = {"allow": False, "reasons": ["refused by the test's policy"]}
+        return Decision(
+            decision.decision_id,
+            decision.query,
+            decision.revision,
+            not self._refuse,
+            tuple(result.get("reasons", [])),
+            result,
+        )
+
+
+async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any) -> Door:
+    key = SigningKey.generate()
+    record = IdentityRecord(
+        id="stats", kind="specialist", keys={key.kid: key.public_jwk()}, enrolled_at=time.time()
+    )
+    requests: list[str] = []
+    seen: set[str] = set()
+
+    async def identity(identity_id: str) -> IdentityRecord | None:
+        requests.append(identity_id)
+        return record if identity_id == record.id else None
+
+    async def no_producer(nkey: str) -> None:
+        return None
+
+    async def first_use(nonce: str) -> bool:
+        fresh = nonce not in seen
+        seen.add(nonce)
+        return fresh
+
+    revocations = Revocations(IssuerTrust(None, "fleet-registry"))
+    authority = BusAuthority(
+        keys={"callout_issuer": keys.callout_issuer, "responder": keys.responder, "system": keys.system},
+        identities=identity,
+        producers=no_producer,
+        first_use=first_use,
+        policy=policy,
+        revocations=revocations,
+        self_id="registry",
+    )
+    await authority.start(url)
+    admin = await connect(url, "test-admin", credentials=admin_credentials(tmp_path / "keys"))
+    await provision(admin)
+    await revocations.follow(admin)
+    await admin.close()
+    return Door(url, authority, key, requests)
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, BusKeys]]:
+    keys = BusKeys.load_or_create(tmp_path / "keys")
+    with embedded_nats(stack_config(keys)) as url:
+        yield url, keys
+
+
+async def test_a_connection_whose_time_is_up_is_closed_and_comes_back_with_fresh_credentials(
+    secured: tuple[str, BusKeys], tmp_path: Path
+) -> None:
+    url, keys = secured
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=0.5))
+    reconnected = asyncio.Event()
+    assertions: list[str] = []
+    credentials = Credentials("stats", key=door.key)
+
+    def assertion() -> str:
+        assertions.append(credentials.assertion())
+        return assertions[-1]
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    options = credentials.connect_options() | {"token": assertion}
+    client = await nats.connect(url, reconnected_cb=on_reconnect, reconnect_time_wait=0.1, **options)
+    try:
+        await asyncio.sleep(0.6)  # the connection's time passes
+        assert await door.authority.sweep() == 1
+        await asyncio.wait_for(reconnected.wait(), 10)
+        assert len(assertions) == 2 and assertions[0] != assertions[1]
+        assert door.requests.count("stats") == 2  # checked again, not waved through
+        await client.publish("fleet.decisions.x", b"")  # and still confined to its role
+        await client.flush()
+    finally:
+        await client.close()
+        await door.authority.stop()
+
+
+async def test_an_enrolled_identity_that_policy_refuses_stays_out(
+    secured: tuple[str, BusKeys], tmp_path: Path
+) -> None:
+    url, keys = secured
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=60, refuse=True))
+    try:
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(
+                url,
+                max_reconnect_attempts=0,
+                allow_reconnect=False,
+                **Credentials("stats", key=door.key).connect_options(),
+            )
+        assert door.authority.refused >= 1
+    finally:
+        await door.authority.stop()
