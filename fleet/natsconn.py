@@ -148,10 +148,11 @@ def server_urls(url: str) -> list[str]:
 
 async def connect(url: str, name: str, *, replicas: int = 1, credentials: Credentials | None = None) -> NATS:
     """Connect to NATS (``url``: one server or a comma-separated list of a cluster's servers),
-    failing within seconds (never hanging) if no server is reachable or the bus refuses the
-    credentials. Once connected it follows the cluster: a node going away moves the connection to
-    another, and publishes wait for it; a connection the bus closes (its credentials expired) comes
-    back with fresh ones.
+    failing within seconds (never hanging) if no server is reachable. Once connected it follows the
+    cluster: a node going away moves the connection to another, and publishes wait for it; a
+    connection the bus closes (its time is up, see :mod:`registry._callout`) comes back with fresh
+    credentials. A bus that refuses the credentials is asked again and again (it may be the
+    registry restarting), each refusal logged.
 
     ``replicas``: the replicas of every stream, KV bucket and object store created through this
     connection (1 to 5, at most the cluster's size). ``credentials``: who connects (none: an

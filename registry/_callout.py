@@ -170,8 +170,14 @@ class BusAuthority:
             return
         answer: dict[str, Any] = {"type": "authorization_response", "version": 2}
         try:
-            principal = await self.authenticate(request["nats"])
-            answer["jwt"] = await self._user_jwt(principal, user_nkey)
+            try:
+                principal = await self.authenticate(request["nats"])
+                answer["jwt"] = await self._user_jwt(principal, user_nkey)
+            except (Refused, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # the store or the policy failing: nobody is let in unchecked
+                log.warning("bus authorization failed, refusing", exc_info=True)
+                raise Refused(f"could not be checked ({type(exc).__name__})") from exc
         except Refused as exc:
             self.refused += 1
             info = request["nats"].get("client_info", {})
