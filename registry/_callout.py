@@ -307,7 +307,12 @@ class BusAuthority:
 
     # ------------------------------------------------------------------ closing connections
     def _schedule_close(self, *, kid: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.close_connections(lambda name: f":{kid}:" in name))
+        # Not its own: the registry's connection is the bus's authority (a revoked key of its own is
+        # an old signing key after a rotation, which it no longer signs tokens with).
+        mine = f"identity:{self.self_id}:"
+        task = asyncio.get_running_loop().create_task(
+            self.close_connections(lambda name: f":{kid}:" in name and not name.startswith(mine))
+        )
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def close_connections(self, matches: Callable[[str], bool]) -> int:

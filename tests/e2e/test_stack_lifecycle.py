@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from deploy.local_stack import SERVICES
+from fleet.buskeys import BusKeys, stack_config
 from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.layout import StackLayout
 from tests.e2e.conftest import (
@@ -194,6 +195,7 @@ async def test_a_specialist_that_is_down_fails_its_step_with_a_reason(own_stack:
 class GivenInfra:
     nats_url: str
     pg_dsn: str
+    bus_keys: Path
 
 
 @pytest.fixture
@@ -202,12 +204,16 @@ def given_infra(tmp_path: Path) -> Iterator[GivenInfra]:
     nats_port, monitor_port, pg_port = (free_port() for _ in range(3))
     (tmp_path / "nats").mkdir()
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    nats_server = subprocess.Popen(nats_command(tmp_path / "nats", nats_port, monitor_port), **quiet)
+    # Configured as production configures it: it trusts the bus's keys (the registry's callout).
+    keys = BusKeys.load_or_create(tmp_path / "bus-keys")
+    config = tmp_path / "nats" / "auth.conf"
+    config.write_text(stack_config(keys))
+    nats_server = subprocess.Popen(nats_command(tmp_path / "nats", nats_port, monitor_port, config), **quiet)
     launch = prepare_postgres(tmp_path / "pg", pg_port, "given-password")
     postgres = subprocess.Popen(launch.argv, **as_user(launch.user), **quiet)
     try:
         wait_for_postgres(launch.dsn)
-        yield GivenInfra(f"nats://127.0.0.1:{nats_port}", launch.dsn)
+        yield GivenInfra(f"nats://127.0.0.1:{nats_port}", launch.dsn, tmp_path / "bus-keys")
     finally:
         postgres.send_signal(signal.SIGINT)
         nats_server.terminate()
@@ -219,7 +225,11 @@ async def test_stack_uses_the_broker_and_database_it_is_given(
     tmp_path: Path, given_infra: GivenInfra
 ) -> None:
     """With FLEET_NATS_URL and FLEET_PG_DSN the stack starts neither NATS nor Postgres itself."""
-    env = clean_env(FLEET_NATS_URL=given_infra.nats_url, FLEET_PG_DSN=given_infra.pg_dsn)
+    env = clean_env(
+        FLEET_NATS_URL=given_infra.nats_url,
+        FLEET_PG_DSN=given_infra.pg_dsn,
+        FLEET_NATS_KEYS_DIR=str(given_infra.bus_keys),
+    )
     stack = start_stack(tmp_path / "fleet", env=env)
     try:
         assert stack.endpoints["nats"] == given_infra.nats_url
