@@ -10,7 +10,9 @@ server), where they create the same things with the same settings (``tests/broke
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
@@ -68,67 +70,41 @@ async def provision(client: NATS) -> list[str]:
     """Create every stream, bucket and object store that does not exist yet (as the bootstrap
     identity); the names of those created."""
     js = client.jetstream()
-    made: list[str] = []
+    r = replicas(client)
+    wanted: list[tuple[str, Callable[[], Awaitable[object]], Callable[[], Awaitable[object]]]] = []
     for stream in STREAMS:
-
-        async def stream_once(spec: StreamSpec = stream) -> bool:
-            try:
-                await js.stream_info(spec.name)
-                return False
-            except NotFoundError:
-                await js.add_stream(
-                    StreamConfig(
-                        name=spec.name,
-                        subjects=[spec.subjects],
-                        retention=RetentionPolicy.WORK_QUEUE if spec.work_queue else RetentionPolicy.LIMITS,
-                        storage=StorageType.FILE,
-                        duplicate_window=spec.duplicate_window_s,
-                        max_age=spec.max_age_s,
-                        num_replicas=replicas(client),
-                    )
-                )
-                return True
-
-        if await patiently(f"creating stream {stream.name}", stream_once):
-            made.append(stream.name)
+        config = StreamConfig(
+            name=stream.name,
+            subjects=[stream.subjects],
+            retention=RetentionPolicy.WORK_QUEUE if stream.work_queue else RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=stream.duplicate_window_s,
+            max_age=stream.max_age_s,
+            num_replicas=r,
+        )
+        wanted.append((stream.name, partial(js.stream_info, stream.name), partial(js.add_stream, config)))
     for bucket in BUCKETS:
-
-        async def bucket_once(spec: BucketSpec = bucket) -> bool:
-            try:
-                await js.key_value(spec.name)
-                return False
-            except BucketNotFoundError:
-                await js.create_key_value(
-                    KeyValueConfig(
-                        bucket=spec.name,
-                        history=spec.history,
-                        storage=StorageType.FILE,
-                        ttl=spec.ttl_s,
-                        replicas=replicas(client),
-                    )
-                )
-                return True
-
-        if await patiently(f"creating bucket {bucket.name}", bucket_once):
-            made.append(bucket.name)
+        kv = KeyValueConfig(
+            bucket=bucket.name, history=bucket.history, storage=StorageType.FILE, ttl=bucket.ttl_s, replicas=r
+        )
+        wanted.append((bucket.name, partial(js.key_value, bucket.name), partial(js.create_key_value, kv)))
     for name in OBJECT_STORES:
-
-        async def store_once(bucket: str = name) -> bool:
-            try:
-                await js.object_store(bucket)
-                return False
-            except BucketNotFoundError:
-                await js.create_object_store(
-                    bucket,
-                    ObjectStoreConfig(
-                        bucket=bucket,
-                        storage=StorageType.FILE,
-                        description="fleet artifacts",
-                        replicas=replicas(client),
-                    ),
-                )
-                return True
-
-        if await patiently(f"creating object store {name}", store_once):
+        store = ObjectStoreConfig(
+            bucket=name, storage=StorageType.FILE, description="fleet artifacts", replicas=r
+        )
+        wanted.append((name, partial(js.object_store, name), partial(js.create_object_store, name, store)))
+    made = []
+    for name, look, create in wanted:
+        if await patiently(f"creating {name}", partial(_made, look, create)):
             made.append(name)
     return made
+
+
+async def _made(look: Callable[[], Awaitable[object]], create: Callable[[], Awaitable[object]]) -> bool:
+    """Whether ``create`` had to make what ``look`` did not find."""
+    try:
+        await look()
+        return False
+    except (NotFoundError, BucketNotFoundError):
+        await create()
+        return True

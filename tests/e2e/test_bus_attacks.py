@@ -378,57 +378,52 @@ async def test_a_producer_publishes_its_own_tenant_s_events(
 
 
 # ------------------------------------------------------------------------------ revocation
+async def revoked_within_two_seconds(stack: Stack, probe: Probe, revocation: str, **credentials: Any) -> None:
+    """Connect with ``credentials``, revoke them (``POST revocation`` as the operator): the bus
+    closes the connection within 2 s of the request, and the same credentials are refused after."""
+    client = await probe.open(
+        stack.endpoints["nats"], allow_reconnect=True, max_reconnect_attempts=-1, **credentials
+    )
+    assert client.is_connected
+    token = stack.token("registry", "default", ("registry:admin",))
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        sent = time.monotonic()
+        response = await http.post(
+            stack.endpoints["registry"] + revocation,
+            json={"reason": "test"},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert response.status_code == 200, response.text
+    await asyncio.wait_for(probe.disconnected.wait(), 5.0)
+    assert time.monotonic() - sent < 2.0
+    assert await refused_connection(stack, **credentials)
+
+
 async def test_a_revoked_producer_is_disconnected_within_two_seconds_and_kept_out(
     stack: Stack, probe: Probe, tmp_path: Path
 ) -> None:
     name = f"revoked-{uuid.uuid4().hex[:6]}"
     key = issue_producer(stack, tmp_path, name, "acme", "billing")
-    client = await probe.open(
-        stack.endpoints["nats"],
+    await revoked_within_two_seconds(
+        stack,
+        probe,
+        f"/v1/producers/{name}/revoke",
         name=name,
         nkeys_seed_str=key.seed,
         inbox_prefix=inbox_prefix(name),
-        allow_reconnect=True,
-        max_reconnect_attempts=-1,
     )
-    assert client.is_connected
-    token = stack.token("registry", "default", ("registry:admin",))
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        sent = time.monotonic()
-        response = await http.post(
-            f"{stack.endpoints['registry']}/v1/producers/{name}/revoke",
-            json={"reason": "test"},
-            headers={"Authorization": f"Bearer {token}"},
-        )
-        assert response.status_code == 200, response.text
-    await asyncio.wait_for(probe.disconnected.wait(), 5.0)
-    assert time.monotonic() - sent < 2.0
-    assert await refused_connection(stack, name=name, nkeys_seed_str=key.seed)
 
 
 async def test_a_revoked_identity_is_disconnected_within_two_seconds_and_kept_out(
     stack: Stack, probe: Probe, impostor: Impostor
 ) -> None:
-    client = await probe.open(
-        stack.endpoints["nats"],
+    await revoked_within_two_seconds(
+        stack,
+        probe,
+        f"/v1/keys/{impostor.key.kid}/revoke",
         name=impostor.id,
-        allow_reconnect=True,
-        max_reconnect_attempts=-1,
         **identity_options(impostor.id, impostor.key),
     )
-    assert client.is_connected
-    token = stack.token("registry", "default", ("registry:admin",))
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        sent = time.monotonic()
-        response = await http.post(
-            f"{stack.endpoints['registry']}/v1/keys/{impostor.key.kid}/revoke",
-            json={"reason": "test"},
-            headers={"Authorization": f"Bearer {token}"},
-        )
-        assert response.status_code == 200, response.text
-    await asyncio.wait_for(probe.disconnected.wait(), 5.0)
-    assert time.monotonic() - sent < 2.0
-    assert await refused_connection(stack, name=impostor.id, **identity_options(impostor.id, impostor.key))
 
 
 # ------------------------------------------------------------------------------ a service key is no tenant's key
