@@ -109,18 +109,12 @@ async def _buses(root: Path) -> AsyncIterator[list[Bus]]:
         issued_at=time.time(),
         expires_at=time.time() + 3600,
     )
-    seen: set[str] = set()
 
     async def identity(identity_id: str) -> IdentityRecord | None:
         return identities.get(identity_id)
 
     async def producer_of(nkey: str) -> ProducerRecord | None:
         return producer if nkey == producer.nkey else None
-
-    async def first_use(nonce: str) -> bool:
-        fresh = nonce not in seen
-        seen.add(nonce)
-        return fresh
 
     engine = RegorusEngine(Bundle.load())
     with contextlib.ExitStack() as servers:
@@ -145,7 +139,6 @@ async def _buses(root: Path) -> AsyncIterator[list[Bus]]:
                     },
                     identities=identity,
                     producers=producer_of,
-                    first_use=first_use,
                     policy=engine,
                     revocations=revocations,
                     self_id="registry",

@@ -49,6 +49,7 @@ from fleet.keys import ALGORITHM, public_key_from_jwk
 from fleet.natsconn import BUS_AUDIENCE, Credentials, connect, inbox_prefix, subject_token
 from fleet.natsjwt import KeyPair
 from fleet.revocations import Revocations
+from fleet.tokens import MemoryReplayGuard
 from policy.engine import PolicyEngine
 from registry._records import IdentityRecord, ProducerRecord
 
@@ -62,7 +63,8 @@ _REFUSED = "refused"
 
 IdentityLookup = Callable[[str], Awaitable[IdentityRecord | None]]
 ProducerLookup = Callable[[str], Awaitable[ProducerRecord | None]]
-NonceGuard = Callable[[str], Awaitable[bool]]
+RECORD_FRESH_S = 30.0  # an identity's record is read again after this (or at once for a key it lacks)
+RECORD_STALE_S = 600.0  # while the store does not answer (a node failing over), the last one read serves
 
 
 class Refused(Exception):
@@ -120,7 +122,6 @@ class BusAuthority:
     keys: dict[str, KeyPair]  # callout_issuer, responder, system
     identities: IdentityLookup
     producers: ProducerLookup
-    first_use: NonceGuard
     policy: PolicyEngine
     revocations: Revocations
     self_id: str  # the registry's own identity: its rights are fixed here, not by policy
@@ -128,6 +129,10 @@ class BusAuthority:
     _responder: NATS | None = None
     _system: NATS | None = None
     _live: dict[str, _Live] = field(default_factory=dict)  # by user name
+    # Assertions seen (bound to their connection's nonce already; this is the second lock): in
+    # memory, so that a reconnect storm while the store fails over does not wait on it.
+    _used: MemoryReplayGuard = field(default_factory=MemoryReplayGuard)
+    _records: dict[str, tuple[IdentityRecord, float]] = field(default_factory=dict)
     _sweeper: asyncio.Task[None] | None = None
     refused: int = 0
 
@@ -212,8 +217,8 @@ class BusAuthority:
             raise Refused("the token is not an assertion") from exc
         if header.get("typ") != "bus-assertion+jwt" or not isinstance(claimed, str):
             raise Refused("the token is not a bus assertion")
-        identity = await self.identities(claimed)
         kid = str(header.get("kid", ""))
+        identity = await self._record(claimed, kid)
         jwk = identity.usable_keys(time.time()).get(kid) if identity is not None else None
         if identity is None or jwk is None:
             raise Refused(f"{claimed!r} has no enrolled key {kid!r}")
@@ -236,7 +241,7 @@ class BusAuthority:
             raise Refused(f"{claimed}'s assertion is not one to connect with")
         if nonce and not _es256_signed(key, nonce, signature):
             raise Refused(f"{claimed} did not sign the server's nonce")
-        if not await self.first_use(f"bus.{claimed}.{claims['jti']}"):
+        if not await self._used.first_use(f"{claimed}.{claims['jti']}", float(claims["exp"]) + 10):
             raise Refused(f"{claimed}'s assertion was already used")
         return Principal(
             type="identity",
@@ -247,6 +252,31 @@ class BusAuthority:
             scopes=tuple(identity.scopes),
             external=identity.external,
         )
+
+    async def _record(self, identity_id: str, kid: str) -> IdentityRecord | None:
+        """``identity_id``'s record: read again when older than ``RECORD_FRESH_S`` or without
+        ``kid`` (a new key); the last one read while the store does not answer (failing over), for
+        up to ``RECORD_STALE_S``. A revoked key is refused whatever the record says."""
+        cached = self._records.get(identity_id)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < RECORD_FRESH_S and kid in cached[0].keys:
+            return cached[0]
+        try:
+            record = await self.identities(identity_id)
+        except Exception:
+            if cached is not None and now - cached[1] < RECORD_STALE_S:
+                log.warning(
+                    "the registry's store did not answer; %s's record of %.0f s ago serves",
+                    identity_id,
+                    now - cached[1],
+                )
+                return cached[0]
+            raise
+        if record is None:
+            self._records.pop(identity_id, None)
+        else:
+            self._records[identity_id] = (record, now)
+        return record
 
     async def _producer(self, nkey: str, nonce: str, signature: str) -> Principal:
         record = await self.producers(nkey)

@@ -561,7 +561,6 @@ async def _open_bus(settings: ServiceSettings, key: SigningKey, revocations: Rev
     if settings.nats_keys_dir is None:
         return None
     policy = live_policy(settings)
-    seen: set[str] = set()  # single use of the assertions met before the nonce bucket is open
 
     async def identity(identity_id: str) -> IdentityRecord | None:
         if identity_id == settings.service_id:  # itself: its own key, before any record exists
@@ -573,18 +572,10 @@ async def _open_bus(settings: ServiceSettings, key: SigningKey, revocations: Rev
     async def producer(nkey: str) -> ProducerRecord | None:
         return await door.store.producer(nkey) if door.store is not None else None
 
-    async def first_use(nonce: str) -> bool:
-        if door.store is not None:
-            return await door.store.use_nonce("bus", nonce)
-        fresh = nonce not in seen
-        seen.add(nonce)
-        return fresh
-
     authority = BusAuthority(
         keys=BusKeys.load(settings.nats_keys_dir, "callout_issuer", "responder", "system"),
         identities=identity,
         producers=producer,
-        first_use=first_use,
         policy=policy,
         revocations=revocations,
         self_id=settings.service_id,

@@ -66,7 +66,6 @@ async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any) -> Door:
         id="stats", kind="specialist", keys={key.kid: key.public_jwk()}, enrolled_at=time.time()
     )
     requests: list[str] = []
-    seen: set[str] = set()
 
     async def identity(identity_id: str) -> IdentityRecord | None:
         requests.append(identity_id)
@@ -75,17 +74,11 @@ async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any) -> Door:
     async def no_producer(nkey: str) -> None:
         return None
 
-    async def first_use(nonce: str) -> bool:
-        fresh = nonce not in seen
-        seen.add(nonce)
-        return fresh
-
     revocations = Revocations(IssuerTrust(None, "fleet-registry"))
     authority = BusAuthority(
         keys={"callout_issuer": keys.callout_issuer, "responder": keys.responder, "system": keys.system},
         identities=identity,
         producers=no_producer,
-        first_use=first_use,
         policy=policy,
         revocations=revocations,
         self_id="registry",
