@@ -135,6 +135,7 @@ class BusAuthority:
     _records: dict[str, tuple[IdentityRecord, float]] = field(default_factory=dict)
     _sweeper: asyncio.Task[None] | None = None
     refused: int = 0
+    admitted: int = 0
 
     async def start(self, url: str) -> None:
         """Connect as the callout responder and as the system user, and answer from now on."""
@@ -157,9 +158,13 @@ class BusAuthority:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         for client in (self._responder, self._system):
-            if client is not None:
+            if client is None:
+                continue
+            with contextlib.suppress(Exception):
+                await client.drain()
+            if not client.is_closed:  # a drain that failed leaves the connection open
                 with contextlib.suppress(Exception):
-                    await client.drain()
+                    await client.close()
 
     # ------------------------------------------------------------------ answering
     async def _answer(self, msg: Msg) -> None:
@@ -178,6 +183,7 @@ class BusAuthority:
             try:
                 principal = await self.authenticate(request["nats"])
                 answer["jwt"] = await self._user_jwt(principal, user_nkey)
+                self.admitted += 1
             except (Refused, asyncio.CancelledError):
                 raise
             except Exception as exc:  # the store or the policy failing: nobody is let in unchecked

@@ -5,7 +5,11 @@ assertion, checked again), and a policy that refuses keeps an enrolled identity 
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
+import socket
 import time
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +95,16 @@ async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any) -> Door:
     return Door(url, authority, key, requests)
 
 
+async def collect_what_nats_py_left() -> None:
+    """nats-py 2.16 leaves the socket of a connection the server closed, or refused, to the garbage
+    collector: collect it here (its ResourceWarning is nats-py's, not this test's subject) rather
+    than in whichever test runs next."""
+    await asyncio.sleep(0.1)  # the closed connection's tasks end
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
 @pytest.fixture
 async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, BusKeys]]:
     keys = BusKeys.load_or_create(tmp_path / "keys")
@@ -121,12 +135,13 @@ async def test_a_connection_whose_time_is_up_is_closed_and_comes_back_with_fresh
         assert await door.authority.sweep() == 1
         await asyncio.wait_for(reconnected.wait(), 10)
         assert len(assertions) == 2 and assertions[0] != assertions[1]
-        assert door.requests.count("stats") == 2  # checked again, not waved through
+        assert door.authority.admitted == 2  # the fresh assertion was checked again, not waved through
         await client.publish("fleet.decisions.x", b"")  # and still confined to its role
         await client.flush()
     finally:
         await client.close()
         await door.authority.stop()
+        await collect_what_nats_py_left()
 
 
 async def test_an_enrolled_identity_that_policy_refuses_stays_out(
@@ -135,13 +150,32 @@ async def test_an_enrolled_identity_that_policy_refuses_stays_out(
     url, keys = secured
     door = await _door(tmp_path, url, keys, ShortLived(ttl_s=60, refuse=True))
     try:
-        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-            await nats.connect(
-                url,
-                max_reconnect_attempts=0,
-                allow_reconnect=False,
-                **Credentials("stats", key=door.key).connect_options(),
-            )
-        assert door.authority.refused >= 1
+        answer = await asyncio.to_thread(_connect_raw, url, Credentials("stats", key=door.key))
+        assert "Authorization Violation" in answer
+        assert door.authority.refused >= 1 and door.authority.admitted == 0
     finally:
         await door.authority.stop()
+
+
+def _connect_raw(url: str, credentials: Credentials) -> str:
+    """What the server answers a CONNECT with ``credentials`` (the assertion, the nonce signed),
+    written by hand: until PONG (let in) or -ERR (refused)."""
+    host, port = url.removeprefix("nats://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        info = json.loads(conn.recv(65536).decode().split(" ", 1)[1])
+        options = credentials.connect_options()
+        connect = {
+            "verbose": False,
+            "pedantic": False,
+            "name": "raw",
+            "auth_token": options["token"](),
+            "sig": options["signature_cb"](info["nonce"]).decode(),
+        }
+        conn.sendall(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+        received = b""
+        while b"PONG" not in received and b"-ERR" not in received:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            received += chunk
+        return received.decode(errors="replace")
