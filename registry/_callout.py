@@ -245,7 +245,7 @@ class BusAuthority:
             raise Refused(f"{claimed}'s assertion does not verify: {type(exc).__name__}") from exc
         if claims["sub"] != claimed or int(claims["exp"]) - int(claims["iat"]) > MAX_ASSERTION_LIFETIME_S:
             raise Refused(f"{claimed}'s assertion is not one to connect with")
-        if nonce and not _es256_signed(key, nonce, signature):
+        if not nonce or not _es256_signed(key, nonce, signature):  # the fleet's servers always send one
             raise Refused(f"{claimed} did not sign the server's nonce")
         if not await self._used.first_use(f"{claimed}.{claims['jti']}", float(claims["exp"]) + 10):
             raise Refused(f"{claimed}'s assertion was already used")
