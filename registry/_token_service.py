@@ -471,7 +471,12 @@ class TokenService:
             raise OAuthError("invalid_scope", f"scopes not granted to {client.id}: {' '.join(refused)}")
         request = {
             "grant": "token_exchange" if actors else "client_credentials",
-            "client": {"id": client.id, "kind": client.kind, "scopes": list(client.scopes)},
+            "client": {
+                "id": client.id,
+                "kind": client.kind,
+                "scopes": list(client.scopes),
+                "external": client.external,
+            },
             "subject": subject,
             "actors": actors,
             "audience": target,

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from deploy.local_stack import ServiceSpec
+from deploy.local_stack import ServiceKind, ServiceSpec
 from fleet.a2a_support import build_card, sign_card
 from fleet.keys import SigningKey
 from fleet.service import Readiness
@@ -107,9 +107,11 @@ class Impostor:
         self.key = SigningKey.generate()
         self.registry = stack.endpoints["registry"]
 
-    def enrollment_token(self, scopes: tuple[str, ...] = ("registry:write", "registry:read")) -> str:
+    def enrollment_token(
+        self, scopes: tuple[str, ...] = ("registry:write", "registry:read"), kind: ServiceKind = "specialist"
+    ) -> str:
         operator = SigningKey.load_or_create(self.stack.layout.key_file("operator"))
-        spec = ServiceSpec(self.id, "specialist", "x:y", scopes=scopes)
+        spec = ServiceSpec(self.id, kind, "x:y", scopes=scopes)
         return enrollment_token(operator, spec)
 
     async def enroll(self, http: httpx.AsyncClient, token: str) -> httpx.Response:

@@ -650,10 +650,10 @@ async def test_a_console_session_grant_acts_in_the_persons_name_within_their_sig
         assert "cannot be delegated" in passed_down
 
 
-async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens(
-    stack: Stack, impostor: Impostor
-) -> None:
+async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens(stack: Stack) -> None:
+    impostor = Impostor(stack)  # a caller in its own name (a specialist would act only for its callers)
     async with httpx.AsyncClient() as http:
+        assert (await impostor.enroll(http, impostor.enrollment_token(kind="worker"))).status_code == 201
         form = {
             "grant_type": "client_credentials",
             "client_assertion_type": "urn:ietf:params:oauth:client-assertion-type:jwt-bearer",
@@ -697,7 +697,8 @@ async def test_revoking_the_callers_key_stops_what_was_exchanged_from_its_tokens
 async def test_a_run_acts_for_its_caller_at_every_hop_until_the_callers_key_is_revoked(stack: Stack) -> None:
     caller = Impostor(stack)  # an outside agent, enrolled to call the coordinator
     async with httpx.AsyncClient() as http:
-        enrolled = await caller.enroll(http, caller.enrollment_token(scopes=("agent:invoke",)))
+        # a caller in its own name (a specialist would act only for its callers)
+        enrolled = await caller.enroll(http, caller.enrollment_token(scopes=("agent:invoke",), kind="worker"))
         assert enrolled.status_code == 201, enrolled.text
         issued = await caller.request_token(http, "agent:invoke", audience="coordinator")
         token = issued.json()["access_token"]

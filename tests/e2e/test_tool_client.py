@@ -244,7 +244,14 @@ async def world(stack: Stack, tmp_path: Path) -> AsyncIterator[World]:
         stack, tmp_path, server_id, "mcp_server", ("registry:read", "registry:write"), proxy.url
     )
     client_settings = _settings(
-        stack, tmp_path, client_id, "specialist", ("registry:read", SCOPE), "http://127.0.0.1:1"
+        # A client calling tools in its own name, for a tenant it names (no caller to act for):
+        # what a worker does (a specialist acts only for its callers).
+        stack,
+        tmp_path,
+        client_id,
+        "worker",
+        ("registry:read", SCOPE),
+        "http://127.0.0.1:1",
     )
     async with contextlib.AsyncExitStack() as stack_of:
         http = await stack_of.enter_async_context(httpx.AsyncClient(timeout=10))

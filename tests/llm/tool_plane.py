@@ -204,7 +204,9 @@ async def tool_plane(
     )
     server_settings = enrolled(server_id, "mcp_server", ("registry:read", "registry:write"), mcp_url)
     agent_scopes = ("registry:read", "registry:write", SCOPE)
-    agent_settings = enrolled(agent_id, "specialist", agent_scopes, agent_url)
+    # The loop's tool calls here have no caller to act for: the client takes tokens in its own name
+    # for the tenant, which a worker's kind may (a specialist acts only for its callers).
+    agent_settings = enrolled(agent_id, "worker", agent_scopes, agent_url)
     async with contextlib.AsyncExitStack() as stack:
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
         await stack.enter_async_context(serving(registry_app(registry_settings), registry_sock))

@@ -87,10 +87,12 @@ deny contains "a token is for one tenant, never for every tenant (*)" if input.t
 # Specialists, MCP servers and the console act for their callers only: with tokens exchanged from
 # the caller's (which keep the caller's tenant), never with a token for a tenant of their own
 # choosing. Only the registry (which is no tenant's) hears them in their own name. So one stolen
-# specialist key is not a key to every tenant's memory, SQL or cases.
+# specialist key is not a key to every tenant's memory, SQL or cases. (An agent another organisation
+# runs, enrolled as external, calls into the fleet as a caller: its own tokens, for its tenants.)
 deny contains msg if {
 	input.grant == "client_credentials"
 	input.client.kind in cfg.exchange_only_kinds
+	not object.get(input.client, "external", false) # a partner's agent calls in with its own tokens
 	input.audience.kind != "registry"
 	msg := sprintf("%s acts only for its callers (a token exchanged from theirs), not for a tenant of its own", [input.client.id])
 }

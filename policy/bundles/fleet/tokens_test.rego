@@ -131,3 +131,11 @@ test_no_token_is_for_every_tenant if {
 	not d.allow
 	"a token is for one tenant, never for every tenant (*)" in d.reasons
 }
+
+test_a_partners_agent_calls_in_with_its_own_tokens if {
+	partner := object.union(request("coordinator", "coordinator", ["agent:invoke"]), {
+		"client": {"id": "acme-partner", "kind": "specialist", "scopes": ["agent:invoke"], "external": true},
+		"subject": "acme-partner",
+	})
+	tokens.decision.allow with input as partner
+}
