@@ -79,17 +79,16 @@ class Credentials:
     """How a connection proves who it is to the bus; one of:
 
     * a fleet identity and its key: at every connect (and reconnect) a fresh assertion, signed with
-      the key and good for a minute, once, which the registry checks against the identity's
-      enrolled keys;
-    * a NATS creds file (an outside producer's, issued by ``fleet producers issue``);
-    * a static user's nkey seed (the bootstrap admin, the registry's own connections).
+      the key and good for a minute, once, and the server's nonce signed with the same key, which
+      the registry checks against the identity's enrolled keys;
+    * an nkey seed: a producer's (issued by ``fleet producers issue``), or a static user's (the
+      bootstrap admin, the registry's own connections).
 
     ``principal`` names the connection's inbox (see :func:`inbox_prefix`); ``tls_ca``: the CA that
     signed the servers' certificates, when the bus runs TLS."""
 
     principal: str
     key: SigningKey | None = None
-    creds_file: Path | None = None
     nkey_seed: str = ""
     tls_ca: Path | None = None
 
@@ -123,8 +122,6 @@ class Credentials:
         if self.key is not None:
             options["token"] = self.assertion
             options["signature_cb"] = self._sign_nonce
-        elif self.creds_file is not None:
-            options["user_credentials"] = str(self.creds_file)
         elif self.nkey_seed:
             options["nkeys_seed_str"] = self.nkey_seed
         if self.tls_ca is not None:
