@@ -7,8 +7,6 @@ What the bus's authentication needs from NATS's own formats, and no more:
   half, written ``S`` + role;
 * a NATS JWT is a JWS with header ``{"typ":"JWT","alg":"ed25519-nkey"}`` signed by the nkey named
   in its ``iss``;
-* a creds file is the standard text that holds a user JWT and its seed, which every NATS client and
-  the ``nats`` CLI take as they are.
 """
 
 from __future__ import annotations
@@ -72,10 +70,6 @@ def _checked(text: str) -> bytes:
     return raw[:-2]
 
 
-def encode_public(prefix: int, raw: bytes) -> str:
-    return _b32encode(_with_crc(bytes([prefix]) + raw))
-
-
 def decode_public(key: str, prefix: int | None = None) -> tuple[int, bytes]:
     """(role prefix, 32 raw bytes) of a public nkey; ``prefix``: the role it must have."""
     raw = _checked(key)
@@ -114,9 +108,8 @@ class KeyPair:
 
     @property
     def public_key(self) -> str:
-        return encode_public(
-            self.prefix, self.private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        )
+        raw = self.private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        return _b32encode(_with_crc(bytes([self.prefix]) + raw))
 
     def sign(self, data: bytes) -> bytes:
         return self.private.sign(data)
@@ -178,49 +171,3 @@ def decode(token: str, *, issuer: str | None = None, now: float | None = None) -
     if exp is not None and (not isinstance(exp, int | float) or exp <= (now or time.time())):
         raise NkeyError("expired")
     return claims
-
-
-def unverified_claims(token: str) -> dict[str, Any]:
-    """A JWT's claims, unchecked (to learn which key to check it with)."""
-    parts = token.strip().split(".")
-    if len(parts) != 3:
-        raise NkeyError("not a JWT")
-    try:
-        claims = json.loads(_unb64(parts[1]))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise NkeyError("not a JWT") from exc
-    if not isinstance(claims, dict):
-        raise NkeyError("not a JWT")
-    return claims
-
-
-_CREDS = """-----BEGIN NATS USER JWT-----
-{jwt}
-------END NATS USER JWT------
-
-************************* IMPORTANT *************************
-NKEY Seed printed below can be used to sign and prove identity.
-NKEYs are sensitive and should be treated as secrets.
-
------BEGIN USER NKEY SEED-----
-{seed}
-------END USER NKEY SEED------
-
-*************************************************************
-"""
-
-
-def creds_file(user_jwt: str, seed: str) -> str:
-    """The standard creds text of a user JWT and its seed."""
-    return _CREDS.format(jwt=user_jwt, seed=seed)
-
-
-def read_creds(text: str) -> tuple[str, str]:
-    """(user JWT, seed) of a creds file's text."""
-    blocks = [line.strip() for line in text.splitlines()]
-    try:
-        jwt = blocks[blocks.index("-----BEGIN NATS USER JWT-----") + 1]
-        seed = blocks[blocks.index("-----BEGIN USER NKEY SEED-----") + 1]
-    except (ValueError, IndexError) as exc:
-        raise NkeyError("not a NATS creds file") from exc
-    return jwt, seed
