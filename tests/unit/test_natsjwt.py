@@ -26,7 +26,7 @@ def test_a_jwt_verifies_with_its_issuer_and_is_refused_tampered_expired_or_forei
     issuer, stranger = KeyPair.generate(PREFIX_ACCOUNT), KeyPair.generate(PREFIX_ACCOUNT)
     token = natsjwt.encode({"sub": "U-someone", "exp": int(time.time()) + 60}, issuer)
     assert natsjwt.decode(token, issuer=issuer.public_key)["sub"] == "U-someone"
-    head, body, signature = token.split(".")
+    head, _, signature = token.split(".")
     forged = natsjwt.encode({"sub": "U-else", "exp": int(time.time()) + 60}, issuer).split(".")[1]
     with pytest.raises(NkeyError):
         natsjwt.decode(f"{head}.{forged}.{signature}")
