@@ -204,9 +204,10 @@ async def tool_plane(
     )
     server_settings = enrolled(server_id, "mcp_server", ("registry:read", "registry:write"), mcp_url)
     agent_scopes = ("registry:read", "registry:write", SCOPE)
-    # The loop's tool calls here have no caller to act for: the client takes tokens in its own name
-    # for the tenant, which a worker's kind may (a specialist acts only for its callers).
-    agent_settings = enrolled(agent_id, "worker", agent_scopes, agent_url)
+    # Without skills the toolbox's calls have no caller to act for: the client takes tokens in its
+    # own name for the tenant, which a worker's kind may (a specialist acts only for its callers).
+    # With skills it is the specialist that offers them (discovery offers specialists only).
+    agent_settings = enrolled(agent_id, "specialist" if skills else "worker", agent_scopes, agent_url)
     async with contextlib.AsyncExitStack() as stack:
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
         await stack.enter_async_context(serving(registry_app(registry_settings), registry_sock))
