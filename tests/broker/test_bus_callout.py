@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
-import socket
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -31,6 +29,7 @@ from policy.engine import Decision
 from policy.regorus_engine import RegorusEngine
 from registry._callout import BusAuthority
 from registry._records import IdentityRecord
+from tests.nats_protocol import answer_to_connect
 
 
 @dataclass
@@ -150,32 +149,18 @@ async def test_an_enrolled_identity_that_policy_refuses_stays_out(
     url, keys = secured
     door = await _door(tmp_path, url, keys, ShortLived(ttl_s=60, refuse=True))
     try:
-        answer = await asyncio.to_thread(_connect_raw, url, Credentials("stats", key=door.key))
+        options = Credentials("stats", key=door.key).connect_options()
+        port = int(url.rsplit(":", 1)[1])
+        answer = await asyncio.to_thread(
+            answer_to_connect,
+            port,
+            lambda info: {
+                "name": "raw",
+                "auth_token": options["token"](),
+                "sig": options["signature_cb"](info["nonce"]).decode(),
+            },
+        )
         assert "Authorization Violation" in answer
         assert door.authority.refused >= 1 and door.authority.admitted == 0
     finally:
         await door.authority.stop()
-
-
-def _connect_raw(url: str, credentials: Credentials) -> str:
-    """What the server answers a CONNECT with ``credentials`` (the assertion, the nonce signed),
-    written by hand: until PONG (let in) or -ERR (refused)."""
-    host, port = url.removeprefix("nats://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        info = json.loads(conn.recv(65536).decode().split(" ", 1)[1])
-        options = credentials.connect_options()
-        connect = {
-            "verbose": False,
-            "pedantic": False,
-            "name": "raw",
-            "auth_token": options["token"](),
-            "sig": options["signature_cb"](info["nonce"]).decode(),
-        }
-        conn.sendall(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
-        received = b""
-        while b"PONG" not in received and b"-ERR" not in received:
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
-            received += chunk
-        return received.decode(errors="replace")

@@ -23,6 +23,7 @@ from nats.js.errors import Error as JetStreamError
 from deploy.nats_cluster import NatsCluster, Node
 from fleet.events import EVENTS_STREAM, event_subject, publish_event
 from fleet.natsconn import connect
+from tests.nats_protocol import answer_to_connect
 
 EVENTS = 3000
 KILL_AFTER = 1000  # events acknowledged before the stream's leader is killed
@@ -145,22 +146,7 @@ def test_a_cluster_with_the_bus_keys_takes_no_anonymous_client_and_no_rogue_rout
     route port cannot join the cluster as a server and read every message)."""
     with NatsCluster(tmp_path / "nats", size=3, keys_dir=tmp_path / "keys") as secured:
         node = secured.nodes[1]
-        assert "Authorization Violation" in _answer_to_connect(node.client_port, "anonymous")
-        assert "Authorization Violation" in _answer_to_connect(node.cluster_port, "rogue")
-
-
-def _answer_to_connect(port: int, name: str) -> str:
-    """What a server answers a CONNECT without credentials (its PINGs meanwhile aside), until it
-    says PONG (taken) or -ERR (refused), or closes."""
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        conn.recv(4096)  # INFO
-        conn.sendall(b'CONNECT {"verbose":false,"pedantic":false,"name":"%s"}\r\nPING\r\n' % name.encode())
-        received = b""
-        while b"PONG" not in received and b"-ERR" not in received:
-            chunk = conn.recv(4096)
-            if not chunk:
-                break
-            received += chunk
-        return received.decode(errors="replace")
+        assert "Authorization Violation" in answer_to_connect(
+            node.client_port, lambda _: {"name": "anonymous"}
+        )
+        assert "Authorization Violation" in answer_to_connect(node.cluster_port, lambda _: {"name": "rogue"})
