@@ -16,6 +16,7 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from fleet import transport
 from fleet.errors import FleetError
 from registry import RegistryClient
 
@@ -49,7 +50,9 @@ class RunMemory:
         try:
             async with (
                 httpx2.AsyncClient(
-                    headers={"Authorization": f"Bearer {token}"}, timeout=self.timeout_s
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=self.timeout_s,
+                    event_hooks=transport.hooks2(),
                 ) as http,
                 Client(streamable_http_client(server.url, http_client=http)) as client,
             ):

@@ -31,7 +31,7 @@ from coordinator.runs import PostgresRunStore
 from coordinator.signals import SIGNAL_GRANT, SignalDesk, SignalIngest
 from coordinator.task_store import PostgresTaskStore, sweep_retention
 from coordinator.triggers import TriggerIngest
-from fleet import telemetry
+from fleet import telemetry, transport
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
@@ -106,8 +106,10 @@ def agent_records(registry: RegistryClient) -> Callable[[], Awaitable[list[dict[
 
 
 def build_app(settings: CoordinatorSettings) -> Starlette:
-    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
-    push_http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), event_hooks=transport.hooks())
+    push_http = httpx.AsyncClient(
+        timeout=httpx.Timeout(10.0), follow_redirects=False, event_hooks=transport.hooks()
+    )
     registry = RegistryClient(settings, http)
     engine = live_policy(settings)
     delegator = Delegator(registry, http)

@@ -53,7 +53,7 @@ from coordinator.runs import (
     RunState,
     StaleLease,
 )
-from fleet import telemetry
+from fleet import telemetry, transport
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
@@ -611,7 +611,7 @@ async def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
 
 
 def build_worker_app(settings: WorkerSettings) -> Starlette:
-    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0))
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), event_hooks=transport.hooks())
     registry = RegistryClient(settings, http)
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=settings.concurrency + 2)
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(

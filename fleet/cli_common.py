@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
 from fleet.tokens import TokenClient
@@ -175,7 +176,9 @@ async def operator_client(
     from fleet.operator_cli import operator_token_client, running_endpoints
 
     endpoints = running_endpoints(layout)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(connect_s, read=None)) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(connect_s, read=None), event_hooks=transport.hooks()
+    ) as http:
         tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         auth = OperatorAuth(tokens, service, tenant, scopes)
         await auth.headers()  # fail here, before any output, if the token is refused

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 
+from fleet import transport
 from fleet.cli_common import EXIT_OK, emit, report_error
 from fleet.console import SIGN_IN_SCOPES
 from fleet.errors import ErrorCode, FleetError
@@ -21,7 +22,7 @@ async def sign_in_link(layout: StackLayout, tenant: str, *, as_json: bool) -> in
         endpoints = running_endpoints(layout)
         if "console" not in endpoints:
             raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"the stack on {layout.home} runs no console")
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(event_hooks=transport.hooks()) as http:
             client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
             token = await client.token("console", tenant, SIGN_IN_SCOPES)
     except FleetError as exc:

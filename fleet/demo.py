@@ -44,6 +44,7 @@ from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError
 from a2a.utils.signing import SignatureVerificationError, create_signature_verifier
 
+from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM
 from fleet.layout import StackLayout
@@ -128,7 +129,9 @@ class Night:
 
 async def _demo(layout: StackLayout, auto_approve: bool, timeout_s: float | None) -> int:
     endpoints = running_endpoints(layout)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(10.0, read=None), event_hooks=transport.hooks()
+    ) as http:
         card = await _verified_card(http, endpoints["registry"], endpoints["coordinator"])
         print(f"demo: coordinator card '{card.name}' v{card.version}: signature verified")
         flow = card.security_schemes["fleet_oauth"].oauth2_security_scheme.flows.client_credentials

@@ -38,6 +38,7 @@ class ErrorCode(StrEnum):
     BAD_ANSWER = "specialist_bad_answer"
     LLM_UNAVAILABLE = "llm_unavailable"
     STACK_NOT_RUNNING = "stack_not_running"
+    INSECURE_TRANSPORT = "insecure_transport"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -66,6 +67,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,
     ErrorCode.STACK_NOT_RUNNING: 503,
+    ErrorCode.INSECURE_TRANSPORT: 400,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -27,6 +27,7 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from fleet import transport
 from fleet.cli_common import exit_code, report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import read_records
@@ -50,7 +51,7 @@ async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str,
     try:
         endpoints = running_endpoints(layout)
         url = endpoints["mcp_servers"][SERVER]
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=30, event_hooks=transport.hooks()) as http:
             tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
             token = await tokens.token(SERVER, tenant, list(SCOPES[tool]))
     except FleetError as exc:  # no stack (3), or the token refused (6): the one table's codes
@@ -60,7 +61,9 @@ async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str,
         print(f"fleet: the stack on {layout.home} runs no memory server", file=sys.stderr)
         return EXIT_FAILED, None
     async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http2,
+        httpx2.AsyncClient(
+            headers={"Authorization": f"Bearer {token}"}, timeout=60, event_hooks=transport.hooks2()
+        ) as http2,
         Client(streamable_http_client(url, http_client=http2)) as client,
     ):
         result = await client.call_tool(tool, arguments)

@@ -14,7 +14,7 @@ from typing import Any, cast
 import httpx
 
 from deploy.local_stack import OPERATOR_ID
-from fleet import stacklock
+from fleet import stacklock, transport
 from fleet.cli_common import EXIT_FAILED as EXIT_FAILED  # re-exported: other commands use them
 from fleet.cli_common import EXIT_NO_OP, ServiceClient, emit, operator_client
 from fleet.cli_common import EXIT_NOT_RUNNING as EXIT_NOT_RUNNING
@@ -120,7 +120,7 @@ async def token(
 ) -> int:
     """Print a short-lived access token for the operator identity (``fleet token``)."""
     endpoints = running_endpoints(layout)
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(event_hooks=transport.hooks()) as http:
         client = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         bearer = await client.token(audience, tenant, scopes)
     emit(

@@ -8,8 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fleet import transport
+from fleet.errors import FleetError
 
 DEFAULT_ISSUER = "fleet-registry"
 
@@ -131,6 +134,29 @@ class ServiceSettings(BaseSettings):
         validation_alias=AliasChoices("FLEET_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp_endpoint"),
         description="an OTLP/HTTP base URL (spans go to its /v1/traces); empty: tracing is off",
     )
+
+    allow_plain_http: bool = Field(
+        default=False,
+        description="send credentials over plain HTTP beyond loopback (only where the network encrypts"
+        " every hop itself, e.g. a service mesh with mutual TLS; see fleet.transport)",
+    )
+
+    @model_validator(mode="after")
+    def _credentials_over_tls(self) -> Self:
+        """A URL this service sends tokens or keys to is HTTPS, or on this machine (``fleet.transport``):
+        a deployment that gives a plain remote one fails at start, not at its first request."""
+        sent = {
+            "FLEET_REGISTRY_URL": self.registry_url,
+            "FLEET_OPA_URL": self.opa_url if self.opa_token else "",
+            "FLEET_LLM_BASE_URL": self.llm_base_url if self.llm_api_key else "",
+        }
+        for name, url in sent.items():
+            if url:
+                try:
+                    transport.check_url(url, f"credentials ({name})", allow_plain=self.allow_plain_http)
+                except FleetError as exc:
+                    raise ValueError(exc.message) from None
+        return self
 
     def local_state_dir(self) -> Path:
         """Local durable state of this service (e.g. a specialist's operation journal)."""

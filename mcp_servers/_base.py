@@ -26,7 +26,7 @@ from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
-from fleet import telemetry
+from fleet import telemetry, transport
 from fleet import tokens as fleet_tokens
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
@@ -493,4 +493,4 @@ def auth_settings(settings: ServiceSettings) -> AuthSettings:
 
 
 def new_http() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+    return httpx.AsyncClient(timeout=httpx.Timeout(10.0), event_hooks=transport.hooks())

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import httpx
 
+from fleet import transport
 from memory.store import Entry
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,9 @@ class LlmExtractor:
         self.url = url.rstrip("/")
         self.model = model
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s), event_hooks=transport.hooks()
+        )
 
     async def candidates(self, episodes: Sequence[Entry]) -> list[Candidate]:
         found: list[Candidate] = []

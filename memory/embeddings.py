@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 
 
@@ -66,7 +67,9 @@ class OpenAIEmbeddings:
         self._dim = dim
         self.batch = batch
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s), event_hooks=transport.hooks()
+        )
 
     @property
     def name(self) -> str:

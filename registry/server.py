@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleet import transport
 from fleet.buskeys import BusKeys
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.issuer_certs import CertifiedKey, IssuerTrust
@@ -453,7 +454,10 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 await door.authority.stop()
             raise
         try:
-            async with httpx.AsyncClient() as http, contextlib.AsyncExitStack() as stack:
+            async with (
+                httpx.AsyncClient(event_hooks=transport.hooks()) as http,
+                contextlib.AsyncExitStack() as stack,
+            ):
                 await revocations.follow(nc)
                 seal = RecordSeal(trust, lambda kid: revocations.check(kid) is not None)
                 store = await RegistryStore.open(nc, seal)

@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from fleet import telemetry
+from fleet import telemetry, transport
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
@@ -335,7 +335,9 @@ class _ContextBearer(httpx2.Auth):
 
 def mcp_http_client() -> httpx2.AsyncClient:
     """The HTTP client a :class:`Toolbox` calls MCP servers with (its bearer is each call's token)."""
-    return httpx2.AsyncClient(auth=_ContextBearer(), timeout=httpx2.Timeout(30.0, read=120.0))
+    return httpx2.AsyncClient(
+        auth=_ContextBearer(), timeout=httpx2.Timeout(30.0, read=120.0), event_hooks=transport.hooks2()
+    )
 
 
 CATALOG_TTL_S = 5.0  # how stale an agent's list of MCP servers may be (a new server shows within it)
@@ -1033,7 +1035,7 @@ def build_specialist_app(
     version: str,
     skills: Sequence[Skill],
 ) -> Starlette:
-    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), event_hooks=transport.hooks())
     mcp_http = mcp_http_client()
     registry = RegistryClient(settings, http)
     card = build_card(

@@ -29,6 +29,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fleet import transport
 from fleet.console._feeds import memory_audit, policy_view
 from fleet.console._session import Person, Sessions, SignOuts
 from fleet.errors import ErrorCode, FleetError
@@ -319,7 +320,7 @@ def _page(name: str) -> Any:
 
 def build_app(settings: ServiceSettings) -> Starlette:
     """The console's app; it enrolls, then finds the coordinator through the registry."""
-    http = httpx.AsyncClient(timeout=BACKEND_TIMEOUT_S)
+    http = httpx.AsyncClient(timeout=BACKEND_TIMEOUT_S, event_hooks=transport.hooks())
     registry = RegistryClient(settings, http)
     login, grants = Sessions.verifiers(
         registry.jwks.get,

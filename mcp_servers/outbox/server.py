@@ -38,6 +38,7 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 
+from fleet import transport
 from fleet.artifacts import NatsArtifactStore, parse_ref
 from fleet.errors import FleetError
 from fleet.natsconn import connect, service_credentials
@@ -150,7 +151,9 @@ class OutboxTools:
     def __init__(self, pool: AsyncConnectionPool[Any], settings: OutboxSettings) -> None:
         self._pool = pool
         self._settings = settings
-        self.http = httpx.AsyncClient(timeout=settings.outbox_timeout_s, follow_redirects=False)
+        self.http = httpx.AsyncClient(
+            timeout=settings.outbox_timeout_s, follow_redirects=False, event_hooks=transport.hooks()
+        )
         self.artifacts: NatsArtifactStore | None = None
 
     @contextlib.asynccontextmanager
