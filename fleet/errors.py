@@ -38,6 +38,8 @@ class ErrorCode(StrEnum):
     BAD_ANSWER = "specialist_bad_answer"
     LLM_UNAVAILABLE = "llm_unavailable"
     STACK_NOT_RUNNING = "stack_not_running"
+    TENANT_KEY_REFUSED = "tenant_key_refused"
+    INTEGRITY_FAILED = "integrity_failed"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -66,6 +68,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,
     ErrorCode.STACK_NOT_RUNNING: 503,
+    ErrorCode.TENANT_KEY_REFUSED: 403,
+    ErrorCode.INTEGRITY_FAILED: 500,
     ErrorCode.INTERNAL: 500,
 }
 
