@@ -32,6 +32,7 @@ STATE_DIR = "/var/lib/fleet"
 IDENTITY_DIR = "/run/fleet/identity"
 KEY_FILE = f"{IDENTITY_DIR}/key.pem"
 ISSUER_CERT = "issuer-cert.jwt"  # the registry's: the operator's certificate for its key
+TENANT_KEY_MASTER = "tenant-key-master.json"  # the registry's: what tenant keys derive from
 OPERATOR_KEY_DIR = "/run/fleet/operator"
 OPERATOR_JWK_DIR = "/run/fleet/operator-jwk"
 PUBLIC_KEYS_DIR = "/run/fleet/public-keys"  # the enrollment's input: every identity's public JWK
@@ -159,6 +160,9 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
     env["FLEET_OPERATOR_JWK_FILE"] = f"{jwk_dir}/operator.jwk.json"
     if spec.kind == "registry":
         env["FLEET_ISSUER_CERT_FILE"] = f"{IDENTITY_DIR}/{ISSUER_CERT}"
+        # Kept with its key, not in its state (a pod's is empty at each start): lost, every
+        # artifact and workspace is lost with it (fleet.tenant_keys).
+        env["FLEET_TENANT_KEY_MASTER_FILE"] = f"{IDENTITY_DIR}/{TENANT_KEY_MASTER}"
     else:
         env["FLEET_REGISTRY_URL"] = f"http://registry:{PORT}"
     if spec.kind in POLICY_KINDS:

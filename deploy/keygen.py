@@ -11,7 +11,9 @@ has no supervisor, so this module does the same from the outside::
 ``DIR`` holds ``operator/`` (the operator's key: the registry's root of trust, and its public JWK),
 ``identities/<id>/key.pem`` (one per deployed identity, beside a copy of the operator's public JWK,
 which every service pins; the registry's also beside ``issuer-cert.jwt``, the operator's
-certificate for the registry's signing key: see ``fleet.issuer_certs``), ``public/<id>.jwk.json`` (each one's
+certificate for the registry's signing key: see ``fleet.issuer_certs``, and ``tenant-key-master.json``,
+the secret every tenant's artifact key derives from: see ``fleet.tenant_keys``; made once, kept, never
+replaced: losing it loses every artifact), ``public/<id>.jwk.json`` (each one's
 public key: what ``enroll`` reads), ``postgres/`` (the superuser's and each database role's
 password) and ``postgres/dsn-<database>`` (what ``FLEET_PG_DSN`` is in Kubernetes). Nothing here is
 ever committed: ``deploy/k8s/secrets/`` is ignored by git.
@@ -41,6 +43,7 @@ from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.settings import DEFAULT_ISSUER
 from fleet.supervisor import enrollment_token
+from fleet.tenant_keys import MasterSecret
 
 WORKER_ID = "worker-1"  # the id every pod of the Kubernetes worker Deployment runs as
 PG_HOST = "postgres"
@@ -124,6 +127,7 @@ def make_secrets(root: Path) -> SecretsDir:
         if spec.kind == "registry":  # it does not enroll; its signing key needs the operator's certificate
             cert = certify_issuer_key(operator, DEFAULT_ISSUER, key.public_jwk())
             _write_private(layout.issuer_cert(spec.id), cert + "\n", 0o644)  # it follows the key
+            MasterSecret.load_or_create(layout.identity(spec.id) / "tenant-key-master.json")  # kept
         else:
             # Written every time: it follows the key (a key deleted and made again, to rotate it).
             _write_private(layout.public_jwk(spec.id), json.dumps(key.public_jwk()), 0o644)

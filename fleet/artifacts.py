@@ -1,9 +1,16 @@
 """Artifacts: large outputs kept by content, referenced from events and tool results by hash.
 
-An artifact is named by the SHA-256 of its bytes, inside its tenant's space: the same bytes stored
-twice are stored once, a reference cannot be made to point at other bytes, and a tenant can neither
-read nor learn of another tenant's artifact by guessing its hash. The store checks the hash again on
-every read, so bytes changed at rest are refused rather than served.
+An artifact is named by the SHA-256 of its bytes (``artifact:sha256:<hex>``), inside its tenant's
+space: the same bytes stored twice are stored once, a reference cannot be made to point at other
+bytes, and a tenant can neither read nor learn of another tenant's artifact by guessing its hash.
+
+What is stored is sealed with the tenant's key (:mod:`fleet.tenant_keys`): AES-256-GCM bound to the
+tenant, the object's name and the key's version, under a name that is a keyed hash of the plaintext's
+hash (``<tenant>/<HMAC(k_T, sha256)>``). So whoever can read the bucket (a bus identity with rights on
+it, a stolen backup) sees ciphertext and names that reveal no hash; bytes changed, moved or planted
+at rest do not open and are refused, and the hash is checked again on every read. Every call takes the
+tenant's :class:`~fleet.tenant_keys.TenantKey`: no key, no artifact. The store keeps this format only:
+objects written before it (plaintext, named by their hash) are not read.
 
 ``ArtifactStore`` is the interface (an S3-style store fits it); ``NatsArtifactStore`` is the one the
 fleet ships, on the JetStream object store of the fleet's NATS (file storage, replicated by the
@@ -24,9 +31,11 @@ from nats.js.object_store import ObjectStore
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import replicas
+from fleet.tenant_keys import TenantKey
 
 ARTIFACTS_BUCKET = "fleet_artifacts"
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+SEAL_PURPOSE = "artifact"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 URI_PREFIX = "artifact:sha256:"
 
@@ -58,21 +67,20 @@ def parse_ref(value: str) -> str:
 
 
 class ArtifactStore(Protocol):
-    async def put(self, tenant: str, data: bytes, media_type: str = ...) -> ArtifactRef: ...
+    async def put(self, key: TenantKey, data: bytes, media_type: str = ...) -> ArtifactRef: ...
 
-    async def get(self, tenant: str, sha256: str) -> bytes: ...
+    async def get(self, key: TenantKey, sha256: str) -> bytes: ...
 
-    async def exists(self, tenant: str, sha256: str) -> bool: ...
+    async def exists(self, key: TenantKey, sha256: str) -> bool: ...
 
 
-def _name(tenant: str, sha256: str) -> str:
-    if not tenant:
-        raise FleetError(ErrorCode.FORBIDDEN, "an artifact belongs to a tenant")
-    return f"{tenant}/{sha256}"
+def object_name(key: TenantKey, sha256: str) -> str:
+    """Where the artifact of ``key``'s tenant with this hash is kept: the hash itself is not in it."""
+    return f"{key.tenant}/{key.name(SEAL_PURPOSE, sha256)}"
 
 
 class NatsArtifactStore:
-    """Artifacts in a JetStream object store bucket, one object per (tenant, hash)."""
+    """Artifacts in a JetStream object store bucket, one sealed object per (tenant, hash)."""
 
     def __init__(self, store: ObjectStore, *, max_bytes: int = MAX_ARTIFACT_BYTES) -> None:
         self._store = store
@@ -97,15 +105,15 @@ class NatsArtifactStore:
             )
         return cls(store, max_bytes=max_bytes)
 
-    async def exists(self, tenant: str, sha256: str) -> bool:
+    async def exists(self, key: TenantKey, sha256: str) -> bool:
         try:
-            info = await self._store.get_info(_name(tenant, parse_ref(sha256)))
+            info = await self._store.get_info(object_name(key, parse_ref(sha256)))
         except NotFoundError:
             return False
         return not info.deleted
 
     async def put(
-        self, tenant: str, data: bytes, media_type: str = "application/octet-stream"
+        self, key: TenantKey, data: bytes, media_type: str = "application/octet-stream"
     ) -> ArtifactRef:
         if len(data) > self._max_bytes:
             raise FleetError(
@@ -113,18 +121,22 @@ class NatsArtifactStore:
             )
         digest = hashlib.sha256(data).hexdigest()
         ref = ArtifactRef(digest, len(data), media_type)
-        if not await self.exists(tenant, digest):
-            name = _name(tenant, digest)
-            await self._store.put(name, data, meta=ObjectMeta(name=name, description=media_type))
+        if not await self.exists(key, digest):
+            name = object_name(key, digest)
+            sealed = key.seal(SEAL_PURPOSE, name, data)
+            await self._store.put(name, sealed, meta=ObjectMeta(name=name, description="sealed"))
         return ref
 
-    async def get(self, tenant: str, sha256: str) -> bytes:
+    async def get(self, key: TenantKey, sha256: str) -> bytes:
         digest = parse_ref(sha256)
+        name = object_name(key, digest)
         try:
-            result = await self._store.get(_name(tenant, digest))
+            result = await self._store.get(name)
         except NotFoundError as exc:
             raise FleetError(ErrorCode.NOT_FOUND, f"no artifact {URI_PREFIX}{digest}") from exc
-        data = bytes(result.data or b"")
+        data = key.open(SEAL_PURPOSE, name, bytes(result.data or b""))
         if hashlib.sha256(data).hexdigest() != digest:
-            raise FleetError(ErrorCode.INTERNAL, f"artifact {URI_PREFIX}{digest} does not match its hash")
+            raise FleetError(
+                ErrorCode.INTEGRITY_FAILED, f"artifact {URI_PREFIX}{digest} does not match its hash"
+            )
         return data

@@ -39,6 +39,8 @@ class ErrorCode(StrEnum):
     LLM_UNAVAILABLE = "llm_unavailable"
     STACK_NOT_RUNNING = "stack_not_running"
     INSECURE_TRANSPORT = "insecure_transport"
+    TENANT_KEY_REFUSED = "tenant_key_refused"
+    INTEGRITY_FAILED = "integrity_failed"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -68,6 +70,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.STACK_FAILED: 500,
     ErrorCode.STACK_NOT_RUNNING: 503,
     ErrorCode.INSECURE_TRANSPORT: 400,
+    ErrorCode.TENANT_KEY_REFUSED: 403,
+    ErrorCode.INTEGRITY_FAILED: 500,
     ErrorCode.INTERNAL: 500,
 }
 

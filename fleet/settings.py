@@ -84,6 +84,11 @@ class ServiceSettings(BaseSettings):
         description="the registry only: the bus's nkeys (callout issuer, responder, system user), which"
         " make it the bus's authority (see registry._callout)",
     )
+    tenant_key_master_file: Path | None = Field(
+        default=None,
+        description="the registry only: the master secret of the tenant keys (made on first start;"
+        " default: tenant-key-master.json in its state dir). Losing it loses every artifact",
+    )
     tls_ca_file: Path | None = Field(
         default=None, description="the CA that signed the bus's (and the services') TLS certificates"
     )

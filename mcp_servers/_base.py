@@ -33,6 +33,7 @@ from fleet.eventlog import EventLog, read_records
 from fleet.natsconn import connect, key_value, service_credentials
 from fleet.service import Readiness, start_in_background
 from fleet.settings import ServiceSettings
+from fleet.tenant_keys import TenantKey
 from fleet.tokens import Claims
 from policy import Decision, PolicyEngine
 from policy.live import enforcing, live_policy
@@ -84,6 +85,34 @@ def current_claims() -> Claims:
     if not isinstance(claims, Claims):
         raise ToolError("no authenticated caller")
     return claims
+
+
+class TenantKeys:
+    """The tenant keys this server holds for its callers (see :mod:`fleet.tenant_keys`): each asked
+    of the registry with the verified token of a caller of that tenant, kept in memory only, for at
+    most ``KEEP_S`` (less if the registry says so), at most ``MAX_TENANTS`` at once. Never logged."""
+
+    KEEP_S = 120.0
+    MAX_TENANTS = 256
+
+    def __init__(self, registry: RegistryClient, clock: Callable[[], float] = time.monotonic) -> None:
+        self._registry = registry
+        self._clock = clock
+        self._keys: dict[str, tuple[float, TenantKey]] = {}
+
+    async def for_caller(self, claims: Claims) -> TenantKey:
+        """The key of the tenant of ``claims`` (the current caller's), asked for with its token."""
+        now = self._clock()
+        cached = self._keys.get(claims.tenant)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        key, expires_in = await self._registry.tenant_key(claims.token, claims.tenant)
+        if len(self._keys) >= self.MAX_TENANTS:
+            self._keys = {t: kept for t, kept in self._keys.items() if kept[0] > now}
+            if len(self._keys) >= self.MAX_TENANTS:
+                self._keys.pop(next(iter(self._keys)))  # the oldest kept
+        self._keys[claims.tenant] = (now + min(self.KEEP_S, expires_in), key)
+        return key
 
 
 AUDIT_STREAM = "FLEET_AUDIT"

@@ -19,6 +19,7 @@ from fleet.keys import SigningKey
 from fleet.natsconn import Credentials, connect
 from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
+from fleet.tenant_keys import TenantKey
 from fleet.tokens import (
     FAILOVER_PATIENCE_S,
     FAILOVER_RETRY_S,
@@ -281,6 +282,27 @@ class RegistryClient:
             ) from exc
         _raise_for(response, what)
         return response.json()
+
+    async def tenant_key(self, caller_token: str, tenant: str) -> tuple[TenantKey, float]:
+        """Tenant ``tenant``'s key (see :mod:`fleet.tenant_keys`), which the registry gives this
+        service only against ``caller_token``: the access token a caller of that tenant sent it.
+        With the seconds it may be kept. ``tenant_key_refused`` or ``policy_denied`` if not."""
+        try:
+            response = await self._http.post(
+                self._url + "/v1/tenant-keys",
+                json={"caller_token": caller_token, "tenant": tenant},
+                headers=await self._headers("registry:read"),
+            )
+        except httpx.TransportError as exc:
+            raise DependencyUnavailable(
+                f"tenant key: the registry did not answer ({type(exc).__name__})"
+            ) from exc
+        _raise_for(response, "tenant key refused")
+        body = response.json()
+        key = TenantKey.from_json(body)
+        if key.tenant != tenant:
+            raise FleetError(ErrorCode.INTERNAL, f"the registry answered tenant {key.tenant!r}'s key")
+        return key, float(body.get("expires_in", 0))
 
     async def agents_with_skill(self, skill: str) -> list[AgentRecord]:
         body = await self._read("/v1/agents", "discovery failed", params={"skill": skill})

@@ -32,6 +32,7 @@ from fleet.natsconn import TRANSIENT, Credentials, connect
 from fleet.revocations import Revocations, record_revocation
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
+from fleet.tenant_keys import MasterSecret
 from fleet.tokens import ACCESS_TOKEN_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
 from policy.live import LivePolicy, enforcing, live_policy
 from registry import _producers as producers
@@ -43,6 +44,7 @@ from registry._records import IdentityRecord, McpServerRecord, ProducerRecord
 from registry._refresh import refresh, refresh_forever, registered
 from registry._seal import RecordSeal
 from registry._store import RegistryStore
+from registry._tenant_keys import TenantKeyService
 from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class RegistryState:
     http: httpx.AsyncClient
     trust: IssuerTrust  # the operator's key: which of the registry's keys are its own
     signer: CertifiedKey  # the current signing key and its certificate
+    tenant_keys: TenantKeyService
 
     @property
     def key(self) -> SigningKey:
@@ -402,6 +405,20 @@ async def list_revocations(request: Request, state: RegistryState) -> Response:
     return JSONResponse({"revoked": [r.to_json() for r in state.revocations.revoked()]})
 
 
+async def tenant_key(request: Request, state: RegistryState) -> Response:
+    """A tenant's key for the asking service (its own registry token), against the access token one
+    of that tenant's callers sent it (``caller_token``; see ``registry._tenant_keys``)."""
+    service = await _authorize(request, state, "registry:read")
+    body = await _json_body(request)
+    released = await state.tenant_keys.release(
+        service,
+        await state.store.identity(service.sub),
+        str(body.get("caller_token") or ""),
+        str(body.get("tenant") or ""),
+    )
+    return JSONResponse(released.to_json(), headers={"Cache-Control": "no-store"})
+
+
 async def get_mcp_server(request: Request, state: RegistryState) -> Response:
     await _authorize(request, state, "registry:read")
     record = await state.store.mcp_server(request.path_params["server_id"])
@@ -477,6 +494,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
                     registry: RegistryState = app.state.registry
                     return registry.issuer_key(kid)
 
+                master = MasterSecret.load_or_create(
+                    settings.tenant_key_master_file or settings.local_state_dir() / "tenant-key-master.json"
+                )
                 state = RegistryState(
                     store=store,
                     tokens=TokenService(
@@ -502,6 +522,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                     http=http,
                     trust=trust,
                     signer=signer,
+                    tenant_keys=TenantKeyService(master, own_key, settings.issuer, revocations, policy),
                 )
                 state.trust_issuer_keys(await admin.publish_issuer_key(signer))
                 revocations.on_revoke(lambda revoked: _distrust(state, revoked.kid))
@@ -542,6 +563,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/v1/issuer/rotate", _route(rotate_issuer_key), methods=["POST"]),
         Route("/v1/issuer/certificate", _route(certify_issuer_key), methods=["POST"]),
         Route("/v1/revocations", _route(list_revocations)),
+        Route("/v1/tenant-keys", _route(tenant_key), methods=["POST"]),
         Route("/v1/producers", _route(list_producers)),
         Route("/v1/producers", _route(issue_producer), methods=["POST"]),
         Route("/v1/producers/{producer_id}/revoke", _route(revoke_producer), methods=["POST"]),

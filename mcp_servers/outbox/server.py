@@ -44,9 +44,11 @@ from fleet.errors import FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
+from fleet.tenant_keys import TenantKey
 from mcp_servers._base import (
     KEYED_WRITE,
     READ_ONLY,
+    TenantKeys,
     ToolGate,
     fleet_mcp_server,
 )
@@ -172,7 +174,10 @@ class OutboxTools:
         *,
         needs_approval: bool,
         approval: Approval | None,
+        key: TenantKey | None = None,
     ) -> OperationResult:
+        """Do the operation once (see the module's doc). ``key``: the tenant's key, for a
+        publication (whose artifact is looked up with it)."""
         digest = request_hash(kind, request)
         async with self._tenant_tx(tenant) as conn:
             await conn.execute(
@@ -211,7 +216,7 @@ class OutboxTools:
                     result=None,
                     error=None,
                 )
-            status, result, error = await self._effect(conn, tenant, operation_id, kind, request)
+            status, result, error = await self._effect(conn, tenant, operation_id, kind, request, key)
             await conn.execute(
                 "UPDATE outbox.operations SET status = %s, result = %s, error = %s, attempts = attempts + 1,"
                 " approval_id = %s, approved_by = %s, updated_at = now() WHERE tenant_id = %s AND operation_id = %s",
@@ -236,6 +241,7 @@ class OutboxTools:
         operation_id: str,
         kind: str,
         request: dict[str, Any],
+        key: TenantKey | None,
     ) -> tuple[str, dict[str, Any] | None, str | None]:
         if kind == "webhook":
             return await self._post(tenant, operation_id, request)
@@ -248,8 +254,8 @@ class OutboxTools:
             assert row is not None
             return "done", {"ticket_id": int(row[0])}, None
         if kind == "publication":
-            assert self.artifacts is not None
-            if not await self.artifacts.exists(tenant, request["artifact"]):
+            assert self.artifacts is not None and key is not None and key.tenant == tenant
+            if not await self.artifacts.exists(key, request["artifact"]):
                 return "failed", None, "no such artifact for this tenant"
             await conn.execute(
                 "INSERT INTO outbox.publications (tenant_id, name, artifact, operation_id) VALUES (%s, %s, %s, %s)"
@@ -350,6 +356,7 @@ def build_server(
         "Effects outside the fleet (webhooks, tickets, publications), each at most once per"
         " operation id, with operation_status for reconciliation.",
     )
+    keys = TenantKeys(registry)
 
     async def perform(
         tool: str,
@@ -361,6 +368,11 @@ def build_server(
     ) -> OperationResult:
         claims, decision = await gate.authorize(tool, facts)
         try:
+            # Only a publication looks at the tenant's artifacts: only it asks for the tenant's key.
+            key = await keys.for_caller(claims) if kind == "publication" else None
+        except FleetError as exc:
+            raise ToolError(f"[{exc.code}] {exc.message}") from exc
+        try:
             return await tools.perform(
                 claims.tenant,
                 claims.sub,
@@ -369,6 +381,7 @@ def build_server(
                 request,
                 needs_approval=bool(decision.result.get("approval_required")),
                 approval=approval,
+                key=key,
             )
         except psycopg.Error as exc:
             raise ToolError(f"[tool_failed] the operation was not recorded: {pg_message(exc)}") from exc

@@ -7,6 +7,12 @@ the server's restart and a run's long wait, holds no process while the run waits
 the (tenant, run) of the caller's verified token: no argument can name another run's workspace. A call
 whose token names no run gets an empty workspace that is not kept.
 
+Artifacts and heads are sealed with the tenant's key (:mod:`fleet.tenant_keys`), which the server
+gets from the registry with the caller's own token. A head is kept under a keyed hash of the run id
+and sealed to that name: a head written by anyone without the tenant's key (bus rights are not
+enough), or copied from another run, does not open, and the call is refused rather than started from
+it, so no file can be planted in a run's workspace.
+
 Each call's result carries its output inline up to ``inline_output_bytes`` (the whole output as an
 artifact beyond that) and, as artifacts, the files the call created or changed.
 """
@@ -38,12 +44,14 @@ from starlette.applications import Starlette
 from typing_extensions import TypedDict  # pydantic nests these only from typing_extensions on 3.11
 
 from fleet.artifacts import ArtifactRef, NatsArtifactStore
-from fleet.errors import FleetError
+from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, key_value, service_credentials
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
+from fleet.tenant_keys import TenantKey
 from mcp_servers._base import (
     READ_ONLY,
+    TenantKeys,
     ToolGate,
     fleet_mcp_server,
     tool_server_app,
@@ -55,6 +63,7 @@ log = logging.getLogger(__name__)
 
 TOOLS = {"run_python": ["sandbox:run"], "read_artifact": ["sandbox:run"], "workspace_files": ["sandbox:run"]}
 WORKSPACES_BUCKET = "fleet_sandbox_workspaces"
+HEAD_PURPOSE = "workspace-head"
 MAX_CODE_CHARS = 100_000
 MAX_REPORTED_FILES = 100
 RUNS = ToolAnnotations(
@@ -125,6 +134,11 @@ def _key(tenant: str, run_id: str) -> str:
     return hashlib.sha256(f"{tenant}\x00{run_id}".encode()).hexdigest()
 
 
+def head_key(key: TenantKey, run_id: str) -> str:
+    """Where the head of run ``run_id`` of ``key``'s tenant is kept (reveals neither)."""
+    return key.name(HEAD_PURPOSE, run_id)
+
+
 def tar_files(data: bytes) -> dict[str, tuple[int, str]]:
     """path -> (size, sha256) of the regular files in a workspace tar."""
     files: dict[str, tuple[int, str]] = {}
@@ -161,16 +175,29 @@ class Workspaces:
     def lock(self, key: str) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
 
-    async def head(self, key: str) -> Head | None:
+    async def head(self, key: TenantKey, run_id: str) -> Head | None:
+        """The run's head, if it has one; ``integrity_failed`` if what is there was not sealed for
+        this run with its tenant's key (forged, or moved from another run)."""
+        name = head_key(key, run_id)
         try:
-            entry = await self._heads.get(key)
+            entry = await self._heads.get(name)
         except KeyNotFoundError:
             return None
         if entry.value is None:
             return None
-        return Head(json.loads(entry.value)["sha256"], int(entry.revision or 0))
+        try:
+            value = json.loads(key.open(HEAD_PURPOSE, name, entry.value))
+        except FleetError:
+            log.warning("the workspace head of a run of tenant %s does not verify; not used", key.tenant)
+            raise FleetError(
+                ErrorCode.INTEGRITY_FAILED,
+                "this run's workspace head does not verify with its tenant's key: it was not used",
+            ) from None
+        if value.get("run_id") != run_id:
+            raise FleetError(ErrorCode.INTEGRITY_FAILED, "this run's workspace head names another run")
+        return Head(str(value["sha256"]), int(entry.revision or 0))
 
-    async def load(self, tenant: str, head: Head | None) -> bytes:
+    async def load(self, key: TenantKey, head: Head | None) -> bytes:
         if head is None:
             return b""
         cached = self._cache / head.sha256
@@ -179,24 +206,27 @@ class Workspaces:
             if hashlib.sha256(data).hexdigest() == head.sha256:
                 os.utime(cached)
                 return data
-        data = await self._artifacts.get(tenant, head.sha256)
+        data = await self._artifacts.get(key, head.sha256)
         self._remember(head.sha256, data)
         return data
 
-    async def save(
-        self, tenant: str, key: str, run_id: str, data: bytes, previous: Head | None
-    ) -> ArtifactRef:
-        ref = await self._artifacts.put(tenant, data, "application/x-tar")
+    async def save(self, key: TenantKey, run_id: str, data: bytes, previous: Head | None) -> ArtifactRef:
+        ref = await self._artifacts.put(key, data, "application/x-tar")
         if previous is not None and previous.sha256 == ref.sha256:
             return ref
-        value = json.dumps(
-            {"sha256": ref.sha256, "size": ref.size, "run_id": run_id, "at": time.time()}
-        ).encode()
+        name = head_key(key, run_id)
+        value = key.seal(
+            HEAD_PURPOSE,
+            name,
+            json.dumps(
+                {"sha256": ref.sha256, "size": ref.size, "run_id": run_id, "at": time.time()}
+            ).encode(),
+        )
         try:
             if previous is None:
-                await self._heads.create(key, value)
+                await self._heads.create(name, value)
             else:
-                await self._heads.update(key, value, last=previous.revision)
+                await self._heads.update(name, value, last=previous.revision)
         except KeyWrongLastSequenceError as exc:
             raise ToolError(
                 "[conflict] another call of this run changed the workspace at the same time; nothing of"
@@ -239,32 +269,31 @@ class SandboxTools:
             file_bytes=s.sandbox_workspace_bytes,
         )
 
-    async def _output(self, tenant: str, data: bytes) -> tuple[str, str | None]:
+    async def _output(self, key: TenantKey, data: bytes) -> tuple[str, str | None]:
         inline = self.settings.sandbox_inline_output_bytes
         text = data[:inline].decode(errors="replace")
         if len(data) <= inline:
             return text, None
         assert self.artifacts is not None
-        return text, (await self.artifacts.put(tenant, data, "text/plain")).uri
+        return text, (await self.artifacts.put(key, data, "text/plain")).uri
 
-    async def run(self, tenant: str, run_id: str, code: str, timeout_s: float) -> RunResult:
+    async def run(self, key: TenantKey, run_id: str, code: str, timeout_s: float) -> RunResult:
         assert self.sandbox is not None and self.workspaces is not None and self.artifacts is not None
         limits = self.limits(timeout_s)
         if not run_id:  # no run: a scratch workspace, gone after the call
             outcome = await self.sandbox.run(code, b"", limits)
-            return await self._result(tenant, outcome, b"", None)
-        key = _key(tenant, run_id)
-        async with self.workspaces.lock(key):
-            head = await self.workspaces.head(key)
-            before = await self.workspaces.load(tenant, head)
+            return await self._result(key, outcome, b"", None)
+        async with self.workspaces.lock(_key(key.tenant, run_id)):
+            head = await self.workspaces.head(key, run_id)
+            before = await self.workspaces.load(key, head)
             outcome = await self.sandbox.run(code, before, limits)
             saved = None
             if outcome.workspace is not None:
-                saved = await self.workspaces.save(tenant, key, run_id, outcome.workspace, head)
-            return await self._result(tenant, outcome, before, saved)
+                saved = await self.workspaces.save(key, run_id, outcome.workspace, head)
+            return await self._result(key, outcome, before, saved)
 
     async def _result(
-        self, tenant: str, outcome: Outcome, before: bytes, saved: ArtifactRef | None
+        self, key: TenantKey, outcome: Outcome, before: bytes, saved: ArtifactRef | None
     ) -> RunResult:
         assert self.artifacts is not None
         files: list[FileRef] = []
@@ -272,10 +301,10 @@ class SandboxTools:
             old, new = tar_files(before), tar_files(outcome.workspace)
             changed = [path for path, meta in sorted(new.items()) if old.get(path) != meta]
             for path in changed[:MAX_REPORTED_FILES]:
-                ref = await self.artifacts.put(tenant, file_bytes(outcome.workspace, path))
+                ref = await self.artifacts.put(key, file_bytes(outcome.workspace, path))
                 files.append(FileRef(path=path, size=ref.size, artifact=ref.uri))
-        stdout, stdout_ref = await self._output(tenant, outcome.stdout)
-        stderr, stderr_ref = await self._output(tenant, outcome.stderr)
+        stdout, stdout_ref = await self._output(key, outcome.stdout)
+        stderr, stderr_ref = await self._output(key, outcome.stderr)
         return RunResult(
             exit_code=outcome.exit_code,
             signal=outcome.signal,
@@ -291,9 +320,9 @@ class SandboxTools:
             cpu_ms=int(outcome.cpu_s * 1000),
         )
 
-    async def read_artifact(self, tenant: str, ref: str, offset: int, length: int) -> ArtifactChunk:
+    async def read_artifact(self, key: TenantKey, ref: str, offset: int, length: int) -> ArtifactChunk:
         assert self.artifacts is not None
-        data = await self.artifacts.get(tenant, ref)
+        data = await self.artifacts.get(key, ref)
         chunk = data[offset : offset + length]
         try:
             text: str | None = chunk.decode()
@@ -302,12 +331,12 @@ class SandboxTools:
             text, encoded = None, base64.b64encode(chunk).decode()
         return ArtifactChunk(artifact=ref, size=len(data), offset=offset, text=text, base64=encoded)
 
-    async def files(self, tenant: str, run_id: str) -> list[WorkspaceFile]:
+    async def files(self, key: TenantKey, run_id: str) -> list[WorkspaceFile]:
         assert self.workspaces is not None
         if not run_id:
             return []
-        head = await self.workspaces.head(_key(tenant, run_id))
-        data = await self.workspaces.load(tenant, head)
+        head = await self.workspaces.head(key, run_id)
+        data = await self.workspaces.load(key, head)
         return [WorkspaceFile(path=p, size=s, sha256=h) for p, (s, h) in sorted(tar_files(data).items())]
 
 
@@ -325,6 +354,7 @@ def build_server(
         "Runs Python in an isolated sandbox: no network, a private /work kept between the calls"
         " of one run, limits on time, memory, processes and output.",
     )
+    keys = TenantKeys(registry)
 
     @mcp.tool(annotations=RUNS)
     async def run_python(code: str, timeout_s: float = 10.0) -> RunResult:
@@ -334,7 +364,8 @@ def build_server(
         if len(code) > MAX_CODE_CHARS:
             raise ToolError(f"[invalid_request] code is at most {MAX_CODE_CHARS} characters")
         try:
-            return await tools.run(claims.tenant, str(claims.raw.get("run_id") or ""), code, timeout_s)
+            key = await keys.for_caller(claims)
+            return await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
         except FleetError as exc:
             raise _fail(exc) from exc
 
@@ -345,7 +376,7 @@ def build_server(
         if offset < 0 or not 0 < length <= 1024 * 1024:
             raise ToolError("[invalid_request] offset >= 0 and 0 < length <= 1048576")
         try:
-            return await tools.read_artifact(claims.tenant, artifact, offset, length)
+            return await tools.read_artifact(await keys.for_caller(claims), artifact, offset, length)
         except FleetError as exc:
             raise _fail(exc) from exc
 
@@ -354,7 +385,7 @@ def build_server(
         """The files in your run's workspace."""
         claims = await gate.allow("workspace_files", {})
         try:
-            return await tools.files(claims.tenant, str(claims.raw.get("run_id") or ""))
+            return await tools.files(await keys.for_caller(claims), str(claims.raw.get("run_id") or ""))
         except FleetError as exc:
             raise _fail(exc) from exc
 

