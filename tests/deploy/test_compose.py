@@ -141,7 +141,9 @@ def test_only_the_registry_sees_the_callout_seeds_and_only_nats_the_route_passwo
     assert _seeing(seen, "ca-key.pem") == {"keygen"}  # the CA's key: nobody but its maker
 
 
-def test_the_compose_nats_includes_the_auth_file_keygen_writes_with_tls_and_the_callout(tmp_path: Path) -> None:
+def test_the_compose_nats_includes_the_auth_file_keygen_writes_with_tls_and_the_callout(
+    tmp_path: Path,
+) -> None:
     document = compose()
     nats = document["services"]["nats"]
     (config,) = nats["configs"]
