@@ -12,6 +12,7 @@ from deploy._bus import (
     NATS_CLUSTER_INCLUDE,
     NATS_CONFIG_DIR,
     NATS_MONITOR_PORT,
+    NATS_NODES,
     NATS_ROUTE_PORT,
 )
 from deploy._k8s import (
@@ -34,7 +35,6 @@ from deploy._topology import (
     KEDA_NAMESPACE,
     NAMESPACE,
     NATS_IMAGE,
-    NATS_NODES,
     PART_OF,
     POSTGRES_IMAGE,
     QDRANT_IMAGE,

@@ -321,6 +321,10 @@ def certify(operator_key: Path, jwk_file: Path, issuer: str = DEFAULT_ISSUER) ->
     return certify_issuer_key(SigningKey.load_or_create(operator_key), issuer, jwk.get("public_jwk", jwk))
 
 
+# NATS not up yet (FleetError, retryable), a cluster still electing its JetStream leader (TRANSIENT).
+_PROVISION_RETRIES: tuple[type[Exception], ...] = (FleetError, *TRANSIENT)
+
+
 async def _provision_once(url: str, keys_dir: Path, tls_ca: Path | None, replicas: int) -> list[str]:
     client = await connect(
         url, "fleet-bootstrap", replicas=replicas, credentials=admin_credentials(keys_dir, tls_ca)
@@ -345,7 +349,7 @@ async def provision_bus(
     while True:
         try:
             return await _provision_once(url, keys_dir, tls_ca, replicas)
-        except (FleetError, *TRANSIENT) as exc:
+        except _PROVISION_RETRIES as exc:
             if isinstance(exc, FleetError) and not exc.retryable:
                 raise SystemExit(f"keygen: the bus at {url}: {exc}") from exc
             if time.monotonic() >= deadline:

@@ -153,7 +153,7 @@ async def _admitted(url: str, **options: object) -> bool:
     """Whether the server takes a connection with these options (nats-py may return from
     ``connect`` with a connection the server is closing: a round trip tells)."""
     try:
-        client = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)  # type: ignore[arg-type]
+        client = await nats.connect(url, allow_reconnect=False, connect_timeout=5, **options)
     except (nats.errors.Error, OSError):
         return False
     try:
