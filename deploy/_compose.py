@@ -3,7 +3,16 @@ production mode on one host."""
 
 from __future__ import annotations
 
+from deploy._bus import (
+    NATS_AUTH_DIR,
+    NATS_AUTH_INCLUDE,
+    NATS_CLIENT_PORT,
+    NATS_CONFIG_DIR,
+    NATS_MONITOR_PORT,
+)
 from deploy._topology import (
+    BOOTSTRAP,
+    BUS_ADMIN_DIR,
     ENROLL,
     IDENTITY_DIR,
     IMAGE,
@@ -17,8 +26,10 @@ from deploy._topology import (
     PUBLIC_KEYS_DIR,
     QDRANT_IMAGE,
     STATE_DIR,
+    TLS_CA_DIR,
     Deployed,
     Doc,
+    bootstrap_command,
     deployed,
     enroll_command,
     environment,
@@ -45,7 +56,12 @@ PUBLISHED = {"coordinator": 8700, "registry": 8701, "console": 8702}
 
 
 def _healthcheck() -> Doc:
-    probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{PORT}/healthz', timeout=3)"
+    # HTTPS, verified against the deployment's CA (every certificate also names 127.0.0.1).
+    probe = (
+        "import ssl, urllib.request; urllib.request.urlopen("
+        f"'https://127.0.0.1:{PORT}/healthz', timeout=3,"
+        f" context=ssl.create_default_context(cafile='{TLS_CA_DIR}/ca.pem'))"
+    )
     return {
         "test": ["CMD", "python", "-c", probe],
         "interval": "5s",
@@ -59,6 +75,8 @@ def _compose_depends(unit: Deployed) -> Doc:
     depends: Doc = {
         "keygen": {"condition": "service_completed_successfully"},
         "nats": {"condition": "service_healthy"},
+        # The streams and buckets exist before anyone binds to them (services may not create them).
+        BOOTSTRAP: {"condition": "service_completed_successfully"},
     }
     if unit.spec.kind != "registry":  # its key is enrolled before it starts
         depends[ENROLL] = {"condition": "service_completed_successfully"}
@@ -93,6 +111,7 @@ def _compose_service(unit: Deployed) -> Doc:
         "environment": environment(unit, "compose"),
         "volumes": [
             _secrets_subpath(f"identities/{spec.id}", IDENTITY_DIR),
+            _secrets_subpath("tls-ca", TLS_CA_DIR),
             {"type": "volume", "source": f"state-{spec.id}", "target": STATE_DIR},
         ],
         "read_only": True,
@@ -130,9 +149,11 @@ def _compose_enroll() -> Doc:
         "build": {"context": "..", "dockerfile": "deploy/Dockerfile"},
         "entrypoint": command[:3],
         "command": command[3:],
+        "environment": {"SSL_CERT_FILE": f"{TLS_CA_DIR}/ca.pem"},  # the registry's HTTPS
         "volumes": [
             _secrets_subpath("operator", OPERATOR_KEY_DIR),
             _secrets_subpath("public", PUBLIC_KEYS_DIR),
+            _secrets_subpath("tls-ca", TLS_CA_DIR),
         ],
         "read_only": True,
         "networks": ["fleet"],
@@ -142,6 +163,42 @@ def _compose_enroll() -> Doc:
         },
         "restart": "no",
     }
+
+
+def _compose_bootstrap() -> Doc:
+    """The one-shot that creates the bus's streams and buckets as its admin once NATS is healthy:
+    the only container but ``keygen`` that sees the admin's seed. The registry starts after it."""
+    command = bootstrap_command("compose")
+    return {
+        "image": IMAGE,
+        "build": {"context": "..", "dockerfile": "deploy/Dockerfile"},
+        "entrypoint": command[:3],
+        "command": command[3:],
+        "volumes": [_secrets_subpath("bus-admin", BUS_ADMIN_DIR), _secrets_subpath("tls-ca", TLS_CA_DIR)],
+        "read_only": True,
+        "networks": ["fleet"],
+        "depends_on": {
+            "keygen": {"condition": "service_completed_successfully"},
+            "nats": {"condition": "service_healthy"},
+        },
+        "restart": "no",
+    }
+
+
+def nats_config() -> str:
+    """The compose NATS server's configuration (one server); accounts, the callout and TLS come
+    from the auth include that ``deploy.keygen`` writes (the secrets volume's ``nats/``)."""
+    return (
+        "# The fleet's NATS (compose: one server, streams with one replica). Clients only over TLS,\n"
+        "# authenticated by the registry (auth callout): see the include, from the secrets volume.\n"
+        "server_name: nats\n"
+        f"listen: 0.0.0.0:{NATS_CLIENT_PORT}\n"
+        f"http: 127.0.0.1:{NATS_MONITOR_PORT}\n"  # the health check's, in the container only
+        "jetstream {\n"
+        "  store_dir: /data/jetstream\n"
+        "}\n"
+        f'include "{NATS_AUTH_INCLUDE}"\n'
+    )
 
 
 def _compose_infra() -> Doc:
@@ -157,13 +214,26 @@ def _compose_infra() -> Doc:
             "restart": "no",
         },
         ENROLL: _compose_enroll(),
+        BOOTSTRAP: _compose_bootstrap(),
         "nats": {
             "image": NATS_IMAGE,
-            "command": ["--jetstream", "--store_dir", "/data", "--http_port", "8222"],
-            "volumes": [{"type": "volume", "source": "nats-data", "target": "/data"}],
+            "command": ["--config", f"{NATS_CONFIG_DIR}/nats.conf"],
+            "configs": [{"source": "nats-config", "target": f"{NATS_CONFIG_DIR}/nats.conf"}],
+            "volumes": [
+                {"type": "volume", "source": "nats-data", "target": "/data"},
+                # the auth include (public keys only), the server's certificate and key
+                _secrets_subpath("nats", NATS_AUTH_DIR),
+            ],
             "networks": ["fleet"],
+            "depends_on": {"keygen": {"condition": "service_completed_successfully"}},
             "healthcheck": {
-                "test": ["CMD", "wget", "-q", "-O-", "http://127.0.0.1:8222/healthz?js-enabled-only=true"],
+                "test": [
+                    "CMD",
+                    "wget",
+                    "-q",
+                    "-O-",
+                    f"http://127.0.0.1:{NATS_MONITOR_PORT}/healthz?js-enabled-only=true",
+                ],
                 "interval": "5s",
                 "timeout": "3s",
                 "retries": 5,
@@ -238,4 +308,5 @@ def compose() -> Doc:
             name: {"labels": {"agent-fleet.network": about}} for name, about in COMPOSE_NETWORKS.items()
         },
         "volumes": {name: {} for name in volumes},
+        "configs": {"nats-config": {"content": nats_config()}},
     }

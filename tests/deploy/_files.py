@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose.yaml"
-ONE_SHOTS = frozenset({"keygen", "enroll"})  # the fleet image's containers that serve nothing
+ONE_SHOTS = frozenset({"keygen", "enroll", "bootstrap"})  # the fleet image's containers that serve nothing
 
 Doc = dict[str, Any]
 

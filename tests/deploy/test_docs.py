@@ -1,22 +1,23 @@
-"""docs/deployment.md says what the base does not protect: NATS is unauthenticated, and that is the
-first known gap and part of the enrollment's security argument, with the buckets that are exposed."""
+"""docs/deployment.md says what the manifests do for the bus (authentication, TLS, the bootstrap),
+and its known gaps no longer claim the bus is open: if the manifests lost the bus's authentication,
+these tests and the text would have to change together."""
 
 from __future__ import annotations
 
-import inspect
 import re
 
-from fleet import natsconn
-from fleet.revocations import REVOCATIONS_BUCKET
-from policy.live import POLICY_BUCKET
-from registry._store import RECORDS_BUCKET
-from tests.deploy._files import ROOT
+from deploy._bus import NATS_AUTH_INCLUDE
+from tests.deploy._files import ROOT, compose
 
 DOCS = (ROOT / "docs" / "deployment.md").read_text()
+BUS_DOCS = (ROOT / "docs" / "bus.md").read_text()
 
 
 def _section(title: str) -> str:
-    (body,) = re.findall(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", DOCS, re.MULTILINE | re.DOTALL)
+    bodies: list[str] = re.findall(
+        rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", DOCS, re.MULTILINE | re.DOTALL
+    )
+    (body,) = bodies
     return body
 
 
@@ -24,27 +25,41 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_the_first_known_gap_is_that_the_manifests_do_not_authenticate_the_bus() -> None:
-    items = re.split(r"^\d+\. ", _section("Known gaps"), flags=re.MULTILINE)[1:]
-    first = _flat(items[0])
-    assert first.startswith("**The manifests do not configure the bus's authentication**")
-    for bucket in (RECORDS_BUCKET, REVOCATIONS_BUCKET, POLICY_BUCKET):
-        assert f"`{bucket}`" in first, bucket
-    assert "NetworkPolicies narrow who reaches NATS but do not stop this" in first
-    assert sum("bus's authentication" in item for item in items) == 1  # said once, first
+def _gaps() -> list[str]:
+    return [_flat(item) for item in re.split(r"^\d+\. ", _section("Known gaps"), flags=re.MULTILINE)[1:]]
 
 
-def test_the_enrollment_argument_carries_the_bus_caveat() -> None:
+def test_no_known_gap_says_the_bus_is_unauthenticated_and_the_first_says_what_tls_lacks() -> None:
+    gaps = _gaps()
+    assert not any("bus's authentication" in gap for gap in gaps)
+    assert gaps[0].startswith("**Not every hop is TLS yet**")
+    for remaining in ("routes", "8222", "Postgres", "Qdrant", "OPA"):
+        assert remaining in gaps[0], remaining
+
+
+def test_the_enrollment_argument_says_nats_authenticates_every_connection() -> None:
     section = _flat(_section("Identities, keys and enrollment"))
     claim = section.index("proves nothing beyond")
-    caveat = section.index("**But the manifests do not configure the bus's authentication yet**")
-    assert claim < caveat < claim + 600  # right after the claim it qualifies
-    assert "can still delete or purge them" in section
+    bus = section.index("**The bus is the registry's door too.**")
+    assert claim < bus < claim + 600  # right after the claim it completes
+    assert "cannot delete, purge or reconfigure a stream or bucket" in section
+    bootstrap = section.index("**The bootstrap.**")
+    assert "fails the start" in section[bootstrap:] and "read from the code" in section[bootstrap:]
 
 
-def test_the_service_code_has_what_the_gap_asks_for() -> None:
-    """The gap says the code is there and the manifests are not: when the manifests configure the
-    bus, the gap (and this test) must change."""
-    assert "credentials" in inspect.signature(natsconn.connect).parameters
-    manifests = (ROOT / "deploy" / "compose.yaml").read_text()
-    assert "auth_callout" not in manifests and "FLEET_NATS_KEYS_DIR" not in manifests
+def test_the_manifests_do_what_the_docs_say() -> None:
+    """What the text claims of the compose file: NATS with the auth include, services over TLS,
+    the registry as the bus's authority, a bootstrap one-shot before it."""
+    services = compose()["services"]
+    assert NATS_AUTH_INCLUDE in compose()["configs"]["nats-config"]["content"]
+    assert services["registry"]["environment"]["FLEET_NATS_KEYS_DIR"]
+    assert services["registry"]["environment"]["FLEET_NATS_URL"].startswith("tls://")
+    assert services["registry"]["depends_on"]["bootstrap"]["condition"] == "service_completed_successfully"
+    for name in ("`bootstrap`", "`bootstrap.yaml`", "`fleet-bus-admin`", "account `FLEET`"):
+        assert name in DOCS, name
+
+
+def test_bus_md_says_where_deployments_get_their_keys() -> None:
+    intro = _flat(BUS_DOCS.split("## ", 1)[0])
+    assert "do not configure this yet" not in intro
+    assert "python -m deploy.keygen secrets DIR" in intro and "deploy.keygen provision" in intro

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import yaml
 
 from coordinator import work
 from deploy import keygen, render
+from deploy._bus import NATS_AUTH_INCLUDE, NATS_CLUSTER_INCLUDE
+from fleet.buskeys import FLEET_ACCOUNT, REGISTRY_KEYS
 from tests.deploy._files import K8S, ONE_SHOTS, Doc, k8s_containers, k8s_docs, kustomization, pod_specs
 
 # The Kubernetes version the manifests are checked against: one kubernetes-validate ships, old
@@ -109,16 +112,95 @@ def _one(kind: str, name: str) -> Doc:
     return doc
 
 
-def test_nats_is_a_three_node_cluster_routed_to_every_node_with_jetstream() -> None:
+def _nats_secret_files(tmp_path: Path) -> dict[str, str]:
+    """The Secret ``fleet-nats`` as kustomize would make it from what keygen writes."""
+    keygen.make_secrets(tmp_path / "secrets")
+    (generator,) = [g for g in kustomization()["secretGenerator"] if g["name"] == "fleet-nats"]
+    pairs = [entry.split("=", 1) for entry in generator["files"]]
+    return {key: (tmp_path / relative).read_text() for key, relative in pairs}
+
+
+def test_nats_is_a_three_node_cluster_routed_to_every_node_with_jetstream(tmp_path: Path) -> None:
     statefulset = _one("StatefulSet", "nats")
     assert statefulset["spec"]["replicas"] == 3
     headless = _one("Service", "nats")["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
     config = _one("ConfigMap", "nats-config")["data"]["nats.conf"]
-    routes = {f"nats://nats-{n}.{statefulset['spec']['serviceName']}:6222" for n in range(3)}
-    assert all(route in config for route in routes)
     assert "jetstream {" in config and "server_name: $POD_NAME" in config
+    assert f'include "{NATS_CLUSTER_INCLUDE}"' in config
+    # The routes are in the included cluster block (a Secret: it holds their password).
+    cluster = _nats_secret_files(tmp_path)["cluster.conf"]
+    (password,) = re.findall(r'password: "([^"]+)"', cluster)
+    routes = {f"nats://route:{password}@nats-{n}.{statefulset['spec']['serviceName']}:6222" for n in range(3)}
+    assert all(route in cluster for route in routes)
     assert _one("PodDisruptionBudget", "nats")["spec"]["maxUnavailable"] == 1
+
+
+def test_nats_requires_tls_and_the_registrys_callout_from_its_secret(tmp_path: Path) -> None:
+    config = _one("ConfigMap", "nats-config")["data"]["nats.conf"]
+    assert f'include "{NATS_AUTH_INCLUDE}"' in config
+    settings = "\n".join(line for line in config.splitlines() if not line.startswith("#"))
+    assert "auth_callout" not in settings and "password" not in settings  # in the Secret only
+    spec = _one("StatefulSet", "nats")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (config_path,) = [a for a in container["args"] if a.endswith(".conf")]
+    assert config_path == posixpath.join(mounts["config"], "nats.conf")
+    assert volumes["config"]["configMap"]["name"] == "nats-config"
+    # The include, relative to the configuration, lands in the mounted Secret fleet-nats.
+    (secret,) = [n for n, v in volumes.items() if v.get("secret", {}).get("secretName") == "fleet-nats"]
+    include = posixpath.normpath(posixpath.join(mounts["config"], NATS_AUTH_INCLUDE))
+    assert include == posixpath.join(mounts[secret], "auth.conf")
+    auth = _nats_secret_files(tmp_path)["auth.conf"]
+    assert "auth_callout {" in auth and "account: AUTH" in auth and "FLEET: { jetstream: enabled" in auth
+    assert f'cert_file: "{posixpath.join(mounts[secret], "server.pem")}"' in auth
+
+
+def test_no_pod_but_the_bootstrap_job_mounts_the_bus_admin_seed_and_only_it_and_the_registry_reach_seeds() -> (
+    None
+):
+    (generator,) = [g for g in kustomization()["secretGenerator"] if g["name"] == "fleet-bus-admin"]
+    assert generator["files"] == ["admin.nk=secrets/bus-admin/admin.nk"]
+    with_seeds = {
+        g["name"] for g in kustomization()["secretGenerator"] if any(".nk=" in f for f in g["files"])
+    }
+    assert with_seeds == {"fleet-bus-admin", "fleet-key-registry"}
+    (registry,) = [g for g in kustomization()["secretGenerator"] if g["name"] == "fleet-key-registry"]
+    seeds = {f.split("=", 1)[0] for f in registry["files"] if ".nk=" in f}
+    assert seeds == {f"{name}.nk" for name in REGISTRY_KEYS}  # no admin seed
+    holders: dict[str, set[str]] = {}
+    for name, _, spec in pod_specs():
+        for volume in spec.get("volumes", []):
+            if volume.get("secret", {}).get("secretName") in with_seeds:
+                holders.setdefault(volume["secret"]["secretName"], set()).add(name)
+    assert holders == {"fleet-bus-admin": {"bootstrap"}, "fleet-key-registry": {"registry"}}
+    assert _one("Job", "bootstrap")["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+
+
+_SEED = re.compile(r"\bS[ACNOPUX][A-Z2-7]{56}\b")  # an nkey seed
+
+
+def test_no_private_key_seed_or_password_is_in_any_config_map(tmp_path: Path) -> None:
+    layout = keygen.make_secrets(tmp_path / "secrets")
+    secret_values = [
+        (layout.nats / "routes.secret").read_text().strip(),
+        *(p.read_text().strip() for p in (layout.root / "postgres").glob("*-password")),
+    ]
+    texts: dict[str, str] = {}
+    for generator in kustomization()["configMapGenerator"]:
+        for entry in generator["files"]:
+            relative = entry.split("=", 1)[1]
+            root = tmp_path if relative.startswith("secrets/") else K8S
+            texts[f"{generator['name']}/{relative}"] = (root / relative).read_text()
+    for _, doc in DOCS:
+        if doc["kind"] == "ConfigMap":
+            texts.update({f"{doc['metadata']['name']}/{k}": v for k, v in doc["data"].items()})
+    assert any("BEGIN CERTIFICATE" in text for text in texts.values())  # the CA's certificate is there
+    for where, text in texts.items():
+        assert "PRIVATE KEY" not in text and not _SEED.search(text), where
+        assert not any(value in text for value in secret_values), where
+    assert _SEED.search((layout.bus_admin / "admin.nk").read_text())  # the pattern finds a seed
 
 
 def _seconds(config: str, key: str) -> int:
@@ -165,6 +247,7 @@ def test_workers_scale_on_the_lag_of_the_work_queue_consumer() -> None:
     assert trigger["metadata"]["consumer"] == work.CONSUMER
     endpoint = trigger["metadata"]["natsServerMonitoringEndpoint"]
     assert endpoint == f"nats.{kustomization()['namespace']}.svc.cluster.local:8222"
+    assert trigger["metadata"]["account"] == FLEET_ACCOUNT == "FLEET"  # JetStream's account, not $G
     assert scaled["minReplicaCount"] >= 1, "timers and stranded runs need a worker alive"
 
 
@@ -201,6 +284,7 @@ def test_every_service_container_is_probed_on_healthz() -> None:
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             http = container.doc[probe]["httpGet"]
             assert http["path"] == "/healthz" and http["port"] == "http", (container.workload, probe)
+            assert http["scheme"] == "HTTPS", (container.workload, probe)  # the service serves TLS only
         assert container.doc["ports"] == [{"name": "http", "containerPort": 8080}]
 
 
@@ -235,11 +319,11 @@ def test_no_pod_but_the_enroll_job_mounts_the_operator_key_secret() -> None:
     assert _one("Job", "enroll")["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
 
 
-def test_the_registry_gets_only_the_operators_public_jwk() -> None:
+def test_the_registry_gets_only_the_operators_public_jwk_and_the_deployment_ca() -> None:
     (spec,) = [s for name, _, s in pod_specs() if name == "registry"]
     config_maps = {v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v}
     secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
-    assert config_maps == {"fleet-operator-jwk"} and secrets == {"fleet-key-registry"}
+    assert config_maps == {"fleet-operator-jwk", "fleet-tls-ca"} and secrets == {"fleet-key-registry"}
     (generator,) = [g for g in kustomization()["configMapGenerator"] if g["name"] == "fleet-operator-jwk"]
     assert generator["files"] == ["operator.jwk.json=secrets/operator/operator.jwk.json"]
 

@@ -22,7 +22,7 @@ DATABASE_OWNERS = {
     *(s.id for s in SERVICES if s.kind == "mcp_server" and s.database),
 }
 FLEET = [p.workload for p in pods() if p.labels["app.kubernetes.io/part-of"] == "agent-fleet"]
-FLEET_WORKLOADS = [w for w in FLEET if w not in ("nats", "postgres", "qdrant", "enroll")]
+FLEET_WORKLOADS = [w for w in FLEET if w not in ("nats", "postgres", "qdrant", "enroll", "bootstrap")]
 
 NEEDED: list[tuple[str, str, int]] = [
     *((w, "nats", 4222) for w in FLEET_WORKLOADS),
@@ -36,6 +36,7 @@ NEEDED: list[tuple[str, str, int]] = [
     ("mcp-memory", "qdrant", 6333),
     ("nats-peer", "nats", 6222),  # the cluster's routes
     ("enroll", "registry", 8080),  # the enroll Job
+    ("bootstrap", "nats", 4222),  # the bootstrap Job
 ]
 
 
@@ -88,6 +89,25 @@ def test_the_enroll_job_reaches_only_the_registry_and_nothing_reaches_it() -> No
     assert targets == {("registry", 8080)}
     assert not any(allowed(POLICIES, p, job, port) for p in pods() for port in (8080, 8181))
     assert not allowed(POLICIES, outside_pod("ingress-nginx"), job, 8080)
+
+
+def test_the_bootstrap_job_reaches_only_nats_and_nothing_reaches_it() -> None:
+    job = pod("bootstrap")
+    targets = {
+        (p.workload, port)
+        for p in pods()
+        for port in (4222, 5432, 6222, 6333, 8080, 8222)
+        if allowed(POLICIES, job, p, port)
+    }
+    assert targets == {("nats", 4222)}
+    assert not any(allowed(POLICIES, p, job, port) for p in pods() for port in (4222, 8080, 8181))
+
+
+def test_nats_clients_are_the_services_and_the_bootstrap_job_only() -> None:
+    reach = {p.workload for p in pods() if allowed(POLICIES, p, pod("nats"), 4222)}
+    assert reach == {*FLEET_WORKLOADS, "bootstrap"}
+    routes = {p.workload for p in pods() if allowed(POLICIES, p, pod("nats"), 6222)}
+    assert routes == {"nats"}
 
 
 def test_dns_is_only_the_cluster_dns_of_kube_system() -> None:

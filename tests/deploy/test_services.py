@@ -10,10 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from pydantic import AliasChoices
 
 from deploy import keygen
 from deploy.local_stack import SERVICES, ServiceSpec, service
+from fleet.buskeys import REGISTRY_KEYS, BusKeys
 from fleet.cli import _parser as fleet_parser
 from fleet.settings import ServiceSettings
 from tests.deploy._files import (
@@ -79,7 +82,11 @@ def needed(spec: ServiceSpec, env: dict[str, str]) -> set[str]:
     required = {f"FLEET_{n.upper()}" for n, f in cls.model_fields.items() if f.is_required()}
     out = (required - {"FLEET_SERVICE_ID"}) | {"FLEET_NATS_URL", "FLEET_HOST", "FLEET_PORT", "FLEET_HOME"}
     out.add("FLEET_OPERATOR_JWK_FILE")  # every verifier pins the operator's key (fleet.issuer_certs)
-    out |= {"FLEET_ISSUER_CERT_FILE"} if spec.kind == "registry" else {"FLEET_REGISTRY_URL"}
+    out |= {"FLEET_TLS_CA_FILE", "FLEET_TLS_CERT_FILE", "FLEET_TLS_KEY_FILE"}  # every hop is TLS
+    if spec.kind == "registry":  # it signs its tokens with a certified key; it is the bus's authority
+        out |= {"FLEET_ISSUER_CERT_FILE", "FLEET_NATS_KEYS_DIR"}
+    else:
+        out.add("FLEET_REGISTRY_URL")
     if spec.database:
         out.add("FLEET_PG_DSN")
     if env.get("FLEET_POLICY_ENGINE") == "opa":
@@ -165,7 +172,7 @@ def test_compose_and_kubernetes_give_each_service_the_same_fleet_variables() -> 
 def test_kubernetes_services_replicate_every_stream_on_the_three_nats_nodes() -> None:
     for container in (c for c in MAIN if c.platform == "k8s"):
         assert container.env["FLEET_NATS_REPLICAS"] == "3", container.workload
-        assert container.env["FLEET_NATS_URL"].count("nats://") == 3, container.workload
+        assert container.env["FLEET_NATS_URL"].count("tls://") == 3, container.workload
     for container in (c for c in MAIN if c.platform == "compose"):
         assert container.env["FLEET_NATS_REPLICAS"] == "1", container.workload  # one NATS server
 
@@ -206,7 +213,7 @@ def test_the_enroll_one_shot_enrolls_the_public_keys_it_mounts_at_the_registry(
 ) -> None:
     container, args = _one_shot(platform, "enroll")
     assert args.command == "enroll"
-    assert args.registry == "http://registry:8080"
+    assert args.registry == "https://registry:8080"
     mounts = _mounts(container)
     assert str(args.operator_key.parent) == mounts[operator]
     assert str(args.public_keys) == mounts[public]
@@ -242,3 +249,115 @@ def test_the_compose_keygen_writes_the_secrets_each_service_mounts_its_own_folde
         (mount,) = [v for v in container.doc["volumes"] if v["target"] == "/run/fleet/identity"]
         assert mount["read_only"] is True
         assert mount["volume"]["subpath"] == f"identities/{service_id}"  # its own key, no one else's
+
+
+@pytest.mark.parametrize("container", MAIN, ids=lambda c: f"{c.platform}-{c.workload}")
+def test_every_hop_is_tls(container: Container) -> None:
+    urls = {name: value for name, value in container.env.items() if "://" in value}
+    for url in container.env["FLEET_NATS_URL"].split(","):
+        assert url.startswith("tls://"), (container.workload, url)
+    for name, value in urls.items():
+        if name in ("FLEET_NATS_URL", "FLEET_OPA_URL", "FLEET_MEMORY_QDRANT_URL"):
+            continue  # NATS above; OPA and Qdrant are not fleet services (docs/deployment.md)
+        assert value.startswith("https://"), (container.workload, name, value)
+    assert container.env["SSL_CERT_FILE"].startswith(str(Path(container.env["FLEET_TLS_CA_FILE"]).parent))
+    assert "FLEET_NATS_KEYS_DIR" not in container.env or _served(container) == "registry"
+
+
+def _mount_of(container: Container, path: str) -> tuple[str, str]:
+    """(what is mounted, where) for the mount holding ``path``: a compose subpath of the secrets
+    volume, or a Kubernetes Secret or ConfigMap name."""
+    if container.platform == "compose":
+        for mount in container.doc["volumes"]:
+            if path.startswith(mount["target"] + "/"):
+                return mount.get("volume", {}).get("subpath", ""), mount["target"]
+        raise AssertionError(f"{container.workload}: nothing mounted at {path}")
+    (spec,) = [s for name, _, s in pod_specs() if name == container.workload]
+    volumes = {
+        v["name"]: v.get("secret", {}).get("secretName") or v.get("configMap", {}).get("name")
+        for v in spec["volumes"]
+    }
+    for mount in container.doc["volumeMounts"]:
+        if path.startswith(mount["mountPath"] + "/"):
+            return str(volumes[mount["name"]]), mount["mountPath"]
+    raise AssertionError(f"{container.workload}: nothing mounted at {path}")
+
+
+def _files_of(platform: str, source: str, root: Path) -> dict[str, Path]:
+    """The files a mount of ``source`` shows (by name), from what keygen wrote under ``root``."""
+    if platform == "compose":
+        return {p.name: p for p in (root / source).iterdir() if p.is_file()}
+    base = kustomization()
+    (generator,) = [g for g in base["secretGenerator"] + base["configMapGenerator"] if g["name"] == source]
+    return {key: root.parent / relative for key, relative in (e.split("=", 1) for e in generator["files"])}
+
+
+@pytest.mark.parametrize("container", MAIN, ids=lambda c: f"{c.platform}-{c.workload}")
+def test_each_service_serves_a_certificate_for_its_name_from_the_ca_it_and_everyone_trusts(
+    container: Container, tmp_path: Path
+) -> None:
+    root = tmp_path / "secrets"
+    keygen.make_secrets(root)
+    found: dict[str, Path] = {}
+    for variable in ("FLEET_TLS_CERT_FILE", "FLEET_TLS_KEY_FILE", "FLEET_TLS_CA_FILE", "SSL_CERT_FILE"):
+        source, target = _mount_of(container, container.env[variable])
+        files = _files_of(container.platform, source, root)
+        name = container.env[variable].removeprefix(target + "/")
+        assert name in files, (container.workload, variable)
+        found[variable] = files[name]
+    cert = x509.load_pem_x509_certificate(found["FLEET_TLS_CERT_FILE"].read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    host = re.sub(r"^https://([^:/]+).*", r"\1", container.env["FLEET_PUBLIC_URL"])
+    if host != "$(POD_IP)":  # a Kubernetes worker: nobody calls it
+        assert host in names.get_values_for_type(x509.DNSName), (container.workload, host)
+    ca = x509.load_pem_x509_certificate(found["FLEET_TLS_CA_FILE"].read_bytes())
+    cert.verify_directly_issued_by(ca)
+    assert found["SSL_CERT_FILE"].read_text().startswith(found["FLEET_TLS_CA_FILE"].read_text())
+    key = serialization.load_pem_private_key(found["FLEET_TLS_KEY_FILE"].read_bytes(), password=None)
+    assert key.public_key() == cert.public_key()
+
+
+def test_the_nats_certificate_names_every_server_the_services_dial(tmp_path: Path) -> None:
+    layout = keygen.make_secrets(tmp_path)
+    cert = x509.load_pem_x509_certificate((layout.nats / "server.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    dns = names.get_values_for_type(x509.DNSName)
+    hosts = {
+        re.sub(r"^tls://([^:]+):\d+$", r"\1", url) for c in MAIN for url in c.env["FLEET_NATS_URL"].split(",")
+    }
+    assert hosts == {"nats", "nats-0.nats", "nats-1.nats", "nats-2.nats"}
+    assert hosts <= set(dns)
+
+
+@pytest.mark.parametrize("platform", ["k8s", "compose"])
+def test_the_registry_holds_the_callout_seeds_where_its_keys_dir_points(
+    platform: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "secrets"
+    keygen.make_secrets(root)
+    (registry,) = [c for c in MAIN if c.platform == platform and _served(c) == "registry"]
+    keys_dir = registry.env["FLEET_NATS_KEYS_DIR"]
+    source, target = _mount_of(registry, keys_dir + "/x")
+    files = _files_of(platform, source, root)
+    assert keys_dir == target
+    assert {f"{name}.nk" for name in REGISTRY_KEYS} <= set(files)
+    assert "admin.nk" not in files
+    (folder,) = {files[f"{name}.nk"].parent for name in REGISTRY_KEYS}
+    assert set(BusKeys.load(folder, *REGISTRY_KEYS)) == set(REGISTRY_KEYS)  # seeds that load
+
+
+@pytest.mark.parametrize("platform", ["k8s", "compose"])
+def test_the_bootstrap_one_shot_provisions_the_services_nats_with_the_admin_seed_it_mounts(
+    platform: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "secrets"
+    keygen.make_secrets(root)
+    container, args = _one_shot(platform, "bootstrap")
+    assert args.command == "provision"
+    services = [c for c in MAIN if c.platform == platform]
+    assert {args.nats} == {c.env["FLEET_NATS_URL"] for c in services}
+    assert {str(args.replicas)} == {c.env["FLEET_NATS_REPLICAS"] for c in services}
+    assert {str(args.tls_ca)} == {c.env["FLEET_TLS_CA_FILE"] for c in services}
+    source, target = _mount_of(container, str(args.keys) + "/admin.nk")
+    assert str(args.keys) == target and "admin.nk" in _files_of(platform, source, root)
+    _mount_of(container, str(args.tls_ca))  # the CA is mounted too
