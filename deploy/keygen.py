@@ -329,9 +329,15 @@ def certify(operator_key: Path, jwk_file: Path, issuer: str = DEFAULT_ISSUER) ->
 _PROVISION_RETRIES: tuple[type[Exception], ...] = (FleetError, *TRANSIENT)
 
 
-async def _provision_once(url: str, keys_dir: Path, tls_ca: Path | None, replicas: int) -> list[str]:
+async def _provision_once(
+    url: str, keys_dir: Path, tls_ca: Path | None, replicas: int, patience_s: float
+) -> list[str]:
     client = await connect(
-        url, "fleet-bootstrap", replicas=replicas, credentials=admin_credentials(keys_dir, tls_ca)
+        url,
+        "fleet-bootstrap",
+        replicas=replicas,
+        credentials=admin_credentials(keys_dir, tls_ca),
+        patience_s=patience_s,
     )
     try:
         return await provision(client)
@@ -352,7 +358,8 @@ async def provision_bus(
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return await _provision_once(url, keys_dir, tls_ca, replicas)
+            patience = max(1.0, min(30.0, deadline - time.monotonic()))
+            return await _provision_once(url, keys_dir, tls_ca, replicas, patience)
         except _PROVISION_RETRIES as exc:
             if isinstance(exc, FleetError) and not exc.retryable:
                 raise SystemExit(f"keygen: the bus at {url}: {exc}") from exc

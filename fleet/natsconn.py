@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import re
@@ -143,13 +144,24 @@ def server_urls(url: str) -> list[str]:
     return urls
 
 
-async def connect(url: str, name: str, *, replicas: int = 1, credentials: Credentials | None = None) -> NATS:
-    """Connect to NATS (``url``: one server or a comma-separated list of a cluster's servers),
-    failing within seconds (never hanging) if no server is reachable. Once connected it follows the
-    cluster: a node going away moves the connection to another, and publishes wait for it; a
-    connection the bus closes (its time is up, see :mod:`registry._callout`) comes back with fresh
-    credentials. A bus that refuses the credentials is asked again and again (it may be the
-    registry restarting), each refusal logged.
+CONNECT_PATIENCE_S = 60.0  # how long a first connection is tried before the caller is told why not
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    replicas: int = 1,
+    credentials: Credentials | None = None,
+    patience_s: float = CONNECT_PATIENCE_S,
+) -> NATS:
+    """Connect to NATS (``url``: one server or a comma-separated list of a cluster's servers).
+    The first connection is tried for ``patience_s`` (a server starting, the registry restarting
+    while it refuses credentials, each failure logged), then fails with the last reason: no server
+    answering, a certificate this side does not trust, or refused credentials (nats-py alone would
+    try forever). Once connected it follows the cluster: a node going away moves the connection to
+    another, and publishes wait for it; a connection the bus closes (its time is up, see
+    :mod:`registry._callout`) comes back with fresh credentials.
 
     ``replicas``: the replicas of every stream, KV bucket and object store created through this
     connection (1 to 5, at most the cluster's size). ``credentials``: who connects (none: an
@@ -158,31 +170,50 @@ async def connect(url: str, name: str, *, replicas: int = 1, credentials: Creden
         raise FleetError(ErrorCode.INVALID_REQUEST, f"NATS replicas must be 1 to 5, not {replicas}")
     servers = server_urls(url)
     client = FleetConnection(replicas)
+    report = _report_error(name)
+    failures: list[BaseException] = []
+
+    async def on_error(exc: Exception) -> None:
+        if not client.is_connected:
+            failures[:] = [exc]  # the reason a first connection is not made yet
+        await report(exc)
+
     try:
-        await client.connect(
-            servers=servers,
-            name=name,
-            connect_timeout=5,
-            max_reconnect_attempts=-1,
-            allow_reconnect=True,
-            # The order of a cluster's URLs should not decide which node every process lands on.
-            dont_randomize=False,
-            error_cb=_report_error(name),
-            **(credentials.connect_options() if credentials is not None else {}),
+        await asyncio.wait_for(
+            client.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=5,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+                # The order of a cluster's URLs should not decide which node every process lands on.
+                dont_randomize=False,
+                error_cb=on_error,
+                **(credentials.connect_options() if credentials is not None else {}),
+            ),
+            patience_s,
         )
-    except nats.errors.Error as exc:
-        if "authorization violation" in str(exc).lower():
-            raise FleetError(
-                ErrorCode.UNAUTHENTICATED, f"the bus at {url} refused {name}'s credentials"
-            ) from exc
-        raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach NATS at {url}", retryable=True
-        ) from exc
-    except (OSError, TimeoutError) as exc:
-        raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach NATS at {url}", retryable=True
-        ) from exc
+    except (nats.errors.Error, OSError, TimeoutError) as exc:
+        with contextlib.suppress(Exception):
+            await client.close()
+        raise _not_connected(url, name, failures[-1] if failures else exc, patience_s) from exc
     return client
+
+
+def _not_connected(url: str, name: str, cause: BaseException, patience_s: float) -> FleetError:
+    text = str(cause) or type(cause).__name__
+    if "authorization violation" in text.lower():
+        return FleetError(ErrorCode.UNAUTHENTICATED, f"the bus at {url} refused {name}'s credentials")
+    if isinstance(cause, ssl.SSLError):
+        return FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE,
+            f"no TLS connection to NATS at {url}: {text} (is FLEET_TLS_CA_FILE the bus's CA?)",
+        )
+    return FleetError(
+        ErrorCode.DEPENDENCY_UNAVAILABLE,
+        f"cannot reach NATS at {url} within {patience_s:g} s: {text}",
+        retryable=True,
+    )
 
 
 def _report_error(name: str) -> Callable[[Exception], Awaitable[None]]:

@@ -28,7 +28,9 @@ from deploy._bus import NATS_AUTH_DIR, NATS_CONFIG_DIR
 from deploy._k8s_infra import nats_config as k8s_nats_config
 from fleet.buscatalog import BUCKETS, STREAMS
 from fleet.buskeys import admin_credentials
+from fleet.errors import ErrorCode, FleetError
 from fleet.infra import nats_server_binary
+from fleet.natsconn import Credentials, connect
 from fleet.natsjwt import KeyPair
 from tests.deploy._files import compose
 from tests.nats_protocol import answer_to_connect
@@ -199,3 +201,26 @@ def test_the_bootstrap_command_provisions_the_bus_as_the_admin_over_tls(server: 
     assert {s.name for s in STREAMS} <= made
     assert {f"KV_{b.name}" for b in BUCKETS} <= made
     assert keygen.main(args) == 0  # again: nothing to do, no error
+
+
+async def _connect_fails(url: str, credentials: Credentials) -> tuple[FleetError, float]:
+    started = time.monotonic()
+    with pytest.raises(FleetError) as failed:
+        await connect(url, "probe", credentials=credentials, patience_s=3)
+    return failed.value, time.monotonic() - started
+
+
+def test_a_client_that_does_not_trust_the_bus_s_ca_fails_with_the_reason_instead_of_hanging(
+    server: Running,
+) -> None:
+    """nats-py tries a first connection forever; ``fleet.natsconn.connect`` gives up after its
+    patience with the last reason, so a bootstrap Job with a wrong CA fails (and is seen) instead of
+    hanging with its pod running."""
+    url = f"tls://127.0.0.1:{server.port}"
+    untrusting = admin_credentials(server.layout.bus_admin)  # the system's roots only
+    error, took = asyncio.run(_connect_fails(url, untrusting))
+    assert error.code == ErrorCode.DEPENDENCY_UNAVAILABLE and not error.retryable
+    assert "CERTIFICATE_VERIFY_FAILED" in error.message and took < 15
+    args = ["provision", "--nats", url, "--keys", str(server.layout.bus_admin), "--wait", "3"]
+    with pytest.raises(SystemExit, match="CERTIFICATE_VERIFY_FAILED"):
+        keygen.main(args)  # no --tls-ca: refused at once, not retried until --wait
