@@ -241,36 +241,13 @@ def enroll_docs() -> list[Doc]:
     """The Job that enrolls every identity's public key with the registry (it waits for it): the
     only pod that mounts the operator key. Services start without a token and check that their
     key is enrolled. Run it again (delete it, apply) for a new identity or key."""
-    container: Doc = {
-        "name": ENROLL,
-        "image": IMAGE,
-        "command": enroll_command(),
-        "env": [{"name": "SSL_CERT_FILE", "value": f"{TLS_CA_DIR}/ca.pem"}],  # the registry's HTTPS
-        "volumeMounts": [
-            {"name": "operator-key", "mountPath": OPERATOR_KEY_DIR, "readOnly": True},
-            {"name": "public-keys", "mountPath": PUBLIC_KEYS_DIR, "readOnly": True},
-            copy.deepcopy(TLS_CA_MOUNT),
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-        "resources": {
-            "requests": {"cpu": "10m", "memory": "96Mi"},
-            "limits": {"cpu": "200m", "memory": "192Mi"},
-        },
-        "securityContext": hardened(),
-    }
-    pod: Doc = {
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": pod_security(10001),
-        "restartPolicy": "OnFailure",
-        "containers": [container],
-        "volumes": [
-            {"name": "operator-key", "secret": {"secretName": "fleet-operator-key", "defaultMode": 0o440}},
-            {"name": "public-keys", "configMap": {"name": "fleet-public-keys"}},
-            copy.deepcopy(TLS_CA_VOLUME),
-            {"name": "tmp", "emptyDir": {}},
-        ],
-    }
+    pod = _one_shot_pod(
+        ENROLL,
+        enroll_command(),
+        {"name": "operator-key", "mountPath": OPERATOR_KEY_DIR, "secret": "fleet-operator-key"},
+        {"name": "public-keys", "mountPath": PUBLIC_KEYS_DIR, "configMap": "fleet-public-keys"},
+        env=[{"name": "SSL_CERT_FILE", "value": f"{TLS_CA_DIR}/ca.pem"}],  # the registry's HTTPS
+    )
     return [_job(ENROLL, pod), _one_shot_policy(ENROLL, "registry", PORT)]
 
 
@@ -278,12 +255,26 @@ def bootstrap_docs() -> list[Doc]:
     """The Job that creates the bus's streams and buckets as its admin (it waits for NATS): the
     only pod that mounts the admin's seed, and it reaches NATS only. Services that start before
     it is done cannot bind to their buckets: they exit and the kubelet restarts them."""
+    pod = _one_shot_pod(
+        BOOTSTRAP,
+        bootstrap_command("k8s"),
+        {"name": "bus-admin", "mountPath": BUS_ADMIN_DIR, "secret": "fleet-bus-admin"},
+    )
+    return [_job(BOOTSTRAP, pod), _one_shot_policy(BOOTSTRAP, "nats", INFRA_PORTS["nats"])]
+
+
+def _one_shot_pod(
+    name: str, command: list[str], *mounts: dict[str, str], env: list[Doc] | None = None
+) -> Doc:
+    """The pod of a one-shot Job: ``command`` in the fleet image with ``mounts`` (each a Secret or a
+    ConfigMap, read-only), the deployment's CA and a scratch ``/tmp``; hardened, small."""
     container: Doc = {
-        "name": BOOTSTRAP,
+        "name": name,
         "image": IMAGE,
-        "command": bootstrap_command("k8s"),
+        "command": command,
+        **({"env": env} if env else {}),
         "volumeMounts": [
-            {"name": "bus-admin", "mountPath": BUS_ADMIN_DIR, "readOnly": True},
+            *({"name": m["name"], "mountPath": m["mountPath"], "readOnly": True} for m in mounts),
             copy.deepcopy(TLS_CA_MOUNT),
             {"name": "tmp", "mountPath": "/tmp"},
         ],
@@ -293,19 +284,20 @@ def bootstrap_docs() -> list[Doc]:
         },
         "securityContext": hardened(),
     }
-    pod: Doc = {
+    volumes: list[Doc] = [
+        {"name": m["name"], "secret": {"secretName": m["secret"], "defaultMode": 0o440}}
+        if "secret" in m
+        else {"name": m["name"], "configMap": {"name": m["configMap"]}}
+        for m in mounts
+    ]
+    return {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": pod_security(10001),
         "restartPolicy": "OnFailure",
         "containers": [container],
-        "volumes": [
-            {"name": "bus-admin", "secret": {"secretName": "fleet-bus-admin", "defaultMode": 0o440}},
-            copy.deepcopy(TLS_CA_VOLUME),
-            {"name": "tmp", "emptyDir": {}},
-        ],
+        "volumes": [*volumes, copy.deepcopy(TLS_CA_VOLUME), {"name": "tmp", "emptyDir": {}}],
     }
-    return [_job(BOOTSTRAP, pod), _one_shot_policy(BOOTSTRAP, "nats", INFRA_PORTS["nats"])]
 
 
 def _job(name: str, pod: Doc) -> Doc:
