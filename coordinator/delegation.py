@@ -26,8 +26,13 @@ organisation runs it) is called differently:
   to that endpoint, so it is worth nothing anywhere else), asking for the scheme's scopes with the
   agent's URL as ``resource`` and ``audience``. The caller's grant never leaves the fleet: the
   outside agent sees the worker, not who asked.
-* what is sent passes the egress policy (``fleet.egress.decision``): it may refuse the step, and
-  names the input fields to withhold; secrets are redacted from the rest whatever it says.
+* it gets a step only if the plan names it (the step's ``agent``) or the tenant's routing policy
+  does (``fleet.routing.outside``), and no agent of the fleet's own offers the skill: a card's
+  claim never draws work out of the fleet (see :meth:`Delegator.assign`);
+* what is sent passes the egress policy (``fleet.egress.decision``), which is deny by default: the
+  step leaves only if a grant names its tenant, the agent and the skill, and then only with the
+  input paths it names, at any depth (:mod:`coordinator.egress`); secrets are redacted from those
+  whatever it says. Each decision is logged with its id.
 * its answer passes ``fleet.egress.answer``: it may refuse it (e.g. too large), and says whether
   later steps may act on it; one they may not is kept, marked :data:`~coordinator.plan.UNTRUSTED`,
   and a later step that takes input from it fails ``policy_denied``.
@@ -60,6 +65,7 @@ from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
 from opentelemetry.trace import SpanKind
 
+from coordinator.egress import MAX_PATHS, keep_paths, leaf_paths
 from coordinator.plan import UNTRUSTED
 from fleet import telemetry
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
@@ -171,11 +177,59 @@ class Delegator:
         now = time.monotonic()
         return sorted(candidates, key=lambda a: self._suspect.get(a.id, 0.0) > now)
 
-    async def assign(self, skill: str) -> AgentRecord:
-        candidates = self._ranked(await self.discover(skill))
-        if not candidates:
+    async def assign(self, skill: str, *, tenant: str, named: str | None = None) -> AgentRecord:
+        """The agent a step of ``skill`` for ``tenant`` goes to, or ``no_specialist_for_skill``.
+
+        ``named``: the agent the plan names, which must offer the skill (an agent outside the fleet
+        too: egress still decides what, if anything, it gets). Otherwise the fleet's own agents come
+        first, in the registry's order (those under suspicion last); only when none offers the skill
+        may an agent outside the fleet get it, and only one the tenant's routing policy names
+        (``fleet.routing.outside``), in the policy's order. Which agent claims a skill on its card
+        never decides this by itself."""
+        found = await self.discover(skill)
+        if named is not None:
+            chosen = next((a for a in found if a.id == named), None)
+            if chosen is None:
+                raise FleetError(
+                    ErrorCode.NO_SPECIALIST,
+                    f"the plan names {named} for skill {skill!r}, and discovery does not offer it for that skill",
+                )
+            return chosen
+        inside = self._ranked([a for a in found if not a.external])
+        if inside:
+            return inside[0]
+        outside = [a for a in found if a.external]
+        if not outside:
             raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {skill!r}")
-        return candidates[0]
+        return await self._outside_for(skill, tenant, outside)
+
+    async def _outside_for(self, skill: str, tenant: str, outside: list[AgentRecord]) -> AgentRecord:
+        """The outside agent the tenant's routing policy names first for ``skill``."""
+        if self._engine is None:
+            raise FleetError(
+                ErrorCode.NO_SPECIALIST,
+                f"no agent of the fleet offers skill {skill!r}, and no routing policy here names one outside it",
+            )
+        decision = await self._engine.decide(
+            "fleet.routing.outside", {"tenant": tenant, "skill": skill, "agents": [a.id for a in outside]}
+        )
+        by_id = {a.id: a for a in outside}
+        named = [by_id[str(i)] for i in decision.result.get("agents", []) if str(i) in by_id]
+        if not decision.allow or not named:
+            raise FleetError(
+                ErrorCode.NO_SPECIALIST,
+                f"no agent of the fleet offers skill {skill!r}: {'; '.join(decision.reasons)}"
+                f" (decision {decision.decision_id})",
+            )
+        chosen = self._ranked(named)[0]
+        log.info(
+            "skill %s for tenant %s goes outside the fleet to %s, as routing policy names it (decision %s)",
+            skill,
+            tenant,
+            chosen.id,
+            decision.decision_id,
+        )
+        return chosen
 
     async def alternatives(self, skill: str, tried: set[str]) -> list[AgentRecord]:
         """Other agents of the fleet offering ``skill`` that a step may move to (never one outside
@@ -315,24 +369,34 @@ class Delegator:
     async def _egress(
         self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str
     ) -> dict[str, Any]:
-        """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``."""
+        """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``:
+        only the paths the decision's ``send`` names; every other part stays behind."""
+        paths, unnameable = leaf_paths(payload)
+        if len(paths) > MAX_PATHS:
+            raise FleetError(
+                ErrorCode.TOO_LARGE,
+                f"egress to {agent.id} refused: the input has more than {MAX_PATHS} distinct fields",
+            )
         decision = await self._egress_decision(
             "fleet.egress.decision",
             f"egress to {agent.id} refused",
             agent,
             skill,
             tenant,
-            fields=sorted(payload),
+            fields=sorted(str(k) for k in payload),
+            paths=sorted(paths),
         )
-        withheld = {str(f) for f in decision.result.get("withhold", [])}
+        send = {str(p) for p in decision.result.get("send", [])} & paths
         log.info(
-            "egress to %s (%s): withheld %s (decision %s)",
+            "egress to %s (%s, tenant %s): sent %s, withheld %s (decision %s)",
             agent.id,
             skill,
-            sorted(withheld),
+            tenant,
+            sorted(send),
+            sorted((paths - send) | unnameable),
             decision.decision_id,
         )
-        sent: dict[str, Any] = redact({k: v for k, v in payload.items() if k not in withheld})[0]
+        sent: dict[str, Any] = redact(keep_paths(payload, send))[0]
         return sent
 
     async def _answer(
@@ -365,6 +429,7 @@ class Delegator:
         )
         if not decision.allow:
             reasons = "; ".join(decision.reasons)
+            log.warning("%s: %s (decision %s)", refused, reasons, decision.decision_id)
             raise FleetError(
                 ErrorCode.POLICY_DENIED, f"{refused}: {reasons} (decision {decision.decision_id})"
             )
