@@ -329,7 +329,10 @@ class Delegator:
         recorded: a control plane that cannot issue it then fails the call before anything exists
         that a later attempt would have to reconcile. Any other refusal (a policy that denies the
         call, an outside agent's token endpoint that fails) is left to the call itself, which
-        records it and may reroute as it always did."""
+        records it and may reroute as it always did. An agent outside the fleet is not contacted
+        here: nothing, not even a token request, reaches it before egress policy allows the step."""
+        if agent.external:
+            return
         try:
             await self._agent_token(agent, tenant, run_id)
         except DependencyUnavailable:
