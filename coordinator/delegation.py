@@ -260,7 +260,7 @@ class Delegator:
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
         (see the module's doc)."""
-        sent = await self._egress(agent, skill, payload, tenant) if agent.external else payload
+        sent = await self._egress(agent, skill, payload, tenant, progress) if agent.external else payload
         message = Message(
             role=Role.ROLE_USER,
             message_id=uuid.uuid4().hex,
@@ -370,7 +370,7 @@ class Delegator:
         )
 
     async def _egress(
-        self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str
+        self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str, progress: Progress
     ) -> dict[str, Any]:
         """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``:
         only the paths the decision's ``send`` names; every other part stays behind."""
@@ -390,14 +390,20 @@ class Delegator:
             paths=sorted(paths),
         )
         send = {str(p) for p in decision.result.get("send", [])} & paths
+        withheld = sorted((paths - send) | unnameable)
         log.info(
             "egress to %s (%s, tenant %s): sent %s, withheld %s (decision %s)",
             agent.id,
             skill,
             tenant,
             sorted(send),
-            sorted((paths - send) | unnameable),
+            withheld,
             decision.decision_id,
+        )
+        # In the run's log too (its timeline, the debug bundle): what left, by name only.
+        await progress(
+            f"egress to {agent.id} (outside the fleet): {len(send)} field(s) sent, {len(withheld)} withheld"
+            f" (decision {decision.decision_id}): withheld {_listed(withheld)}"
         )
         sent: dict[str, Any] = redact(keep_paths(payload, send))[0]
         return sent
@@ -537,6 +543,11 @@ class CallInterrupted(FleetError):
 
 def _idle() -> None:
     return None
+
+
+def _listed(names: list[str], most: int = 20) -> str:
+    shown = ", ".join(names[:most]) or "none"
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 def _unauthenticated(exc: A2AClientError) -> bool:

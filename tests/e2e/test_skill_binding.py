@@ -263,6 +263,10 @@ async def test_an_allowed_partner_receives_no_field_that_egress_policy_does_not_
     assert "policy_denied" in outcome.final_text and "outside the fleet" in outcome.final_text
     events = await all_events(partner_stack, outcome.task_id, token)
     assert [e["payload"]["step"] for e in events if e["type"] == "step.completed"] == ["score"]
+    # The run's own log says what left, by name, with the decision's id (the timeline, the bundle).
+    [egress] = [e for e in events if e["type"] == "step.progress" and "egress to" in e["payload"]["text"]]
+    assert f"egress to {PARTNER} (outside the fleet): 5 field(s) sent" in egress["payload"]["text"]
+    assert "(decision " in egress["payload"]["text"] and "customer.iban" in egress["payload"]["text"]
     # The decision is logged with its id, with what was sent and what stayed behind.
     line = await logged_by_a_worker(partner_stack, f"egress to {PARTNER}", "lines[].holder.phone", "decision")
     assert "customer.iban" in line and "internal.owner" in line
@@ -302,6 +306,7 @@ async def test_a_tenant_whose_policy_does_not_name_the_partner_never_sends_to_it
     assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
     assert "policy_denied" in outcome.final_text
     assert "no egress grant lets tenant globex send skill fraud-score to acme-partner" in outcome.final_text
+    assert "(decision " in outcome.final_text
     assert seen.inputs == [] and seen.assertions == [] and seen.tokens == []  # not even a token request
     await logged_by_a_worker(partner_stack, f"egress to {PARTNER} refused", "no egress grant", "decision")
 
