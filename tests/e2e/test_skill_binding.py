@@ -46,6 +46,7 @@ pytestmark = pytest.mark.e2e
 
 PARTNER = "acme-partner"  # sorts before every specialist of the fleet: the review's squatter's name
 SQUATTER = "acme-squatter"
+BY_POLICY = "policy-partner"  # enrolled for no skill: policy grants it fraud-score
 REVIEW = "fraud-review"
 INTERNAL = "reconcile-invoices"
 # What the grant lets leave for the partner. customer.email is named, yet stays behind: "email" is a
@@ -67,6 +68,7 @@ def partner_policy(root: Path) -> Path:
     data = json.loads((bundle / "data.json").read_text())
     config = data["config"]
     config["outside_agents"] = {"acme": {SCORE: [PARTNER], REVIEW: [PARTNER]}}
+    config["registry"]["skills"]["identities"] = {BY_POLICY: [SCORE]}
     config["egress"]["grants"] = [
         {"tenant": "acme", "agent": PARTNER, "skills": [SCORE, REVIEW], "fields": GRANTED_FIELDS}
     ]
@@ -208,6 +210,20 @@ async def test_an_internal_specialist_claiming_a_skill_not_bound_to_it_is_refuse
     assert f"{impostor.id} may not offer skill {refused}" in error["message"]
     assert impostor.id not in await offered(partner_stack, refused)
     await logged(partner_stack, "registry", "skill_not_allowed", impostor.id)
+
+
+async def test_policy_grants_a_partner_a_skill_its_enrollment_does_not_name_and_nothing_more(
+    partner_stack: Stack,
+) -> None:
+    async with partner_agent(partner_stack, BY_POLICY, skills=(SCORE,), enrolled_for=()) as (_, seen):
+        assert seen.registration[0] == 200
+        assert BY_POLICY in await offered(partner_stack, SCORE)
+    async with partner_agent(
+        partner_stack, BY_POLICY, skills=(SCORE, REVIEW), enrolled_for=(), must_register=False
+    ) as (_, seen):
+        status, body = seen.registration
+        assert status == 403 and body["error"]["code"] == "skill_not_allowed", body
+        assert f"{BY_POLICY} may not offer skill {REVIEW}" in body["error"]["message"]
 
 
 NESTED_STEP: dict[str, Any] = {
