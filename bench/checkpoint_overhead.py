@@ -65,7 +65,7 @@ class _InstantDelegator:
             registered_at=0.0,
         )
 
-    async def assign(self, skill: str) -> AgentRecord:
+    async def assign(self, skill: str, **_: Any) -> AgentRecord:
         return self._agent
 
     async def agent(self, agent_id: str) -> AgentRecord:

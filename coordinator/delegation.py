@@ -26,8 +26,13 @@ organisation runs it) is called differently:
   to that endpoint, so it is worth nothing anywhere else), asking for the scheme's scopes with the
   agent's URL as ``resource`` and ``audience``. The caller's grant never leaves the fleet: the
   outside agent sees the worker, not who asked.
-* what is sent passes the egress policy (``fleet.egress.decision``): it may refuse the step, and
-  names the input fields to withhold; secrets are redacted from the rest whatever it says.
+* it gets a step only if the plan names it (the step's ``agent``) or the tenant's routing policy
+  does (``fleet.routing.outside``), and no agent of the fleet's own offers the skill: a card's
+  claim never draws work out of the fleet (see :meth:`Delegator.assign`);
+* what is sent passes the egress policy (``fleet.egress.decision``), which is deny by default: the
+  step leaves only if a grant names its tenant, the agent and the skill, and then only with the
+  input paths it names, at any depth (:mod:`coordinator.egress`); secrets are redacted from those
+  whatever it says. Each decision is logged with its id.
 * its answer passes ``fleet.egress.answer``: it may refuse it (e.g. too large), and says whether
   later steps may act on it; one they may not is kept, marked :data:`~coordinator.plan.UNTRUSTED`,
   and a later step that takes input from it fails ``policy_denied``.
@@ -60,6 +65,7 @@ from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
 from opentelemetry.trace import SpanKind
 
+from coordinator.egress import MAX_PATHS, keep_paths, leaf_paths
 from coordinator.plan import UNTRUSTED
 from fleet import telemetry
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
@@ -171,11 +177,59 @@ class Delegator:
         now = time.monotonic()
         return sorted(candidates, key=lambda a: self._suspect.get(a.id, 0.0) > now)
 
-    async def assign(self, skill: str) -> AgentRecord:
-        candidates = self._ranked(await self.discover(skill))
-        if not candidates:
+    async def assign(self, skill: str, *, tenant: str, named: str | None = None) -> AgentRecord:
+        """The agent a step of ``skill`` for ``tenant`` goes to, or ``no_specialist_for_skill``.
+
+        ``named``: the agent the plan names, which must offer the skill (an agent outside the fleet
+        too: egress still decides what, if anything, it gets). Otherwise the fleet's own agents come
+        first, in the registry's order (those under suspicion last); only when none offers the skill
+        may an agent outside the fleet get it, and only one the tenant's routing policy names
+        (``fleet.routing.outside``), in the policy's order. Which agent claims a skill on its card
+        never decides this by itself."""
+        found = await self.discover(skill)
+        if named is not None:
+            chosen = next((a for a in found if a.id == named), None)
+            if chosen is None:
+                raise FleetError(
+                    ErrorCode.NO_SPECIALIST,
+                    f"the plan names {named} for skill {skill!r}, and discovery does not offer it for that skill",
+                )
+            return chosen
+        inside = self._ranked([a for a in found if not a.external])
+        if inside:
+            return inside[0]
+        outside = [a for a in found if a.external]
+        if not outside:
             raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {skill!r}")
-        return candidates[0]
+        return await self._outside_for(skill, tenant, outside)
+
+    async def _outside_for(self, skill: str, tenant: str, outside: list[AgentRecord]) -> AgentRecord:
+        """The outside agent the tenant's routing policy names first for ``skill``."""
+        if self._engine is None:
+            raise FleetError(
+                ErrorCode.NO_SPECIALIST,
+                f"no agent of the fleet offers skill {skill!r}, and no routing policy here names one outside it",
+            )
+        decision = await self._engine.decide(
+            "fleet.routing.outside", {"tenant": tenant, "skill": skill, "agents": [a.id for a in outside]}
+        )
+        by_id = {a.id: a for a in outside}
+        named = [by_id[str(i)] for i in decision.result.get("agents", []) if str(i) in by_id]
+        if not decision.allow or not named:
+            raise FleetError(
+                ErrorCode.NO_SPECIALIST,
+                f"no agent of the fleet offers skill {skill!r}: {'; '.join(decision.reasons)}"
+                f" (decision {decision.decision_id})",
+            )
+        chosen = self._ranked(named)[0]
+        log.info(
+            "skill %s for tenant %s goes outside the fleet to %s, as routing policy names it (decision %s)",
+            skill,
+            tenant,
+            chosen.id,
+            decision.decision_id,
+        )
+        return chosen
 
     async def alternatives(self, skill: str, tried: set[str]) -> list[AgentRecord]:
         """Other agents of the fleet offering ``skill`` that a step may move to (never one outside
@@ -206,7 +260,7 @@ class Delegator:
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
         (see the module's doc)."""
-        sent = await self._egress(agent, skill, payload, tenant) if agent.external else payload
+        sent = await self._egress(agent, skill, payload, tenant, progress) if agent.external else payload
         message = Message(
             role=Role.ROLE_USER,
             message_id=uuid.uuid4().hex,
@@ -275,7 +329,10 @@ class Delegator:
         recorded: a control plane that cannot issue it then fails the call before anything exists
         that a later attempt would have to reconcile. Any other refusal (a policy that denies the
         call, an outside agent's token endpoint that fails) is left to the call itself, which
-        records it and may reroute as it always did."""
+        records it and may reroute as it always did. An agent outside the fleet is not contacted
+        here: nothing, not even a token request, reaches it before egress policy allows the step."""
+        if agent.external:
+            return
         try:
             await self._agent_token(agent, tenant, run_id)
         except DependencyUnavailable:
@@ -313,26 +370,42 @@ class Delegator:
         )
 
     async def _egress(
-        self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str
+        self, agent: AgentRecord, skill: str, payload: dict[str, Any], tenant: str, progress: Progress
     ) -> dict[str, Any]:
-        """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``."""
+        """What of ``payload`` may leave for ``agent`` (see the module's doc), or ``policy_denied``:
+        only the paths the decision's ``send`` names; every other part stays behind."""
+        paths, unnameable = leaf_paths(payload)
+        if len(paths) > MAX_PATHS:
+            raise FleetError(
+                ErrorCode.TOO_LARGE,
+                f"egress to {agent.id} refused: the input has more than {MAX_PATHS} distinct fields",
+            )
         decision = await self._egress_decision(
             "fleet.egress.decision",
             f"egress to {agent.id} refused",
             agent,
             skill,
             tenant,
-            fields=sorted(payload),
+            fields=sorted(str(k) for k in payload),
+            paths=sorted(paths),
         )
-        withheld = {str(f) for f in decision.result.get("withhold", [])}
+        send = {str(p) for p in decision.result.get("send", [])} & paths
+        withheld = sorted((paths - send) | unnameable)
         log.info(
-            "egress to %s (%s): withheld %s (decision %s)",
+            "egress to %s (%s, tenant %s): sent %s, withheld %s (decision %s)",
             agent.id,
             skill,
-            sorted(withheld),
+            tenant,
+            sorted(send),
+            withheld,
             decision.decision_id,
         )
-        sent: dict[str, Any] = redact({k: v for k, v in payload.items() if k not in withheld})[0]
+        # In the run's log too (its timeline, the debug bundle): what left, by name only.
+        await progress(
+            f"egress to {agent.id} (outside the fleet): {len(send)} field(s) sent, {len(withheld)} withheld"
+            f" (decision {decision.decision_id}): withheld {_listed(withheld)}"
+        )
+        sent: dict[str, Any] = redact(keep_paths(payload, send))[0]
         return sent
 
     async def _answer(
@@ -365,6 +438,7 @@ class Delegator:
         )
         if not decision.allow:
             reasons = "; ".join(decision.reasons)
+            log.warning("%s: %s (decision %s)", refused, reasons, decision.decision_id)
             raise FleetError(
                 ErrorCode.POLICY_DENIED, f"{refused}: {reasons} (decision {decision.decision_id})"
             )
@@ -469,6 +543,11 @@ class CallInterrupted(FleetError):
 
 def _idle() -> None:
     return None
+
+
+def _listed(names: list[str], most: int = 20) -> str:
+    shown = ", ".join(names[:most]) or "none"
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 def _unauthenticated(exc: A2AClientError) -> bool:

@@ -130,10 +130,12 @@ class StepDispatcher:
         progress: Progress,
         announce: bool = False,
         completes: Callable[[dict[str, Any]], bool] | None = None,
+        named: str | None = None,
     ) -> None:
         """``announce``: log the step's ``step.started`` (with where it went) and ``step.completed``
         (a plain step; a batch's calls are announced by the batch). ``completes``: whether a result
-        completes the step (one that asks a person first does not: no ``step.completed`` yet)."""
+        completes the step (one that asks a person first does not: no ``step.completed`` yet).
+        ``named``: the agent the plan names for the step (see :meth:`Delegator.assign`)."""
         self._delegator = delegator
         self._ledger = scope.ledger
         self._lease = scope.lease
@@ -146,6 +148,7 @@ class StepDispatcher:
         self._activity = scope.activity
         self._announce = announce
         self._completes = completes
+        self._named_agent = named
         self._redispatches = 0
         self._tried: set[str] = set()  # agents this operation went to, in this attempt
         self._known: Operation | None = None
@@ -187,7 +190,9 @@ class StepDispatcher:
         and completion are logged with its intent and its result (one statement each)."""
         op, self._known = self._known, None  # read once: after a wait for a person, read it again
         if op is None:
-            agent = prefer or await self._delegator.assign(self._skill)
+            agent = prefer or await self._delegator.assign(
+                self._skill, tenant=self._tenant, named=self._named_agent
+            )
             await self._delegator.prepare(agent, self._tenant, self._lease.run_id)
             crash_point("worker.before_intent", self._skill)
             try:

@@ -111,9 +111,9 @@ class CoordinatorExecutor(AgentExecutor):
                 tenant,
                 planner=self._planner,
             )
-            for step in steps:
-                if step.wait is None and not await self._delegator.discover(step.skill):
-                    raise FleetError(ErrorCode.NO_SPECIALIST, f"no specialist offers skill {step.skill!r}")
+            for step in steps:  # each step has an agent routing may give it (no_specialist_for_skill)
+                if step.wait is None:
+                    await self._delegator.assign(step.skill, tenant=tenant, named=step.agent)
         except DependencyUnavailable as exc:  # the control plane failed over for too long: send it again
             raise InternalError(
                 message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code), "retryable": True}

@@ -276,9 +276,10 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
                 payload={**shared, step["items_as"]: chunk},
                 tenant=task["tenant"],
                 progress=progress,
+                named=step.get("agent"),
             )
             if agent is None:
-                agent = await delegator.assign(step["skill"])
+                agent = await delegator.assign(step["skill"], tenant=task["tenant"], named=step.get("agent"))
             await _run_or_wait(dispatcher, step["id"], agent)
             agent = dispatcher.agent or agent  # the call may have moved to another agent
             offset += len(chunk)
@@ -620,6 +621,7 @@ def build_graph(
             progress=progress,
             announce=True,  # started with the intent, completed with the result
             completes=_completes,
+            named=step.get("agent"),
         )
         try:
             result = await _run_or_wait(dispatcher, step["id"])
@@ -643,6 +645,7 @@ def build_graph(
                     progress=progress,
                     announce=True,
                     completes=_completes,
+                    named=step.get("agent"),
                 )
                 result = await _run_or_wait(dispatcher, step["id"], asked)
         except (StaleLease, CancelRequested, DependencyUnavailable):

@@ -53,6 +53,11 @@ class LlmPlanner:
             raise PlanError(f"the model's plan is invalid: {exc.message}") from exc
         offered = {str(s["id"]) for s in skills}
         for step in steps:
+            if step.agent is not None:  # a model's words choose no agent, least of all one outside
+                raise PlanError(
+                    f"the model's plan names agent {step.agent!r} in step {step.id}: only a caller's"
+                    " plan or policy may name an agent"
+                )
             if step.skill not in offered:
                 raise PlanError(
                     f"the model's plan uses skill {step.skill!r} in step {step.id}, which no specialist"
@@ -62,10 +67,11 @@ class LlmPlanner:
 
 
 def offered_skills(agents: Sequence[AgentRecord]) -> list[dict[str, Any]]:
-    """The skills that discovery may hand out: those of specialists it offers, each skill once."""
+    """The skills that discovery may hand out: those of the fleet's own specialists it offers, each
+    skill once (an outside agent's card is another organisation's text: not shown to the model)."""
     skills: dict[str, dict[str, Any]] = {}
     for agent in agents:
-        if agent.kind != "specialist" or not agent.offered:
+        if agent.kind != "specialist" or not agent.offered or agent.external:
             continue
         for skill in agent.skills:
             skills.setdefault(

@@ -28,6 +28,7 @@ MAX_CALL_SIZE = 500
 TIMER_SKILL = "fleet.timer"  # reserved: a step that only waits (no specialist offers it)
 MAX_WAIT_S = 366 * 24 * 3600.0
 _SOURCE = re.compile(rf"^{TOKEN_PATTERN}$")
+_AGENT_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +46,14 @@ class Step:
     # A timer step: the run waits, holding no process, until a time ({"until": RFC 3339}) or for a
     # while ({"for_s": seconds}); its result says when it was due and when it fired.
     wait: dict[str, Any] | None = None
+    # The agent the plan names for the step (an agent outside the fleet is used only when the plan
+    # or the tenant's routing policy names it; see Delegator.assign). None: routing picks one.
+    agent: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         step = {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
+        if self.agent is not None:
+            step["agent"] = self.agent
         if self.for_each is not None:
             step.update(for_each=self.for_each, items_as=self.items_as, batch=self.batch or {})
         if self.wait is not None:
@@ -117,9 +123,22 @@ def parse_steps(raw: Any) -> list[Step]:
                 tuple(after),
                 *_batch_of(item, earlier, step_id),
                 wait=_wait_of(item, step_id),
+                agent=_agent_of(item, step_id),
             )
         )
     return steps
+
+
+def _agent_of(item: dict[str, Any], step_id: str) -> str | None:
+    """The agent a step names, validated: an agent id (a wait step names none)."""
+    agent = item.get("agent")
+    if agent is None:
+        return None
+    if "wait" in item:
+        raise PlanError(f"step {step_id}: a wait step names no agent")
+    if not isinstance(agent, str) or not _AGENT_ID.match(agent):
+        raise PlanError(f"step {step_id}: agent must be an agent id (1-64 letters, digits, - and _)")
+    return agent
 
 
 def _wait_of(item: dict[str, Any], step_id: str) -> dict[str, Any] | None:

@@ -112,7 +112,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     registry = RegistryClient(settings, http)
     engine = live_policy(settings)
-    delegator = Delegator(registry, http)
+    delegator = Delegator(registry, http, engine=engine)  # routing policy, before a run is accepted
     card = build_card(
         name="Fleet coordinator",
         description="Plans work and delegates each step to a specialist agent of the fleet.",

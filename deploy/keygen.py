@@ -255,7 +255,7 @@ def _enrolling(service_id: str, operator_key: Path) -> ServiceSpec:
 
 
 def mint(service_id: str, operator_key: Path) -> str:
-    """A one-time enrollment token for ``service_id``, with the kind, scopes and tenants of its
+    """A one-time enrollment token for ``service_id``, with the kind, scopes, tenants and skills of its
     entry in the local stack definition (what ``fleet up`` gives it)."""
     spec = _enrolling(service_id, operator_key)
     return enrollment_token(SigningKey.load_or_create(operator_key), spec)
@@ -300,7 +300,7 @@ def _enroll_patiently(
 
 def enroll(registry_url: str, operator_key: Path, public_keys: Path, wait_s: float = 300.0) -> list[str]:
     """Enroll every identity whose public key is in ``public_keys`` (``<id>.jwk.json``), with the
-    kind, scopes and tenants of its entry in the local stack; the ids enrolled. Idempotent: an
+    kind, scopes, tenants and skills of its entry in the local stack; the ids enrolled. Idempotent: an
     identity enrolled again with the same key keeps it. The registry is waited for up to ``wait_s``."""
     files = sorted(public_keys.glob("*.jwk.json"))
     if not files:

@@ -24,6 +24,9 @@ class ServiceSpec:
     tenants: tuple[str, ...] = ("*",)
     mcp_path: str = ""
     database: str = ""  # the Postgres database this service owns; no database access if empty
+    # The skills its agent card may offer (its enrollment token names them; the registry refuses a
+    # card claiming any other): those its module serves (tests/unit/test_skill_binding.py checks).
+    skills: tuple[str, ...] = ()
 
 
 REGISTRY = ServiceSpec("registry", "registry", "registry.server:main")
@@ -88,18 +91,21 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "specialist",
         "specialists.sql_analyst.agent:main",
         scopes=("registry:read", "registry:write", "sql:query", *MEMORY),
+        skills=("reconcile-invoices", "invoice-totals", "sql-query"),
     ),
     ServiceSpec(
         "stats",
         "specialist",
         "specialists.stats.agent:main",
         scopes=("registry:read", "registry:write", *MEMORY),
+        skills=("outliers",),
     ),
     ServiceSpec(
         "case-desk",
         "specialist",
         "specialists.case_desk.agent:main",
         scopes=("registry:read", "registry:write", "cases:write", *MEMORY),
+        skills=("post-note", "open-review-cases", "issue-refund"),
     ),
     *(
         ServiceSpec(
@@ -107,6 +113,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "specialist",
             "specialists.code_runner.agent:main",
             scopes=("registry:read", "registry:write", "sandbox:run", *MEMORY),
+            skills=("score-anomalies", "run-python"),
         )
         # Two replicas: the coordinator moves a step whose agent went away to the other one.
         for replica in ("code-runner", "code-runner-2")
@@ -116,18 +123,21 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "specialist",
         "specialists.researcher.agent:main",
         scopes=("registry:read", "registry:write", *MEMORY),
+        skills=("remember-findings", "recall"),
     ),
     ServiceSpec(
         "publisher",
         "specialist",
         "specialists.publisher.agent:main",
         scopes=("registry:read", "registry:write", "outbox:write", *MEMORY),
+        skills=("publish-report",),
     ),
     ServiceSpec(
         "coordinator",
         "coordinator",
         "coordinator.server:main",
         scopes=("registry:read", "registry:write", "agent:invoke"),
+        skills=("orchestrate",),
         database="fleet",
     ),
     *(worker(n) for n in range(1, DEFAULT_WORKERS + 1)),

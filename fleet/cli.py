@@ -224,6 +224,12 @@ def _parser() -> argparse.ArgumentParser:
     enroll.add_argument("--kind", default="specialist", choices=["specialist", "mcp_server", "worker"])
     enroll.add_argument("--scope", action="append", default=[], help="a scope it may ask for (repeat)")
     enroll.add_argument("--tenant", action="append", default=[], help="a tenant it may act for (repeat)")
+    enroll.add_argument(
+        "--skill",
+        action="append",
+        default=[],
+        help="a skill its agent card may offer (repeat; a card claiming another is refused)",
+    )
     _with_json(enroll)
     enroll.add_argument(
         "--external",
@@ -416,6 +422,7 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
             args.kind,
             args.scope,
             args.tenant,
+            skills=args.skill,
             external=args.external,
             as_json=args.json,
         )

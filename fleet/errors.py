@@ -41,6 +41,7 @@ class ErrorCode(StrEnum):
     INSECURE_TRANSPORT = "insecure_transport"
     TENANT_KEY_REFUSED = "tenant_key_refused"
     INTEGRITY_FAILED = "integrity_failed"
+    SKILL_NOT_ALLOWED = "skill_not_allowed"  # a card claims a skill its identity may not offer
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -71,6 +72,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.STACK_NOT_RUNNING: 503,
     ErrorCode.INSECURE_TRANSPORT: 400,
     ErrorCode.TENANT_KEY_REFUSED: 403,
+    ErrorCode.SKILL_NOT_ALLOWED: 403,
     ErrorCode.INTEGRITY_FAILED: 500,
     ErrorCode.INTERNAL: 500,
 }

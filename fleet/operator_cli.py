@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -96,11 +97,13 @@ def print_enrollment_token(
     scopes: list[str],
     tenants: list[str],
     *,
+    skills: Sequence[str] = (),
     external: bool,
     as_json: bool = False,
 ) -> int:
     """Print a one-time enrollment token for ``identity``, signed with the operator key of the data
-    dir: whoever holds it may enroll one key under that id, with those scopes and tenants."""
+    dir: whoever holds it may enroll one key under that id, with those scopes and tenants, and
+    serve a card offering those ``skills`` (none: its card may offer none)."""
     from deploy.local_stack import ServiceKind, ServiceSpec
     from fleet.supervisor import enrollment_token
 
@@ -109,9 +112,22 @@ def print_enrollment_token(
         raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"no operator key in {layout.keys_dir} (fleet up)")
     if not tenants:
         raise FleetError(ErrorCode.INVALID_REQUEST, "name at least one --tenant (or '*')")
-    spec = ServiceSpec(identity, cast("ServiceKind", kind), "", scopes=tuple(scopes), tenants=tuple(tenants))
+    if any(not skill.strip() for skill in skills):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "a --skill names a skill id")
+    spec = ServiceSpec(
+        identity,
+        cast("ServiceKind", kind),
+        "",
+        scopes=tuple(scopes),
+        tenants=tuple(tenants),
+        skills=tuple(skills),
+    )
     minted = enrollment_token(SigningKey.load_or_create(key_file), spec, external=external)
-    emit({"enrollment_token": minted, "identity": identity, "kind": kind}, as_json=as_json, text=minted)
+    emit(
+        {"enrollment_token": minted, "identity": identity, "kind": kind, "skills": sorted(set(skills))},
+        as_json=as_json,
+        text=minted,
+    )
     return EXIT_OK
 
 

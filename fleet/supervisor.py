@@ -443,8 +443,9 @@ async def _provision_bus(url: str, keys: BusKeys, replicas: int, tls: LocalTls |
 
 
 def enrollment_token(operator: SigningKey, spec: ServiceSpec, *, external: bool = False) -> str:
-    """A one-time enrollment token: the operator vouches that ``spec.id`` may enroll a key
-    (``external``: an agent another organisation runs; see ``IdentityRecord.external``)."""
+    """A one-time enrollment token: the operator vouches that ``spec.id`` may enroll a key, and
+    that its card may offer ``spec.skills`` (``external``: an agent another organisation runs; see
+    ``IdentityRecord.external``)."""
     now = int(time.time())
     return operator.sign(
         {
@@ -457,6 +458,7 @@ def enrollment_token(operator: SigningKey, spec: ServiceSpec, *, external: bool 
             "kind": spec.kind,
             "scopes": list(spec.scopes),
             "tenants": list(spec.tenants),
+            "skills": list(spec.skills),
             "external": external,
         },
         typ="enrollment+jwt",

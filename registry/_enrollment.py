@@ -51,6 +51,7 @@ class Enrollment:
             keys={public["kid"]: public},
             scopes=[str(s) for s in claims.get("scopes", [])],
             tenants=[str(t) for t in claims.get("tenants", [])],
+            skills=_skills_of(claims),
             enrolled_at=now,
             external=claims.get("external") is True,
         )
@@ -62,6 +63,7 @@ class Enrollment:
                 update={
                     "scopes": record.scopes,
                     "tenants": record.tenants,
+                    "skills": record.skills,
                     "enrolled_at": now,
                     "external": record.external,
                 }
@@ -85,4 +87,13 @@ class Enrollment:
             raise _refuse("enrollment token was issued for another identity")
         if claims["kind"] not in ENROLLABLE_KINDS:
             raise _refuse("enrollment token names an unknown kind")
+        _skills_of(claims)
         return claims
+
+
+def _skills_of(claims: dict[str, Any]) -> list[str]:
+    """The skills an enrollment token lets the identity offer (none if it names none)."""
+    skills = claims.get("skills", [])
+    if not isinstance(skills, list) or not all(isinstance(s, str) and s for s in skills):
+        raise _refuse("enrollment token names skills that are not a list of skill ids")
+    return sorted(set(skills))

@@ -18,13 +18,17 @@ class IdentityRecord(BaseModel):
     time in ``retiring`` (what was signed with it before the change still verifies); a revoked key
     is removed at once (and listed in ``fleet-revocations``, see :mod:`fleet.revocations`)."""
 
-    schema_version: int = 2
+    schema_version: int = 3
     id: str
     kind: RecordKind
     keys: dict[str, dict[str, Any]] = Field(default_factory=dict)
     retiring: dict[str, float] = Field(default_factory=dict)  # kid -> unusable after (epoch seconds)
     scopes: list[str] = Field(default_factory=list)
     tenants: list[str] = Field(default_factory=list)
+    # The skills its agent card may offer, as the operator's enrollment token named them (schema 2
+    # had none: such an identity offers none until it enrolls again). Policy may grant more
+    # (``fleet.registry.skills``); a card claiming another is refused (see registry._skills).
+    skills: list[str] = Field(default_factory=list)
     enrolled_at: float
     # Run by another organisation (a partner's agent): what the fleet sends it passes the egress
     # policy, and its card says where to get a token for it (see coordinator.delegation).

@@ -5,8 +5,9 @@ the agent holds now, interfaces on the registered host).
 * It verifies: the record is refreshed (a new version, new skills) and the agent is ``healthy``; a
   changed card is recorded in the agent's history.
 * It does not verify (unsigned, forged, signed by a revoked or retired key, swapped for another
-  agent's, moved to another host): the agent is ``quarantined`` and discovery stops offering it, at
-  once; it stays so until the agent registers again (which verifies again).
+  agent's, moved to another host), or it claims a skill the agent's identity may not offer (see
+  :mod:`registry._skills`): the agent is ``quarantined`` and discovery stops offering it, at once;
+  it stays so until the agent registers again (which verifies again).
 * It cannot be fetched: after ``UNREACHABLE_AFTER`` failures in a row the agent is ``unreachable``,
   and not offered until it answers again (a health check).
 """
@@ -25,6 +26,7 @@ import httpx
 from fleet.errors import ErrorCode, FleetError
 from registry._cards import CARD_PATH, fetch_verified_card
 from registry._records import AgentRecord, CardVersion
+from registry._skills import SkillBinding
 from registry._store import RegistryStore
 
 log = logging.getLogger(__name__)
@@ -48,8 +50,11 @@ async def registered(store: RegistryStore, record: AgentRecord) -> AgentRecord:
     return fresh
 
 
-async def refresh(store: RegistryStore, http: httpx.AsyncClient, agent_id: str) -> AgentRecord | None:
-    """Check one agent's card again (see the module's doc); its record as it stands after."""
+async def refresh(
+    store: RegistryStore, http: httpx.AsyncClient, skills: SkillBinding, agent_id: str
+) -> AgentRecord | None:
+    """Check one agent's card again (see the module's doc); its record as it stands after. With no
+    policy to ask about its skills, the record stays as it was (the next check asks again)."""
     record = await store.agent(agent_id)
     if record is None or record.status == "quarantined":
         return record
@@ -59,7 +64,11 @@ async def refresh(store: RegistryStore, http: httpx.AsyncClient, agent_id: str) 
         if identity is None:
             raise FleetError(ErrorCode.CARD_INVALID, "the agent's identity is no longer enrolled")
         fetched = await fetch_verified_card(http, identity, record.card_url.removesuffix(CARD_PATH))
+        await skills.check(identity, fetched)
     except FleetError as exc:
+        if exc.code == ErrorCode.POLICY_UNAVAILABLE:
+            log.warning("agent %s: card not checked, no skills policy: %s", agent_id, exc.message)
+            return record
         return await _failed(store, record, exc, now)
     digest = card_digest(fetched.card)
     changes = {"registered_at": record.registered_at, "status": "healthy", "status_reason": "",
@@ -99,7 +108,7 @@ async def _failed(store: RegistryStore, record: AgentRecord, exc: FleetError, no
     return updated
 
 
-async def refresh_all(store: RegistryStore, http: httpx.AsyncClient) -> None:
+async def refresh_all(store: RegistryStore, http: httpx.AsyncClient, skills: SkillBinding) -> None:
     try:
         agents = await store.agents()
     except Exception:  # the broker is away: the next round tries again
@@ -107,12 +116,14 @@ async def refresh_all(store: RegistryStore, http: httpx.AsyncClient) -> None:
         return
     for agent in agents:
         try:
-            await refresh(store, http, agent.id)
+            await refresh(store, http, skills, agent.id)
         except Exception:  # one agent's trouble must not stop the others' checks
             log.exception("checking the card of %s failed", agent.id)
 
 
-async def refresh_forever(store: RegistryStore, http: httpx.AsyncClient, interval_s: float) -> None:
+async def refresh_forever(
+    store: RegistryStore, http: httpx.AsyncClient, skills: SkillBinding, interval_s: float
+) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        await refresh_all(store, http)
+        await refresh_all(store, http, skills)

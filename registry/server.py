@@ -40,9 +40,10 @@ from registry._callout import BusAuthority
 from registry._cards import fetch_verified_card
 from registry._enrollment import OPERATOR_ISSUER, Enrollment
 from registry._keys import KeyAdmin
-from registry._records import IdentityRecord, McpServerRecord, ProducerRecord
+from registry._records import CardVersion, IdentityRecord, McpServerRecord, ProducerRecord
 from registry._refresh import refresh, refresh_forever, registered
 from registry._seal import RecordSeal
+from registry._skills import SkillBinding
 from registry._store import RegistryStore
 from registry._tenant_keys import TenantKeyService
 from registry._token_service import REGISTRY_AUDIENCE, OAuthError, TokenService
@@ -67,6 +68,7 @@ class RegistryState:
     trust: IssuerTrust  # the operator's key: which of the registry's keys are its own
     signer: CertifiedKey  # the current signing key and its certificate
     tenant_keys: TenantKeyService
+    skills: SkillBinding  # which skills each identity's card may claim
 
     @property
     def key(self) -> SigningKey:
@@ -213,10 +215,23 @@ async def register_agent(request: Request, state: RegistryState) -> Response:
         raise FleetError(ErrorCode.FORBIDDEN, "an agent may register only itself")
     body = await _json_body(request)
     identity = await _identity(state, agent_id)
-    record = await registered(
-        state.store, await fetch_verified_card(state.http, identity, str(body.get("url", "")))
+    fetched = await fetch_verified_card(state.http, identity, str(body.get("url", "")))
+    try:
+        decision = await state.skills.check(identity, fetched)
+    except FleetError as exc:
+        if exc.code == ErrorCode.SKILL_NOT_ALLOWED:
+            refused = CardVersion(
+                at=time.time(), change="refused", version=fetched.version, detail=exc.message[:500]
+            )
+            await state.store.note_card(agent_id, refused)
+        raise
+    record = await registered(state.store, fetched)
+    log.info(
+        "registered agent %s with skills %s (decision %s)",
+        agent_id,
+        [s.id for s in record.skills],
+        decision.decision_id,
     )
-    log.info("registered agent %s with skills %s", agent_id, [s.id for s in record.skills])
     return JSONResponse(record.model_dump(mode="json"))
 
 
@@ -273,8 +288,15 @@ async def list_agents(request: Request, state: RegistryState) -> Response:
     await _authorize(request, state, "registry:read")
     skill = request.query_params.get("skill")
     agents = await state.store.agents()
-    if skill:  # discovery: only agents whose card verified when last checked, and that answer
-        agents = [a for a in agents if a.offered and any(s.id == skill for s in a.skills)]
+    if skill:  # discovery: only agents whose card verified when last checked, and that answer,
+        # and whose identity may offer the skill now (policy, or the identity, may have changed)
+        agents = [
+            a
+            for a in agents
+            if a.offered
+            and any(s.id == skill for s in a.skills)
+            and await state.skills.offers(await state.store.identity(a.id), skill)
+        ]
     return JSONResponse({"agents": [a.model_dump(mode="json") for a in agents]})
 
 
@@ -298,7 +320,7 @@ async def refresh_agent(request: Request, state: RegistryState) -> Response:
     agent_id = request.path_params["agent_id"]
     if claims.sub != agent_id and ADMIN_SCOPE not in claims.scopes:
         raise FleetError(ErrorCode.FORBIDDEN, "only the agent itself or an operator may ask for a check")
-    record = await refresh(state.store, state.http, agent_id)
+    record = await refresh(state.store, state.http, state.skills, agent_id)
     if record is None:
         raise FleetError(ErrorCode.NOT_FOUND, "no such agent")
     return JSONResponse(record.model_dump(mode="json"))
@@ -523,13 +545,15 @@ def build_app(settings: ServiceSettings) -> Starlette:
                     trust=trust,
                     signer=signer,
                     tenant_keys=TenantKeyService(master, own_key, settings.issuer, revocations, policy),
+                    skills=SkillBinding(policy),
                 )
                 state.trust_issuer_keys(await admin.publish_issuer_key(signer))
                 revocations.on_revoke(lambda revoked: _distrust(state, revoked.kid))
                 app.state.registry = state
                 checks = (
                     asyncio.create_task(
-                        refresh_forever(store, http, settings.card_refresh_s), name="card-checks"
+                        refresh_forever(store, http, state.skills, settings.card_refresh_s),
+                        name="card-checks",
                     )
                     if settings.card_refresh_s > 0
                     else None

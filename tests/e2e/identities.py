@@ -45,6 +45,8 @@ from policy import RegorusEngine
 from registry import RegistryClient
 from tests.e2e.conftest import Stack
 
+IMPOSTOR_SKILL = "impersonate"  # the skill a served card offers unless the test says otherwise
+
 
 class CardServer:
     """A throwaway agent that serves only a card, which the test may swap while it runs."""
@@ -54,15 +56,21 @@ class CardServer:
         self.card: dict[str, Any] = {}
 
     def serve(
-        self, card_key: SigningKey | None, *, host_in_card: str | None = None, version: str = "1"
+        self,
+        card_key: SigningKey | None,
+        *,
+        host_in_card: str | None = None,
+        version: str = "1",
+        skills: tuple[str, ...] = (IMPOSTOR_SKILL,),
     ) -> None:
-        """Serve a card signed with ``card_key`` (unsigned if None) that names ``host_in_card``."""
+        """Serve a card signed with ``card_key`` (unsigned if None) that names ``host_in_card`` and
+        offers ``skills``."""
         card = build_card(
             name="Impostor",
             description="test agent",
             version=version,
             base_url=host_in_card or self.base,
-            skills=[AgentSkill(id="impersonate", name="impersonate", description="x")],
+            skills=[AgentSkill(id=skill, name=skill, description="x") for skill in skills],
             token_url="http://127.0.0.1:1/oauth/token",
             required_scope="agent:invoke",
         )
@@ -91,10 +99,13 @@ async def card_server() -> AsyncIterator[CardServer]:
 
 
 @contextlib.asynccontextmanager
-async def serve_card(card_key: SigningKey, *, host_in_card: str | None = None) -> AsyncIterator[str]:
-    """A throwaway agent that serves only a card (signed with ``card_key``); its base URL."""
+async def serve_card(
+    card_key: SigningKey, *, host_in_card: str | None = None, skills: tuple[str, ...] = (IMPOSTOR_SKILL,)
+) -> AsyncIterator[str]:
+    """A throwaway agent that serves only a card (signed with ``card_key``, offering ``skills``);
+    its base URL."""
     async with card_server() as served:
-        served.serve(card_key, host_in_card=host_in_card)
+        served.serve(card_key, host_in_card=host_in_card, skills=skills)
         yield served.base
 
 
@@ -108,11 +119,17 @@ class Impostor:
         self.registry = stack.endpoints["registry"]
 
     def enrollment_token(
-        self, scopes: tuple[str, ...] = ("registry:write", "registry:read"), kind: ServiceKind = "specialist"
+        self,
+        scopes: tuple[str, ...] = ("registry:write", "registry:read"),
+        kind: ServiceKind = "specialist",
+        skills: tuple[str, ...] = (IMPOSTOR_SKILL,),
+        *,
+        external: bool = False,
     ) -> str:
+        """A token to enroll with: the card it serves (``serve_card``) offers ``IMPOSTOR_SKILL``."""
         operator = SigningKey.load_or_create(self.stack.layout.key_file("operator"))
-        spec = ServiceSpec(self.id, kind, "x:y", scopes=scopes)
-        return enrollment_token(operator, spec)
+        spec = ServiceSpec(self.id, kind, "x:y", scopes=scopes, skills=skills)
+        return enrollment_token(operator, spec, external=external)
 
     async def enroll(self, http: httpx.AsyncClient, token: str) -> httpx.Response:
         body = {"id": self.id, "public_jwk": self.key.public_jwk(), "enrollment_token": token}

@@ -29,13 +29,15 @@ async def kit_agent(
     version: str = "1.0.0",
     scopes: Sequence[str] = (),
 ) -> AsyncIterator[str]:
-    """Serve ``skills`` as a new specialist (with ``scopes`` beyond the registry's); yields its id
-    once discovery offers it, and stops it after."""
+    """Serve ``skills`` as a new specialist (with ``scopes`` beyond the registry's; its enrollment
+    names the skills, as the operator's would); yields its id once discovery offers it, and stops
+    it after."""
     agent_id = f"kit-{uuid.uuid4().hex[:6]}"
     wanted = ["registry:read", "registry:write", *scopes]
     issued = fleet(
         "keys", "enrollment-token", agent_id, "--data-dir", stack.data_dir, "--tenant", "*",
-        *[arg for scope in wanted for arg in ("--scope", scope)], timeout=60,
+        *[arg for scope in wanted for arg in ("--scope", scope)],
+        *[arg for skill in skills for arg in ("--skill", skill.id)], timeout=60,
     )  # fmt: skip
     assert issued.returncode == 0, issued.stderr
     sock = socket.socket()

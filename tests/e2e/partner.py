@@ -13,7 +13,7 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ class PartnerRecord:
     assertions: list[dict[str, Any]] = field(default_factory=list)  # client assertions it accepted
     tokens: list[dict[str, Any]] = field(default_factory=list)  # access tokens its agent accepted
     inputs: list[dict[str, Any]] = field(default_factory=list)  # the inputs of the steps it ran
+    registration: tuple[int, dict[str, Any]] = (0, {})  # the registry's answer to its registration
 
 
 class _PartnerVerifier:
@@ -127,10 +128,19 @@ async def _authorization_server(
 
 
 @contextlib.asynccontextmanager
-async def partner_agent(stack: Stack) -> AsyncIterator[tuple[str, PartnerRecord]]:
-    """The partner's agent, enrolled as external and registered with the fleet's registry; yields its
-    id and the record of what reached it."""
-    agent_id = f"partner-{uuid.uuid4().hex[:6]}"
+async def partner_agent(
+    stack: Stack,
+    agent_id: str | None = None,
+    *,
+    skills: Sequence[str] = (SKILL,),
+    enrolled_for: Sequence[str] | None = None,
+    must_register: bool = True,
+) -> AsyncIterator[tuple[str, PartnerRecord]]:
+    """The partner's agent (``agent_id``, or a new id), enrolled as external for the skills
+    ``enrolled_for`` (default: ``skills``), serving a card that offers ``skills``, and registered
+    with the fleet's registry; yields its id and the record of what reached it. Unless
+    ``must_register``, a refused registration is only recorded (``PartnerRecord.registration``)."""
+    agent_id = agent_id or f"partner-{uuid.uuid4().hex[:6]}"
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
@@ -142,7 +152,10 @@ async def partner_agent(stack: Stack) -> AsyncIterator[tuple[str, PartnerRecord]
         description="Scores invoices for fraud (run by a partner)",
         version="1",
         base_url=base,
-        skills=[AgentSkill(id=SKILL, name="fraud score", description="score an invoice", tags=["fraud"])],
+        skills=[
+            AgentSkill(id=skill, name=skill, description="score an invoice", tags=["fraud"])
+            for skill in skills
+        ],
         token_url=token_url,
         required_scope=SCOPE,
     )
@@ -175,9 +188,11 @@ async def partner_agent(stack: Stack) -> AsyncIterator[tuple[str, PartnerRecord]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         # The operator hands the partner a one-time enrollment token, as an operator would.
+        offers = skills if enrolled_for is None else enrolled_for
         issued = fleet(
             "keys", "enrollment-token", agent_id, "--data-dir", stack.data_dir,
-            "--scope", "registry:write", "--tenant", "*", "--external", timeout=60,
+            "--scope", "registry:write", "--tenant", "*", "--external",
+            *[arg for skill in offers for arg in ("--skill", skill)], timeout=60,
         )  # fmt: skip
         assert issued.returncode == 0, issued.stderr
         registry = stack.endpoints["registry"]
@@ -198,8 +213,10 @@ async def partner_agent(stack: Stack) -> AsyncIterator[tuple[str, PartnerRecord]
                 json={"url": base},
                 headers={"Authorization": f"Bearer {write}"},
             )
-            assert registered.status_code == 200, registered.text
-            assert registered.json()["external"] is True
+            record.registration = (registered.status_code, registered.json())
+            if must_register:
+                assert registered.status_code == 200, registered.text
+                assert registered.json()["external"] is True
         yield agent_id, record
     finally:
         server.should_exit = True

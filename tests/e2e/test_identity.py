@@ -46,7 +46,6 @@ from tests.e2e.conftest import (
     user_message,
 )
 from tests.e2e.identities import Impostor, PartnerIdp, card_server, serve_card, team_mcp_server
-from tests.e2e.partner import partner_agent
 from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e
@@ -863,49 +862,3 @@ async def test_an_outside_token_is_good_for_a2a_only_and_cannot_be_passed_on_by_
     async with httpx.AsyncClient() as http:
         analyst = acting_as(stack, "sql-analyst", http)
         assert "only the coordinator" in await exchange_refused(analyst, token, "mcp-sql", ["sql:query"])
-
-
-async def test_a_partner_agent_gets_a_token_from_its_card_and_only_what_policy_lets_leave(
-    stack: Stack,
-) -> None:
-    async with partner_agent(stack) as (_, seen):
-        step = {
-            "id": "score",
-            "skill": "fraud-score",
-            "input": {
-                "invoice_id": "INV-7",
-                "amount_cents": 12000,
-                "customer_email": "ann@example.com",
-                "note": "retry with api_key=sk-live-0123456789abcdefghij",
-            },
-        }
-        act_on_it = {
-            "id": "use",
-            "skill": "sql-query",
-            "input": {"sql": {"$from": "score.query"}},
-            "after": ["score"],
-        }
-        outcome = await send(
-            stack, user_message(data={"steps": [step, act_on_it]}), token=stack.token("coordinator")
-        )
-    assert seen.inputs, outcome
-    # What left the fleet: the personal field withheld, the secret redacted, the rest as given.
-    assert seen.inputs == [
-        {"invoice_id": "INV-7", "amount_cents": 12000, "note": "retry with api_key=[redacted]"}
-    ]
-    # The worker found the partner's token endpoint in its card, and proved its own identity there
-    # with an assertion addressed to that endpoint only; the partner saw the worker, not the caller.
-    [assertion] = seen.assertions
-    assert assertion["sub"].startswith("worker-") and assertion["aud"].endswith("/partner-as/token")
-    assert assertion["form"]["scope"] == "partner:score" and assertion["form"]["resource"].startswith(
-        "http://127.0.0.1:"
-    )
-    assert {t["sub"] for t in seen.tokens} == {assertion["sub"]}
-    # The partner's answer is kept, but policy does not let the next step act on it.
-    assert outcome.state_name == "TASK_STATE_FAILED", outcome
-    assert "policy_denied" in outcome.final_text and "outside the fleet" in outcome.final_text, (
-        outcome.final_text
-    )
-    events = await all_events(stack, outcome.task_id, stack.token("coordinator"))
-    completed = [e for e in events if e["type"] == "step.completed"]
-    assert [e["payload"]["step"] for e in completed] == ["score"]

@@ -73,6 +73,15 @@ async def test_a_wait_step_from_a_model_is_refused_too(http: httpx.AsyncClient) 
     assert "uses skill 'fleet.timer' in step nap, which no specialist offers" in error.message
 
 
+async def test_a_plan_in_which_the_model_names_an_agent_is_refused(http: httpx.AsyncClient) -> None:
+    named = {"steps": [{"id": "totals", "skill": "invoice-totals", "agent": "acme-partner"}]}
+    error = await refusal(json.dumps(named), http)
+    assert error.code == ErrorCode.INVALID_REQUEST
+    assert (
+        "names agent 'acme-partner' in step totals: only a caller's plan or policy may name" in error.message
+    )
+
+
 async def test_an_invalid_plan_is_refused_with_the_models_mistake_in_the_message(
     http: httpx.AsyncClient,
 ) -> None:
@@ -142,6 +151,7 @@ def test_the_skills_offered_are_those_of_specialists_discovery_hands_out_each_on
         _agent("forged", ["wire-money"], status="quarantined"),
         _agent("away", ["sleep"], status="unreachable"),
         _agent("coordinator", ["orchestrate"], kind="coordinator"),
+        _agent("acme-partner", ["fraud-score"], external=True),  # another organisation's card text
     ]
     assert offered_skills(agents) == [
         {"id": "invoice-totals", "name": "Invoice-Totals", "description": "does invoice-totals"},

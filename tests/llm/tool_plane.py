@@ -189,8 +189,11 @@ async def tool_plane(
     mcp_url = f"http://127.0.0.1:{mcp_sock.getsockname()[1]}"
     agent_url = f"http://127.0.0.1:{card_sock.getsockname()[1]}"
 
-    def enrolled(identity: str, kind: Any, scopes: tuple[str, ...], url: str) -> ServiceSettings:
-        token = enrollment_token(operator, ServiceSpec(identity, kind, "x:y", scopes=scopes))
+    def enrolled(
+        identity: str, kind: Any, scopes: tuple[str, ...], url: str, offers: tuple[str, ...] = ()
+    ) -> ServiceSettings:
+        spec = ServiceSpec(identity, kind, "x:y", scopes=scopes, skills=offers)
+        token = enrollment_token(operator, spec)
         return _settings(tmp, identity, url, registry_url, nats_url, enrollment_token=token)
 
     registry_settings = _settings(
@@ -207,7 +210,9 @@ async def tool_plane(
     # Without skills the toolbox's calls have no caller to act for: the client takes tokens in its
     # own name for the tenant, which a worker's kind may (a specialist acts only for its callers).
     # With skills it is the specialist that offers them (discovery offers specialists only).
-    agent_settings = enrolled(agent_id, "specialist" if skills else "worker", agent_scopes, agent_url)
+    agent_settings = enrolled(
+        agent_id, "specialist" if skills else "worker", agent_scopes, agent_url, tuple(s.id for s in skills)
+    )
     async with contextlib.AsyncExitStack() as stack:
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
         await stack.enter_async_context(serving(registry_app(registry_settings), registry_sock))
