@@ -8,7 +8,7 @@
 #   none), and "approve" (it may approve held entries). The memory server asks it on every write
 #   and approval and never takes "source" or "trust" from arguments beyond what it allows.
 # data.fleet.memory.decision, input: {tenant, agent, tier, source: {kind, trust: "trusted" |
-#   "untrusted"}, provenance: {run_id, support_runs: n (distinct runs that support the entry),
+#   "untrusted", origin (a consolidated entry's: the source of the episode it came from)}, provenance: {run_id, support_runs: n (distinct runs that support the entry),
 #   support_principals: n (distinct principals behind them, as fleet.memory.writer keys them),
 #   approved: bool (a person approved it)}, findings: [{type, score}] (what the PII and secret
 #   scanners found in the text)}. Answers "action":
@@ -76,7 +76,8 @@ deny contains msg if {
 	procedural
 	not approved
 	untrusted
-	object.get(input.source, "kind", "") in cfg.procedural.denied_sources
+	some kind in [object.get(input.source, "kind", ""), object.get(input.source, "origin", "")]
+	kind in cfg.procedural.denied_sources
 	msg := "a procedural rule never comes from untrusted tool output alone"
 }
 

@@ -124,6 +124,11 @@ test_an_outside_agents_rule_is_denied_whatever_its_support if {
 	d.action == "deny"
 }
 
+test_a_rule_consolidated_from_tool_output_is_denied if {
+	d := memory.decision with input as object.union(rule, {"source": {"kind": "consolidation", "trust": "untrusted", "origin": "tool"}, "provenance": {"support_runs": 9, "support_principals": 9}})
+	d.action == "deny"
+}
+
 test_the_principal_threshold_is_policy if {
 	d := memory.decision with input as object.union(rule, {"provenance": {"support_runs": 3, "support_principals": 2}}) with data.config.memory.procedural.min_support_principals as 3
 	d.action == "hold"
