@@ -227,16 +227,16 @@ def _write(item: Item, writer: Writer) -> Write:
     if kind == "consolidation" or (kind == "operator" and not writer.assert_trust):
         raise FleetError(ErrorCode.FORBIDDEN, f"this caller may not write as the source {shown(kind)}")
     claimed = str(item.get("trust") or "untrusted")
-    if claimed not in TRUST:
-        raise FleetError(ErrorCode.INVALID_REQUEST, "source trust must be trusted or untrusted")
     # A person vouches for their own text (as the operator, or an agent's text they write), never
     # for a tool's, a caller's or an outside agent's by labelling it.
     own = kind in ("agent", "operator")
     trusted = writer.assert_trust and own and (claimed == "trusted" or kind == "operator")
+    trust = claimed if claimed not in TRUST else "trusted" if trusted else "untrusted"
     return Write(
         tier=str(item.get("tier") or ""),
         text=item.get("text"),  # type: ignore[arg-type]  # the scanner refuses what is not a string
-        source=Source(kind=kind, trust="trusted" if trusted else "untrusted", ref=str(item.get("ref") or "")),
+        # A value that is no trust at all goes on for the gate to refuse (per item, ``invalid_request``).
+        source=Source(kind=kind, trust=trust, ref=str(item.get("ref") or "")),
         run_id=writer.run_id,
         tags=tuple(item.get("tags") or ()),
         principal=writer.principal,
