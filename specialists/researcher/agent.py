@@ -50,7 +50,7 @@ async def remember_findings(ctx: SkillContext, payload: dict[str, Any]) -> dict[
         outcome = await ctx.memory.remember(
             text, tier=tier, source="user", ref=ctx.run_id, tags=("findings",)
         )
-        shown = ("id", "status", "trust", "redacted", "reasons", "duplicate")
+        shown = ("id", "status", "trust", "redacted", "reasons", "duplicate", "decision_id")
         outcomes.append({k: outcome[k] for k in shown if k in outcome})
     kept = sum(1 for o in outcomes if o.get("status") in ("stored", "held"))
     await ctx.progress(f"{kept} of {len(texts)} findings kept in memory")
