@@ -846,8 +846,8 @@ def _supporters(payload: dict[str, Any]) -> set[tuple[str, str]]:
     """The (run, principal) pairs that support an entry, as its payload records them."""
     found: set[tuple[str, str]] = set()
     for pair in payload.get("supporters", []):
-        if isinstance(pair, list | tuple) and len(pair) == 2 and pair[1]:
-            found.add((str(pair[0] or ""), str(pair[1])))
+        if isinstance(pair, dict) and pair.get("principal"):
+            found.add((str(pair.get("run") or ""), str(pair["principal"])))
     return found
 
 
@@ -863,7 +863,7 @@ def _principals_of(payload: dict[str, Any]) -> str:
 
 def _support_payload(supporters: set[tuple[str, str]]) -> dict[str, Any]:
     return {
-        "supporters": [list(pair) for pair in sorted(supporters)],
+        "supporters": [{"run": run, "principal": principal} for run, principal in sorted(supporters)],
         "support_principals": sorted({principal for _, principal in supporters}),
     }
 
