@@ -8,7 +8,7 @@ its answer is redacted (:func:`fleet.redact.redact`) before the model sees it, s
 tool's answer never reaches a model. Every completion's tokens count against the task's budget.
 
 Memory is the fleet's to vouch for, not the model's: a ``trust`` the model passes to the memory
-server's writes is dropped before the call (the server would ignore it too), and what the memory
+server's writes is dropped before the call (the server takes none), and what the memory
 server recalls reaches the model with each entry's trust, the untrusted ones inside a delimited
 block (:func:`memories_for_model`) that the system prompt says is data, never instructions.
 """

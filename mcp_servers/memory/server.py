@@ -16,11 +16,11 @@ Tools, each behind the fleet's tool gate (token, scopes, ``fleet.tools`` policy,
 Every call acts for the tenant of the caller's verified token only, and a write's run is the token's.
 Trust is earned, never claimed: the server asks policy (``fleet.memory.writer``) what the caller's
 verified token is worth (its subject, the subject's kind, the actors passing it on, its scopes).
-Text written through an agent, a model, a tool, a partner or a service is ``untrusted`` whatever the
-arguments say: a ``trust`` of ``trusted`` is ignored (the answer's ``trust`` says what the entry was
-given) unless policy lets the caller assert it (a person, in their own name, with ``memory:approve``);
-the source ``operator`` is refused (``forbidden``) to anyone else, and ``consolidation`` is the
-consolidate tool's alone. Each write records the principal its support counts as, so a procedural
+The tools take no ``trust`` (one sent anyway is ignored; the answer's ``trust`` says what the entry
+got): text written through an agent, a model, a tool, a partner or a service is ``untrusted``; only a
+caller policy lets assert trust (a person, in their own name, with ``memory:approve``) writes trusted
+text, as the source ``operator``, which is refused (``forbidden``) to anyone else; ``consolidation``
+is the consolidate tool's alone. Each write records the principal its support counts as, so a procedural
 rule is held until distinct principals support it or a person approves it (``approve_memory``, which
 policy allows the same persons only).
 """
@@ -59,7 +59,7 @@ from mcp_servers._base import (
 )
 from memory.consolidate import LlmExtractor
 from memory.embeddings import make_embedder
-from memory.gate import TRUST, Caller, Memory, Source, Write, shown
+from memory.gate import Caller, Memory, Source, Write, shown
 from memory.scan import DEFAULT_MAX_CHARS, Scanner
 from memory.store import EdgeStore, QdrantServerStore, VectorStore, Where
 from policy import PolicyEngine
@@ -150,7 +150,6 @@ class Item(TypedDict, total=False):
     text: str
     tier: str
     source: str
-    trust: str
     ref: str
     tags: list[str]
 
@@ -219,23 +218,17 @@ async def writer_of(engine: PolicyEngine, claims: Claims) -> Writer:
 
 
 def _write(item: Item, writer: Writer) -> Write:
-    """A write as the caller may make it: its ``source`` a label it may choose among the untrusted
-    ones, its trust what policy lets it assert. The source ``consolidation`` is the consolidate
-    tool's only and ``operator`` a person's (both ``forbidden`` to others); a claimed ``trusted``
-    from a caller that may not assert it is ignored (the entry is ``untrusted``)."""
+    """A write as the caller may make it: its ``source`` a label it may choose, its trust none of
+    its choosing. The source ``operator`` is a person's own text, trusted, and needs the right to
+    assert trust (``fleet.memory.writer``); ``consolidation`` is the consolidate tool's only (both
+    ``forbidden`` to others). Every other write is ``untrusted``, whatever else the item holds."""
     kind = str(item.get("source") or "agent")
     if kind == "consolidation" or (kind == "operator" and not writer.assert_trust):
         raise FleetError(ErrorCode.FORBIDDEN, f"this caller may not write as the source {shown(kind)}")
-    claimed = str(item.get("trust") or "untrusted")
-    # A person vouches for their own text (as the operator, or an agent's text they write), never
-    # for a tool's, a caller's or an outside agent's by labelling it.
-    own = kind in ("agent", "operator")
-    trusted = writer.assert_trust and own and (claimed == "trusted" or kind == "operator")
-    trust = claimed if claimed not in TRUST else "trusted" if trusted else "untrusted"
+    trust = "trusted" if kind == "operator" else "untrusted"
     return Write(
         tier=str(item.get("tier") or ""),
         text=item.get("text"),  # type: ignore[arg-type]  # the scanner refuses what is not a string
-        # A value that is no trust at all goes on for the gate to refuse (per item, ``invalid_request``).
         source=Source(kind=kind, trust=trust, ref=str(item.get("ref") or "")),
         run_id=writer.run_id,
         tags=tuple(item.get("tags") or ()),
@@ -293,19 +286,19 @@ def build_server(
         text: str,
         tier: str = "episodic",
         source: str = "agent",
-        trust: str = "untrusted",
         ref: str = "",
         tags: list[str] | None = None,
     ) -> Remembered:
         """Keep a text in long-term memory. Personal data may be redacted, secrets are refused, and a
         procedural rule may be held until distinct principals support it or a person approves it.
-        ``trust`` is the fleet's to give, not the caller's: ``trusted`` is ignored unless a person
-        writes in their own name (the answer's ``trust`` says what the entry got)."""
+        ``source``: where the text comes from (agent, tool, user, external; operator: a person's
+        own). Trust is the fleet's to give, from who you are, never an argument: the answer's
+        ``trust`` says what the entry got."""
         who, writer = await writing(
             "remember", {"tier": shown(tier), "length": len(text), "source": shown(source)}
         )
         with _answering():
-            item = Item(text=text, tier=tier, source=source, trust=trust, ref=ref, tags=tags or [])
+            item = Item(text=text, tier=tier, source=source, ref=ref, tags=tags or [])
             [outcome] = await memory.remember(who, [_write(item, writer)])
         return cast(Remembered, outcome.to_dict())
 

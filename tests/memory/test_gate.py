@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -527,16 +527,18 @@ async def test_trust_is_what_policy_gives_the_verified_caller_never_what_it_clai
     )
     partner = await writer_of(policy, claims("partner:alice", "external", "researcher", "coordinator"))
     trigger = await writer_of(policy, claims("worker-1", "worker", "researcher"))
-    claimed = Item(text="t", source="agent", trust="trusted")
+    claimed = cast(Item, {"text": "t", "source": "agent", "trust": "trusted"})  # no such field: ignored
+    for writer in (person, through_agent, partner, trigger):
+        assert _write(claimed, writer).source.trust == "untrusted"
+        assert _write(
+            cast(Item, {"text": "t", "source": "tool", "trust": "trusted"}), writer
+        ).source.trust == ("untrusted")
     for writer in (through_agent, partner, trigger):
-        assert _write(claimed, writer).source.trust == "untrusted"  # ignored, not refused
         for source in ("operator", "consolidation"):
             with pytest.raises(FleetError) as refused:
                 _write(Item(text="t", source=source), writer)
             assert refused.value.code == ErrorCode.FORBIDDEN
-    assert _write(claimed, person).source.trust == "trusted"
     assert _write(Item(text="t", source="operator"), person).source == Source("operator", "trusted")
-    assert _write(Item(text="t", source="tool", trust="trusted"), person).source.trust == "untrusted"
     assert (person.principal, through_agent.principal, partner.principal, trigger.principal) == (
         "operator",
         "operator",
