@@ -116,6 +116,7 @@ class Remembered(TypedDict, total=False):
     status: str  # stored, held, denied, refused
     id: str
     tier: str
+    trust: str  # what the entry got (the fleet's to give, never the caller's)
     redacted: list[str]
     reasons: list[str]
     decision_id: str
