@@ -84,9 +84,11 @@ def _print_entries(entries: list[dict[str, Any]], as_json: bool) -> None:
         print(f"{score}{e['id']}  {e['tier']:<10} {e['status']:<6} {when}  run={e.get('run_id') or '-'}")
         print(f"    {e['text']}")
         redacted = f" redacted={','.join(e['redacted'])}" if e.get("redacted") else ""
+        approved = f" approved_by={e['approved_by']}" if e.get("approved_by") else ""
+        support = f" runs={len(e.get('support_runs') or [])} principals={e.get('support_principals') or 0}"
         print(
             f"    by {e.get('agent') or '-'} from {e.get('source') or '-'} ({e.get('trust') or '-'})"
-            f" decision={e.get('decision_id') or '-'}{redacted}"
+            f" decision={e.get('decision_id') or '-'}{redacted}{support}{approved}"
         )
 
 

@@ -9,9 +9,11 @@ The default extractor is deterministic: it splits each episodic entry into sente
   having (*is*, *are*, *has*, *have*, *uses*, *belongs to*, ...), not a question and not about
   the writer (*I*, *we*, *you*).
 
-A candidate keeps the trust of the entry it came from, so a rule found only in tool output stays
-untrusted, and policy never lets it into procedural memory. The same candidate from several runs is
-one entry supported by each (the drift guard counts distinct runs).
+A candidate keeps the trust of the entry it came from, and the gate sees that entry's source (the
+write's ``origin``) and the principal who wrote it: a rule found only in tool output stays untrusted
+and policy never lets it into procedural memory; one from a caller's words is held until distinct
+principals support it or a person approves it. The same candidate from several runs is one entry
+supported by each (the drift guard counts distinct runs and distinct principals).
 
 With an OpenAI-compatible chat model configured (``FLEET_MEMORY_LLM_URL``, ``_MODEL``, ``_API_KEY``),
 :class:`LlmExtractor` proposes the candidates instead; they pass the same gate.
@@ -102,9 +104,10 @@ PROMPT = (
 
 
 class LlmExtractor:
-    """An OpenAI-compatible chat model proposes the candidates. The episodes go to it in two groups,
-    trusted and untrusted, and each candidate keeps its group's trust: a model that read injected tool
-    output cannot launder it into a trusted rule. A model that fails or answers nonsense falls back to
+    """An OpenAI-compatible chat model proposes the candidates. The episodes go to it in groups of
+    one trust and one source kind, and each candidate keeps its group's trust and names an episode
+    of its group (whose source the gate sees): a model that read injected tool output cannot
+    launder it into a trusted rule, nor into one of another source. A model that fails or answers nonsense falls back to
     the deterministic extractor for that group."""
 
     def __init__(
@@ -125,10 +128,12 @@ class LlmExtractor:
 
     async def candidates(self, episodes: Sequence[Entry]) -> list[Candidate]:
         found: list[Candidate] = []
-        for trust in ("trusted", "untrusted"):
-            group = [e for e in episodes if str(e.payload.get("source_trust") or "untrusted") == trust]
-            if group:
-                found += await self._group(group, trust)
+        groups: dict[tuple[str, str], list[Entry]] = {}
+        for e in episodes:  # by trust and by source: a candidate names an episode of its group's kind
+            trust = str(e.payload.get("source_trust") or "untrusted")
+            groups.setdefault((trust, str(e.payload.get("source_kind") or "")), []).append(e)
+        for (trust, _), group in sorted(groups.items()):
+            found += await self._group(group, trust)
         return found
 
     async def _group(self, group: list[Entry], trust: str) -> list[Candidate]:

@@ -65,6 +65,9 @@ class Source:
     kind: str = "agent"
     trust: str = "untrusted"
     ref: str = ""
+    # Consolidation's only: the source of the episode a candidate came from (policy denies a rule
+    # that only tool output supports, however it was consolidated).
+    origin: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,10 @@ class Write:
     run_id: str = ""
     tags: tuple[str, ...] = ()
     support_runs: tuple[str, ...] = ()  # runs that support the entry, besides ``run_id``
+    # The principal the write's support counts as (``fleet.memory.writer``, from the caller's
+    # verified token), or "" when it counts for none (a service, an unknown subject).
+    principal: str = ""
+    writer_decision_id: str = ""  # the decision (fleet.memory.writer) that gave its trust and principal
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,7 @@ class Outcome:
     revision: str | None = None
     code: str | None = None
     duplicate: bool = False
+    trust: str | None = None  # the trust the entry was given (never the caller's claim as such)
 
     @classmethod
     def of(
@@ -125,7 +133,8 @@ class Outcome:
     def to_dict(self) -> dict[str, Any]:
         """The outcome without its empty fields."""
         out: dict[str, Any] = {"status": self.status}
-        for key in ("id", "tier", "redacted", "reasons", "decision_id", "revision", "code", "duplicate"):
+        keys = ("id", "tier", "trust", "redacted", "reasons", "decision_id", "revision", "code", "duplicate")
+        for key in keys:
             value = getattr(self, key)
             if value not in (None, "", [], False):
                 out[key] = value
@@ -259,6 +268,8 @@ class Memory:
                     "run_id": write.run_id or None,
                     "source": shown(write.source.kind),
                     "trust": shown(write.source.trust),
+                    "principal": write.principal or None,
+                    "writer_decision_id": write.writer_decision_id or None,
                     "entry_id": outcome.id,
                     "outcome": outcome.status,
                     "redacted": outcome.redacted,
@@ -365,8 +376,16 @@ class Memory:
             before = dataclasses.replace(before, payload={**before.payload, **updates[before.id]})
         runs = set(before.payload.get("support_runs", [])) if before else set()
         runs.update(r for r in (write.run_id, *write.support_runs) if r)
+        supporters = _supporters(before.payload if before else {})
+        if write.principal:
+            supporters.add((write.run_id, write.principal))
         decision = await self._decide_write(
-            caller, write, findings, len(runs), approved=bool(before and before.payload.get("approved_by"))
+            caller,
+            write,
+            findings,
+            len(runs),
+            _principals(supporters),
+            approved=bool(before and before.payload.get("approved_by")),
         )
         action = decision.result.get("action")
         if action == "deny":
@@ -382,6 +401,7 @@ class Memory:
             was = before.payload.get("status", ACTIVE)
             update: dict[str, Any] = {
                 "support_runs": sorted(runs),
+                **_support_payload(supporters),
                 "updated_at": now,
                 "status": status if was == HELD else was,
             }
@@ -392,7 +412,9 @@ class Memory:
             else:
                 updates[before.id] = {**updates.get(before.id, {}), **update}
             state = "held" if update["status"] == HELD else "stored"
-            return Outcome.of(state, decision, write.tier, before.id, redact, duplicate=True)
+            outcome = Outcome.of(state, decision, write.tier, before.id, redact, duplicate=True)
+            outcome.trust = str(before.payload.get("source_trust") or "untrusted")
+            return outcome
         entry = Entry(
             id=str(uuid.uuid4()),
             tier=write.tier,
@@ -404,7 +426,9 @@ class Memory:
                 "source_kind": write.source.kind,
                 "source_trust": write.source.trust,
                 "source_ref": write.source.ref or None,
+                "source_origin": write.source.origin or None,
                 "support_runs": sorted(runs),
+                **_support_payload(supporters),
                 "decision_id": decision.decision_id,
                 "revision": decision.revision,
                 "redacted": sorted(redact),
@@ -416,10 +440,19 @@ class Memory:
             },
         )
         fresh[entry.id] = entry
-        return Outcome.of("held" if status == HELD else "stored", decision, write.tier, entry.id, redact)
+        outcome = Outcome.of("held" if status == HELD else "stored", decision, write.tier, entry.id, redact)
+        outcome.trust = write.source.trust
+        return outcome
 
     async def _decide_write(
-        self, caller: Caller, write: Write, findings: list[Finding], support: int, *, approved: bool
+        self,
+        caller: Caller,
+        write: Write,
+        findings: list[Finding],
+        support: int,
+        principals: int,
+        *,
+        approved: bool,
     ) -> Decision:
         return await self._decide(
             "fleet.memory.decision",
@@ -427,8 +460,17 @@ class Memory:
                 "tenant": caller.tenant,
                 "agent": caller.agent,
                 "tier": write.tier,
-                "source": {"kind": write.source.kind, "trust": write.source.trust},
-                "provenance": {"run_id": write.run_id or None, "support_runs": support, "approved": approved},
+                "source": {
+                    "kind": write.source.kind,
+                    "trust": write.source.trust,
+                    "origin": write.source.origin or None,
+                },
+                "provenance": {
+                    "run_id": write.run_id or None,
+                    "support_runs": support,
+                    "support_principals": principals,
+                    "approved": approved,
+                },
                 "findings": [f.summary() for f in findings],
             },
         )
@@ -525,8 +567,18 @@ class Memory:
         candidates = await self.extractor.candidates(
             sorted(episodes, key=lambda e: float(e.payload.get("created_at") or 0))
         )
+        # A candidate is supported by whoever wrote the episode it came from, as that episode
+        # recorded it (the consolidating worker is no principal of its own).
+        principal = {e.id: _principals_of(e.payload) for e in episodes}
+        origin = {e.id: str(e.payload.get("source_kind") or "") for e in episodes}
         writes = [
-            Write(c.tier, c.text, Source("consolidation", c.trust, c.source_id), run_id=run_id)
+            Write(
+                c.tier,
+                c.text,
+                Source("consolidation", c.trust, c.source_id, origin.get(c.source_id, "")),
+                run_id=run_id,
+                principal=principal.get(c.source_id, ""),
+            )
             for c in candidates
         ]
         outcomes: list[Outcome] = []
@@ -586,7 +638,12 @@ class Memory:
             for entry in entries.values():
                 others = [r for r in entry.payload.get("support_runs", []) if r != run_id]
                 if others:
-                    update: dict[str, Any] = {"support_runs": others, "updated_at": self.clock()}
+                    supporters = {s for s in _supporters(entry.payload) if s[0] != run_id}
+                    update: dict[str, Any] = {
+                        "support_runs": others,
+                        **_support_payload(supporters),
+                        "updated_at": self.clock(),
+                    }
                     if entry.payload.get("run_id") == run_id:
                         update["run_id"] = others[0]
                     if entry.payload.get("status") == ACTIVE and not entry.payload.get("approved_by"):
@@ -596,13 +653,11 @@ class Memory:
                             Write(
                                 entry.tier,
                                 entry.text,
-                                Source(
-                                    str(entry.payload.get("source_kind") or "agent"),
-                                    str(entry.payload.get("source_trust") or "untrusted"),
-                                ),
+                                _stored_source(entry),
                             ),
                             _stored_findings(entry),
                             len(others),
+                            _principals(supporters),
                             approved=False,
                         )
                         if again.result.get("action") == "hold":
@@ -643,14 +698,16 @@ class Memory:
             write = Write(
                 entry.tier,
                 entry.text,
-                Source(
-                    str(entry.payload.get("source_kind") or "agent"),
-                    str(entry.payload.get("source_trust") or "untrusted"),
-                ),
+                _stored_source(entry),
                 run_id=str(entry.payload.get("run_id") or ""),
             )
             decision = await self._decide_write(
-                caller, write, findings, len(entry.payload.get("support_runs", [])), approved=True
+                caller,
+                write,
+                findings,
+                len(entry.payload.get("support_runs", [])),
+                _principals(_supporters(entry.payload)),
+                approved=True,
             )
             action = decision.result.get("action")
             if action in ("allow", "redact"):
@@ -658,6 +715,7 @@ class Memory:
                 update = {
                     "status": ACTIVE,
                     "approved_by": caller.agent,
+                    "source_trust": "trusted",  # a person vouched for it: recalled as trusted
                     "activated_at": now,
                     "updated_at": now,
                     "decision_id": decision.decision_id,
@@ -678,6 +736,7 @@ class Memory:
                 else:
                     await self.store.set_payload(caller.tenant, entry.id, update)
                 outcome = Outcome.of("stored", decision, entry.tier, entry.id, more)
+                outcome.trust = "trusted"
             else:
                 outcome = Outcome.of("denied" if action == "deny" else "held", decision, entry.tier, entry.id)
         self._record(
@@ -781,6 +840,41 @@ class _ScanRun:
         """No text after the one it is on (if any)."""
         with self._lock:
             self._stopped = True
+
+
+def _supporters(payload: dict[str, Any]) -> set[tuple[str, str]]:
+    """The (run, principal) pairs that support an entry, as its payload records them."""
+    found: set[tuple[str, str]] = set()
+    for pair in payload.get("supporters", []):
+        if isinstance(pair, dict) and pair.get("principal"):
+            found.add((str(pair.get("run") or ""), str(pair["principal"])))
+    return found
+
+
+def _principals(supporters: set[tuple[str, str]]) -> int:
+    return len({principal for _, principal in supporters})
+
+
+def _principals_of(payload: dict[str, Any]) -> str:
+    """The one principal behind an entry (an episode has one writer), or "" if none counts."""
+    principals = sorted({principal for _, principal in _supporters(payload)})
+    return principals[0] if len(principals) == 1 else ""
+
+
+def _support_payload(supporters: set[tuple[str, str]]) -> dict[str, Any]:
+    return {
+        "supporters": [{"run": run, "principal": principal} for run, principal in sorted(supporters)],
+        "support_principals": sorted({principal for _, principal in supporters}),
+    }
+
+
+def _stored_source(entry: Entry) -> Source:
+    p = entry.payload
+    return Source(
+        str(p.get("source_kind") or "agent"),
+        str(p.get("source_trust") or "untrusted"),
+        origin=str(p.get("source_origin") or ""),
+    )
 
 
 def _stored_findings(entry: Entry) -> list[Finding]:

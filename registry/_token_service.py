@@ -208,7 +208,7 @@ class TokenService:
         if form.get("requested_token_type") == SIGNAL_GRANT_TYPE:
             return await self._signal_grant(client, client_kid, tenant, scopes, form)
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
-        extra: dict[str, Any] = {"policy_decision": decided}
+        extra: dict[str, Any] = {"policy_decision": decided, "sub_kind": subject_kind(client)}
         run_id = form.get("run_id", "")
         if run_id:
             # The run a worker calls for (a run no caller started: a trigger's), so that what the
@@ -241,7 +241,11 @@ class TokenService:
         # Every key the chain authenticated with, so that revoking any of them (the caller's too)
         # stops what was exchanged from its tokens.
         chain_kids = [str(subject.get("client_kid", "")), *[str(k) for k in subject.get("chain_kids", [])]]
-        extra: dict[str, Any] = {"act": act, "chain_kids": [k for k in chain_kids if k]}
+        extra: dict[str, Any] = {
+            "act": act,
+            "chain_kids": [k for k in chain_kids if k],
+            "sub_kind": str(subject.get("sub_kind") or ""),  # a hop never changes who the subject is
+        }
         if "run_id" in subject:
             extra["run_id"] = subject["run_id"]
         requested = form.get("requested_token_type", ACCESS_TOKEN_TYPE)
@@ -319,7 +323,12 @@ class TokenService:
         audience = form.get("audience", "")
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [], signal=action)
         signal = {"action": action, "id": bound["signal_id"], "sha256": bound["signal_sha256"]}
-        claims = {"policy_decision": decided, "run_id": bound["run_id"], "signal": signal}
+        claims = {
+            "policy_decision": decided,
+            "run_id": bound["run_id"],
+            "signal": signal,
+            "sub_kind": subject_kind(client),
+        }
         return self._sign(
             client.id, client.id, audience, tenant, scopes, client_kid,
             {**claims, "token_use": "signal_grant"}, SIGNAL_GRANT_TTL_S, "signal-grant+jwt",
@@ -397,7 +406,10 @@ class TokenService:
         except FleetError as exc:
             raise OAuthError("invalid_grant", f"the subject token is refused: {exc.message}") from exc
         mapped = claims.raw
-        return {k: mapped[k] for k in ("sub", "tenant", "scope")} | {"client_kid": mapped["ext_kid"]}
+        return {k: mapped[k] for k in ("sub", "tenant", "scope")} | {
+            "client_kid": mapped["ext_kid"],
+            "sub_kind": "external",
+        }
 
     async def _authenticate(self, assertion: str) -> tuple[IdentityRecord, str, str]:
         """The client, the key id it proved it holds, and the assertion's ``jti`` (not yet used:
@@ -535,6 +547,13 @@ class TokenService:
             typ=typ,
         )
         return IssuedToken(token, ttl_s, scope, ISSUED_TYPES.get(typ, ACCESS_TOKEN_TYPE))
+
+
+def subject_kind(identity: IdentityRecord) -> str:
+    """The ``sub_kind`` claim of a token in ``identity``'s own name: its enrolled kind, or
+    ``external`` for an identity another organisation runs. Services that keep provenance (the
+    memory server) read it to tell a person from a service or a partner; a hop keeps it."""
+    return "external" if identity.external else identity.kind
 
 
 def actors_of(act: Mapping[str, Any] | None) -> list[str]:

@@ -29,7 +29,12 @@ RECALLED_SCHEMA: dict[str, Any] = {
 
 
 async def remember_findings(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
-    """Keeps each finding as an episodic memory of this run (the gate decides what is kept, and how)."""
+    """Keeps each finding as a memory of this run in the tier asked for (the gate decides what is
+    kept, and how). The findings are the caller's words (the skill's input, whatever step or event
+    produced them): they are kept as the source ``user``, and the memory server gives them the
+    trust the caller's identity earns, which for anyone but a person in their own name is
+    ``untrusted``; a procedural rule among them is held until distinct principals support it or
+    a person approves it."""
     facts = payload.get("facts")
     tier = payload.get("tier", "episodic")
     if not isinstance(facts, list) or len(facts) > MAX_FACTS or not all(isinstance(f, str) for f in facts):
@@ -43,9 +48,9 @@ async def remember_findings(ctx: SkillContext, payload: dict[str, Any]) -> dict[
     outcomes = []
     for text in texts:
         outcome = await ctx.memory.remember(
-            text, tier=tier, source="agent", trust="trusted", ref=ctx.run_id, tags=("findings",)
+            text, tier=tier, source="user", ref=ctx.run_id, tags=("findings",)
         )
-        shown = ("id", "status", "redacted", "reasons", "duplicate")
+        shown = ("id", "status", "trust", "redacted", "reasons", "duplicate", "decision_id")
         outcomes.append({k: outcome[k] for k in shown if k in outcome})
     kept = sum(1 for o in outcomes if o.get("status") in ("stored", "held"))
     await ctx.progress(f"{kept} of {len(texts)} findings kept in memory")
