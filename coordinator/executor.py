@@ -159,6 +159,12 @@ class CoordinatorExecutor(AgentExecutor):
                 message=f"[{exc.code}] the run could not be given its caller's authority: {exc.message}",
                 data={"code": str(exc.code), "retryable": exc.retryable},
             ) from exc
+        try:  # the context is the caller's own, or new: never another principal's or tenant's
+            await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
+        except FleetError as exc:
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan, grant)
         if context.call_context is not None:  # its context id, before the task is shown to anyone
             await self._tasks.save(task, context.call_context)

@@ -41,6 +41,7 @@ class ErrorCode(StrEnum):
     INSECURE_TRANSPORT = "insecure_transport"
     TENANT_KEY_REFUSED = "tenant_key_refused"
     INTEGRITY_FAILED = "integrity_failed"
+    CONTEXT_REFUSED = "context_refused"  # an A2A context id another principal or tenant made
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -72,6 +73,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INSECURE_TRANSPORT: 400,
     ErrorCode.TENANT_KEY_REFUSED: 403,
     ErrorCode.INTEGRITY_FAILED: 500,
+    ErrorCode.CONTEXT_REFUSED: 403,
     ErrorCode.INTERNAL: 500,
 }
 
