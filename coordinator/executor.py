@@ -151,6 +151,12 @@ class CoordinatorExecutor(AgentExecutor):
         task = new_task_from_user_message(context.message)
         span.set_attribute("fleet.run_id", task.id)
         plan = [s.to_dict() for s in steps]
+        try:  # the context is the caller's own, or new: never another principal's or tenant's
+            await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
+        except FleetError as exc:
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
         try:  # the caller's authority, for the run's life (see coordinator.delegation)
             grant = await self._delegator.run_grant(claims, task.id)
         except FleetError as exc:
@@ -158,12 +164,6 @@ class CoordinatorExecutor(AgentExecutor):
             raise InternalError(
                 message=f"[{exc.code}] the run could not be given its caller's authority: {exc.message}",
                 data={"code": str(exc.code), "retryable": exc.retryable},
-            ) from exc
-        try:  # the context is the caller's own, or new: never another principal's or tenant's
-            await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
-        except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
             ) from exc
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan, grant)
         if context.call_context is not None:  # its context id, before the task is shown to anyone
