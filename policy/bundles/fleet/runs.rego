@@ -57,4 +57,4 @@ owner := "" if reach == "tenant"
 
 else := input.principal.sub
 
-decision := {"allow": count(deny) == 0, "reasons": sort(deny), "reach": reach, "owner": owner}
+access := {"allow": count(deny) == 0, "reasons": sort(deny), "reach": reach, "owner": owner}
