@@ -151,6 +151,12 @@ class CoordinatorExecutor(AgentExecutor):
         task = new_task_from_user_message(context.message)
         span.set_attribute("fleet.run_id", task.id)
         plan = [s.to_dict() for s in steps]
+        try:  # the context is the caller's own, or new: never another principal's or tenant's
+            await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
+        except FleetError as exc:
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
         try:  # the caller's authority, for the run's life (see coordinator.delegation)
             grant = await self._delegator.run_grant(claims, task.id)
         except FleetError as exc:

@@ -3,7 +3,11 @@
 The SDK keeps a task's live state in the process that runs its executor; here that state is the
 run's event log in Postgres, which any coordinator process can read. So:
 
-* ``CancelTask`` records the cancel on the run and waits for the run's terminal event. The task then
+* ``CancelTask`` is a cancel signal (:meth:`coordinator.signals.SignalDesk.apply`, via ``a2a``): the
+  same reach (``fleet.runs.access``) and the same ``fleet.approvals.decision`` as a cancel from the
+  run API, the console, the CLI or NATS, recorded with the run's signals; a refusal is
+  ``TaskNotCancelableError`` with the ``forbidden`` code. It then waits for the run's terminal
+  event. The task then
   shows the one terminal state the run reached: ``canceled``, or, if the run completed (or failed)
   first, that state, with "not cancelable". Canceling a canceled task answers with the task.
 * ``SubscribeToTask`` follows the event log, so it works after a restart and on any replica, and it
@@ -11,12 +15,16 @@ run's event log in Postgres, which any coordinator process can read. So:
   task as it stood at event N and goes on with exactly the updates after N. A cursor older than
   retention gets the current task, marked ``"resumed": "snapshot"``, then the updates after it.
 
+Every call reaches only the tasks the caller's principal started, unless policy gives it the tenant's
+(see :mod:`coordinator.access`); any other task is not found.
+
 Closing a stream never cancels a run: only ``CancelTask`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -32,11 +40,13 @@ from a2a.utils.errors import (
 )
 from a2a.utils.proto_utils import validate_proto_required_fields
 
+from coordinator.access import Reach, RunAction
 from coordinator.runs import PostgresRunStore
+from coordinator.signals import Signal, SignalDesk
 from coordinator.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
 from coordinator.task_store import PostgresTaskStore
 from fleet.a2a_support import claims_of
-from fleet.errors import ErrorCode
+from fleet.errors import ErrorCode, FleetError
 
 CANCEL_TIMEOUT_S = 60.0
 CURSOR_HEADER = "last-event-id"
@@ -57,17 +67,23 @@ def resume_cursor(context: ServerCallContext) -> int | None:
 
 
 async def follow(
-    fold: TaskFold, runs: PostgresRunStore, tasks: PostgresTaskStore, tenant: str, listen_dsn: str
+    fold: TaskFold,
+    runs: PostgresRunStore,
+    tasks: PostgresTaskStore,
+    tenant: str,
+    listen_dsn: str,
+    *,
+    owner: str | None = None,
 ) -> AsyncGenerator[Event]:
     """The updates of the events after ``fold.seq``, as they are committed, until the task ends or
     comes to wait for someone. If retention prunes events from under the reader, it sends the task as
-    it is now instead and goes on after it."""
+    it is now instead and goes on after it. ``owner``: the reader's reach (see ``fold``)."""
     task_id = fold.task.id
-    async for event in runs.follow(task_id, tenant, fold.seq, listen_dsn):
+    async for event in runs.follow(task_id, tenant, fold.seq, listen_dsn, owner=owner):
         if event.seq <= fold.seq:
             continue  # already in a snapshot sent below
         if event.seq > fold.seq + 1:
-            current = await tasks.fold(task_id, tenant)
+            current = await tasks.fold(task_id, tenant, owner=owner)
             if current is not None and current.seq > fold.seq:
                 fold = current
                 yield _marked_snapshot(fold, f"events after {fold.base} were pruned while reading")
@@ -97,6 +113,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         *,
         tasks: PostgresTaskStore,
         runs: PostgresRunStore,
+        desk: SignalDesk,
         listen_dsn: str,
         cancel_timeout_s: float = CANCEL_TIMEOUT_S,
         **kwargs: Any,
@@ -104,18 +121,27 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         super().__init__(task_store=tasks, **kwargs)
         self._tasks = tasks
         self._runs = runs
+        self._desk = desk
         self._listen_dsn = listen_dsn
         self._cancel_timeout_s = cancel_timeout_s
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task | None:
         validate_proto_required_fields(params)
-        claims = claims_of(context)
-        fold = await self._tasks.fold(params.id, claims.tenant)
+        reach = await self._tasks.reach(context, RunAction.CANCEL)
+        fold = await self._tasks.fold(params.id, reach.tenant, owner=reach.owner)
         if fold is None:
             raise TaskNotFoundError
         if fold.state not in TERMINAL:
-            await self._runs.request_cancel(params.id, claims.tenant, claims.sub)
-            fold = await self._until_ended(fold, claims.tenant)
+            signal = Signal(params.id, "cancel", f"a2a-cancel-{uuid.uuid4().hex}", "a2a")
+            try:
+                await self._desk.apply(signal, claims_of(context))
+            except FleetError as exc:
+                if exc.code == ErrorCode.NOT_FOUND:
+                    raise TaskNotFoundError from exc
+                raise TaskNotCancelableError(
+                    message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+                ) from exc
+            fold = await self._until_ended(fold, reach)
         if fold.state in TERMINAL and fold.state != TaskState.TASK_STATE_CANCELED:
             raise TaskNotCancelableError(
                 message=f"the task already ended {TaskState.Name(fold.state).removeprefix('TASK_STATE_')}"
@@ -124,10 +150,12 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         # canceled, since the run refuses every write but its end once a cancel is recorded.
         return fold.task
 
-    async def _until_ended(self, fold: TaskFold, tenant: str) -> TaskFold:
+    async def _until_ended(self, fold: TaskFold, reach: Reach) -> TaskFold:
         try:
             async with asyncio.timeout(self._cancel_timeout_s):
-                async for event in self._runs.follow(fold.task.id, tenant, fold.seq, self._listen_dsn):
+                async for event in self._runs.follow(
+                    fold.task.id, reach.tenant, fold.seq, self._listen_dsn, owner=reach.owner
+                ):
                     fold.apply(event)
         except TimeoutError:
             pass
@@ -137,9 +165,10 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         self, params: SubscribeToTaskRequest, context: ServerCallContext
     ) -> AsyncGenerator[Event]:
         validate_proto_required_fields(params)
-        tenant = claims_of(context).tenant
+        reach = await self._tasks.reach(context)
+        tenant, owner = reach.tenant, reach.owner
         cursor = resume_cursor(context)
-        fold = await self._tasks.fold(params.id, tenant, upto=cursor)
+        fold = await self._tasks.fold(params.id, tenant, upto=cursor, owner=owner)
         if fold is None:
             raise TaskNotFoundError
         if cursor is None:
@@ -150,7 +179,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
                 )
             yield fold.snapshot()
         elif cursor < fold.base:
-            current = await self._tasks.fold(params.id, tenant)
+            current = await self._tasks.fold(params.id, tenant, owner=owner)
             if current is None:
                 raise TaskNotFoundError
             fold = current
@@ -166,7 +195,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
             yield fold.snapshot()
         if fold.state in TERMINAL:
             return
-        async for update in follow(fold, self._runs, self._tasks, tenant, self._listen_dsn):
+        async for update in follow(fold, self._runs, self._tasks, tenant, self._listen_dsn, owner=owner):
             yield update
 
 

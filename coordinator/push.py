@@ -45,6 +45,7 @@ from google.protobuf.json_format import MessageToDict
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.access import Reach, RunAccess, RunAction
 from coordinator.runs import NOTIFY_CHANNEL, PostgresRunStore
 from coordinator.task_events import TaskUpdate
 from coordinator.task_store import PostgresTaskStore
@@ -79,12 +80,18 @@ CREATE TABLE IF NOT EXISTS fleet_runs.push_configs (
     created_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (task_id, config_id)
 );
+-- Who set the config, and whether their reach was the tenant's (fleet.runs.access, action push): a
+-- config delivers only a run its setter reaches. Configs from before runs were owned have no
+-- principal, and deliver nothing.
+ALTER TABLE fleet_runs.push_configs ADD COLUMN IF NOT EXISTS principal text;
+ALTER TABLE fleet_runs.push_configs ADD COLUMN IF NOT EXISTS reach_all boolean NOT NULL DEFAULT false;
 """
 
 _CLAIM = """
 WITH due AS (
     SELECT c.task_id, c.config_id FROM fleet_runs.push_configs c
     JOIN fleet_runs.runs r ON r.run_id = c.task_id AND r.tenant = c.tenant
+     AND (c.reach_all OR r.owner = c.principal)  -- only a run its setter reaches
     JOIN fleet_runs.a2a_tasks t ON t.task_id = c.task_id  -- its context id is recorded
     WHERE r.last_seq > c.delivered_seq AND NOT c.gave_up AND c.next_attempt_at <= now()
       AND (c.claimed_until IS NULL OR c.claimed_until < now())
@@ -151,14 +158,27 @@ def _shown(task_id: str, row: dict[str, Any]) -> TaskPushNotificationConfig:
 
 
 class PostgresPushConfigStore(PushNotificationConfigStore):
-    """Push configs in ``fleet_runs.push_configs``, scoped to the caller's tenant in SQL.
+    """Push configs in ``fleet_runs.push_configs``, scoped in SQL to the caller's tenant and reach
+    (``fleet.runs.access``, action ``push``): a principal without the tenant's reach sees, changes
+    and deletes only configs it set on tasks it started, and a config delivers only a run its setter
+    reaches (the SDK also checks the task first: another principal's task is not found).
 
     A new config starts at the beginning of the task's log, so its webhook learns everything the task
     did; setting an existing config again changes its target but keeps its cursor."""
 
-    def __init__(self, pool: AsyncConnectionPool[Any], policy: PushUrlPolicy) -> None:
+    def __init__(self, pool: AsyncConnectionPool[Any], policy: PushUrlPolicy, access: RunAccess) -> None:
         self._pool = pool
         self._policy = policy
+        self._access = access
+
+    async def _reach(self, context: ServerCallContext) -> tuple[Reach, str]:
+        claims = claims_of(context)
+        try:
+            return await self._access.reach(claims, RunAction.PUSH), claims.sub
+        except FleetError as exc:
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
 
     async def setup(self) -> None:
         async with self._pool.connection() as conn, conn.transaction():
@@ -174,35 +194,50 @@ class PostgresPushConfigStore(PushNotificationConfigStore):
             raise InvalidParamsError(
                 message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
             ) from exc
+        reach, principal = await self._reach(context)
         config = normalize_push_notification_config(task_id, notification_config)
         auth = config.authentication
         async with self._pool.connection() as conn:
+            # A task of someone else's (the SDK finds none first: this is the data layer's own
+            # check) gets no config; a new task's config comes before its run, and is the caller's.
             await conn.execute(
-                "INSERT INTO fleet_runs.push_configs"
-                " (task_id, config_id, tenant, url, token, auth_scheme, auth_credentials)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (task_id, config_id) DO UPDATE"
+                "INSERT INTO fleet_runs.push_configs (task_id, config_id, tenant, url, token, auth_scheme,"
+                " auth_credentials, principal, reach_all)"
+                " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s WHERE NOT EXISTS (SELECT 1 FROM fleet_runs.runs r"
+                " WHERE r.run_id = %s AND (r.tenant <> %s OR (NOT %s AND r.owner <> %s)))"
+                " ON CONFLICT (task_id, config_id) DO UPDATE"
                 " SET url = EXCLUDED.url, token = EXCLUDED.token, auth_scheme = EXCLUDED.auth_scheme,"
                 " auth_credentials = EXCLUDED.auth_credentials, gave_up = false, attempts = 0,"
-                " next_attempt_at = now(), last_error = NULL WHERE push_configs.tenant = EXCLUDED.tenant",
+                " next_attempt_at = now(), last_error = NULL, principal = EXCLUDED.principal,"
+                " reach_all = EXCLUDED.reach_all WHERE push_configs.tenant = EXCLUDED.tenant"
+                " AND (EXCLUDED.reach_all OR push_configs.principal = EXCLUDED.principal)",
                 (
                     task_id,
                     config.id,
-                    claims_of(context).tenant,
+                    reach.tenant,
                     config.url,
                     config.token,
                     auth.scheme,
                     auth.credentials,
+                    principal,
+                    reach.owner is None,
+                    task_id,
+                    reach.tenant,
+                    reach.owner is None,
+                    principal,
                 ),
             )
         return _without_credentials(config)
 
     async def get_info(self, task_id: str, context: ServerCallContext) -> list[TaskPushNotificationConfig]:
+        reach, principal = await self._reach(context)
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
                 "SELECT config_id, url, token, auth_scheme FROM fleet_runs.push_configs"
-                " WHERE task_id = %s AND tenant = %s ORDER BY created_at, config_id",
-                (task_id, claims_of(context).tenant),
+                " WHERE task_id = %s AND tenant = %s AND (%s OR principal = %s)"
+                " ORDER BY created_at, config_id",
+                (task_id, reach.tenant, reach.owner is None, principal),
             )
             rows = await cursor.fetchall()
         return [_shown(task_id, row) for row in rows]
@@ -211,11 +246,12 @@ class PostgresPushConfigStore(PushNotificationConfigStore):
         self, task_id: str, context: ServerCallContext, config_id: str | None = None
     ) -> None:
         """Idempotent: deleting a config that is gone is not an error."""
+        reach, principal = await self._reach(context)
         async with self._pool.connection() as conn:
             await conn.execute(
                 "DELETE FROM fleet_runs.push_configs WHERE task_id = %s AND tenant = %s"
-                " AND (%s::text IS NULL OR config_id = %s)",
-                (task_id, claims_of(context).tenant, config_id, config_id),
+                " AND (%s OR principal = %s) AND (%s::text IS NULL OR config_id = %s)",
+                (task_id, reach.tenant, reach.owner is None, principal, config_id, config_id),
             )
 
 

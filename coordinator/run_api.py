@@ -4,6 +4,10 @@
 ``?after=``) and then streams new events as they are committed, until the run ends. Every event
 carries its sequence number as the SSE id, so a client that reconnects with the last id it saw gets
 exactly the events it missed, with no duplicates. Closing the stream never affects the run.
+
+Every route reaches only the runs the caller's principal started, unless policy
+(``fleet.runs.access``, see :mod:`coordinator.access`) gives it the tenant's: any other run is
+``not_found``, the same answer as a run that does not exist, and a listing never loads it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from coordinator.access import Reach, RunAccess, RunAction
 from coordinator.debug_bundle import bundle
 from coordinator.operations import Ledger
-from coordinator.runs import PostgresRunStore, Run, RunNotFound, RunState, event_json
+from coordinator.runs import PostgresRunStore, Run, RunState, event_json
 from coordinator.signals import SignalDesk, parse_signal
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
@@ -80,6 +85,15 @@ def run_routes(
 ) -> list[Route]:
     """The run API's routes; ``agent_records`` lists the registry's agents (for the debug bundle:
     the versions of the agents a run used)."""
+    access = RunAccess(policy)
+
+    async def reach(request: Request, action: RunAction = RunAction.READ) -> Reach:
+        return await access.reach(request_claims(request), action)
+
+    async def reached_run(request: Request, action: RunAction = RunAction.READ) -> Run:
+        """The run of the path, if the caller reaches it for ``action``; ``not_found`` if not."""
+        within = await reach(request, action)
+        return await store.get_run(request.path_params["run_id"], within.tenant, owner=within.owner)
 
     async def agents_now() -> dict[str, dict[str, Any]]:
         if agent_records is None:
@@ -103,29 +117,30 @@ def run_routes(
         """The tenant's newest runs: ``?limit=`` (50, at most 500), ``?state=`` (one run state)."""
         try:
             limit, state = _listing(request)
+            within = await reach(request)
         except FleetError as exc:
             return _error(exc)
-        runs = await store.list_runs(request_claims(request).tenant, limit, state)
+        runs = await store.list_runs(within.tenant, limit, state, owner=within.owner)
         return JSONResponse({"runs": [_run_json(r) for r in runs]})
 
     async def get_run(request: Request) -> Response:
         try:
-            run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
-        except RunNotFound as exc:
+            run = await reached_run(request)
+        except FleetError as exc:
             return _error(exc)
         return JSONResponse(_run_json(run))
 
     async def events(request: Request) -> Response:
-        tenant = request_claims(request).tenant
         run_id = request.path_params["run_id"]
         try:
             after = _cursor(request)
-            await store.get_run(run_id, tenant)
+            within = await reach(request)
+            await store.get_run(run_id, within.tenant, owner=within.owner)
         except FleetError as exc:
             return _error(exc)
 
         async def stream() -> AsyncIterator[str]:
-            async for event in store.follow(run_id, tenant, after, listen_dsn):
+            async for event in store.follow(run_id, within.tenant, after, listen_dsn, owner=within.owner):
                 yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
 
         return StreamingResponse(
@@ -134,16 +149,16 @@ def run_routes(
 
     async def debug_bundle(request: Request) -> Response:
         try:
-            run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
-        except RunNotFound as exc:
+            run = await reached_run(request)
+        except FleetError as exc:
             return _error(exc)
         files = await bundle(store, ledger, saver, run, policy.revision, await agents_now())
         return JSONResponse({"run": _run_json(run), "files": files})
 
     async def operations(request: Request) -> Response:
         try:
-            run = await store.get_run(request.path_params["run_id"], request_claims(request).tenant)
-        except RunNotFound as exc:
+            run = await reached_run(request)
+        except FleetError as exc:
             return _error(exc)
         return JSONResponse({"operations": [op.to_json() for op in await ledger.for_run(run.run_id)]})
 
@@ -154,6 +169,7 @@ def run_routes(
         try:
             if RESOLVE_SCOPE not in claims.scopes:
                 raise FleetError(ErrorCode.FORBIDDEN, f"resolving an operation needs scope {RESOLVE_SCOPE}")
+            await reached_run(request, RunAction.RESOLVE)
             body = await _json_body(request)
             verdict = body.get("verdict")
             if verdict not in ("succeeded", "failed", "retry"):
@@ -187,6 +203,7 @@ def run_routes(
         try:
             if RESOLVE_SCOPE not in claims.scopes:
                 raise FleetError(ErrorCode.FORBIDDEN, f"deciding for a run needs scope {RESOLVE_SCOPE}")
+            await reached_run(request, RunAction.RESOLVE)
             answer = budget_decision(await _json_body(request))
             seq = await store.answer_wait(run_id, claims.tenant, "budget", answer, claims.sub)
         except FleetError as exc:
@@ -206,13 +223,11 @@ def run_routes(
         return JSONResponse(outcome.to_json())
 
     async def signals(request: Request) -> Response:
-        claims = request_claims(request)
-        run_id = request.path_params["run_id"]
         try:
-            await store.get_run(run_id, claims.tenant)
-        except RunNotFound as exc:
+            run = await reached_run(request)
+        except FleetError as exc:
             return _error(exc)
-        return JSONResponse({"signals": await desk.for_run(run_id, claims.tenant)})
+        return JSONResponse({"signals": await desk.for_run(run.run_id, run.tenant)})
 
     return [
         Route("/v1/runs", list_runs),

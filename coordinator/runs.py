@@ -169,6 +169,8 @@ CREATE TABLE IF NOT EXISTS fleet_runs.batch_items (
     item     jsonb NOT NULL,
     PRIMARY KEY (run_id, event_id)
 );
+-- A caller's own runs (see coordinator.access), newest first.
+CREATE INDEX IF NOT EXISTS runs_by_owner ON fleet_runs.runs (tenant, owner, created_at DESC);
 -- A run's grant (see coordinator.grants): never in the event log, the run's record or an API answer.
 CREATE TABLE IF NOT EXISTS fleet_runs.run_grants (
     run_id      text PRIMARY KEY REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE,
@@ -370,9 +372,14 @@ def _run(row: Mapping[str, Any]) -> Run:
     )
 
 
+_OWNED = " AND (%s::text IS NULL OR owner = %s)"  # a caller's reach: its own runs, or (None) all
+
+
 class PostgresRunStore:
     """Runs and their events on Postgres. Every read takes the caller's tenant: a run of another tenant
-    is indistinguishable from a run that does not exist.
+    is indistinguishable from a run that does not exist. Reads for a caller also take its ``owner``
+    reach (see :mod:`coordinator.access`): with an owner, another principal's run of the same
+    tenant is just as unknown; None reaches every run of the tenant.
 
     The pool's connections should be in autocommit mode: every write is then one statement and one
     commit (multi-statement writes open their own transaction)."""
@@ -498,12 +505,13 @@ class PostgresRunStore:
             )
             return [row[0] for row in await cursor.fetchall()]
 
-    async def get_run(self, run_id: str, tenant: str) -> Run:
+    async def get_run(self, run_id: str, tenant: str, *, owner: str | None = None) -> Run:
+        """The run, if ``tenant`` has it (and ``owner`` started it, if given); else :class:`RunNotFound`."""
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
-                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s",
-                (run_id, tenant),
+                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s{_OWNED}",
+                (run_id, tenant, owner, owner),
             )
             row = await cursor.fetchone()
         if row is None:
@@ -535,14 +543,16 @@ class PostgresRunStore:
             )
             return [(str(row[0]), int(row[1])) for row in await cursor.fetchall()]
 
-    async def list_runs(self, tenant: str, limit: int = 50, state: RunState | None = None) -> list[Run]:
-        """The tenant's newest runs (only those in ``state``, if given)."""
+    async def list_runs(
+        self, tenant: str, limit: int = 50, state: RunState | None = None, *, owner: str | None = None
+    ) -> list[Run]:
+        """The tenant's newest runs (only those in ``state``, and ``owner``'s, if given)."""
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
-                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE tenant = %s"
+                f"SELECT {_RUN_COLUMNS} FROM fleet_runs.runs WHERE tenant = %s{_OWNED}"
                 " AND (%s::text IS NULL OR state = %s) ORDER BY created_at DESC LIMIT %s",
-                (tenant, state and state.value, state and state.value, limit),
+                (tenant, owner, owner, state and state.value, state and state.value, limit),
             )
             return [_run(row) for row in await cursor.fetchall()]
 
@@ -573,20 +583,21 @@ class PostgresRunStore:
             raise StaleLease(lease.run_id)
         return bool(row[0])
 
-    async def request_cancel(self, run_id: str, tenant: str, actor: str) -> Run:
+    async def request_cancel(self, run_id: str, tenant: str, actor: str, *, owner: str | None = None) -> Run:
         """Ask for the run to be canceled (idempotent; a finished run is left as it is). The event
-        is recorded at once; the worker advancing the run stops at its next write or heartbeat."""
+        is recorded at once; the worker advancing the run stops at its next write or heartbeat.
+        Callers come through :meth:`coordinator.signals.SignalDesk.apply` (policy decides)."""
         async with self._pool.connection() as conn, conn.transaction():
             cursor = await conn.execute(
                 "SELECT last_seq, lease_owner IS NOT NULL AND lease_expires_at >= now() AND state <> 'waiting'"
                 " FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s AND NOT cancel_requested"
-                " AND state NOT IN ('completed', 'failed', 'canceled', 'rejected') FOR UPDATE",
-                (run_id, tenant),
+                f" AND state NOT IN ('completed', 'failed', 'canceled', 'rejected'){_OWNED} FOR UPDATE",
+                (run_id, tenant, owner, owner),
             )
             row = await cursor.fetchone()
             if row is not None:
                 await self._record_cancel(conn, run_id, int(row[0]), actor, leased=bool(row[1]))
-        return await self.get_run(run_id, tenant)
+        return await self.get_run(run_id, tenant, owner=owner)
 
     @staticmethod
     async def _record_cancel(
@@ -810,21 +821,24 @@ class PostgresRunStore:
         return seq
 
     async def events_after(
-        self, run_id: str, tenant: str, after_seq: int, limit: int = 500
+        self, run_id: str, tenant: str, after_seq: int, limit: int = 500, *, owner: str | None = None
     ) -> list[RunEvent]:
-        """Events of the run with ``seq > after_seq``, in order (tenant-checked)."""
+        """Events of the run with ``seq > after_seq``, in order (tenant- and owner-checked)."""
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
             await cursor.execute(
                 "SELECT e.run_id, e.seq, e.type, e.ts, e.actor, e.payload FROM fleet_runs.events e"
                 " JOIN fleet_runs.runs r USING (run_id)"
-                " WHERE e.run_id = %s AND r.tenant = %s AND e.seq > %s ORDER BY e.seq LIMIT %s",
-                (run_id, tenant, after_seq, limit),
+                " WHERE e.run_id = %s AND r.tenant = %s AND (%s::text IS NULL OR r.owner = %s)"
+                " AND e.seq > %s ORDER BY e.seq LIMIT %s",
+                (run_id, tenant, owner, owner, after_seq, limit),
             )
             rows = await cursor.fetchall()
         return [RunEvent(**row) for row in rows]
 
-    async def follow(self, run_id: str, tenant: str, after_seq: int, dsn: str) -> AsyncIterator[RunEvent]:
+    async def follow(
+        self, run_id: str, tenant: str, after_seq: int, dsn: str, *, owner: str | None = None
+    ) -> AsyncIterator[RunEvent]:
         """Every event after ``after_seq``, then new ones as they are committed, until the run ends.
 
         Notifications only wake the reader; the events always come from the table, so a missed or
@@ -834,13 +848,13 @@ class PostgresRunStore:
             await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
             cursor = after_seq
             while True:
-                page = await self.events_after(run_id, tenant, cursor, FOLLOW_PAGE)
+                page = await self.events_after(run_id, tenant, cursor, FOLLOW_PAGE, owner=owner)
                 for event in page:
                     cursor = event.seq
                     yield event
                 if len(page) == FOLLOW_PAGE:
                     continue  # a backlog: read on before waiting for news
-                run = await self.get_run(run_id, tenant)
+                run = await self.get_run(run_id, tenant, owner=owner)
                 if run.state.terminal and cursor >= run.last_seq:
                     return
                 async for notify in listener.notifies(timeout=5.0):

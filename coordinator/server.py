@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from coordinator import work
+from coordinator.access import RunAccess
 from coordinator.card import JWKS_PATH, ExtendedCardForCaller, extended_card, with_fleet_capabilities
 from coordinator.checkpoints import CompactCheckpointer
 from coordinator.delegation import INVOKE_SCOPE, Delegator
@@ -130,9 +131,10 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     runs = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
-    tasks = PostgresTaskStore(run_pool, runs)
+    access = RunAccess(engine)
+    tasks = PostgresTaskStore(run_pool, runs, access)
     policy = PushUrlPolicy(settings.allowed_push_hosts)
-    push_configs = PostgresPushConfigStore(run_pool, policy)
+    push_configs = PostgresPushConfigStore(run_pool, policy, access)
     dispatcher = PushDispatcher(
         run_pool,
         tasks,
@@ -154,6 +156,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     handler = CoordinatorRequestHandler(
         tasks=tasks,
         runs=runs,
+        desk=desk,
         listen_dsn=settings.pg_dsn,
         agent_executor=CoordinatorExecutor(
             delegator,

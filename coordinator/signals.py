@@ -22,9 +22,12 @@ goes through :meth:`SignalDesk.apply`:
 
 The rules:
 
-- the signer is the verified token's (or signal grant's) subject; ``fleet.approvals.decision``
-  decides whether they may give this answer to this wait (a refusal is recorded and answered
-  ``forbidden``);
+- the signer is the verified token's (or signal grant's) subject. ``fleet.runs.access`` decides
+  which runs the signer reaches (its own; the tenant's with ``runs:admin``, or, to answer or
+  cancel, with ``runs:approve``): any other run is not found, as if it did not exist. Then
+  ``fleet.approvals.decision`` decides whether they may give this answer to this wait (a refusal
+  is recorded and answered ``forbidden``). A2A ``CancelTask`` is a cancel signal like the others;
+- a signal id is the signer's: the same id from another signer is a ``conflict``;
 - the answer is delivered to the exact wait it names (``awaited``; by default the gate the run
   waits at now) and recorded with the run (``runs.answers``) under the run's row lock, so
   concurrent signals are serialised and only the first answer to a wait counts;
@@ -53,6 +56,7 @@ from nats.js.client import JetStreamContext
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.access import RunAccess, signal_action
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_requests
 from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.events import ensure_stream
@@ -173,6 +177,7 @@ class SignalOutcome:
     reasons: list[str] = field(default_factory=list)
     seq: int | None = None
     repeated: bool = False
+    signer: str = field(default="", compare=False)  # who gave it (not in the JSON answer)
 
     @property
     def applied(self) -> bool:
@@ -224,6 +229,7 @@ class SignalDesk:
         self._pool = pool
         self._runs = runs
         self._engine = engine
+        self._access = RunAccess(engine)
         self._submit = submit
 
     async def setup(self) -> None:
@@ -232,17 +238,21 @@ class SignalDesk:
             await conn.execute(SCHEMA)
 
     async def apply(self, signal: Signal, claims: Claims) -> SignalOutcome:
-        """Apply ``signal`` as ``claims``' subject; raise ``not_found`` for a run the signer's
-        tenant does not have and ``forbidden`` for a signer policy refuses (both recorded)."""
+        """Apply ``signal`` as ``claims``' subject; raise ``not_found`` for a run the signer does
+        not reach (another tenant's, or another principal's: ``fleet.runs.access``) and
+        ``forbidden`` for a signer policy refuses (both recorded)."""
+        reach = await self._access.reach(claims, signal_action(signal.action))
         earlier = await self._recorded(claims.tenant, signal.signal_id)
         if earlier is not None:
-            if earlier.run_id != signal.run_id:
-                raise FleetError(ErrorCode.CONFLICT, f"signal id {signal.signal_id} was used for another run")
+            if earlier.signer != claims.sub or earlier.run_id != signal.run_id:
+                raise FleetError(
+                    ErrorCode.CONFLICT, f"signal id {signal.signal_id} was used for another signal"
+                )
             if earlier.outcome == "forbidden":
                 raise FleetError(ErrorCode.FORBIDDEN, "; ".join(earlier.reasons))
             return earlier
         try:
-            run = await self._runs.get_run(signal.run_id, claims.tenant)
+            run = await self._runs.get_run(signal.run_id, reach.tenant, owner=reach.owner)
         except RunNotFound:
             await self._record(signal, claims, "unknown_run", signal.awaited, [f"no run {signal.run_id}"])
             raise
@@ -304,7 +314,7 @@ class SignalDesk:
 
     async def _deliver(self, signal: Signal, claims: Claims, run: Run, awaited: str | None) -> int:
         if signal.action == "cancel":
-            cancelled = await self._runs.request_cancel(run.run_id, claims.tenant, claims.sub)
+            cancelled = await self._runs.request_cancel(run.run_id, run.tenant, claims.sub)
             return cancelled.last_seq
         assert awaited is not None
         if signal.action == "extend":
@@ -336,14 +346,16 @@ class SignalDesk:
     async def _recorded(self, tenant: str, signal_id: str) -> SignalOutcome | None:
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
-                "SELECT run_id, action, outcome, awaited, reasons, seq FROM fleet_runs.signals"
+                "SELECT run_id, action, outcome, awaited, reasons, seq, signer FROM fleet_runs.signals"
                 " WHERE tenant = %s AND signal_id = %s",
                 (tenant, signal_id),
             )
             row = await cursor.fetchone()
         if row is None:
             return None
-        return SignalOutcome(signal_id, row[0], row[1], row[2], row[3], list(row[4]), row[5], repeated=True)
+        return SignalOutcome(
+            signal_id, row[0], row[1], row[2], row[3], list(row[4]), row[5], repeated=True, signer=row[6]
+        )
 
     async def _record(
         self,

@@ -8,8 +8,14 @@ not hold are kept in ``fleet_runs.a2a_tasks``: the context id and the request me
 :meth:`PostgresTaskStore.save`, the first time the SDK saves the task), and, once retention has pruned
 a finished run's older events, the task folded up to the last pruned event.
 
-Every read takes the caller's tenant from the verified token and filters on it in SQL: another
-tenant's task is indistinguishable from one that does not exist.
+Every read takes the caller's tenant from the verified token, and its reach from the policy
+``fleet.runs.access`` (see :mod:`coordinator.access`), and filters on both in SQL: another tenant's
+task, or another principal's without a tenant-wide reach, is indistinguishable from one that does
+not exist.
+
+A2A context ids belong to the principal (tenant and subject) whose task first used them
+(``fleet_runs.a2a_contexts``): a new task that names a context another principal or tenant made is
+refused with ``context_refused`` (:meth:`PostgresTaskStore.claim_context`).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.access import Reach, RunAccess, RunAction
 from coordinator.runs import TERMINAL_STATES, PostgresRunStore, RunEvent
 from coordinator.task_events import A2A_STATE, TaskFold, initial_task
 from fleet.a2a_support import claims_of
-from fleet.errors import ErrorCode
+from fleet.errors import ErrorCode, FleetError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,23 @@ CREATE TABLE IF NOT EXISTS fleet_runs.a2a_tasks (
     snapshot_seq bigint NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS a2a_tasks_by_context ON fleet_runs.a2a_tasks (context_id);
+CREATE TABLE IF NOT EXISTS fleet_runs.a2a_contexts (
+    context_id text PRIMARY KEY,
+    tenant     text NOT NULL,
+    owner      text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+# A context is claimed by its first task's principal, unless a task recorded before contexts were
+# owned (no row here yet) shows that someone else used it first.
+_CLAIM_CONTEXT = """
+INSERT INTO fleet_runs.a2a_contexts (context_id, tenant, owner)
+SELECT %(context)s, %(tenant)s, %(owner)s WHERE NOT EXISTS (
+    SELECT 1 FROM fleet_runs.a2a_tasks t JOIN fleet_runs.runs r ON r.run_id = t.task_id
+    WHERE t.context_id = %(context)s AND (r.tenant <> %(tenant)s OR r.owner <> %(owner)s)
+)
+ON CONFLICT (context_id) DO NOTHING
 """
 
 _TASK_ROWS = """
@@ -93,9 +117,37 @@ def _ns(moment: dt.datetime) -> int:
 class PostgresTaskStore(TaskStore):
     """A2A tasks as folds over the run store's rows (see the module docstring)."""
 
-    def __init__(self, pool: AsyncConnectionPool[Any], runs: PostgresRunStore) -> None:
+    def __init__(self, pool: AsyncConnectionPool[Any], runs: PostgresRunStore, access: RunAccess) -> None:
         self._pool = pool
         self._runs = runs
+        self._access = access
+
+    async def reach(self, context: ServerCallContext | None, action: RunAction = RunAction.READ) -> Reach:
+        """The caller's reach for ``action``; a principal policy refuses outright gets
+        ``InvalidParamsError`` with the ``forbidden`` code."""
+        try:
+            return await self._access.reach(claims_of(context), action)
+        except FleetError as exc:
+            raise InvalidParamsError(
+                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
+            ) from exc
+
+    async def claim_context(self, context_id: str, tenant: str, owner: str) -> None:
+        """Make ``context_id`` the principal's (``tenant``, ``owner``) if nobody has it yet; raise
+        ``context_refused`` if another principal or tenant made it."""
+        async with self._pool.connection() as conn, conn.transaction():
+            args = {"context": context_id, "tenant": tenant, "owner": owner}
+            await conn.execute(_CLAIM_CONTEXT, args)
+            cursor = await conn.execute(
+                "SELECT tenant, owner FROM fleet_runs.a2a_contexts WHERE context_id = %s", (context_id,)
+            )
+            row = await cursor.fetchone()
+        if row is None or (str(row[0]), str(row[1])) != (tenant, owner):
+            raise FleetError(
+                ErrorCode.CONTEXT_REFUSED,
+                f"context {context_id} belongs to another principal: a new task may continue only a "
+                "context its own principal made (leave context_id out to start a new one)",
+            )
 
     async def setup(self) -> None:
         """Create the table (idempotent); the run store's ``setup`` must have run first."""
@@ -110,27 +162,37 @@ class PostgresTaskStore(TaskStore):
         task whose run does not exist (a request refused before its run was created) is not
         recorded, so it stays unknown."""
         message = MessageToDict(task.history[0]) if task.history else None
+        claims = claims_of(context)
         async with self._pool.connection() as conn:
             await conn.execute(
                 "INSERT INTO fleet_runs.a2a_tasks (task_id, context_id, message)"
-                " SELECT run_id, %s, %s FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s"
+                " SELECT run_id, %s, %s FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s AND owner = %s"
                 " ON CONFLICT (task_id) DO NOTHING",
-                (task.context_id, Jsonb(message) if message else None, task.id, claims_of(context).tenant),
+                (task.context_id, Jsonb(message) if message else None, task.id, claims.tenant, claims.sub),
             )
 
     async def get(self, task_id: str, context: ServerCallContext) -> Task | None:
-        fold = await self.fold(task_id, claims_of(context).tenant)
+        """The task if the caller reaches it (``fleet.runs.access``, action ``read``): None, as for
+        a task that does not exist, otherwise."""
+        reach = await self.reach(context)
+        fold = await self.fold(task_id, reach.tenant, owner=reach.owner)
         return fold.task if fold is not None else None
 
     async def delete(self, task_id: str, context: ServerCallContext) -> None:
         """Tasks are runs, and runs are kept: nothing is deleted through A2A."""
 
-    async def fold(self, task_id: str, tenant: str, upto: int | None = None) -> TaskFold | None:
+    async def fold(
+        self, task_id: str, tenant: str, upto: int | None = None, *, owner: str | None = None
+    ) -> TaskFold | None:
         """The task folded from its events up to event ``upto`` (all of them if None); None if the
-        tenant has no such task. ``fold.base`` is the oldest event id still resumable from."""
+        tenant has no such task (or ``owner``, if given, did not start it). ``fold.base`` is the
+        oldest event id still resumable from."""
         async with self._pool.connection() as conn:
             cursor = conn.cursor(row_factory=dict_row)
-            await cursor.execute(_TASK_ROWS + " WHERE r.run_id = %s AND r.tenant = %s", (task_id, tenant))
+            await cursor.execute(
+                _TASK_ROWS + " WHERE r.run_id = %s AND r.tenant = %s AND (%s::text IS NULL OR r.owner = %s)",
+                (task_id, tenant, owner, owner),
+            )
             row = await cursor.fetchone()
         if row is None:
             return None
@@ -150,8 +212,10 @@ class PostgresTaskStore(TaskStore):
 
         Filters: ``context_id``, ``status``, ``status_timestamp_after`` (compared with the run's last
         update). The page token is a keyset cursor (last update, task id), so it stays valid while
-        tasks change. The request's own ``tenant`` field is ignored: the token decides."""
-        where, args = self._filters(params, claims_of(context).tenant)
+        tasks change. The request's own ``tenant`` field is ignored: the token decides, and so does
+        the caller's reach (only its own tasks, unless policy gives it the tenant's)."""
+        reach = await self.reach(context)
+        where, args = self._filters(params, reach)
         page_size = params.page_size or DEFAULT_LIST_TASKS_PAGE_SIZE
         keyset, keyset_args = self._after_page_token(params.page_token)
         async with self._pool.connection() as conn:
@@ -178,9 +242,12 @@ class PostgresTaskStore(TaskStore):
         return ListTasksResponse(tasks=tasks, next_page_token=token, page_size=page_size, total_size=total)
 
     @staticmethod
-    def _filters(params: ListTasksRequest, tenant: str) -> tuple[Clauses, Arguments]:
+    def _filters(params: ListTasksRequest, reach: Reach) -> tuple[Clauses, Arguments]:
         where: Clauses = ["r.tenant = %s"]
-        args: Arguments = [tenant]
+        args: Arguments = [reach.tenant]
+        if reach.owner is not None:
+            where.append("r.owner = %s")
+            args.append(reach.owner)
         if params.context_id:
             where.append("t.context_id = %s")
             args.append(params.context_id)

@@ -146,7 +146,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "console",
         "console",
         "fleet.console:main",
-        scopes=("agent:invoke", "runs:approve", "runs:resolve", "registry:read"),
+        scopes=("agent:invoke", "runs:approve", "runs:resolve", "registry:read", "runs:admin"),
     ),
 )
 

@@ -164,7 +164,8 @@ async def _demo(layout: StackLayout, auto_approve: bool, timeout_s: float | None
 
 
 class RunApi:
-    """The coordinator's run API, as the operator of the data dir (a token per tenant)."""
+    """The coordinator's run API, as the operator of the data dir (a token per tenant, reaching
+    every run of the tenant: the night's runs are started by a trigger, not by the operator)."""
 
     def __init__(self, http: httpx.AsyncClient, base_url: str, tokens: TokenClient) -> None:
         self._http = http
@@ -172,7 +173,7 @@ class RunApi:
         self._tokens = tokens
 
     async def headers(self, tenant: str, *scopes: str) -> dict[str, str]:
-        token = await self._tokens.token("coordinator", tenant, ["agent:invoke", *scopes])
+        token = await self._tokens.token("coordinator", tenant, ["agent:invoke", "runs:admin", *scopes])
         return {"Authorization": f"Bearer {token}"}
 
     async def runs(self, tenant: str) -> list[dict[str, Any]]:

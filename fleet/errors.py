@@ -42,6 +42,7 @@ class ErrorCode(StrEnum):
     TENANT_KEY_REFUSED = "tenant_key_refused"
     INTEGRITY_FAILED = "integrity_failed"
     SKILL_NOT_ALLOWED = "skill_not_allowed"  # a card claims a skill its identity may not offer
+    CONTEXT_REFUSED = "context_refused"  # an A2A context id another principal or tenant made
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -74,6 +75,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TENANT_KEY_REFUSED: 403,
     ErrorCode.SKILL_NOT_ALLOWED: 403,
     ErrorCode.INTEGRITY_FAILED: 500,
+    ErrorCode.CONTEXT_REFUSED: 403,
     ErrorCode.INTERNAL: 500,
 }
 

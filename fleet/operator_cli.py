@@ -165,7 +165,7 @@ def export_run(layout: StackLayout, run_id: str, out_dir: Path, tenant: str, *, 
 
 
 async def _fetch_debug_bundle(layout: StackLayout, run_id: str, tenant: str) -> dict[str, Any]:
-    async with operator_client(layout, "coordinator", tenant, ("agent:invoke",)) as api:
+    async with operator_client(layout, "coordinator", tenant, ("agent:invoke", "runs:admin")) as api:
         try:
             return await api.get(f"/v1/runs/{run_id}/debug-bundle")
         except FleetError as exc:
@@ -252,7 +252,11 @@ async def send_signal(
     """Send a signal for a run as the operator (approve, reject, extend); exit 0 if it was
     applied (a repeat of a signal id gets its first answer again), 4 if it was a recorded no-op."""
     answer = await _post_for_run(
-        layout, tenant, f"/v1/runs/{run_id}/signals", body, scopes=("agent:invoke", "runs:approve")
+        layout,
+        tenant,
+        f"/v1/runs/{run_id}/signals",
+        body,
+        scopes=("agent:invoke", "runs:approve", "runs:admin"),
     )
     if answer["applied"]:
         again = " (this signal was received before: nothing new happened)" if answer["repeated"] else ""
@@ -270,7 +274,7 @@ async def _post_for_run(
     tenant: str,
     path: str,
     body: dict[str, Any],
-    scopes: tuple[str, ...] = ("agent:invoke", "runs:resolve"),
+    scopes: tuple[str, ...] = ("agent:invoke", "runs:resolve", "runs:admin"),
 ) -> dict[str, Any]:
     """POST ``body`` to the coordinator's run API as the operator (with ``scopes``): the answer;
     the service's refusal is raised as FleetError."""

@@ -34,8 +34,9 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
 from fleet.progress import ProgressBar
 
-READ_SCOPES = ("agent:invoke",)
-SIGNAL_SCOPES = ("agent:invoke", "runs:approve")
+# The operator reaches every run of the tenant (runs:admin), not only those it started.
+READ_SCOPES = ("agent:invoke", "runs:admin")
+SIGNAL_SCOPES = ("agent:invoke", "runs:approve", "runs:admin")
 TERMINAL_STATES = frozenset(EXIT_BY_END_STATE)
 RECONNECTS = 8  # in a row without a new event; then the coordinator is taken to be gone
 

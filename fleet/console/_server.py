@@ -39,8 +39,9 @@ from fleet.settings import ServiceSettings
 from registry.client import RegistryClient
 
 STATIC = Path(__file__).parent / "static"
-RUN_SCOPES = ("agent:invoke",)
-ANSWER_SCOPES = ("agent:invoke", "runs:approve")
+# runs:admin only if the person signed in with it (Sessions.token_for keeps what they have).
+RUN_SCOPES = ("agent:invoke", "runs:admin")
+ANSWER_SCOPES = ("agent:invoke", "runs:approve", "runs:admin")
 REGISTRY_SCOPES = ("registry:read",)
 BACKEND_TIMEOUT_S = 15.0
 STREAM_TIMEOUT = httpx.Timeout(BACKEND_TIMEOUT_S, read=None)  # a run may be quiet for days

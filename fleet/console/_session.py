@@ -37,8 +37,10 @@ from fleet.tokens import (
 )
 
 COOKIE = "fleet_console"
-# What the console asks a sign-in for: reading runs and agents, answering and cancelling runs.
-SIGN_IN_SCOPES = ("agent:invoke", "runs:approve", "runs:resolve", "registry:read")
+# What the console asks a sign-in for: reading runs and agents, answering and cancelling runs, and
+# (runs:admin) reaching every run of the tenant, not only those the person started. A person signed
+# in without runs:admin sees and acts on their own runs only.
+SIGN_IN_SCOPES = ("agent:invoke", "runs:approve", "runs:resolve", "registry:read", "runs:admin")
 SIGNED_OUT_BUCKET = "fleet-console-signouts"
 SIGNED_OUT_KEPT_S = 9 * 3600.0  # longer than a session grant lives (8 hours)
 

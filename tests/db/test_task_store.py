@@ -1,5 +1,6 @@
 """A2A tasks derived from runs, and push configs, on a real Postgres: the fold of every kind of event,
-tenancy in SQL, paging, retention, and the push URL policy."""
+tenancy and ownership in SQL (with the real policy deciding reach), context ownership, paging,
+retention, and the push URL policy."""
 
 from __future__ import annotations
 
@@ -21,16 +22,20 @@ from a2a.types import (
 from a2a.utils.errors import InvalidParamsError
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.access import RunAccess
 from coordinator.push import PostgresPushConfigStore, PushUrlPolicy
 from coordinator.runs import Lease, PostgresRunStore, RunState
 from coordinator.task_events import event_id_of
 from coordinator.task_store import PostgresTaskStore
 from fleet.errors import FleetError
 from fleet.tokens import Claims
+from policy import Bundle, RegorusEngine
+
+ACCESS = RunAccess(RegorusEngine(Bundle.load()))
 
 
-def caller(tenant: str) -> ServerCallContext:
-    claims = Claims("operator", tenant, "coordinator", frozenset({"agent:invoke"}), "jti", 0, {})
+def caller(tenant: str, sub: str = "operator", *scopes: str) -> ServerCallContext:
+    claims = Claims(sub, tenant, "coordinator", frozenset({"agent:invoke", *scopes}), "jti", 0, {})
     return ServerCallContext(state={"claims": claims})
 
 
@@ -52,7 +57,7 @@ async def runs(pool: AsyncConnectionPool[Any]) -> PostgresRunStore:
 
 @pytest.fixture
 async def tasks(pool: AsyncConnectionPool[Any], runs: PostgresRunStore) -> PostgresTaskStore:
-    store = PostgresTaskStore(pool, runs)
+    store = PostgresTaskStore(pool, runs, ACCESS)
     await store.setup()
     await store.setup()  # idempotent
     return store
@@ -170,7 +175,7 @@ async def test_retention_folds_old_events_into_a_snapshot_and_keeps_the_end(
 
 
 async def test_push_configs_are_tenant_scoped_and_hide_credentials(pool: AsyncConnectionPool[Any]) -> None:
-    store = PostgresPushConfigStore(pool, PushUrlPolicy(["127.0.0.1:9000"]))
+    store = PostgresPushConfigStore(pool, PushUrlPolicy(["127.0.0.1:9000"]), ACCESS)
     await PostgresRunStore(pool).setup()
     await store.setup()
     config = TaskPushNotificationConfig(
@@ -210,3 +215,51 @@ async def test_the_push_url_policy_refuses_internal_targets_unless_allowed(url: 
         with pytest.raises(FleetError) as caught:
             await policy.check(url)
         assert caught.value.code == "push_url_refused"
+
+
+async def test_another_principal_of_the_tenant_finds_no_task_and_lists_none_but_an_admin_does(
+    runs: PostgresRunStore, tasks: PostgresTaskStore
+) -> None:
+    await new_task(runs, tasks, "mine")  # started by "operator"
+    bob, admin = caller("acme", "bob"), caller("acme", "auditor", "runs:admin")
+    assert await tasks.get("mine", bob) is None  # as for a task that does not exist
+    assert await tasks.get("nothing", bob) is None
+    listed = await tasks.list(ListTasksRequest(), bob)
+    assert (list(listed.tasks), listed.total_size) == ([], 0)
+    by_context = await tasks.list(ListTasksRequest(context_id="ctx-mine"), bob)
+    assert list(by_context.tasks) == []
+    assert await runs.events_after("mine", "acme", 0, owner="bob") == []
+    assert (found := await tasks.get("mine", admin)) is not None and found.id == "mine"
+    assert [t.id for t in (await tasks.list(ListTasksRequest(), admin)).tasks] == ["mine"]
+    assert [t.id for t in (await tasks.list(ListTasksRequest(), caller("acme"))).tasks] == ["mine"]
+
+
+async def test_a_context_belongs_to_the_principal_and_tenant_that_made_it(
+    runs: PostgresRunStore, tasks: PostgresTaskStore
+) -> None:
+    await tasks.claim_context("c-1", "acme", "alice")
+    await tasks.claim_context("c-1", "acme", "alice")  # its own: again and again
+    for tenant, owner in (("acme", "bob"), ("globex", "alice")):
+        with pytest.raises(FleetError) as caught:
+            await tasks.claim_context("c-1", tenant, owner)
+        assert caught.value.code == "context_refused"
+    # A context recorded before contexts were owned is its first task's principal's.
+    await new_task(runs, tasks, "old")  # operator's, in context ctx-old, with no claim yet
+    with pytest.raises(FleetError):
+        await tasks.claim_context("ctx-old", "acme", "bob")
+    await tasks.claim_context("ctx-old", "acme", "operator")
+
+
+async def test_push_configs_of_another_principals_task_are_neither_set_nor_shown(
+    pool: AsyncConnectionPool[Any], runs: PostgresRunStore, tasks: PostgresTaskStore
+) -> None:
+    store = PostgresPushConfigStore(pool, PushUrlPolicy(["127.0.0.1:9000"]), ACCESS)
+    await store.setup()
+    await new_task(runs, tasks, "theirs")  # started by "operator"
+    hook = TaskPushNotificationConfig(url="http://127.0.0.1:9000/hook")
+    await store.set_info("theirs", hook, caller("acme", "bob"))  # the SDK refuses first; this too
+    assert await store.get_info("theirs", caller("acme", "operator")) == []
+    await store.set_info("theirs", hook, caller("acme"))
+    assert await store.get_info("theirs", caller("acme", "bob")) == []
+    await store.delete_info("theirs", caller("acme", "bob"))
+    assert len(await store.get_info("theirs", caller("acme", "auditor", "runs:admin"))) == 1

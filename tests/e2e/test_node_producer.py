@@ -82,7 +82,7 @@ async def test_a_node_producer_with_issued_credentials_starts_a_run_in_its_tenan
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["stream"] == "FLEET_EVENTS"
     event = Event("fleet.events.invoices.closed", event_id, "billing", "invoices.closed", "acme", "", {})
-    token = stack.token("coordinator", "acme", ("agent:invoke",))
+    token = stack.token("coordinator", "acme", ("agent:invoke", "runs:admin"))  # the trigger's run
     async with httpx.AsyncClient(timeout=10.0) as http, asyncio.timeout(60):
         while True:
             response = await http.get(

@@ -6,7 +6,11 @@
 #   it needs the scope runs:approve, must be of the run's tenant, and must match a rule of
 #   data.config.approvals.approvers: tenants, skills, subjects (each a list, "*" for any), actions,
 #   and optionally escalated_only (only once the wait was escalated) and distinct_from_requester
-#   (four eyes: whoever started the run may not answer it).
+#   (four eyes: whoever started the run may not answer it). One exception: with
+#   data.config.approvals.owner_may_cancel, whoever started a run may cancel it (the run's owner,
+#   input.run.owner, is the signer) without runs:approve or an approver rule. Every cancel path
+#   (A2A CancelTask, the run API, the console, the CLI, NATS) asks this same decision.
+#   Which runs a signer reaches at all is fleet.runs.access's decision (runs.rego), asked first.
 #
 # fleet.approvals.deadlines. Input: {tenant}. The deadline of a gate's wait, fixed when the run
 #   starts: data.config.approvals.deadlines.default, overridden per tenant (tenants) and then per
@@ -49,13 +53,22 @@ deny contains msg if {
 
 deny contains "the signer belongs to another tenant" if input.signer.tenant != input.tenant
 
+# The owner's own cancel: a principal may always stop what it started, if the config says so.
+owner_cancel if {
+	input.action == "cancel"
+	object.get(data.config.approvals, "owner_may_cancel", false) == true
+	input.signer.sub == input.run.owner
+}
+
 deny contains msg if {
+	not owner_cancel
 	not APPROVE_SCOPE in input.signer.scopes
 	msg := sprintf("answering a run needs scope %s", [APPROVE_SCOPE])
 }
 
 deny contains msg if {
 	input.action in actions
+	not owner_cancel
 	not any_rule_matches
 	msg := sprintf("%s may not %s %v of skill %v", [input.signer.sub, input.action, object.get(input.wait, "type", "a wait"), object.get(input.wait, "skill", "")])
 }

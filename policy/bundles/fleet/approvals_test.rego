@@ -76,3 +76,26 @@ test_a_bad_deadline_is_reported if {
 	not d.allow
 	count(d.reasons) == 2
 }
+
+test_the_owner_may_cancel_its_own_run_without_the_approver_scope if {
+	owner := {"sub": "alice", "tenant": "acme", "scopes": ["agent:invoke"]}
+	own := object.union(ask("cancel", "alice", {}), {"signer": owner})
+	approvals.decision.allow with input as own with data.config.approvals as object.union(config, {"owner_may_cancel": true})
+	not approvals.decision.allow with input as own with data.config.approvals as config
+}
+
+test_a_cancel_by_someone_else_needs_the_scope_and_a_rule if {
+	cfg := object.union(config, {"owner_may_cancel": true})
+	bob := {"sub": "bob", "tenant": "acme", "scopes": ["agent:invoke", "runs:admin"]}
+	d := approvals.decision with input as object.union(ask("cancel", "bob", {}), {"signer": bob}) with data.config.approvals as cfg
+	d.reasons == ["answering a run needs scope runs:approve", "bob may not cancel a wait of skill "]
+	approvals.decision.allow with input as ask("cancel", "operator", {}) with data.config.approvals as cfg
+	not approvals.decision.allow with input as ask("cancel", "mallory", {}) with data.config.approvals as cfg
+}
+
+test_the_owner_of_another_tenant_may_not_cancel if {
+	cfg := object.union(config, {"owner_may_cancel": true})
+	stranger := {"sub": "alice", "tenant": "globex", "scopes": ["agent:invoke"]}
+	d := approvals.decision with input as object.union(ask("cancel", "alice", {}), {"signer": stranger}) with data.config.approvals as cfg
+	d.reasons == ["the signer belongs to another tenant"]
+}
