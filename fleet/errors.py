@@ -41,6 +41,14 @@ class ErrorCode(StrEnum):
     INSECURE_TRANSPORT = "insecure_transport"
     TENANT_KEY_REFUSED = "tenant_key_refused"
     INTEGRITY_FAILED = "integrity_failed"
+    # A gated tool call and its approval grant (see fleet.approvals): none was sent; one that is not
+    # the registry's (forged, malformed); one past its life; one for another tenant, run, tool or
+    # arguments; one used before.
+    APPROVAL_REQUIRED = "approval_required"
+    APPROVAL_INVALID = "approval_invalid"
+    APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
+    APPROVAL_MISMATCH = "approval_mismatch"
+    APPROVAL_REPLAYED = "approval_replayed"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -72,6 +80,11 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INSECURE_TRANSPORT: 400,
     ErrorCode.TENANT_KEY_REFUSED: 403,
     ErrorCode.INTEGRITY_FAILED: 500,
+    ErrorCode.APPROVAL_REQUIRED: 403,
+    ErrorCode.APPROVAL_INVALID: 403,
+    ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
+    ErrorCode.APPROVAL_MISMATCH: 403,
+    ErrorCode.APPROVAL_REPLAYED: 409,
     ErrorCode.INTERNAL: 500,
 }
 
