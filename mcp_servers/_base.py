@@ -158,7 +158,8 @@ class ApprovalGrants:
             )
             raise ToolError(f"[{code}] the approval grant is refused: {exc.message}") from exc
         raw = verified.raw
-        bound = raw.get("approval") if isinstance(raw.get("approval"), dict) else {}
+        given = raw.get("approval")
+        bound: dict[str, Any] = given if isinstance(given, dict) else {}
         wrong = []
         if verified.tenant != claims.tenant:
             wrong.append("tenant")
