@@ -95,13 +95,15 @@ async def issue_refund(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, 
         CASES_SERVER, "issue_refund", arguments, tenant=ctx.tenant, scopes=[CASES_SCOPE]
     )
     if refunded["status"] == "pending_approval":
-        return {
+        pending = {
             "status": "pending_approval",
             "why": refunded["why"],
             "subject": subject,
             "amount_cents": amount,
-            "approval_request": refunded.get("approval_request"),
         }
+        if isinstance(refunded.get("approval_request"), dict):  # what the person approves, exactly
+            pending["approval_request"] = refunded["approval_request"]
+        return pending
     await ctx.progress(f"refunded {subject}")
     done = {
         "status": "refunded",

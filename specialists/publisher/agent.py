@@ -62,13 +62,10 @@ async def publish_report(ctx: SkillContext, payload: dict[str, Any]) -> dict[str
         if score is not None:
             why += f" (the caller states an anomaly score of {float(score):g}; policy goes by the run's own)"
         await ctx.progress(why)
-        return {
-            "status": "pending_approval",
-            "why": why,
-            "name": name,
-            "anomaly_score": score,
-            "approval_request": answer.get("approval_request"),
-        }
+        pending = {"status": "pending_approval", "why": why, "name": name, "anomaly_score": score}
+        if isinstance(answer.get("approval_request"), dict):  # what the person approves, exactly
+            pending["approval_request"] = answer["approval_request"]
+        return pending
     if answer["status"] != "done":
         raise SkillError(
             ErrorCode.TOOL_FAILED, f"the outbox could not publish {name!r}: {answer.get('error')}"
