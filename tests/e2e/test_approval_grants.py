@@ -323,7 +323,7 @@ async def test_a_callers_score_of_zero_does_not_skip_the_publication_approval(st
     published = await rows(
         stack, "SELECT status FROM outbox.operations WHERE tenant_id = %s AND kind = 'publication'", tenant
     )
-    assert published == [("pending_approval",)]
+    assert published == [("pending_approval",), ("pending_approval",)]  # the direct call's and the run's
     assert await rows(stack, "SELECT 1 FROM outbox.publications WHERE tenant_id = %s", tenant) == []
 
 
