@@ -313,7 +313,7 @@ class Delegator:
         binding = ApprovalBinding(
             run_id, op_id, request.server, request.tool, request.args_sha256, decision.decision_id
         )
-        return await self._registry.tokens.approval_grant(binding, tenant), decision
+        return await self._registry.tokens.approval_grant(binding, tenant, facts=facts), decision
 
     def _token_client(self, agent: AgentRecord) -> TokenClient:
         """Where tokens for ``agent`` come from: the fleet's registry, or (an agent outside the

@@ -819,13 +819,20 @@ class TokenClient:
         return await self._request(cache_key, form)
 
     async def approval_grant(
-        self, binding: ApprovalBinding, tenant: str, *, approver_token: str = "", approver_type: str = ""
+        self,
+        binding: ApprovalBinding,
+        tenant: str,
+        *,
+        approver_token: str = "",
+        approver_type: str = "",
+        facts: dict[str, Any] | None = None,
     ) -> str:
         """A single-use approval grant for the one tool call ``binding`` describes (see
         :mod:`fleet.approvals`), never cached. With ``approver_token`` (the coordinator, when a
         person approved): exchanged for that token, whose verified subject is the approver
         (``approver_type``: an access token's or a signal grant's token type). Without: a grant
-        that policy approved, in this client's name (the coordinator and its workers only)."""
+        that policy approved, in this client's name (the coordinator and its workers only), on
+        ``facts`` (what the run computed), which the token service puts to policy again."""
         form = {
             "requested_token_type": APPROVAL_GRANT_TYPE,
             "audience": binding.server,
@@ -839,7 +846,7 @@ class TokenClient:
                 subject_token_type=approver_type or ACCESS_TOKEN_TYPE,
             )
         else:
-            form["grant_type"] = "client_credentials"
+            form.update(grant_type="client_credentials", approval_facts=json.dumps(facts or {}))
         return await self._request(("", "", ""), form, cache=False)
 
 

@@ -226,6 +226,7 @@ class TokenService:
                 raise OAuthError(
                     "unauthorized_client", "only the coordinator and its workers approve by policy"
                 )
+            await self._policy_approves(tenant, form)
             return await self._approval_grant(client, client_kid, tenant, POLICY_APPROVER, "policy", form)
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
         extra: dict[str, Any] = {"policy_decision": decided}
@@ -383,6 +384,35 @@ class TokenService:
         if not client.allows_tenant(tenant):
             raise OAuthError("unauthorized_client", f"{client.id} may not act for tenant {tenant!r}")
         return await self._approval_grant(client, client_kid, tenant, str(subject["sub"]), "person", form)
+
+    async def _policy_approves(self, tenant: str, form: Mapping[str, str]) -> None:
+        """Refuse a grant in policy's name unless ``fleet.approvals.auto`` approves the call on the
+        facts the worker says the run computed: a worker's key alone cannot approve what policy
+        never approves (a refund, a tool that always asks)."""
+        try:
+            facts = json.loads(form.get("approval_facts", "{}"))
+        except ValueError as exc:
+            raise OAuthError("invalid_request", "approval_facts must be a JSON object") from exc
+        if not isinstance(facts, dict) or len(form.get("approval_facts", "")) > 4096:
+            raise OAuthError("invalid_request", "approval_facts must be a JSON object of at most 4 KiB")
+        request = {
+            "tenant": tenant,
+            "server": form.get("audience", ""),
+            "tool": form.get("approval_tool", ""),
+            "arguments": {},
+            "facts": facts,
+        }
+        try:
+            decision = await self._policy.decide("fleet.approvals.auto", request)
+        except FleetError as exc:
+            raise OAuthError(
+                "temporarily_unavailable", f"approval policy unavailable: {exc.message}", 503
+            ) from exc
+        if not decision.allow:
+            reasons = "; ".join(decision.reasons) or "policy approves no such call"
+            raise OAuthError(
+                "invalid_grant", f"policy does not approve it: {reasons} (decision {decision.decision_id})"
+            )
 
     async def _approval_grant(
         self,

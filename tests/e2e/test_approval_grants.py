@@ -23,6 +23,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from fleet.approvals import APPROVAL_GRANT_TYP, ApprovalBinding, args_sha256
+from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.tokens import ACCESS_TOKEN_TYPE, TokenClient
 from tests.e2e.a2a_helpers import fresh_tenant
@@ -68,15 +69,20 @@ async def person_grant(
     approver = await asyncio.to_thread(stack.token, "coordinator", tenant, ("agent:invoke", "runs:approve"))
     binding = ApprovalBinding(run_id, "op-test", server, tool, args_sha256(arguments), "decision-test")
     async with httpx.AsyncClient(timeout=30) as http:
-        coordinator = TokenClient(
-            token_url=stack.endpoints["registry"] + "/oauth/token",
-            client_id="coordinator",
-            key=SigningKey.load_or_create(stack.layout.key_file("coordinator")),
-            http=http,
-        )
-        return await coordinator.approval_grant(
+        return await acting_as(stack, "coordinator", http).approval_grant(
             binding, tenant, approver_token=approver, approver_type=ACCESS_TOKEN_TYPE
         )
+
+
+def acting_as(stack: Stack, identity: str, http: httpx.AsyncClient) -> TokenClient:
+    """The token client of a service of the stack, with its own key (as a stolen key would be)."""
+    return TokenClient(
+        token_url=stack.endpoints["registry"] + "/oauth/token",
+        client_id=identity,
+        key=SigningKey.load_or_create(stack.layout.key_file(identity)),
+        http=http,
+        failover_patience_s=0,
+    )
 
 
 def forged_grant(
@@ -387,3 +393,33 @@ async def test_a_plan_of_twenty_refunds_under_the_per_call_threshold_is_stopped_
     made = await refunds_of(stack, tenant)
     assert len(made) == 2 and sum(r[1] for r in made) == 20_000, made  # the run's limit, no more
     assert all(r[2] is None for r in made)  # no person approved these: they were within policy
+
+
+async def test_only_the_coordinator_gets_grants_and_policy_grants_only_what_policy_approves(
+    stack: Stack,
+) -> None:
+    tenant, run_id = fresh_tenant(), f"run-{uuid.uuid4().hex[:8]}"
+    args = refund_args()
+    binding = ApprovalBinding(run_id, "op-test", "mcp-cases", "issue_refund", args_sha256(args), "d-1")
+    operator = await asyncio.to_thread(stack.token, "coordinator", tenant, ("agent:invoke", "runs:approve"))
+    async with httpx.AsyncClient(timeout=30) as http:
+        # A specialist's key: neither a person's grant (with the operator's token) nor policy's.
+        desk = acting_as(stack, "case-desk", http)
+        with pytest.raises(FleetError) as caught:
+            await desk.approval_grant(
+                binding, tenant, approver_token=operator, approver_type=ACCESS_TOKEN_TYPE
+            )
+        assert caught.value.code == ErrorCode.FORBIDDEN
+        with pytest.raises(FleetError):
+            await desk.approval_grant(binding, tenant, facts={"anomaly_score": 0})
+        # The coordinator's own key: policy never approves a refund, whatever facts it states.
+        coordinator = acting_as(stack, "coordinator", http)
+        with pytest.raises(FleetError) as caught:
+            await coordinator.approval_grant(binding, tenant, facts={"anomaly_score": 0})
+        assert "policy does not approve" in caught.value.message
+        # A person's grant needs a token with runs:approve.
+        no_scope = await asyncio.to_thread(stack.token, "coordinator", tenant)
+        with pytest.raises(FleetError):
+            await coordinator.approval_grant(
+                binding, tenant, approver_token=no_scope, approver_type=ACCESS_TOKEN_TYPE
+            )
