@@ -39,8 +39,20 @@ BINDING_FIELDS = {
 
 
 def canonical_json(value: Any) -> bytes:
-    """The canonical JSON of ``value``: sorted keys, no spaces, UTF-8 (what the hash is over)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """The canonical JSON of ``value``: sorted keys, no spaces, UTF-8, and a whole number written
+    as one whatever its type (JSON has one kind of number, and A2A carries every number as a
+    double: ``25000`` and ``25000.0`` are the same argument). What the hash is over."""
+    return json.dumps(_whole(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _whole(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _whole(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_whole(item) for item in value]
+    return value
 
 
 def args_sha256(arguments: dict[str, Any]) -> str:

@@ -22,6 +22,11 @@ def test_the_argument_hash_is_canonical_and_leaves_the_grant_out() -> None:
     assert args_sha256(one) == args_sha256({"a": {"x": "é", "y": [1, 2]}, "b": 1})
     assert args_sha256({**one, "approval_grant": "eyJ..."}) == args_sha256(one)
     assert args_sha256({**one, "b": 2}) != args_sha256(one)
+    # A2A carries numbers as doubles: a whole number is the same argument either way.
+    assert args_sha256({"amount_cents": 25000.0, "n": [1.0]}) == args_sha256(
+        {"amount_cents": 25000, "n": [1]}
+    )
+    assert args_sha256({"amount_cents": 25000.5}) != args_sha256({"amount_cents": 25000})
 
 
 def test_an_approval_request_is_hashed_from_its_arguments_not_from_what_it_claims() -> None:
