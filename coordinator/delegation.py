@@ -68,6 +68,7 @@ from opentelemetry.trace import SpanKind
 from coordinator.egress import MAX_PATHS, keep_paths, leaf_paths
 from coordinator.plan import UNTRUSTED
 from fleet import telemetry
+from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import (
     MAX_WAIT_S,
@@ -345,6 +346,31 @@ class Delegator:
         return await self._registry.tokens.exchange(
             caller.token, requested_type=RUN_GRANT_TYPE, run_id=run_id
         )
+
+    async def policy_approval(
+        self, tenant: str, run_id: str, op_id: str, request: ApprovalRequest, facts: dict[str, Any]
+    ) -> tuple[str, Decision] | None:
+        """Policy's approval of one gated tool call (``fleet.approvals.auto``, on ``facts`` the run
+        computed) and the registry's grant for exactly that call, in this worker's name; None if
+        policy leaves it to a person (or there is no policy here: closed)."""
+        if self._engine is None:
+            return None
+        decision = await self._engine.decide(
+            "fleet.approvals.auto",
+            {
+                "tenant": tenant,
+                "server": request.server,
+                "tool": request.tool,
+                "arguments": request.arguments,
+                "facts": facts,
+            },
+        )
+        if not decision.allow:
+            return None
+        binding = ApprovalBinding(
+            run_id, op_id, request.server, request.tool, request.args_sha256, decision.decision_id
+        )
+        return await self._registry.tokens.approval_grant(binding, tenant, facts=facts), decision
 
     def _token_client(self, agent: AgentRecord) -> TokenClient:
         """Where tokens for ``agent`` come from: the fleet's registry, or (an agent outside the

@@ -165,6 +165,12 @@ class StepDispatcher:
 
     @property
     def _args(self) -> dict[str, Any]:
+        """What the ledger records of the call, and binds its id to: the input without an approval
+        grant (a credential, not kept at rest; a replay may carry a fresh one for the same call)."""
+        approval = self._payload.get("approval")
+        if isinstance(approval, dict) and "grant" in approval:
+            without = {k: v for k, v in approval.items() if k != "grant"}
+            return {"skill": self._skill, "input": {**self._payload, "approval": without}}
         return {"skill": self._skill, "input": self._payload}
 
     @property

@@ -23,8 +23,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from coordinator.delegation import Delegator
 from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
-from coordinator.plan import RESERVED_INPUT, dependencies, resolve_input
+from coordinator.plan import RESERVED_INPUT, UNTRUSTED, dependencies, resolve_input
 from coordinator.runs import CancelRequested, StaleLease
+from fleet.approvals import POLICY_APPROVER, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 from registry import AgentRecord
@@ -65,6 +66,7 @@ class StepTask(TypedDict):
     offset: int  # for a batch step: the items done already
     batch: dict[str, int]  # for a batch step: call_size and checkpoint_every ({} for others)
     approval: dict[str, Any]  # the deadline policy of a gate on the step's skill, fixed at the run's start
+    facts: dict[str, Any]  # what the run computed that a gate may go by (see computed_facts)
 
 
 def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
@@ -505,9 +507,66 @@ def await_gate(
         # Otherwise the run was resumed for another wait (a parallel step's): ask again.
 
 
-def answered(payload: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    """The input of a gated step's next call: what it had, the approval, and the person's input."""
+# The skills whose recorded results state an anomaly score for a report artifact the fleet made
+# (``report_artifact``, ``max_score``): the computed facts a publication's gate goes by.
+SCORING_SKILLS = ("score-anomalies",)
+
+
+def computed_facts(state: GraphState) -> dict[str, Any]:
+    """What the run itself computed that a gate may go by, read from the run's own state (the
+    checkpoint), never from a step's input: ``report_scores``, the highest anomaly score that a
+    scoring step of the run recorded for each report artifact it made."""
+    results = state.get("results", {})
+    scores: dict[str, float] = {}
+    for step in state.get("steps", []):
+        result = results.get(step["id"])
+        if step["skill"] not in SCORING_SKILLS or not isinstance(result, dict) or UNTRUSTED in result:
+            continue
+        artifact, score = result.get("report_artifact"), result.get("max_score")
+        if isinstance(artifact, str) and isinstance(score, int | float) and not isinstance(score, bool):
+            scores[artifact] = max(float(score), scores.get(artifact, float(score)))
+    return {"report_scores": scores} if scores else {}
+
+
+def facts_for(request: ApprovalRequest, facts: dict[str, Any]) -> dict[str, Any]:
+    """The computed facts that bear on one gated call: the score of the artifact it names."""
+    artifact = request.arguments.get("artifact")
+    scores = facts.get("report_scores") or {}
+    return {"anomaly_score": scores[artifact]} if isinstance(artifact, str) and artifact in scores else {}
+
+
+async def policy_approval(
+    delegator: Delegator, task: StepTask, gate: dict[str, Any], op_id: str, number: int
+) -> dict[str, Any] | None:
+    """The answer policy gives a gate on its own (``fleet.approvals.auto``, on the facts the run
+    computed), with its approval grant; None if a person must answer."""
+    asked = gate["asked"].get("approval_request") if gate["type"] == "approval" and number == 0 else None
+    request = ApprovalRequest.of(asked)
+    if request is None:
+        return None
+    facts = facts_for(request, task.get("facts") or {})
+    approved = await delegator.policy_approval(task["tenant"], task["run_id"], op_id, request, facts)
+    if approved is None:
+        return None
+    grant, decision = approved
+    why = "; ".join(decision.reasons)
+    awaited = f"approval:{task['step']['id']}:{number}"
+    _emit(
+        "approval.granted",
+        {"awaited": awaited, "by": POLICY_APPROVER, "decision_id": decision.decision_id, "facts": facts},
+        f"policy approved {awaited}: {why} (decision {decision.decision_id})",
+    )
+    return {"decision": "approve", "by": POLICY_APPROVER, "note": why, "grant": grant, "awaited": awaited}
+
+
+def answered(payload: dict[str, Any], answer: dict[str, Any], asked_op: str = "") -> dict[str, Any]:
+    """The input of a gated step's next call: what it had, the approval (with its grant, for the
+    tool, and the operation that first asked, which keyed the tool call), and the person's input."""
     approval = {"id": answer.get("awaited"), "by": answer.get("by"), "note": answer.get("note", "")}
+    if isinstance(answer.get("grant"), str):
+        approval["grant"] = answer["grant"]
+    if asked_op:
+        approval["op_id"] = asked_op
     update: dict[str, Any] = {"approval": approval}
     if answer.get("input") is not None:
         update["input"] = answer["input"]
@@ -550,6 +609,7 @@ def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
         offset=state.get("batches", {}).get(step["id"], 0),
         batch=batch if step.get("for_each") is not None else {},
         approval=approval_deadline(limits.get("approvals") or {}, step["skill"]),
+        facts=computed_facts(state),
     )
 
 
@@ -626,14 +686,18 @@ def build_graph(
         try:
             result = await _run_or_wait(dispatcher, step["id"])
             number = 0
+            asked_op = dispatcher.op_id  # the call that first asked: it keyed the tool call
             while (gate := gate_of(result)) is not None:
-                # The step asks a person first (approval, or input). Its answer goes into the
-                # step's next call, a new operation (its own id, so the ledger sends it once).
-                answer = await_gate(step, gate, number, dispatcher, task["approval"])
+                # The step asks first (approval, or input): policy, on what the run computed, or a
+                # person. The answer goes into the step's next call, a new operation (its own id,
+                # so the ledger sends it once).
+                answer = await policy_approval(delegator, task, gate, dispatcher.op_id, number)
+                if answer is None:
+                    answer = await_gate(step, gate, number, dispatcher, task["approval"])
                 if answer["decision"] in ("reject", "expired"):
                     return _gate_closed(step, answer, dispatcher.agent_id)
                 number += 1
-                payload = answered(payload, answer)
+                payload = answered(payload, answer, asked_op)
                 asked = dispatcher.agent if dispatcher.agent and dispatcher.agent.url else None  # still there
                 dispatcher = StepDispatcher(
                     delegator,

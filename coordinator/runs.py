@@ -662,7 +662,8 @@ class PostgresRunStore:
                 )
             seq, awaited = int(row[0]) + 1, awaited or str(wait.get("awaited"))
             recorded = {**answer, "by": actor}
-            payload = {"awaited": awaited, **recorded, "state": RunState.SUBMITTED.value}
+            shown = {k: v for k, v in recorded.items() if k != "grant"}  # a credential: not in the log
+            payload = {"awaited": awaited, **shown, "state": RunState.SUBMITTED.value}
             payload["text"] = text or f"{actor} answered {awaited}: {answer.get('decision', '')}"
             await hand_back(conn, run_id, seq, event, actor, payload, answer=(awaited, recorded))
         return seq

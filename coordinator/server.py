@@ -39,6 +39,7 @@ from fleet.a2a_support import (
     build_card,
     sign_card,
 )
+from fleet.approvals import ApprovalBinding
 from fleet.keys import SigningKey
 from fleet.natsconn import service_credentials
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
@@ -152,7 +153,11 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         replicas=settings.nats_replicas,
         credentials=service_credentials(settings),
     )
-    desk = SignalDesk(run_pool, runs, engine, submitter.submit)
+
+    async def approval_grant(binding: ApprovalBinding, tenant: str, token: str, kind: str) -> str:
+        return await registry.tokens.approval_grant(binding, tenant, approver_token=token, approver_type=kind)
+
+    desk = SignalDesk(run_pool, runs, engine, submitter.submit, approval_grant)
     handler = CoordinatorRequestHandler(
         tasks=tasks,
         runs=runs,

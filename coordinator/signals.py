@@ -58,9 +58,17 @@ from psycopg_pool import AsyncConnectionPool
 
 from coordinator.access import RunAccess, signal_action
 from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_requests
-from fleet.errors import AuthError, ErrorCode, FleetError
+from fleet.approvals import ApprovalBinding, ApprovalRequest
+from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.events import ensure_stream
-from fleet.tokens import Claims, SignalBinding, TokenClient, TokenVerifier
+from fleet.tokens import (
+    ACCESS_TOKEN_TYPE,
+    SIGNAL_GRANT_TYPE,
+    Claims,
+    SignalBinding,
+    TokenClient,
+    TokenVerifier,
+)
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,9 @@ MAX_DELIVER = 5
 RETRY_DELAY_S = 2.0
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _SIGNAL_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,200}$")
+
+# Asks the registry for an approval grant: (binding, tenant, the signer's token, its token type).
+GrantIssuer = Callable[[ApprovalBinding, str, str, str], Awaitable[str]]
 
 # What an applied answer is recorded as in the run's event log.
 ANSWER_EVENTS = {"approve": "approval.granted", "input": "input.provided", "reject": "approval.rejected"}
@@ -225,12 +236,17 @@ class SignalDesk:
         runs: PostgresRunStore,
         engine: PolicyEngine,
         submit: Callable[[str, str], Awaitable[None]],
+        grants: GrantIssuer | None = None,
     ) -> None:
+        """``grants``: asks the registry for the approval grant of an approved gate whose tool
+        named the call to approve (see :mod:`fleet.approvals`), with the signer's own token as
+        evidence; None: no grants (an approved tool call is then refused by the tool)."""
         self._pool = pool
         self._runs = runs
         self._engine = engine
         self._access = RunAccess(engine)
         self._submit = submit
+        self._grants = grants
 
     async def setup(self) -> None:
         async with self._pool.connection() as conn, conn.transaction():
@@ -301,7 +317,15 @@ class SignalDesk:
             await self._record(signal, claims, "forbidden", awaited, list(decision.reasons))
             raise FleetError(ErrorCode.FORBIDDEN, "; ".join(decision.reasons))
         try:
-            seq = await self._deliver(signal, claims, run, awaited)
+            grant = await self._approval_grant(signal, action, claims, run, gate, decision.decision_id)
+        except DependencyUnavailable:
+            raise  # the token service is away: not an answer, the signal may be sent again
+        except FleetError as exc:
+            reasons = [f"the approval grant was refused: {exc.message}"]
+            await self._record(signal, claims, "forbidden", awaited, reasons)
+            raise FleetError(ErrorCode.FORBIDDEN, reasons[0]) from exc
+        try:
+            seq = await self._deliver(signal, claims, run, awaited, grant)
         except FleetError as exc:
             if exc.code != ErrorCode.CONFLICT:
                 raise
@@ -312,7 +336,43 @@ class SignalDesk:
             return await self._record(signal, claims, outcome, awaited, [exc.message])
         return await self._record(signal, claims, "applied", awaited, [], seq)
 
-    async def _deliver(self, signal: Signal, claims: Claims, run: Run, awaited: str | None) -> int:
+    async def _approval_grant(
+        self,
+        signal: Signal,
+        action: str,
+        claims: Claims,
+        run: Run,
+        gate: dict[str, Any] | None,
+        decision_id: str,
+    ) -> str | None:
+        """The approval grant for the tool call an approved gate asked about (None for any other
+        signal, or a gate whose step named no tool call): the registry's, bound to the run, the
+        operation that asked, the tool and the hash of the arguments the approver was shown, in the
+        name of the signer of ``claims`` (the registry takes it from their token, not from here)."""
+        if action != "approve" or gate is None or gate.get("type") != "approval" or self._grants is None:
+            return None
+        asked = gate.get("asked")
+        request = ApprovalRequest.of(asked.get("approval_request") if isinstance(asked, dict) else None)
+        if request is None:
+            return None
+        if not claims.token:
+            raise FleetError(
+                ErrorCode.FORBIDDEN, "the signer's token is not at hand to vouch for the approval"
+            )
+        binding = ApprovalBinding(
+            run.run_id,
+            str(gate.get("op_id") or ""),
+            request.server,
+            request.tool,
+            request.args_sha256,
+            decision_id,
+        )
+        kind = SIGNAL_GRANT_TYPE if claims.raw.get("token_use") == SIGNAL_GRANT else ACCESS_TOKEN_TYPE
+        return await self._grants(binding, run.tenant, claims.token, kind)
+
+    async def _deliver(
+        self, signal: Signal, claims: Claims, run: Run, awaited: str | None, grant: str | None = None
+    ) -> int:
         if signal.action == "cancel":
             cancelled = await self._runs.request_cancel(run.run_id, run.tenant, claims.sub)
             return cancelled.last_seq
@@ -323,6 +383,8 @@ class SignalDesk:
                 run.run_id, claims.tenant, awaited, signal.extend_s, claims.sub
             )
         answer: dict[str, Any] = {"decision": signal.action, "note": signal.note, "signal": signal.signal_id}
+        if grant is not None:
+            answer["grant"] = grant  # for the step's next call; never in the event log
         if signal.input is not None:
             answer["input"] = signal.input
         verb = {"approve": "approved", "input": "answered", "reject": "rejected"}[signal.action]

@@ -327,7 +327,10 @@ def _print_night(night: Night) -> None:
         print(f"    {anomaly['invoice']} score {anomaly['score']}: {'; '.join(anomaly['reasons'])}")
     published = steps.get("publish") or {}
     if published.get("status") == "published":
-        how = f", approved by {published['approved_by']}" if published.get("approved_by") else ""
+        approver = published.get("approved_by")
+        how = f", approved by {approver}" if approver else ""
+        if approver == "policy":  # no person: the score the run computed is under the threshold
+            how = ", approved by policy (the score the run computed is under the threshold)"
         print(f"  report published once by the outbox, operation {published.get('operation_id')}{how}")
     kept = steps.get("remember") or {}
     if kept:

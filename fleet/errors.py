@@ -43,6 +43,14 @@ class ErrorCode(StrEnum):
     INTEGRITY_FAILED = "integrity_failed"
     SKILL_NOT_ALLOWED = "skill_not_allowed"  # a card claims a skill its identity may not offer
     CONTEXT_REFUSED = "context_refused"  # an A2A context id another principal or tenant made
+    # A gated tool call and its approval grant (see fleet.approvals): none was sent; one that is not
+    # the registry's (forged, malformed); one past its life; one for another tenant, run, tool or
+    # arguments; one used before.
+    APPROVAL_REQUIRED = "approval_required"
+    APPROVAL_INVALID = "approval_invalid"
+    APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
+    APPROVAL_MISMATCH = "approval_mismatch"
+    APPROVAL_REPLAYED = "approval_replayed"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -76,6 +84,11 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SKILL_NOT_ALLOWED: 403,
     ErrorCode.INTEGRITY_FAILED: 500,
     ErrorCode.CONTEXT_REFUSED: 403,
+    ErrorCode.APPROVAL_REQUIRED: 403,
+    ErrorCode.APPROVAL_INVALID: 403,
+    ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
+    ErrorCode.APPROVAL_MISMATCH: 403,
+    ErrorCode.APPROVAL_REPLAYED: 409,
     ErrorCode.INTERNAL: 500,
 }
 

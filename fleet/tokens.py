@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from jwt.algorithms import RSAAlgorithm
 
+from fleet.approvals import APPROVAL_GRANT_TYPE, ApprovalBinding
 from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
@@ -57,6 +58,7 @@ GRANT_TYPS = {  # typ -> token_use: none of them is an access token
     "run-grant+jwt": "run_grant",
     "session-grant+jwt": "session_grant",
     "signal-grant+jwt": "signal_grant",
+    "approval-grant+jwt": "approval_grant",  # one gated tool call's (fleet.approvals)
 }
 EXCHANGEABLE_GRANTS = ("run_grant", "session_grant")  # what the token service takes as a subject
 
@@ -706,16 +708,24 @@ class TokenClient:
             form["run_id"] = run_id
         return await self._request(cache_key, form)
 
-    async def _request(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:
+    async def _request(
+        self, cache_key: tuple[str, str, str], form: dict[str, str], *, cache: bool = True
+    ) -> str:
         """The token cached under ``cache_key`` until shortly before it expires, or a new one from
-        the token endpoint for ``form`` (with this client's assertion)."""
-        cached = self._cache.get(cache_key)
+        the token endpoint for ``form`` (with this client's assertion). ``cache=False``: always a
+        new one, never kept (a single-use grant)."""
+        cached = self._cache.get(cache_key) if cache else None
         if cached is not None and cached.use_until > time.time():
             return cached.token
+        if not cache:
+            cache_key = (f"once|{uuid.uuid4().hex}", "", "")
         deadline = time.monotonic() + self._patience_s
         while True:
             try:
-                return await self._request_once(cache_key, form)
+                token = await self._request_once(cache_key, form)
+                if not cache:
+                    self._cache.pop(cache_key, None)
+                return token
             except DependencyUnavailable as exc:
                 if time.monotonic() >= deadline:
                     raise
@@ -807,6 +817,37 @@ class TokenClient:
             scope,
         )
         return await self._request(cache_key, form)
+
+    async def approval_grant(
+        self,
+        binding: ApprovalBinding,
+        tenant: str,
+        *,
+        approver_token: str = "",
+        approver_type: str = "",
+        facts: dict[str, Any] | None = None,
+    ) -> str:
+        """A single-use approval grant for the one tool call ``binding`` describes (see
+        :mod:`fleet.approvals`), never cached. With ``approver_token`` (the coordinator, when a
+        person approved): exchanged for that token, whose verified subject is the approver
+        (``approver_type``: an access token's or a signal grant's token type). Without: a grant
+        that policy approved, in this client's name (the coordinator and its workers only), on
+        ``facts`` (what the run computed), which the token service puts to policy again."""
+        form = {
+            "requested_token_type": APPROVAL_GRANT_TYPE,
+            "audience": binding.server,
+            "tenant": tenant,
+            **binding.form(),
+        }
+        if approver_token:
+            form.update(
+                grant_type=TOKEN_EXCHANGE,
+                subject_token=approver_token,
+                subject_token_type=approver_type or ACCESS_TOKEN_TYPE,
+            )
+        else:
+            form.update(grant_type="client_credentials", approval_facts=json.dumps(facts or {}))
+        return await self._request(("", "", ""), form, cache=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -28,6 +29,7 @@ from starlette.routing import Mount, Route
 
 from fleet import telemetry, transport
 from fleet import tokens as fleet_tokens
+from fleet.approvals import APPROVAL_GRANT, args_sha256
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
 from fleet.natsconn import connect, key_value, service_credentials
@@ -113,6 +115,133 @@ class TenantKeys:
                 self._keys.pop(next(iter(self._keys)))  # the oldest kept
         self._keys[claims.tenant] = (now + min(self.KEEP_S, expires_in), key)
         return key
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    """A verified approval grant for the call being served (see :mod:`fleet.approvals`)."""
+
+    jti: str
+    approver: str  # the person who approved (the grant's verified subject), or "policy"
+    by: str  # "person" or "policy"
+    op_id: str
+    decision_id: str
+    run_id: str
+    args_sha256: str
+    expires_at: int
+
+
+class ApprovalGrants:
+    """Checks the approval grant of a gated call: the registry's signature (its keys, as for
+    tokens), addressed to this server, unexpired, and bound to the caller's tenant (from its
+    token), the caller's run (ditto), this tool and the SHA-256 of these exact arguments. That it
+    is used once is the tool's to record, in the transaction of the effect (:meth:`use`)."""
+
+    def __init__(self, registry: RegistryClient, server_id: str) -> None:
+        self.server_id = server_id
+        self._verifier = registry.verifier(server_id, grant=APPROVAL_GRANT)
+
+    async def verify(self, claims: Claims, tool: str, arguments: dict[str, Any], grant: str) -> Approval:
+        """The approval ``grant`` carries for this call, or a :class:`ToolError`
+        (``approval_invalid``, ``approval_grant_expired``, ``approval_mismatch``)."""
+        if len(grant) > MAX_GRANT_CHARS:
+            raise ToolError(
+                f"[{ErrorCode.APPROVAL_INVALID}] the approval grant is not one the registry issued"
+            )
+        try:
+            verified = await self._verifier.verify(grant)
+        except FleetError as exc:
+            code = (
+                ErrorCode.APPROVAL_GRANT_EXPIRED
+                if exc.message == "token expired"
+                else ErrorCode.APPROVAL_INVALID
+            )
+            raise ToolError(f"[{code}] the approval grant is refused: {exc.message}") from exc
+        raw = verified.raw
+        given = raw.get("approval")
+        bound: dict[str, Any] = given if isinstance(given, dict) else {}
+        wrong = []
+        if verified.tenant != claims.tenant:
+            wrong.append("tenant")
+        if not raw.get("run_id") or raw.get("run_id") != claims.raw.get("run_id"):
+            wrong.append("run")
+        if bound.get("server") != self.server_id or bound.get("tool") != tool:
+            wrong.append("tool")
+        if bound.get("args_sha256") != args_sha256(arguments):
+            wrong.append("arguments")
+        if wrong:
+            raise ToolError(
+                f"[{ErrorCode.APPROVAL_MISMATCH}] the approval grant is for another {', '.join(wrong)}"
+            )
+        return Approval(
+            jti=verified.jti,
+            approver=str(bound.get("approver") or verified.sub),
+            by=str(bound.get("by", "person")),
+            op_id=str(bound.get("op_id", "")),
+            decision_id=str(bound.get("decision_id", "")),
+            run_id=str(raw["run_id"]),
+            args_sha256=str(bound["args_sha256"]),
+            expires_at=verified.expires_at,
+        )
+
+
+MAX_GRANT_CHARS = 8192
+
+
+def approval_grants_sql(schema: str) -> str:
+    """The table where a server records the approval grants it used (one row per grant, in the
+    transaction of the effect it allowed), row-level security by tenant like its other tables."""
+    return f"""
+CREATE TABLE IF NOT EXISTS {schema}.approval_grants (
+    tenant_id    text NOT NULL,
+    jti          text NOT NULL,
+    run_id       text NOT NULL,
+    op_id        text NOT NULL,
+    tool         text NOT NULL,
+    args_sha256  text NOT NULL,
+    approver     text NOT NULL,
+    approved_by  text NOT NULL,
+    decision_id  text NOT NULL,
+    expires_at   timestamptz NOT NULL,
+    used_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, jti)
+);
+ALTER TABLE {schema}.approval_grants ENABLE ROW LEVEL SECURITY;
+ALTER TABLE {schema}.approval_grants FORCE ROW LEVEL SECURITY;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_policies WHERE schemaname = '{schema}'
+                   AND tablename = 'approval_grants' AND policyname = 'tenant_isolation') THEN
+        CREATE POLICY tenant_isolation ON {schema}.approval_grants
+            USING (tenant_id = current_setting('fleet.tenant', true))
+            WITH CHECK (tenant_id = current_setting('fleet.tenant', true));
+    END IF;
+END $$;
+"""
+
+
+async def use_grant(conn: Any, schema: str, tenant: str, tool: str, approval: Approval) -> None:
+    """Record ``approval``'s grant as used, in the caller's transaction (that of the effect): a
+    grant used before is refused (``approval_replayed``), and the transaction with it."""
+    cursor = await conn.execute(
+        f"INSERT INTO {schema}.approval_grants (tenant_id, jti, run_id, op_id, tool, args_sha256, approver,"
+        " approved_by, decision_id, expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, to_timestamp(%s))"
+        " ON CONFLICT (tenant_id, jti) DO NOTHING RETURNING jti",
+        (
+            tenant,
+            approval.jti,
+            approval.run_id,
+            approval.op_id,
+            tool,
+            approval.args_sha256,
+            approval.approver,
+            approval.by,
+            approval.decision_id,
+            approval.expires_at,
+        ),
+    )
+    if await cursor.fetchone() is None:
+        raise ToolError(f"[{ErrorCode.APPROVAL_REPLAYED}] this approval grant was used already")
 
 
 AUDIT_STREAM = "FLEET_AUDIT"

@@ -60,6 +60,15 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from fleet.approvals import (
+    APPROVAL_GRANT,
+    APPROVAL_GRANT_TTL_S,
+    APPROVAL_GRANT_TYP,
+    APPROVAL_GRANT_TYPE,
+    BINDING_FIELDS,
+    POLICY_APPROVER,
+    ApprovalBinding,
+)
 from fleet.errors import AuthError, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.revocations import Revocations
@@ -88,7 +97,12 @@ GRANT_KINDS = {
     SESSION_GRANT_TYPE: ("session-grant+jwt", "session_grant"),
 }
 SIGNAL_GRANT_TTL_S = 300  # published at once; refused once expired, even if it waited in the stream
-ISSUED_TYPES = {"signal-grant+jwt": SIGNAL_GRANT_TYPE} | {typ: t for t, (typ, _) in GRANT_KINDS.items()}
+ISSUED_TYPES = {
+    "signal-grant+jwt": SIGNAL_GRANT_TYPE,
+    APPROVAL_GRANT_TYP: APPROVAL_GRANT_TYPE,
+} | {typ: t for t, (typ, _) in GRANT_KINDS.items()}
+APPROVE_SCOPE = "runs:approve"
+APPROVING_ACTIONS = ("approve", "input")  # the signals that approve a gate
 SIGNAL_FIELDS = {  # a signal grant's binding: the token request's field, and what it must look like
     "run_id": re.compile(r"[A-Za-z0-9_-]{1,128}"),
     "signal_action": re.compile(r"[a-z_]{1,32}"),
@@ -207,6 +221,13 @@ class TokenService:
         scopes = sorted(set(form.get("scope", "").split()))
         if form.get("requested_token_type") == SIGNAL_GRANT_TYPE:
             return await self._signal_grant(client, client_kid, tenant, scopes, form)
+        if form.get("requested_token_type") == APPROVAL_GRANT_TYPE:
+            if client.kind not in ("coordinator", "worker") or not client.allows_tenant(tenant):
+                raise OAuthError(
+                    "unauthorized_client", "only the coordinator and its workers approve by policy"
+                )
+            await self._policy_approves(tenant, form)
+            return await self._approval_grant(client, client_kid, tenant, POLICY_APPROVER, "policy", form)
         decided = await self._check_grant(client, audience, tenant, scopes, client.id, [])
         extra: dict[str, Any] = {"policy_decision": decided, "sub_kind": subject_kind(client)}
         run_id = form.get("run_id", "")
@@ -222,6 +243,8 @@ class TokenService:
         self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
     ) -> IssuedToken:
         subject_type = form.get("subject_token_type", "")
+        if form.get("requested_token_type") == APPROVAL_GRANT_TYPE:
+            return await self._person_approval(client, client_kid, subject_type, form)
         if subject_type != ACCESS_TOKEN_TYPE and subject_type not in GRANT_KINDS:
             raise OAuthError(
                 "invalid_request",
@@ -333,6 +356,114 @@ class TokenService:
             client.id, client.id, audience, tenant, scopes, client_kid,
             {**claims, "token_use": "signal_grant"}, SIGNAL_GRANT_TTL_S, "signal-grant+jwt",
         )  # fmt: skip
+
+    async def _person_approval(
+        self, client: IdentityRecord, client_kid: str, subject_type: str, form: Mapping[str, str]
+    ) -> IssuedToken:
+        """An approval grant for the person whose token the coordinator was given with their
+        approval (an access token addressed to it, or the signal grant of their signal): the
+        approver is that token's verified subject, never a field of the request."""
+        if client.kind != "coordinator":
+            raise OAuthError("unauthorized_client", "only the coordinator asks for a person's approval grant")
+        token = form.get("subject_token", "")
+        if subject_type == SIGNAL_GRANT_TYPE:
+            verifier = TokenVerifier(
+                self._keys, issuer=self._issuer, audience=client.id, revocations=self._revocations,
+                grant="signal_grant",
+            )  # fmt: skip
+            try:
+                subject = (await verifier.verify(token)).raw
+            except FleetError as exc:
+                raise OAuthError(
+                    "invalid_grant", f"the approver's signal grant is refused: {exc.message}"
+                ) from exc
+            signal = subject.get("signal")
+            action = signal.get("action") if isinstance(signal, dict) else None
+            if action not in APPROVING_ACTIONS or subject.get("run_id") != form.get("run_id"):
+                raise OAuthError("invalid_grant", "the approver's signal does not approve this run")
+        elif subject_type == ACCESS_TOKEN_TYPE:
+            subject = await self._subject(client, token, ACCESS_TOKEN_TYPE)
+        else:
+            raise OAuthError("invalid_request", "the approver's token is an access token or a signal grant")
+        tenant = str(subject["tenant"])
+        if form.get("tenant", tenant) != tenant:
+            raise OAuthError("invalid_request", "an approval grant is for the approver's tenant")
+        if APPROVE_SCOPE not in str(subject.get("scope", "")).split():
+            raise OAuthError("invalid_scope", f"the approver's token lacks {APPROVE_SCOPE}")
+        if not client.allows_tenant(tenant):
+            raise OAuthError("unauthorized_client", f"{client.id} may not act for tenant {tenant!r}")
+        return await self._approval_grant(client, client_kid, tenant, str(subject["sub"]), "person", form)
+
+    async def _policy_approves(self, tenant: str, form: Mapping[str, str]) -> None:
+        """Refuse a grant in policy's name unless ``fleet.approvals.auto`` approves the call on the
+        facts the worker says the run computed: a worker's key alone cannot approve what policy
+        never approves (a refund, a tool that always asks)."""
+        try:
+            facts = json.loads(form.get("approval_facts", "{}"))
+        except ValueError as exc:
+            raise OAuthError("invalid_request", "approval_facts must be a JSON object") from exc
+        if not isinstance(facts, dict) or len(form.get("approval_facts", "")) > 4096:
+            raise OAuthError("invalid_request", "approval_facts must be a JSON object of at most 4 KiB")
+        request = {
+            "tenant": tenant,
+            "server": form.get("audience", ""),
+            "tool": form.get("approval_tool", ""),
+            "arguments": {},
+            "facts": facts,
+        }
+        try:
+            decision = await self._policy.decide("fleet.approvals.auto", request)
+        except FleetError as exc:
+            raise OAuthError(
+                "temporarily_unavailable", f"approval policy unavailable: {exc.message}", 503
+            ) from exc
+        if not decision.allow:
+            reasons = "; ".join(decision.reasons) or "policy approves no such call"
+            raise OAuthError(
+                "invalid_grant", f"policy does not approve it: {reasons} (decision {decision.decision_id})"
+            )
+
+    async def _approval_grant(
+        self,
+        client: IdentityRecord,
+        client_kid: str,
+        tenant: str,
+        approver: str,
+        by: str,
+        form: Mapping[str, str],
+    ) -> IssuedToken:
+        """The grant for the one call ``form`` binds (see :mod:`fleet.approvals`), addressed to
+        the tool's MCP server, in ``approver``'s name."""
+        bound = {name: form.get(name, "") for name in BINDING_FIELDS}
+        wrong = [name for name, shape in BINDING_FIELDS.items() if not shape.fullmatch(bound[name])]
+        if wrong:
+            raise OAuthError("invalid_request", f"an approval grant needs a valid {', '.join(wrong)}")
+        server = form.get("audience", "")
+        identity = await self._identity(server) if server else None
+        if identity is None or identity.kind != "mcp_server":
+            raise OAuthError("invalid_target", f"an approval grant is for an MCP server, not {server!r}")
+        if not tenant:
+            raise OAuthError("invalid_request", "tenant is required")
+        binding = ApprovalBinding(
+            bound["run_id"], bound["approval_op"], server, bound["approval_tool"],
+            bound["approval_sha256"], bound["approval_decision"],
+        )  # fmt: skip
+        claims = {
+            "run_id": binding.run_id,
+            "approval": binding.claim(approver, by),
+            "token_use": APPROVAL_GRANT,
+        }
+        return self._sign(
+            approver,
+            client.id,
+            server,
+            tenant,
+            [],
+            client_kid,
+            claims,
+            APPROVAL_GRANT_TTL_S,
+            APPROVAL_GRANT_TYP,
+        )
 
     async def _subject(self, client: IdentityRecord, token: str, kind: str) -> dict[str, Any]:
         """The verified claims of the token to exchange: issued here, unexpired, not revoked, and

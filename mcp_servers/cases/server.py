@@ -4,9 +4,14 @@
   (per tenant), and a repeat returns that case. ``case_status`` answers, by key, whether the case was
   opened: a caller that lost an answer can ask instead of trying again.
 - ``issue_refund`` refunds an amount, at most once per idempotency key. Policy (``fleet.tools``) says
-  which amounts need an approval: without one, the tool does nothing and answers
-  ``{"status": "pending_approval"}``, and the run that called it pauses at a gate until a person
-  answers; the approved call carries the approval's id, recorded with the refund.
+  which refunds need an approval, given the amount and the running totals this server keeps itself:
+  what was refunded with no person's approval in the caller's run and in the tenant's last 24 hours
+  (counted from ``tenant_data.refunds`` under a per-tenant lock, in the transaction that adds the
+  refund, so no caller can reset them and concurrent refunds cannot both slip under a limit).
+  Without an approval the tool does nothing and answers ``{"status": "pending_approval",
+  "approval_request": {...}}``, and the run that called it pauses at a gate until a person answers;
+  the approved call carries the registry's approval grant for exactly that call
+  (:mod:`fleet.approvals`), which is used up with the refund, and whose approver is recorded.
 - ``post_note`` posts a note to a channel. It has neither a key nor a status query, like many real
   notification APIs: if a call times out, nobody can tell whether the note went out.
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypedDict
 
 import psycopg
@@ -28,13 +33,19 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 from starlette.applications import Starlette
 
+from fleet.approvals import ApprovalRequest
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
     KEYED_WRITE,
     READ_ONLY,
+    Approval,
+    ApprovalGrants,
     ToolGate,
+    approval_grants_sql,
+    current_claims,
     fleet_mcp_server,
+    use_grant,
 )
 from mcp_servers._pg import database_tool_app, pg_message
 from registry import RegistryClient
@@ -112,6 +123,12 @@ BEGIN
             WITH CHECK (tenant_id = current_setting('{TENANT_SETTING}', true));
     END IF;
 END $$;
+ALTER TABLE tenant_data.refunds ADD COLUMN IF NOT EXISTS run_id text;
+ALTER TABLE tenant_data.refunds ADD COLUMN IF NOT EXISTS approved_as text;
+CREATE INDEX IF NOT EXISTS refunds_by_run ON tenant_data.refunds (tenant_id, run_id);
+CREATE INDEX IF NOT EXISTS refunds_by_time ON tenant_data.refunds (tenant_id, refunded_at);
+{approval_grants_sql("tenant_data")}
+GRANT SELECT, INSERT ON tenant_data.approval_grants TO {WRITER_ROLE};
 GRANT SELECT, INSERT ON tenant_data.refunds TO {WRITER_ROLE};
 GRANT UPDATE (attempts) ON tenant_data.refunds TO {WRITER_ROLE};
 GRANT USAGE ON SEQUENCE tenant_data.refunds_id_seq TO {WRITER_ROLE};
@@ -156,6 +173,24 @@ class RefundResult(TypedDict):
     refund_id: int | None
     created: bool  # false for a repeat of a refund already made under the key
     why: str
+    code: str | None  # approval_required with pending_approval
+    approval_request: dict[str, Any] | None  # with pending_approval: what to approve (fleet.approvals)
+    approved_by: str | None  # who approved the refund (from its grant)
+
+
+class RefundTotals(TypedDict):
+    """What was refunded with no person's approval: in the caller's run, and in the tenant's last
+    24 hours (before this refund). Policy compares them with its cumulative limits."""
+
+    run_unattended_cents: int
+    run_unattended_refunds: int
+    tenant_unattended_cents_24h: int
+    tenant_unattended_refunds_24h: int
+
+
+# The refunds no person approved: none, or policy's.
+_UNATTENDED = "(approved_as IS NULL OR approved_as = 'policy')"
+Decide = Callable[[RefundTotals], Awaitable[tuple[bool, str]]]
 
 
 class CaseTools:
@@ -221,23 +256,75 @@ class CaseTools:
         )
 
     async def refund(
-        self, tenant: str, key: str, subject: str, amount_cents: int, approval: tuple[str, str] | None
+        self,
+        tenant: str,
+        run_id: str,
+        key: str,
+        subject: str,
+        amount_cents: int,
+        approval: Approval | None,
+        decide: Decide,
     ) -> RefundResult:
-        """Refund once per key; a repeat returns the refund and counts the attempt."""
+        """Refund once per key; a repeat returns the refund and counts the attempt. ``decide``:
+        policy's answer for the running totals (whether an approval is needed, and the decision
+        id), asked under the tenant's refund lock, in the transaction that adds the refund."""
         try:
             async with self._tenant_tx(tenant) as conn:
+                await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"fleet.refunds/{tenant}",))
+                if approval is not None:
+                    await use_grant(conn, "tenant_data", tenant, "issue_refund", approval)
+                needs_approval, decision_id = await decide(await self._totals(conn, tenant, run_id))
                 cursor = await conn.execute(
-                    "INSERT INTO tenant_data.refunds"
-                    " (tenant_id, idempotency_key, subject, amount_cents, approval_id, approved_by)"
-                    " VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (tenant_id, idempotency_key)"
-                    " DO UPDATE SET attempts = tenant_data.refunds.attempts + 1 RETURNING id, xmax = 0",
-                    (tenant, key, subject, amount_cents, *(approval or (None, None))),
+                    "UPDATE tenant_data.refunds SET attempts = attempts + 1"
+                    " WHERE tenant_id = %s AND idempotency_key = %s RETURNING id, approved_by",
+                    (tenant, key),
+                )
+                repeat = await cursor.fetchone()
+                if repeat is not None:
+                    return _refund("refunded", int(repeat[0]), False, "", repeat[1])
+                if needs_approval and approval is None:
+                    why = f"a refund of {amount_cents / 100:.2f} to {subject} needs approval (decision {decision_id})"
+                    return {
+                        **_refund("pending_approval", None, False, why, None),
+                        "code": "approval_required",
+                    }
+                cursor = await conn.execute(
+                    "INSERT INTO tenant_data.refunds (tenant_id, idempotency_key, subject, amount_cents, run_id,"
+                    " approval_id, approved_by, approved_as) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
+                    (
+                        tenant,
+                        key,
+                        subject,
+                        amount_cents,
+                        run_id or None,
+                        approval.jti if approval else None,
+                        approval.approver if approval else None,
+                        approval.by if approval else None,
+                    ),
                 )
                 row = await cursor.fetchone()
         except psycopg.Error as exc:
             raise ToolError(f"[tool_failed] could not refund: {pg_message(exc)}") from exc
         assert row is not None
-        return RefundResult(status="refunded", refund_id=int(row[0]), created=bool(row[1]), why="")
+        return _refund("refunded", int(row[0]), True, "", approval.approver if approval else None)
+
+    async def _totals(self, conn: psycopg.AsyncConnection[Any], tenant: str, run_id: str) -> RefundTotals:
+        cursor = await conn.execute(
+            "SELECT coalesce(sum(amount_cents) FILTER (WHERE run_id = %s), 0),"
+            " count(*) FILTER (WHERE run_id = %s),"
+            " coalesce(sum(amount_cents) FILTER (WHERE refunded_at > now() - interval '24 hours'), 0),"
+            " count(*) FILTER (WHERE refunded_at > now() - interval '24 hours')"
+            f" FROM tenant_data.refunds WHERE tenant_id = %s AND {_UNATTENDED}",
+            (run_id or None, run_id or None, tenant),
+        )
+        row = await cursor.fetchone()
+        assert row is not None
+        return RefundTotals(
+            run_unattended_cents=int(row[0]),
+            run_unattended_refunds=int(row[1]),
+            tenant_unattended_cents_24h=int(row[2]),
+            tenant_unattended_refunds_24h=int(row[3]),
+        )
 
     async def case_status(self, tenant: str, key: str) -> CaseStatus:
         async with self._tenant_tx(tenant) as conn:
@@ -260,6 +347,20 @@ class CaseTools:
             raise ToolError(f"[tool_failed] could not post the note: {pg_message(exc)}") from exc
         assert row is not None
         return NoteResult(note_id=int(row[0]))
+
+
+def _refund(
+    status: str, refund_id: int | None, created: bool, why: str, approved_by: str | None
+) -> RefundResult:
+    return RefundResult(
+        status=status,
+        refund_id=refund_id,
+        created=created,
+        why=why,
+        code=None,
+        approval_request=None,
+        approved_by=approved_by,
+    )
 
 
 def _text(value: str, name: str, limit: int) -> str:
@@ -319,31 +420,37 @@ def build_server(
         claims = await gate.allow("post_note", {})
         return await tools.post_note(claims.tenant, _text(channel, "channel", 100), _text(body, "body", 4000))
 
+    grants = ApprovalGrants(registry, settings.service_id)
+
     @mcp.tool(annotations=KEYED_WRITE)
     async def issue_refund(
-        subject: str, amount_cents: int, idempotency_key: str, approval_id: str = "", approved_by: str = ""
+        subject: str, amount_cents: int, idempotency_key: str, approval_grant: str = ""
     ) -> RefundResult:
-        """Refund an amount (in cents) to a subject, at most once per idempotency key. An amount
-        that policy says needs approval is refunded only with one (approval_id, approved_by);
-        without, nothing happens and the answer is {"status": "pending_approval", "why": ...}."""
+        """Refund an amount (in cents) to a subject, at most once per idempotency key. A refund
+        that policy says needs approval (by its amount, or by what the run and the tenant have
+        refunded with no person's approval) is made only with ``approval_grant``, the registry's
+        grant for exactly this call; without, nothing happens and the answer is
+        {"status": "pending_approval", "why": ..., "approval_request": ...}."""
         if not 0 < amount_cents <= 10**9:
             raise ToolError("[invalid_request] amount_cents must be 1 to 1000000000")
-        claims, decision = await gate.authorize("issue_refund", {"amount_cents": amount_cents})
-        if decision.result.get("approval_required") and not approval_id:
-            why = f"a refund of {amount_cents / 100:.2f} to {subject} needs approval (decision {decision.decision_id})"
-            return RefundResult(status="pending_approval", refund_id=None, created=False, why=why)
+        arguments = {"subject": subject, "amount_cents": amount_cents, "idempotency_key": idempotency_key}
+        key, name = _text(idempotency_key, "idempotency_key", 300), _text(subject, "subject", 200)
+        claims = current_claims()
         approval = (
-            (_text(approval_id, "approval_id", 300), _text(approved_by, "approved_by", 200))
-            if approval_id
-            else None
+            await grants.verify(claims, "issue_refund", arguments, approval_grant) if approval_grant else None
         )
-        return await tools.refund(
-            claims.tenant,
-            _text(idempotency_key, "idempotency_key", 300),
-            _text(subject, "subject", 200),
-            amount_cents,
-            approval,
+
+        async def decide(totals: RefundTotals) -> tuple[bool, str]:
+            _, decision = await gate.authorize("issue_refund", {"amount_cents": amount_cents, **totals})
+            return bool(decision.result.get("approval_required")), decision.decision_id
+
+        refunded = await tools.refund(
+            claims.tenant, str(claims.raw.get("run_id") or ""), key, name, amount_cents, approval, decide
         )
+        if refunded["status"] == "pending_approval":
+            request = ApprovalRequest(settings.service_id, "issue_refund", arguments)
+            return {**refunded, "approval_request": request.to_json()}
+        return refunded
 
     return mcp
 

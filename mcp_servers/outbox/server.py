@@ -12,9 +12,15 @@ webhook is sent with ``Idempotency-Key: <operation id>`` and signed (``X-Fleet-S
 of the body with the destination's secret): if the server dies after the receiver answered but before
 the status was written, the next call sends it again under the same key, for the receiver to drop.
 
-When policy says an operation needs an approval (``fleet.tools``: ``approval_always`` or the
-destination in ``approval_destinations``), nothing happens: the answer is
-``{"status": "pending_approval"}`` and the operation waits for a call with ``approval_id``.
+When policy says an operation needs an approval (``fleet.tools``: ``approval_always``, the
+destination in ``approval_destinations``, or a publication under an ``approval_over_score`` rule,
+whose score this server cannot know), nothing happens: the answer is ``{"status":
+"pending_approval", "code": "approval_required", "approval_request": {...}}`` (the server, the tool
+and the exact arguments to approve), and the operation waits for the same call with an
+``approval_grant`` (see :mod:`fleet.approvals`): the registry's grant for exactly this call,
+checked here (signature, tenant, run, tool, arguments, expiry) and used up in the transaction of
+the effect, whose approver is recorded from the grant. A call's own word about its approval, or
+about the facts a threshold compares (a score), counts for nothing.
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ from nats.aio.client import Client as NATS
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
-from pydantic import BaseModel, Field
+from pydantic import Field
 from starlette.applications import Starlette
 
 from fleet import transport
+from fleet.approvals import ApprovalRequest
 from fleet.artifacts import NatsArtifactStore, parse_ref
 from fleet.errors import FleetError
 from fleet.natsconn import connect, service_credentials
@@ -48,9 +55,13 @@ from fleet.tenant_keys import TenantKey
 from mcp_servers._base import (
     KEYED_WRITE,
     READ_ONLY,
+    Approval,
+    ApprovalGrants,
     TenantKeys,
     ToolGate,
+    approval_grants_sql,
     fleet_mcp_server,
+    use_grant,
 )
 from mcp_servers._pg import database_tool_app, pg_message
 from registry import RegistryClient
@@ -101,6 +112,7 @@ CREATE TABLE IF NOT EXISTS outbox.publications (
     published_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (tenant_id, name)
 );
+{approval_grants_sql("outbox")}
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{WRITER_ROLE}') THEN
@@ -125,6 +137,9 @@ class OperationResult(TypedDict):
     replayed: bool  # true: nothing happened now, this is what the operation id did before
     result: dict[str, Any] | None
     error: str | None
+    code: str | None  # approval_required with pending_approval
+    approval_request: dict[str, Any] | None  # with pending_approval: what to approve (fleet.approvals)
+    approved_by: str | None  # the approver of the call that made the effect (from its grant)
 
 
 class OperationStatus(TypedDict):
@@ -134,11 +149,6 @@ class OperationStatus(TypedDict):
     result: dict[str, Any] | None
     error: str | None
     attempts: int
-
-
-class Approval(BaseModel):
-    approval_id: str
-    approved_by: str
 
 
 def request_hash(kind: str, request: dict[str, Any]) -> str:
@@ -174,10 +184,12 @@ class OutboxTools:
         *,
         needs_approval: bool,
         approval: Approval | None,
+        approval_request: ApprovalRequest,
         key: TenantKey | None = None,
     ) -> OperationResult:
-        """Do the operation once (see the module's doc). ``key``: the tenant's key, for a
-        publication (whose artifact is looked up with it)."""
+        """Do the operation once (see the module's doc). ``approval``: the call's verified grant
+        (used up here, with the effect); ``approval_request``: what a person would approve.
+        ``key``: the tenant's key, for a publication (whose artifact is looked up with it)."""
         digest = request_hash(kind, request)
         async with self._tenant_tx(tenant) as conn:
             await conn.execute(
@@ -195,13 +207,11 @@ class OutboxTools:
             assert row is not None
             if row["request_hash"] != digest:
                 raise ToolError("[conflict] this operation id was used for another request; use a new id")
+            if approval is not None:  # used once, whatever follows: refused (and rolled back) if not
+                await use_grant(conn, "outbox", tenant, approval_request.tool, approval)
             if row["status"] in ("done", "failed"):
-                return OperationResult(
-                    operation_id=operation_id,
-                    status=row["status"],
-                    replayed=True,
-                    result=row["result"],
-                    error=row["error"],
+                return _result(
+                    operation_id, row["status"], True, row["result"], row["error"], row["approved_by"]
                 )
             if needs_approval and approval is None:
                 await conn.execute(
@@ -209,13 +219,12 @@ class OutboxTools:
                     " WHERE tenant_id = %s AND operation_id = %s",
                     (tenant, operation_id),
                 )
-                return OperationResult(
-                    operation_id=operation_id,
-                    status="pending_approval",
-                    replayed=False,
-                    result=None,
-                    error=None,
-                )
+                pending = _result(operation_id, "pending_approval", False, None, None, None)
+                return {
+                    **pending,
+                    "code": "approval_required",
+                    "approval_request": approval_request.to_json(),
+                }
             status, result, error = await self._effect(conn, tenant, operation_id, kind, request, key)
             await conn.execute(
                 "UPDATE outbox.operations SET status = %s, result = %s, error = %s, attempts = attempts + 1,"
@@ -224,15 +233,13 @@ class OutboxTools:
                     status,
                     Jsonb(result) if result is not None else None,
                     error,
-                    approval.approval_id if approval else None,
-                    approval.approved_by if approval else None,
+                    approval.jti if approval else None,
+                    approval.approver if approval else None,
                     tenant,
                     operation_id,
                 ),
             )
-        return OperationResult(
-            operation_id=operation_id, status=status, replayed=False, result=result, error=error
-        )
+        return _result(operation_id, status, False, result, error, approval.approver if approval else None)
 
     async def _effect(
         self,
@@ -323,18 +330,30 @@ class OutboxTools:
         )
 
 
+def _result(
+    operation_id: str,
+    status: str,
+    replayed: bool,
+    result: dict[str, Any] | None,
+    error: str | None,
+    approved_by: str | None,
+) -> OperationResult:
+    return OperationResult(
+        operation_id=operation_id,
+        status=status,
+        replayed=replayed,
+        result=result,
+        error=error,
+        code=None,
+        approval_request=None,
+        approved_by=approved_by,
+    )
+
+
 def _text(value: str, name: str, limit: int) -> str:
     if not value.strip() or len(value) > limit:
         raise ToolError(f"[invalid_request] {name} must be 1 to {limit} characters")
     return value
-
-
-def _approval(approval_id: str, approved_by: str) -> Approval | None:
-    if not approval_id:
-        return None
-    return Approval(
-        approval_id=_text(approval_id, "approval_id", 300), approved_by=_text(approved_by, "approved_by", 200)
-    )
 
 
 def _webhook_summary(destination: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -358,15 +377,19 @@ def build_server(
     )
     keys = TenantKeys(registry)
 
+    grants = ApprovalGrants(registry, settings.service_id)
+
     async def perform(
         tool: str,
         kind: str,
-        operation_id: str,
+        arguments: dict[str, Any],
         request: dict[str, Any],
         facts: dict[str, Any],
-        approval: Approval | None,
+        grant: str,
     ) -> OperationResult:
+        """``arguments``: the call's own, exactly (what a grant is bound to), its grant aside."""
         claims, decision = await gate.authorize(tool, facts)
+        approval = await grants.verify(claims, tool, arguments, grant) if grant else None
         try:
             # Only a publication looks at the tenant's artifacts: only it asks for the tenant's key.
             key = await keys.for_caller(claims) if kind == "publication" else None
@@ -376,11 +399,12 @@ def build_server(
             return await tools.perform(
                 claims.tenant,
                 claims.sub,
-                _text(operation_id, "operation_id", 300),
+                _text(str(arguments["operation_id"]), "operation_id", 300),
                 kind,
                 request,
                 needs_approval=bool(decision.result.get("approval_required")),
                 approval=approval,
+                approval_request=ApprovalRequest(settings.service_id, tool, arguments),
                 key=key,
             )
         except psycopg.Error as exc:
@@ -388,13 +412,10 @@ def build_server(
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def post_webhook(
-        operation_id: str,
-        destination: str,
-        payload: dict[str, Any],
-        approval_id: str = "",
-        approved_by: str = "",
+        operation_id: str, destination: str, payload: dict[str, Any], approval_grant: str = ""
     ) -> OperationResult:
-        """POST a JSON payload to a configured destination (by name), at most once per operation id."""
+        """POST a JSON payload to a configured destination (by name), at most once per operation id.
+        ``approval_grant``: the registry's grant for exactly this call, when policy asks for one."""
         if destination not in settings.outbox_destinations:
             raise ToolError(
                 f"[invalid_request] no destination {destination!r}; known: {sorted(settings.outbox_destinations)}"
@@ -404,48 +425,36 @@ def build_server(
         return await perform(
             "post_webhook",
             "webhook",
-            operation_id,
+            {"operation_id": operation_id, "destination": destination, "payload": payload},
             {"destination": destination, "payload": payload},
             _webhook_summary(destination, payload),
-            _approval(approval_id, approved_by),
+            approval_grant,
         )
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def open_ticket(
-        operation_id: str, title: str, body: str, approval_id: str = "", approved_by: str = ""
+        operation_id: str, title: str, body: str, approval_grant: str = ""
     ) -> OperationResult:
-        """Open a ticket, at most once per operation id."""
+        """Open a ticket, at most once per operation id (``approval_grant``: when policy asks for one)."""
         request = {"title": _text(title, "title", 200), "body": _text(body, "body", 20_000)}
-        return await perform(
-            "open_ticket", "ticket", operation_id, request, {}, _approval(approval_id, approved_by)
-        )
+        arguments = {"operation_id": operation_id, "title": title, "body": body}
+        return await perform("open_ticket", "ticket", arguments, request, {}, approval_grant)
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def publish_artifact(
-        operation_id: str,
-        artifact: str,
-        name: str,
-        approval_id: str = "",
-        approved_by: str = "",
-        anomaly_score: float | None = None,
+        operation_id: str, artifact: str, name: str, approval_grant: str = ""
     ) -> OperationResult:
         """Publish an artifact of your tenant (artifact:sha256:...) under a name, once per operation id.
-        ``anomaly_score``: the highest score the report states; policy may ask for an approval above
-        a threshold (and asks for one when a threshold is set and no score is stated)."""
+        Under a score threshold (``approval_over_score``) every publication needs an
+        ``approval_grant``: a person's, or policy's on the score the fleet computed for the report
+        (this server cannot know it, and takes no caller's word for it)."""
         try:
             digest = parse_ref(artifact)
         except FleetError as exc:
             raise ToolError(f"[{exc.code}] {exc.message}") from exc
         request = {"artifact": digest, "name": _text(name, "name", 200)}
-        summary = {} if anomaly_score is None else {"anomaly_score": float(anomaly_score)}
-        return await perform(
-            "publish_artifact",
-            "publication",
-            operation_id,
-            request,
-            summary,
-            _approval(approval_id, approved_by),
-        )
+        arguments = {"operation_id": operation_id, "artifact": artifact, "name": name}
+        return await perform("publish_artifact", "publication", arguments, request, {}, approval_grant)
 
     @mcp.tool(annotations=READ_ONLY)
     async def operation_status(operation_id: str) -> OperationStatus:
@@ -479,6 +488,8 @@ async def _prepare(admin: psycopg.AsyncConnection[Any]) -> None:
         await admin.execute(f"GRANT USAGE ON SCHEMA outbox TO {WRITER_ROLE}")
         await admin.execute(f"GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA outbox TO {WRITER_ROLE}")
         await admin.execute(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO {WRITER_ROLE}")
+        # A used grant stays used: the writer may only add to the record.
+        await admin.execute(f"REVOKE UPDATE, DELETE ON outbox.approval_grants FROM {WRITER_ROLE}")
 
 
 def build_app_for(settings: OutboxSettings) -> Starlette:

@@ -69,8 +69,9 @@ async def open_review_cases(ctx: SkillContext, payload: dict[str, Any]) -> dict[
 
 async def issue_refund(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Refund through the cases server. A refund that policy says needs approval comes back
-    ``pending_approval`` (nothing done), and the coordinator pauses the run until a person answers;
-    the approved call carries the approval, which the tool records with the refund."""
+    ``pending_approval`` (nothing done, with the call to approve), and the coordinator pauses the run
+    until a person answers; the approved call carries the registry's approval grant for exactly that
+    call, which the tool checks, uses up and records with the refund."""
     subject = _string(payload, "subject")
     amount = payload.get("amount_cents")
     if isinstance(amount, float) and amount.is_integer():  # JSON numbers arrive as floats over A2A
@@ -79,30 +80,40 @@ async def issue_refund(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, 
         raise SkillError(ErrorCode.INVALID_REQUEST, "input needs a positive integer 'amount_cents'")
     given = payload.get("approval")
     approval: dict[str, Any] = given if isinstance(given, dict) else {}
-    arguments: dict[str, Any] = {
-        "subject": subject,
-        "amount_cents": amount,
-        "idempotency_key": ctx.idempotency_key(f"refund:{subject}"),
-    }
-    if approval.get("id"):
-        arguments.update(approval_id=str(approval["id"]), approved_by=str(approval.get("by", "")))
+    # The approved call is keyed by the operation that first asked, so that it is the very call
+    # the approval grant was given for (same arguments, same hash).
+    asked = approval.get("op_id")
+    key = (
+        f"{asked}/refund:{subject}"
+        if isinstance(asked, str) and asked
+        else ctx.idempotency_key(f"refund:{subject}")
+    )
+    arguments: dict[str, Any] = {"subject": subject, "amount_cents": amount, "idempotency_key": key}
+    if isinstance(approval.get("grant"), str):
+        arguments["approval_grant"] = approval["grant"]
     refunded = await ctx.tools.call(
         CASES_SERVER, "issue_refund", arguments, tenant=ctx.tenant, scopes=[CASES_SCOPE]
     )
     if refunded["status"] == "pending_approval":
-        return {
+        pending = {
             "status": "pending_approval",
             "why": refunded["why"],
             "subject": subject,
             "amount_cents": amount,
         }
+        if isinstance(refunded.get("approval_request"), dict):  # what the person approves, exactly
+            pending["approval_request"] = refunded["approval_request"]
+        return pending
     await ctx.progress(f"refunded {subject}")
-    return {
+    done = {
         "status": "refunded",
         "refund_id": refunded["refund_id"],
         "subject": subject,
         "amount_cents": amount,
     }
+    if refunded.get("approved_by"):
+        done["approved_by"] = refunded["approved_by"]
+    return done
 
 
 def post_note_skill(timeout_s: float) -> Skill:

@@ -1,6 +1,8 @@
 """The publisher specialist: the integrations end of a run. It publishes through the outbox MCP server,
-which makes every effect at most once per operation id and asks policy first: a publication whose
-stated anomaly score is over the policy's threshold (``approval_over_score``) waits for a person."""
+which makes every effect at most once per operation id and asks policy first: under a score
+threshold (``approval_over_score``) a publication needs an approval grant, which the coordinator
+gets from policy when the score the run computed for the report is under it, or from a person. The
+caller's ``anomaly_score`` is shown to the person, and decides nothing."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ PUBLISHED_SCHEMA: dict[str, Any] = {
         "operation_id": {"type": "string"},
         "replayed": {"type": "boolean"},
         "approved_by": {"type": "string"},
+        "approval_request": {"type": "object"},
     },
 }
 
@@ -48,20 +51,21 @@ async def publish_report(ctx: SkillContext, payload: dict[str, Any]) -> dict[str
         "artifact": artifact,
         "name": name,
     }
-    if score is not None:
-        arguments["anomaly_score"] = float(score)
     approval = payload.get("approval")
-    if isinstance(approval, dict) and approval.get("id"):
-        arguments.update(approval_id=str(approval["id"]), approved_by=str(approval.get("by", "")))
+    if isinstance(approval, dict) and isinstance(approval.get("grant"), str):
+        arguments["approval_grant"] = approval["grant"]  # the registry's, for exactly this call
     answer = await ctx.tools.call(
         OUTBOX_SERVER, "publish_artifact", arguments, tenant=ctx.tenant, scopes=[OUTBOX_SCOPE]
     )
     if answer["status"] == "pending_approval":
         why = f"publishing {name!r} needs an approval"
         if score is not None:
-            why += f": its highest anomaly score, {float(score):g}, is over the policy's threshold"
+            why += f" (the caller states an anomaly score of {float(score):g}; policy goes by the run's own)"
         await ctx.progress(why)
-        return {"status": "pending_approval", "why": why, "name": name, "anomaly_score": score}
+        pending = {"status": "pending_approval", "why": why, "name": name, "anomaly_score": score}
+        if isinstance(answer.get("approval_request"), dict):  # what the person approves, exactly
+            pending["approval_request"] = answer["approval_request"]
+        return pending
     if answer["status"] != "done":
         raise SkillError(
             ErrorCode.TOOL_FAILED, f"the outbox could not publish {name!r}: {answer.get('error')}"
@@ -75,8 +79,8 @@ async def publish_report(ctx: SkillContext, payload: dict[str, Any]) -> dict[str
         "operation_id": answer["operation_id"],
         "replayed": answer["replayed"],
     }
-    if "approved_by" in arguments:
-        published["approved_by"] = arguments["approved_by"]
+    if answer.get("approved_by"):
+        published["approved_by"] = answer["approved_by"]
     return published
 
 
@@ -85,7 +89,7 @@ SKILLS = [
         "publish-report",
         "Publish a report",
         "Publishes a report artifact under a name, exactly once per run; a report whose anomaly score"
-        " is over the policy's threshold waits for an approval."
+        " (as the run computed it) is over the policy's threshold waits for an approval."
         ' Input: {"report": "artifact:sha256:...", "name": NAME, "anomaly_score": N}.',
         publish_report,
         tags=("publish", "integrations"),

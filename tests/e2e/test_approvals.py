@@ -150,6 +150,15 @@ async def refunds(stack: Stack, tenant: str) -> list[dict[str, Any]]:
     return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
+async def used_grants(stack: Stack, tenant: str) -> list[str]:
+    """The approval grants mcp-cases used for ``tenant`` (their ids), oldest first."""
+    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn:
+        cursor = await conn.execute(
+            "SELECT jti FROM tenant_data.approval_grants WHERE tenant_id = %s ORDER BY used_at", (tenant,)
+        )
+        return [str(row[0]) for row in await cursor.fetchall()]
+
+
 async def paused_at_gate(stack: Stack, tenant: str, token: str, plan: dict[str, Any] | None = None) -> str:
     """Start a refund run and return its id once it waits at the gate (the caller saw input-required)."""
     async with asyncio.timeout(120):
@@ -203,15 +212,19 @@ async def test_a_refund_over_the_threshold_waits_for_one_approval_however_often_
         assert done["state"] == "completed"
         # Counted at the tool: one refund, with the approval that allowed it.
         made = await refunds(stack, tenant)
+        grant_ids = await used_grants(stack, tenant)
         assert made == [
             {
                 "subject": "Contoso",
                 "amount_cents": 25_000,
-                "approval_id": "approval:refund:0",
-                "approved_by": "operator",
+                "approval_id": grant_ids[0],  # the registry's grant, used up with the refund
+                "approved_by": "operator",  # from the grant: the signer the registry verified
                 "attempts": 1,
             }
         ]
+        # The grant the coordinator got when the approval was applied is not in the run's log.
+        logged = json.dumps(await all_events(stack, run_id, token))
+        assert "eyJ" not in logged  # no JWT (a JSON header in base64url) in the log
         # One approval applied; the log says who.
         events = await all_events(stack, run_id, token)
         granted = [e for e in events if e["type"] == "approval.granted"]

@@ -222,29 +222,31 @@ async def test_an_operation_id_cannot_be_reused_for_another_request(stack: Stack
     assert reused.is_error and "[conflict]" in reused.content[0].text
 
 
-async def test_a_destination_that_needs_approval_waits_for_one(
+async def test_a_destination_that_needs_approval_waits_for_a_grant_and_a_self_asserted_one_does_nothing(
     stack: Stack, webhooks: WebhookReceiver
 ) -> None:
     op = "op-" + uuid.uuid4().hex
     args = {"operation_id": op, "destination": "customers", "payload": {"notice": "refund"}}
-    pending = ok(await call(stack, "mcp-outbox", outbox_token(stack), "post_webhook", args))
+    token = stack.forge(
+        aud="mcp-outbox", scope="outbox:write", tenant="acme", sub="case-desk", run_id="run-tp"
+    )
+    pending = ok(await call(stack, "mcp-outbox", token, "post_webhook", args))
     assert pending["status"] == "pending_approval"
+    assert pending["approval_request"]["arguments"] == args
     assert [d for d in webhooks.to("/ok/customers") if d.json["operation_id"] == op] == []
-    status = ok(
-        await call(stack, "mcp-outbox", outbox_token(stack), "operation_status", {"operation_id": op})
-    )
+    status = ok(await call(stack, "mcp-outbox", token, "operation_status", {"operation_id": op}))
     assert status["status"] == "pending_approval"
-    approved = ok(
-        await call(
-            stack,
-            "mcp-outbox",
-            outbox_token(stack),
-            "post_webhook",
-            {**args, "approval_id": "ap-1", "approved_by": "alice"},
-        )
+    # This used to send the webhook and record "alice" as the approver: a caller's own word for
+    # its approval is no approval now (only the registry's grant for this very call is).
+    asserted = await call(
+        stack, "mcp-outbox", token, "post_webhook", {**args, "approval_id": "ap-1", "approved_by": "alice"}
     )
-    assert approved["status"] == "done"
-    assert len([d for d in webhooks.to("/ok/customers") if d.json["operation_id"] == op]) == 1
+    assert asserted.is_error or ok(asserted)["status"] == "pending_approval"
+    invented = await call(stack, "mcp-outbox", token, "post_webhook", {**args, "approval_grant": "ap-1"})
+    assert invented.is_error and "[approval_invalid]" in invented.content[0].text
+    assert [d for d in webhooks.to("/ok/customers") if d.json["operation_id"] == op] == []
+    status = ok(await call(stack, "mcp-outbox", token, "operation_status", {"operation_id": op}))
+    assert status["status"] == "pending_approval"
 
 
 async def test_a_destination_that_is_down_leaves_the_operation_pending_for_a_retry(stack: Stack) -> None:

@@ -17,6 +17,14 @@
 #   skill (skills, within the tenant's): timeout_s, warn_before_s (a warning event this long before
 #   the deadline), on_expired ("expire": the run ends approval_expired; "escalate": the wait is
 #   escalated for escalate_for_s more, to the escalation approvers, and expires after that).
+#
+# fleet.approvals.auto. Input: {tenant, server, tool, arguments, facts}. Whether policy approves a
+#   gated tool call (one whose tool answered pending_approval) without a person. facts are what the
+#   coordinator computed from its own record of the run, never a caller's or a step's input:
+#   anomaly_score, the highest score the run's scoring step recorded for the very artifact the call
+#   publishes (absent when no step of the run scored it). A call is approved here only under a
+#   threshold rule of data.config.tools (approval_over_score) with a computed score at or under it,
+#   and never for a tool that says approval_always; anything else waits for a person.
 package fleet.approvals
 
 APPROVE_SCOPE := "runs:approve"
@@ -108,3 +116,32 @@ deadlines := {
 	"default": base_deadline,
 	"skills": {name: object.union(base_deadline, d) | some name, d in skill_deadlines},
 }
+
+tool_rule := data.config.tools[input.server][input.tool]
+
+auto_approves if {
+	threshold := tool_rule.approval_over_score
+	is_number(input.facts.anomaly_score)
+	input.facts.anomaly_score <= threshold
+	not object.get(tool_rule, "approval_always", false) == true
+}
+
+auto_reasons contains msg if {
+	auto_approves
+	msg := sprintf("the computed anomaly score %v is at most %v", [input.facts.anomaly_score, tool_rule.approval_over_score])
+}
+
+auto_reasons contains "no step of the run computed a score for it: a person decides" if {
+	tool_rule.approval_over_score
+	not is_number(object.get(object.get(input, "facts", {}), "anomaly_score", null))
+}
+
+auto_reasons contains msg if {
+	threshold := tool_rule.approval_over_score
+	input.facts.anomaly_score > threshold
+	msg := sprintf("the computed anomaly score %v is over %v: a person decides", [input.facts.anomaly_score, threshold])
+}
+
+auto := {"allow": auto_approves, "reasons": sort(auto_reasons)}
+
+default auto_approves := false

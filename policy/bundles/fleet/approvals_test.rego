@@ -99,3 +99,26 @@ test_the_owner_of_another_tenant_may_not_cancel if {
 	d := approvals.decision with input as object.union(ask("cancel", "alice", {}), {"signer": stranger}) with data.config.approvals as cfg
 	d.reasons == ["the signer belongs to another tenant"]
 }
+
+publication := {"tenant": "acme", "server": "mcp-outbox", "tool": "publish_artifact", "arguments": {}}
+
+test_policy_approves_a_publication_whose_computed_score_is_under_the_threshold if {
+	result := approvals.auto with input as object.union(publication, {"facts": {"anomaly_score": 1.2}})
+	result.allow
+}
+
+test_a_publication_over_the_threshold_or_without_a_computed_score_waits_for_a_person if {
+	high := approvals.auto with input as object.union(publication, {"facts": {"anomaly_score": 9.1}})
+	not high.allow
+	unscored := approvals.auto with input as object.union(publication, {"facts": {}})
+	not unscored.allow
+	count(unscored.reasons) == 1
+}
+
+test_policy_never_approves_a_refund_or_a_tool_that_always_asks if {
+	refund := {"tenant": "acme", "server": "mcp-cases", "tool": "issue_refund", "facts": {"anomaly_score": 0}}
+	not approvals.auto.allow with input as refund
+	rules := {"mcp-outbox": {"publish_artifact": {"approval_over_score": 3.5, "approval_always": true}}}
+	always := object.union(publication, {"facts": {"anomaly_score": 0}})
+	not approvals.auto.allow with input as always with data.config.tools as rules
+}

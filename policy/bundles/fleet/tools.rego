@@ -45,14 +45,48 @@ approval_required if {
 	not is_number(object.get(input.arguments, "amount_cents", null))
 }
 
-# ... and a call that states a score above the rule's approval_over_score (a report's highest
-# anomaly score), or states none to a tool that has such a threshold.
-approval_required if input.arguments.anomaly_score > rule.approval_over_score
+# ... and every call of a tool whose rule has an approval_over_score (a publication, over a report's
+# highest anomaly score): the tool cannot know the score, and a caller's word for it counts for
+# nothing, so the call needs a grant. The coordinator asks for one from policy
+# (fleet.approvals.auto) with the score the fleet computed for the report, or from a person.
+approval_required if rule.approval_over_score
+
+# Cumulative limits: what the tool itself counted as refunded with no person's approval (in its own
+# table, in the transaction of the effect; a caller cannot reset it), plus this amount, over the
+# rule's limit: in the caller's run (approval_over_run_cents, approval_over_run_count) and in the
+# tenant's last 24 hours (approval_over_tenant_cents_24h, approval_over_tenant_count_24h).
+approval_required if {
+	input.arguments.run_unattended_cents + input.arguments.amount_cents > rule.approval_over_run_cents
+}
+
+approval_required if input.arguments.run_unattended_refunds + 1 > rule.approval_over_run_count
 
 approval_required if {
-	rule.approval_over_score
-	not is_number(object.get(input.arguments, "anomaly_score", null))
+	total := input.arguments.tenant_unattended_cents_24h + input.arguments.amount_cents
+	total > rule.approval_over_tenant_cents_24h
 }
+
+approval_required if {
+	input.arguments.tenant_unattended_refunds_24h + 1 > rule.approval_over_tenant_count_24h
+}
+
+# ... and a call whose running totals are not known, to a tool that has such a limit: ask.
+approval_required if {
+	some limit in cumulative_limits
+	rule[limit]
+	some total in cumulative_totals
+	not is_number(object.get(input.arguments, total, null))
+}
+
+cumulative_limits := [
+	"approval_over_run_cents", "approval_over_run_count",
+	"approval_over_tenant_cents_24h", "approval_over_tenant_count_24h",
+]
+
+cumulative_totals := [
+	"run_unattended_cents", "run_unattended_refunds",
+	"tenant_unattended_cents_24h", "tenant_unattended_refunds_24h",
+]
 
 # ... and every call of a tool whose rule says approval_always, or a call to one of the destinations
 # its rule lists in approval_destinations (the outbox's webhooks).

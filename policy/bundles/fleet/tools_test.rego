@@ -81,16 +81,54 @@ test_a_tool_that_always_needs_approval_says_so if {
 	result.approval_required
 }
 
-test_a_publication_over_the_score_threshold_or_without_a_score_needs_approval if {
+test_a_publication_under_a_score_threshold_needs_a_grant_whatever_score_the_caller_states if {
 	call := {"server": "mcp-outbox", "tool": "publish_artifact", "tenant": "acme", "scopes": ["outbox:write"]}
-	high := tools.decision with input as object.union(call, {"arguments": {"anomaly_score": 10}})
-	high.allow
-	high.approval_required
-	low := tools.decision with input as object.union(call, {"arguments": {"anomaly_score": 1.2}})
-	low.allow
-	not low.approval_required
+	claimed_zero := tools.decision with input as object.union(call, {"arguments": {"anomaly_score": 0}})
+	claimed_zero.allow
+	claimed_zero.approval_required
 	unsaid := tools.decision with input as object.union(call, {"arguments": {}})
 	unsaid.approval_required
+}
+
+refund_call(arguments) := {
+	"server": "mcp-cases", "tool": "issue_refund", "tenant": "acme", "scopes": ["cases:write"],
+	"arguments": arguments,
+}
+
+refund_totals := {
+	"run_unattended_cents": 0, "run_unattended_refunds": 0,
+	"tenant_unattended_cents_24h": 0, "tenant_unattended_refunds_24h": 0,
+}
+
+test_a_refund_under_every_limit_needs_no_person if {
+	result := tools.decision with input as refund_call(object.union(refund_totals, {"amount_cents": 10000}))
+	result.allow
+	not result.approval_required
+}
+
+test_a_refund_that_takes_the_run_over_its_cumulative_limit_needs_a_person if {
+	totals := object.union(refund_totals, {"run_unattended_cents": 20000, "run_unattended_refunds": 2})
+	result := tools.decision with input as refund_call(object.union(totals, {"amount_cents": 10000}))
+	result.approval_required
+}
+
+test_a_refund_that_takes_the_tenant_over_its_24h_limit_needs_a_person if {
+	totals := object.union(refund_totals, {"tenant_unattended_cents_24h": 95000, "tenant_unattended_refunds_24h": 12})
+	result := tools.decision with input as refund_call(object.union(totals, {"amount_cents": 6000}))
+	result.approval_required
+}
+
+test_a_count_limit_counts_refunds if {
+	rules := {"mcp-cases": {"issue_refund": {"scopes": ["cases:write"], "approval_over_run_count": 3}}}
+	third := object.union(refund_totals, {"run_unattended_refunds": 2, "amount_cents": 1})
+	not tools.approval_required with input as refund_call(third) with data.config.tools as rules
+	fourth := object.union(refund_totals, {"run_unattended_refunds": 3, "amount_cents": 1})
+	tools.approval_required with input as refund_call(fourth) with data.config.tools as rules
+}
+
+test_a_refund_whose_running_totals_are_unknown_needs_a_person if {
+	result := tools.decision with input as refund_call({"amount_cents": 100})
+	result.approval_required
 }
 
 test_an_agents_own_rate_wins_over_the_tools_which_wins_over_the_default if {
