@@ -168,6 +168,21 @@ class Delegator:
             self._known[agent_id] = known
         return known
 
+    async def moved(self, agent: AgentRecord) -> AgentRecord | None:
+        """``agent``'s record as the registry has it now, if it is at another address than
+        ``agent`` (it restarted elsewhere: a new pod, a new port); else None. What was cached of it
+        is dropped either way, so the next discovery asks the registry again."""
+        self._known.pop(agent.id, None)
+        for skill, (_, agents) in list(self._found.items()):
+            if any(a.id == agent.id for a in agents):
+                del self._found[skill]
+        try:
+            now = await self._registry.agent(agent.id)
+        except FleetError:
+            return None
+        self._known[agent.id] = now
+        return now if now.url != agent.url else None
+
     def suspect(self, agent_id: str, why: str) -> None:
         """Try ``agent_id`` last for a while (it could not be reached, or answered garbage)."""
         log.warning("%s is tried last for %.0fs: %s", agent_id, SUSPECT_FOR_S, why)

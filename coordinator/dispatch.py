@@ -382,10 +382,18 @@ class StepDispatcher:
             exc.code in (ErrorCode.BAD_ANSWER, ErrorCode.DEPENDENCY_UNAVAILABLE)
             and skill_is_idempotent(agent, self._skill)
         )
+        if not safe or len(self._tried) > MAX_REROUTES:
+            if exc.code in (ErrorCode.SPECIALIST_UNAVAILABLE, ErrorCode.BAD_ANSWER):
+                self._delegator.suspect(agent.id, exc.message)
+            return None
+        if exc.code == ErrorCode.SPECIALIST_UNAVAILABLE:
+            # Not reached: the agent may have moved since it was discovered (a restart elsewhere).
+            # The same agent at its new address comes first; the call never reached the old one.
+            moved = await self._delegator.moved(agent)
+            if moved is not None:
+                return moved
         if exc.code in (ErrorCode.SPECIALIST_UNAVAILABLE, ErrorCode.BAD_ANSWER):
             self._delegator.suspect(agent.id, exc.message)
-        if not safe or len(self._tried) > MAX_REROUTES:
-            return None
         others = await self._delegator.alternatives(self._skill, self._tried)
         return others[0] if others else None
 

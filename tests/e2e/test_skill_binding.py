@@ -311,6 +311,21 @@ async def test_a_step_naming_no_agent_goes_outside_only_for_a_tenant_whose_polic
     assert len(seen.inputs) == 1 and len(seen.assertions) == 1  # globex's run never reached it
 
 
+async def test_an_agent_that_moved_since_it_was_discovered_is_reached_at_its_new_address(
+    partner_stack: Stack,
+) -> None:
+    """The partner stops and starts again on another port (a restart elsewhere) while the workers
+    still hold its old record from discovery: the step is not lost to the old address, it goes to
+    the same agent at the address the registry has now."""
+    plan = {"steps": [{"id": "score", "skill": SCORE, "agent": PARTNER, "input": {"invoice_id": "INV-12"}}]}
+    token = partner_stack.token("coordinator")
+    for attempt in range(2):
+        async with partner_agent(partner_stack, PARTNER, skills=(SCORE, REVIEW)) as (_, seen):
+            run = await send(partner_stack, user_message(data=plan), token=token)
+            assert run.state_name == "TASK_STATE_COMPLETED", (attempt, run.final_text)
+            assert seen.inputs == [{"invoice_id": "INV-12"}]
+
+
 async def test_a_tenant_whose_policy_does_not_name_the_partner_never_sends_to_it(
     partner_stack: Stack,
 ) -> None:
