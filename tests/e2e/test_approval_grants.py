@@ -16,11 +16,8 @@ import uuid
 from typing import Any
 
 import httpx
-import httpx2
 import psycopg
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 from fleet.approvals import APPROVAL_GRANT_TYP, ApprovalBinding, args_sha256
 from fleet.errors import ErrorCode, FleetError
@@ -28,24 +25,9 @@ from fleet.keys import SigningKey
 from fleet.tokens import ACCESS_TOKEN_TYPE, TokenClient
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.conftest import Stack, send, user_message
+from tests.e2e.stack_helpers import call, ok
 
 pytestmark = pytest.mark.e2e
-
-
-async def call(stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any]) -> Any:
-    """One MCP tool call over Streamable HTTP, with ``token``."""
-    url = stack.endpoints["mcp_servers"][server]
-    async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
-        Client(streamable_http_client(url, http_client=http)) as client,
-    ):
-        return await client.call_tool(tool, arguments)
-
-
-def ok(result: Any) -> dict[str, Any]:
-    assert not result.is_error, result.content
-    structured: dict[str, Any] = result.structured_content
-    return structured.get("result", structured) if set(structured) == {"result"} else structured
 
 
 def cases_token(stack: Stack, tenant: str, run_id: str) -> str:

@@ -6,7 +6,6 @@ stack, and puts back what it replaced (the stack is shared)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -25,6 +24,7 @@ from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.tokens import client_assertion
 from tests.e2e.conftest import Stack, token_claims
+from tests.e2e.stack_helpers import logged
 
 pytestmark = pytest.mark.e2e
 
@@ -64,19 +64,6 @@ def _record_of(value: bytes) -> dict[str, Any]:
         return dict(stored)
     payload: dict[str, Any] = jwt.decode(stored["sealed"], options={"verify_signature": False})
     return dict(payload["record"])
-
-
-async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 15.0) -> str:
-    """The line of ``service``'s log that has every one of ``needles`` (waiting for it)."""
-    path = stack.layout.log_file(service)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in path.read_text(errors="replace").splitlines():
-            if all(needle in line for needle in needles):
-                return line
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{service} logged no line with {needles}")
-        await asyncio.sleep(0.1)
 
 
 async def get(stack: Stack, service: str, path: str, token: str) -> httpx.Response:

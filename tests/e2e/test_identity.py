@@ -46,6 +46,7 @@ from tests.e2e.conftest import (
     user_message,
 )
 from tests.e2e.identities import Impostor, PartnerIdp, card_server, serve_card, team_mcp_server
+from tests.e2e.stack_helpers import logged
 from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e
@@ -67,19 +68,6 @@ async def mcp_call(stack: Stack, server: str, token: str) -> httpx.Response:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     async with httpx.AsyncClient() as http:
         return await http.post(stack.endpoints["mcp_servers"][server], json=body, headers=headers)
-
-
-async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 10.0) -> str:
-    """The line of ``service``'s log that has every one of ``needles`` (waiting for it to be written)."""
-    path = stack.layout.log_file(service)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in path.read_text(errors="replace").splitlines():
-            if all(needle in line for needle in needles):
-                return line
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{service} logged no line with {needles}")
-        await asyncio.sleep(0.1)
 
 
 async def audited(

@@ -14,10 +14,8 @@ few of a step's fields leave for it (``config.egress.grants``)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from tests.e2e.identities import IMPOSTOR_SKILL, Impostor, card_server
 from tests.e2e.kit_agent import kit_agent
 from tests.e2e.partner import SKILL as SCORE
 from tests.e2e.partner import partner_agent
+from tests.e2e.stack_helpers import logged, logged_in
 
 pytestmark = pytest.mark.e2e
 
@@ -95,32 +94,6 @@ async def offered(stack: Stack, skill: str) -> list[str]:
         )
     found.raise_for_status()
     return sorted(a["id"] for a in found.json()["agents"])
-
-
-async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 10.0) -> str:
-    """The line of ``service``'s log that has every one of ``needles`` (waiting for it to be written)."""
-    path = stack.layout.log_file(service)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in path.read_text(errors="replace").splitlines():
-            if all(needle in line for needle in needles):
-                return line
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{service} logged no line with {needles}")
-        await asyncio.sleep(0.1)
-
-
-async def logged_by_a_worker(stack: Stack, *needles: str, timeout_s: float = 10.0) -> str:
-    """The line of any worker's log that has every one of ``needles`` (waiting for it)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for path in sorted(stack.layout.logs_dir.glob("worker-*.log")):
-            for line in path.read_text(errors="replace").splitlines():
-                if all(needle in line for needle in needles):
-                    return line
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no worker logged a line with {needles}")
-        await asyncio.sleep(0.1)
 
 
 def agents_of(events: list[dict[str, Any]]) -> dict[str, str]:
@@ -368,3 +341,9 @@ async def test_the_fleets_own_agent_is_preferred_to_a_partner_the_tenant_names(
         outcome = await send(partner_stack, user_message(data=plan), token=token)
         assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
         assert seen.inputs == [{"invoice_id": "INV-11"}]
+
+
+async def logged_by_a_worker(stack: Stack, *needles: str, timeout_s: float = 10.0) -> str:
+    """The line of any worker's log that has every one of ``needles`` (waiting for it)."""
+    workers = sorted(stack.layout.logs_dir.glob("worker-*.log"))
+    return await logged_in(workers, "the workers", *needles, timeout_s=timeout_s)

@@ -9,32 +9,14 @@ import hmac
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
 
-import httpx2
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 from tests.e2e.conftest import Stack, start_stack, stop_stack
+from tests.e2e.stack_helpers import call, ok
 from tests.e2e.webhooks import SECRET, WebhookReceiver
 
 pytestmark = pytest.mark.e2e
-
-
-async def call(stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any]) -> Any:
-    url = stack.endpoints["mcp_servers"][server]
-    async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
-        Client(streamable_http_client(url, http_client=http)) as client,
-    ):
-        return await client.call_tool(tool, arguments)
-
-
-def ok(result: Any) -> dict[str, Any]:
-    assert not result.is_error, result.content
-    structured: dict[str, Any] = result.structured_content
-    return structured.get("result", structured) if set(structured) == {"result"} else structured
 
 
 def sandbox_token(stack: Stack, run_id: str, tenant: str = "acme") -> str:

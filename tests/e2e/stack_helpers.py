@@ -1,0 +1,53 @@
+"""Helpers for end-to-end tests that look at a running stack from outside: a tool called over MCP
+with a given token, and a line a service wrote to its log."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from tests.e2e.conftest import Stack
+
+
+async def call(stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any]) -> Any:
+    """One MCP tool call to ``server`` of ``stack`` over Streamable HTTP, with ``token``."""
+    url = stack.endpoints["mcp_servers"][server]
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        return await client.call_tool(tool, arguments)
+
+
+def ok(result: Any) -> dict[str, Any]:
+    """A successful tool result's structured content (unwrapped from ``result`` if it is only that)."""
+    assert not result.is_error, result.content
+    structured: dict[str, Any] = result.structured_content
+    return structured.get("result", structured) if set(structured) == {"result"} else structured
+
+
+async def logged_in(paths: Iterable[Path] | None, what: str, *needles: str, timeout_s: float = 15.0) -> str:
+    """The first line of the log files ``paths`` that has every one of ``needles``, waiting up to
+    ``timeout_s`` for it to be written (``what`` names the logs in the failure)."""
+    files = list(paths or ())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for path in files:
+            for line in path.read_text(errors="replace").splitlines():
+                if all(needle in line for needle in needles):
+                    return line
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} logged no line with {needles}")
+        await asyncio.sleep(0.1)  # a log file another process appends to: nothing to wait on
+
+
+async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 15.0) -> str:
+    """The line of ``service``'s log that has every one of ``needles`` (waiting for it)."""
+    return await logged_in([stack.layout.log_file(service)], service, *needles, timeout_s=timeout_s)
