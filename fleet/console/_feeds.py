@@ -15,10 +15,14 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from fleet.eventlog import read_records
 from policy.live import DECISIONS_STREAM, statuses
 
 MAX_SHOWN = 50  # the newest; the whole log is `fleet policy log`
+AUDIT_STREAM = "FLEET_AUDIT"  # fleet/buscatalog.py
+# How far back the console looks for a tenant's memory audit: the last this many messages of the
+# audit stream (every service's audit shares it), so that a request costs the same however long the
+# stream grows (90 days); older events are read with `fleet memory audit`.
+AUDIT_WINDOW = 2000
 
 
 async def policy_view(client: NATS, last: int = MAX_SHOWN) -> dict[str, Any]:
@@ -31,8 +35,9 @@ async def policy_view(client: NATS, last: int = MAX_SHOWN) -> dict[str, Any]:
 
 
 async def memory_audit(client: NATS, tenant: str, last: int = MAX_SHOWN) -> list[dict[str, Any]]:
-    """The memory server's audit events of ``tenant``, the newest last."""
-    events = await read_records(client, "fleet.audit.memory.>")
+    """The memory server's audit events of ``tenant`` among the last ``AUDIT_WINDOW`` messages of the
+    audit stream, the newest last."""
+    events = await _last_records(client, AUDIT_STREAM, "fleet.audit.memory.>", AUDIT_WINDOW)
     return [e for e in events if e.get("tenant") == tenant][-last:]
 
 
