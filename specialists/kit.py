@@ -30,7 +30,7 @@ from a2a.helpers import get_data_parts, new_data_part, new_task_from_user_messag
 from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.events import EventQueue
 from a2a.server.request_handlers import DefaultRequestHandler
-from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
+from a2a.server.tasks import TaskUpdater
 from a2a.types import AgentSkill, InvalidParamsError, Message, TaskState
 from google.protobuf.json_format import MessageToDict
 from mcp import Client, MCPError
@@ -67,6 +67,7 @@ from fleet.tokens import Claims
 from registry import McpServerRecord, RegistryClient
 from specialists.cancellation import ToolCalls
 from specialists.journal import Entry, Journal, JournalStatus
+from specialists.task_store import BoundedTaskStore
 
 log = logging.getLogger(__name__)
 
@@ -1057,7 +1058,7 @@ def build_specialist_app(
     )
     handler = DefaultRequestHandler(
         agent_executor=executor,
-        task_store=InMemoryTaskStore(),
+        task_store=BoundedTaskStore(),
         agent_card=card,
     )
     readiness = Readiness(settings.service_id, "specialist")
