@@ -88,7 +88,11 @@ class Principal:
     def user_name(self) -> str:
         """A new connection's name, as the server shows it (``authorized_user``): whose, with which
         key (what a revocation looks for), and which connection (what a renewal closes)."""
-        return f"{self.type}:{self.id}:{self.kid}:{secrets.token_hex(6)}"
+        return f"{self.owner()}:{self.kid}:{secrets.token_hex(6)}"
+
+    def owner(self) -> str:
+        """Whose a connection is, as its user name says (:func:`owner_of`)."""
+        return f"{self.type}:{self.id}"
 
     def policy_input(self) -> dict[str, Any]:
         return {
@@ -323,6 +327,7 @@ class BusAuthority:
 
     async def _user_jwt(self, principal: Principal, user_nkey: str) -> str:
         result = await self._rights(principal)
+        await self._within_connections(principal, int(result.get("connections", -1)))
         ttl_s = float(result.get("ttl_s", 3600))
         renew_at = time.time() + ttl_s
         if principal.expires_at is not None:
@@ -340,6 +345,30 @@ class BusAuthority:
         }
         claims = {"sub": user_nkey, "aud": FLEET_ACCOUNT, "name": name, "nats": permissions}
         return natsjwt.encode(claims, self.keys["callout_issuer"])
+
+    async def _within_connections(self, principal: Principal, limit: int) -> None:
+        """Refuse a connection beyond the ``limit`` (policy's ``bus.limits.connections``) that one
+        principal may hold open at once. The connections this registry let in are counted first; when
+        they reach the limit, the bus is asked (CONNZ, every server), which also counts those other
+        registry replicas let in and forgets the ones that have closed since."""
+        if limit < 0:
+            return
+        whose = principal.owner()
+        mine = [name for name in self._live if owner_of(name) == whose]
+        if len(mine) < limit:
+            return
+        open_now = {
+            name
+            for _, connection in await self._connections()
+            if owner_of(name := str(connection.get("authorized_user") or "")) == whose
+        }
+        for name in mine:
+            if name not in open_now:
+                del self._live[name]
+        if len(open_now) >= limit:
+            raise Refused(
+                f"{principal.type} {principal.id} has {len(open_now)} connections open, the most allowed"
+            )
 
     # ------------------------------------------------------------------ closing connections
     def _schedule_close(self, *, kid: str) -> None:
@@ -420,6 +449,12 @@ class BusAuthority:
         for name in due:
             self._live.pop(name, None)
         return closed
+
+
+def owner_of(user_name: str) -> str:
+    """``type:id`` of a connection's user name ``type:id:kid:random`` (an id may hold a colon; a kid
+    and the random part do not)."""
+    return user_name.rsplit(":", 2)[0]
 
 
 def registry_rights(principal: Principal) -> dict[str, Any]:

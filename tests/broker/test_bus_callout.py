@@ -1,6 +1,7 @@
 """The registry's bus door against a real ``nats-server`` configured as the fleet configures it:
 credentials are renewed by closing a connection whose time is up (the client comes back with a fresh
-assertion, checked again), and a policy that refuses keeps an enrolled identity out."""
+assertion, checked again), a policy that refuses keeps an enrolled identity out, and one identity
+holds no more connections at once than policy allows."""
 
 from __future__ import annotations
 
@@ -43,14 +44,17 @@ class Door:
 class ShortLived:
     """The shipped bus policy, with connections renewed after ``ttl_s``."""
 
-    def __init__(self, ttl_s: float, refuse: bool = False) -> None:
+    def __init__(self, ttl_s: float, refuse: bool = False, connections: int | None = None) -> None:
         self._engine = RegorusEngine(Bundle.load())
         self._ttl_s = ttl_s
         self._refuse = refuse
+        self._connections = connections
 
     async def decide(self, path: str, input_document: dict[str, Any], **_: Any) -> Decision:
         decision = await self._engine.decide(path, input_document)
         result = {**decision.result, "ttl_s": self._ttl_s}
+        if self._connections is not None:
+            result["connections"] = self._connections
         if self._refuse:
             result = {"allow": False, "reasons": ["refused by the test's policy"]}
         return Decision(
@@ -143,24 +147,49 @@ async def test_a_connection_whose_time_is_up_is_closed_and_comes_back_with_fresh
         await collect_what_nats_py_left()
 
 
+def _raw_connect(url: str, key: SigningKey) -> str:
+    """What the bus answers a CONNECT of identity ``stats`` (see :func:`answer_to_connect`)."""
+    options = Credentials("stats", key=key).connect_options()
+    return answer_to_connect(
+        int(url.rsplit(":", 1)[1]),
+        lambda info: {
+            "name": "raw",
+            "auth_token": options["token"](),
+            "sig": options["signature_cb"](info["nonce"]).decode(),
+        },
+    )
+
+
+async def test_an_identity_holds_no_more_connections_than_policy_allows(
+    secured: tuple[str, BusKeys], tmp_path: Path
+) -> None:
+    url, keys = secured
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=600, connections=2))
+    clients = [
+        await connect(url, f"stats-{n}", credentials=Credentials("stats", key=door.key)) for n in (1, 2)
+    ]
+    try:
+        assert "Authorization Violation" in await asyncio.to_thread(_raw_connect, url, door.key)
+        assert door.authority.refused == 1
+        # Closed ones do not count, whichever replica let them in (the bus is asked, not a tally).
+        await clients.pop().close()
+        await asyncio.sleep(0.2)  # the server has dropped it
+        assert "PONG" in await asyncio.to_thread(_raw_connect, url, door.key)
+        assert door.authority.admitted == 3
+    finally:
+        for client in clients:
+            await client.close()
+        await door.authority.stop()
+        await collect_what_nats_py_left()
+
+
 async def test_an_enrolled_identity_that_policy_refuses_stays_out(
     secured: tuple[str, BusKeys], tmp_path: Path
 ) -> None:
     url, keys = secured
     door = await _door(tmp_path, url, keys, ShortLived(ttl_s=60, refuse=True))
     try:
-        options = Credentials("stats", key=door.key).connect_options()
-        port = int(url.rsplit(":", 1)[1])
-        answer = await asyncio.to_thread(
-            answer_to_connect,
-            port,
-            lambda info: {
-                "name": "raw",
-                "auth_token": options["token"](),
-                "sig": options["signature_cb"](info["nonce"]).decode(),
-            },
-        )
-        assert "Authorization Violation" in answer
+        assert "Authorization Violation" in await asyncio.to_thread(_raw_connect, url, door.key)
         assert door.authority.refused >= 1 and door.authority.admitted == 0
     finally:
         await door.authority.stop()

@@ -217,6 +217,7 @@ decision := {
 	"sub_deny": [],
 	"subs": limits.subs,
 	"payload": limits.payload,
+	"connections": limits.connections,
 	"ttl_s": cfg.ttl_s,
 } if count(deny) == 0
 
