@@ -38,6 +38,7 @@ The rules:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -60,7 +61,6 @@ from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_re
 from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.events import ensure_stream
-from fleet.retry import Backoff
 from fleet.tokens import (
     ACCESS_TOKEN_TYPE,
     SIGNAL_GRANT_TYPE,
@@ -551,15 +551,13 @@ class SignalIngest:
         )
 
     async def run(self) -> None:
-        backoff = Backoff(max_s=RETRY_DELAY_S)
         while True:
             try:
                 subscription = await self.subscribe()
                 break
             except Exception:  # the broker is not there yet
                 log.warning("could not subscribe to signals; retrying", exc_info=True)
-                await backoff.wait()
-        backoff.reset()
+                await asyncio.sleep(RETRY_DELAY_S)
         while True:
             try:
                 messages = await subscription.fetch(16, timeout=5)
@@ -567,9 +565,8 @@ class SignalIngest:
                 continue
             except Exception:
                 log.warning("could not fetch signals", exc_info=True)
-                await backoff.wait()
+                await asyncio.sleep(RETRY_DELAY_S)
                 continue
-            backoff.reset()
             # One at a time, in order: signals to one run are answered in the order they came.
             for message in messages:
                 try:

@@ -27,7 +27,6 @@ from nats.js.errors import NotFoundError
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import ensure_stream
-from fleet.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class EventLog:
                 batch.append(self._queue.get_nowait())
             message = b"\n".join(json.dumps(record, default=str).encode() for record in batch)
             headers = {"Nats-Msg-Id": str(batch[0]["id"]), "Fleet-Events": str(len(batch))}
-            backoff = Backoff()
+            delay = 0.2
             while True:
                 try:
                     await js.publish(self.subject, message, headers=headers)
@@ -102,7 +101,8 @@ class EventLog:
                     log.warning(
                         "records for %s not stored yet (%d queued): %s", self.stream, self.pending, exc
                     )
-                    await backoff.wait()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
             for _ in batch:
                 self._queue.task_done()
 

@@ -32,7 +32,6 @@ from nats.js.kv import KeyValue
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
-from fleet.retry import retry_until
 from fleet.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -47,6 +46,7 @@ TRANSIENT: tuple[type[Exception], ...] = (
     nats.js.errors.ServiceUnavailableError,
     nats.js.errors.NoStreamResponseError,
 )
+RETRY_S = 0.2
 
 
 class FleetConnection(NATS):
@@ -234,9 +234,15 @@ async def patiently(what: str, action: Callable[[], Awaitable[T]], *, patience_s
     """``action`` (a JetStream call), tried again while it fails in a :data:`TRANSIENT` way, for
     up to ``patience_s``; the last failure is raised after that. Only for calls that are safe to
     repeat (a lookup, a create-if-missing, a publish with a message id)."""
-    return await retry_until(
-        action, TRANSIENT, patience_s=patience_s, log=log, what=f"{what} (NATS)", level=logging.WARNING
-    )
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return await action()
+        except TRANSIENT as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s: %s from NATS; trying again", what, type(exc).__name__)
+            await asyncio.sleep(RETRY_S)
 
 
 def stream_replicas(endpoints: Mapping[str, Any]) -> int:

@@ -11,6 +11,7 @@ command that saw the run end exits with the code of its end state (see
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -32,7 +33,6 @@ from fleet.cli_common import (
 from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
 from fleet.progress import ProgressBar
-from fleet.retry import Backoff
 
 # The operator reaches every run of the tenant (runs:admin), not only those it started.
 READ_SCOPES = ("agent:invoke", "runs:admin")
@@ -85,14 +85,13 @@ async def events_of(
     """The run's events after ``after``: up to ``last_seq`` (the run's last when asked), or with
     ``follow`` until the run ends, resuming from the last event seen if the connection drops or
     the coordinator (or the registry, for a fresh token) cannot be reached for a while."""
-    cursor, backoff = after, Backoff(first_s=0.5)
+    cursor, failures = after, 0
     while follow or cursor < last_seq:
         try:
             # aclosing: leaving early closes the stream (and its connection) now, not at GC.
             async with contextlib.aclosing(_sse(api, run_id, cursor)) as stream:
                 async for event in stream:
-                    cursor = event["seq"]
-                    backoff.reset()
+                    cursor, failures = event["seq"], 0
                     yield event
                     if not follow and cursor >= last_seq:
                         return
@@ -106,11 +105,17 @@ async def events_of(
             if exc.code != ErrorCode.DEPENDENCY_UNAVAILABLE:
                 raise
             why = exc.message  # restarting: back off as for a dropped stream
-        # Before reconnecting (the coordinator may be restarting); given up after RECONNECTS drops
-        # in a row without an event.
-        if backoff.failures >= RECONNECTS:
-            raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"lost the coordinator's event stream: {why}")
-        await backoff.wait()
+        failures = await _backoff(failures, why)
+
+
+async def _backoff(failures: int, why: str) -> int:
+    """Wait before reconnecting (the coordinator may be restarting); give up after RECONNECTS
+    drops in a row without an event."""
+    failures += 1
+    if failures > RECONNECTS:
+        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"lost the coordinator's event stream: {why}")
+    await asyncio.sleep(min(0.25 * 2**failures, 5.0))
+    return failures
 
 
 def _summary(event: dict[str, Any]) -> str:

@@ -36,7 +36,6 @@ from jwt.algorithms import RSAAlgorithm
 from fleet.approvals import APPROVAL_GRANT_TYPE, ApprovalBinding
 from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
-from fleet.retry import retry_until
 from fleet.revocations import Revocations
 from fleet.settings import ExternalIssuer
 
@@ -655,6 +654,7 @@ class _Cached:
 # A token service failing over (a NATS node lost under the registry's store) answers again within
 # seconds; a service's request waits that long rather than failing the work it is for.
 FAILOVER_PATIENCE_S = 10.0
+FAILOVER_RETRY_S = 0.25
 
 
 class TokenClient:
@@ -719,16 +719,18 @@ class TokenClient:
             return cached.token
         if not cache:
             cache_key = (f"once|{uuid.uuid4().hex}", "", "")
-        token = await retry_until(
-            lambda: self._request_once(cache_key, form),
-            DependencyUnavailable,
-            patience_s=self._patience_s,
-            log=log,
-            what="token request",
-        )
-        if not cache:
-            self._cache.pop(cache_key, None)
-        return token
+        deadline = time.monotonic() + self._patience_s
+        while True:
+            try:
+                token = await self._request_once(cache_key, form)
+                if not cache:
+                    self._cache.pop(cache_key, None)
+                return token
+            except DependencyUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("token request: %s; trying again", exc.message)
+                await asyncio.sleep(FAILOVER_RETRY_S)
 
     async def _request_once(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:
         form = {

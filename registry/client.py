@@ -17,12 +17,12 @@ from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.issuer_certs import IssuerTrust
 from fleet.keys import SigningKey
 from fleet.natsconn import Credentials, connect
-from fleet.retry import retry_until
 from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
 from fleet.tokens import (
     FAILOVER_PATIENCE_S,
+    FAILOVER_RETRY_S,
     BearerVerifier,
     ExternalTokenVerifier,
     FederatedVerifier,
@@ -262,13 +262,15 @@ class RegistryClient:
         """GET a registry resource. A registry that cannot be reached, or answers that what it
         stands on is failing over, is asked again for up to ``FAILOVER_PATIENCE_S``; then it is
         :class:`DependencyUnavailable` (the caller's work waits and is retried, it does not fail)."""
-        return await retry_until(
-            lambda: self._read_once(path, what, params, authorized),
-            DependencyUnavailable,
-            patience_s=FAILOVER_PATIENCE_S,
-            log=log,
-            what=f"reading {what} from the registry",
-        )
+        deadline = time.monotonic() + FAILOVER_PATIENCE_S
+        while True:
+            try:
+                return await self._read_once(path, what, params, authorized)
+            except DependencyUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("%s; trying again", exc.message)
+                await asyncio.sleep(FAILOVER_RETRY_S)
 
     async def _read_once(self, path: str, what: str, params: dict[str, str] | None, authorized: bool) -> Any:
         headers = await self._headers("registry:read") if authorized else {}

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
@@ -60,7 +61,6 @@ from fleet.operation_ext import (
     operations_extension,
     skills_extension,
 )
-from fleet.retry import Backoff
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
@@ -484,7 +484,6 @@ class Toolbox:
     ) -> CallToolResult:
         repeatable = _repeatable(server, tool)
         reached_once = False  # whether some attempt may have reached the tool
-        backoff = Backoff()  # before the second attempt 0.1-0.2 s, doubling after
         for attempt in range(1, CALL_ATTEMPTS + 1):
             sent = False  # whether the tools/call request may have reached the server
             grant.last_status = 0
@@ -518,11 +517,12 @@ class Toolbox:
                     why,
                     attempt,
                 )
-                await backoff.wait()
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
         raise AssertionError("unreachable")
 
 
 CALL_ATTEMPTS = 3  # a call cut in transit is made at most this often, when that is safe
+RETRY_BACKOFF_S = 0.2  # before the second attempt (jittered), doubling after
 _GATEWAY_STATUSES = frozenset({502, 503, 504})
 # Failures of a request that never left this process: the server cannot have served it.
 _NOT_SENT: tuple[type[Exception], ...] = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
