@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+PREFIX = "fleet-sandbox-"  # then the server's pid, "-", a number
 _sequence = itertools.count()
 
 
@@ -52,6 +53,7 @@ class CallStats:
     oom_kills: int  # processes the kernel's OOM killer ended in the call
     pids_refused: int  # forks refused at pids.max
     memory_peak: int
+    cpu_throttled: int  # CFS periods in which the call was held back at its quota
 
 
 def unavailable(reason: str) -> FleetError:
@@ -122,7 +124,18 @@ class CgroupTree:
 
     @classmethod
     def create(cls, name: str = "") -> CgroupTree:
-        name = name or f"fleet-sandbox-{os.getpid()}-{next(_sequence)}"
+        name = name or f"{PREFIX}{os.getpid()}-{next(_sequence)}"
+        tree = cls._at(name)
+        tree._mkdirs()
+        if tree.v2:
+            _write(tree.dirs["unified"] / "cgroup.subtree_control", "+memory +pids +cpu")
+        for stale in trees_of(None):  # those of servers that died without closing theirs
+            stale.remove()
+        return tree
+
+    @classmethod
+    def _at(cls, name: str) -> CgroupTree:
+        """The tree called ``name`` below this process's cgroups (not created)."""
         mounts, own = _mounts(), _own()
         unified = mounts.get("unified")
         if unified is not None and not any(c in mounts for c in V1_CONTROLLERS):
@@ -131,19 +144,14 @@ class CgroupTree:
             if not {"memory", "pids", "cpu"} <= enabled:
                 raise unavailable(f"cgroup v2 at {base} lacks memory, pids or cpu ({sorted(enabled)})")
             _write(base / "cgroup.subtree_control", "+memory +pids +cpu")
-            tree = cls({"unified": base / name}, v2=True)
-            tree._mkdirs()
-            _write(base / name / "cgroup.subtree_control", "+memory +pids +cpu")
-            return tree
+            return cls({"unified": base / name}, v2=True)
         missing = [c for c in V1_CONTROLLERS if c not in mounts or c not in own]
         if missing:
             raise unavailable(f"no cgroup v1 {', '.join(missing)} hierarchy")
         dirs = {c: _below(*mounts[c], own[c]) / name for c in V1_CONTROLLERS}
         if unified is not None and "unified" in own:  # hybrid: v2 only to kill the call at once
             dirs["unified"] = _below(*unified, own["unified"]) / name
-        tree = cls(dirs, v2=False)
-        tree._mkdirs()
-        return tree
+        return cls(dirs, v2=False)
 
     def _mkdirs(self) -> None:
         for path in self.dirs.values():
@@ -156,6 +164,7 @@ class CgroupTree:
         """A new cgroup for one call with ``caps`` written and read back (``dependency_unavailable``
         if the kernel did not take one)."""
         name = f"call-{next(_sequence)}"
+        self._mkdirs()  # again: a Sandbox still runs calls after close() removed the tree
         group = CallCgroup({c: d / name for c, d in self.dirs.items()}, self.v2)
         try:
             for path in group.dirs.values():
@@ -179,12 +188,40 @@ class CgroupTree:
         if any(path.exists() for path in self.dirs.values()):
             log.warning("sandbox cgroups left behind: %s", sorted(map(str, self.dirs.values())))
 
+    def processes(self) -> dict[str, list[int]]:
+        """The pids in each call's cgroup of this tree (``""``: in the tree itself)."""
+        base = self.dirs["unified" if self.v2 else "pids"]
+        if not base.is_dir():
+            return {}
+        found = {"": _pids(base)}
+        found.update({p.name: _pids(p) for p in base.iterdir() if p.is_dir()})
+        return {name: pids for name, pids in found.items() if pids}
+
     def empty(self) -> bool:
         """Whether no process and no call's cgroup is left in this tree."""
         for path in self.dirs.values():
             if path.exists() and (any(p.is_dir() for p in path.iterdir()) or _pids(path)):
                 return False
         return True
+
+
+def trees_of(pid: int | None) -> list[CgroupTree]:
+    """The trees of the ``Sandbox``es of process ``pid`` beside this process's (None: of processes
+    that are gone)."""
+    try:
+        tree = CgroupTree._at("x")
+    except FleetError:
+        return []
+    parent = next(iter(tree.dirs.values())).parent
+    found = []
+    for path in parent.glob(f"{PREFIX}*"):
+        owner = path.name.removeprefix(PREFIX).split("-", 1)[0]
+        if not owner.isdigit() or (pid is not None and int(owner) != pid):
+            continue
+        if pid is None and Path(f"/proc/{owner}").exists():
+            continue
+        found.append(CgroupTree._at(path.name))
+    return found
 
 
 def _pids(path: Path) -> list[int]:
@@ -253,7 +290,12 @@ class CallCgroup:
         peak = 0
         with contextlib.suppress(OSError, ValueError):
             peak = _read_int(peak_file)
-        return CallStats(oom_kills=oom, pids_refused=_field(pids / "pids.events", "max"), memory_peak=peak)
+        return CallStats(
+            oom_kills=oom,
+            pids_refused=_field(pids / "pids.events", "max"),
+            memory_peak=peak,
+            cpu_throttled=_field(self._path("cpu") / "cpu.stat", "nr_throttled"),
+        )
 
     def kill(self) -> None:
         """SIGKILL to every process of the call (``cgroup.kill`` where there is one)."""

@@ -97,14 +97,15 @@ import ctypes, errno, json, os
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
 def env(path):
     return sorted(v.split(b"=", 1)[0].decode() for v in open(path, "rb").read().split(b"\0") if v)
-libc = ctypes.CDLL(None, use_errno=True)
-refused = libc.unshare(0x10000000) != 0  # CLONE_NEWUSER
-print(json.dumps({
+report = {
     "seccomp": status["Seccomp"].strip(), "no_new_privs": status["NoNewPrivs"].strip(),
     "cap_eff": status["CapEff"].strip(), "uid": os.getuid(),
-    "unshare_refused": refused, "unshare_errno": errno.errorcode.get(ctypes.get_errno(), ""),
     "env_1": env("/proc/1/environ"), "env_self": env("/proc/self/environ"),
-}))
+}
+libc = ctypes.CDLL(None, use_errno=True)
+report["unshare_refused"] = libc.unshare(0x10000000) != 0  # CLONE_NEWUSER, last: it would move us
+report["unshare_errno"] = errno.errorcode.get(ctypes.get_errno(), "")
+print(json.dumps(report))
 """
 
 

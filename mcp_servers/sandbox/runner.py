@@ -377,7 +377,11 @@ class Sandbox:
         outcome = _parse(raw, err, time.monotonic() - started)
         outcome.info["warm"] = warm
         if stats is not None:
-            outcome.info.update(memory_peak=stats.memory_peak, pids_refused=stats.pids_refused)
+            outcome.info.update(
+                memory_peak=stats.memory_peak,
+                pids_refused=stats.pids_refused,
+                cpu_throttled=stats.cpu_throttled,
+            )
             if stats.pids_refused and outcome.reason is None:
                 outcome.reason = "process_limit"
         return outcome

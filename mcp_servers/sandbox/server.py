@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -56,6 +57,8 @@ from mcp_servers._base import (
     fleet_mcp_server,
     tool_server_app,
 )
+from mcp_servers.sandbox.cgroups import CallCaps
+from mcp_servers.sandbox.confinement import Confinement, preflight
 from mcp_servers.sandbox.runner import Limits, Outcome, Sandbox, find_bwrap, find_python, prepare_runtime
 from registry import RegistryClient
 
@@ -74,8 +77,25 @@ RUNS = ToolAnnotations(
 class SandboxSettings(ServiceSettings):
     sandbox_wall_s: float = Field(default=30.0, description="the longest wall time a call may ask for")
     sandbox_cpu_s: int = 20
-    sandbox_memory_bytes: int = 512 * 1024 * 1024
-    sandbox_processes: int = 32
+    sandbox_memory_bytes: int = Field(
+        default=512 * 1024 * 1024, description="address space of each process of a call (RLIMIT_AS)"
+    )
+    sandbox_processes: int = Field(default=32, description="processes of a call's host uid (RLIMIT_NPROC)")
+    sandbox_call_memory_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        gt=0,
+        description="memory (RAM and swap, /work and /tmp included) of all a call's processes together"
+        " (its cgroup); past it the call fails with sandbox_oom",
+    )
+    sandbox_call_pids: int = Field(
+        default=64, gt=3, description="processes and threads of a call together, bubblewrap's 3 included"
+    )
+    sandbox_call_cpus: float = Field(default=1.0, gt=0, description="CPUs a call may use at once (CFS quota)")
+    sandbox_confinement: Literal["required", "warn"] = Field(
+        default="required",
+        description="a confinement layer (seccomp, --disable-userns, per-call cgroups) the host cannot give"
+        " stops the server (required) or is logged as a warning at start (warn)",
+    )
     sandbox_workspace_bytes: int = 64 * 1024 * 1024
     sandbox_output_bytes: int = 1024 * 1024
     sandbox_inline_output_bytes: int = 16 * 1024
@@ -267,6 +287,7 @@ class SandboxTools:
             workspace_bytes=s.sandbox_workspace_bytes,
             output_bytes=s.sandbox_output_bytes,
             file_bytes=s.sandbox_workspace_bytes,
+            call=CallCaps(s.sandbox_call_memory_bytes, s.sandbox_call_pids, s.sandbox_call_cpus),
         )
 
     async def _output(self, key: TenantKey, data: bytes) -> tuple[str, str | None]:
@@ -367,6 +388,8 @@ def build_server(
             key = await keys.for_caller(claims)
             return await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
         except FleetError as exc:
+            if exc.code == ErrorCode.SANDBOX_OOM:
+                log.warning("sandbox call of %s/%s refused: %s", claims.tenant, claims.sub, exc.code)
             raise _fail(exc) from exc
 
     @mcp.tool(annotations=READ_ONLY)
@@ -405,19 +428,17 @@ def build_app_for(settings: SandboxSettings) -> Starlette:
         bwrap, launcher = await asyncio.to_thread(
             prepare_runtime, runtime, find_bwrap(settings.sandbox_bwrap), python
         )
+        required = settings.sandbox_confinement == "required"
         tools.sandbox = Sandbox(
             bwrap,
             launcher,
             python,
             uid_base=settings.sandbox_uid_base,
             slots=settings.sandbox_slots,
+            confinement=await asyncio.to_thread(Confinement.build, bwrap, required=required),
         )
         try:
-            probe = await tools.sandbox.run("print('ok')", b"", Limits(wall_s=10))
-            if probe.stdout != b"ok\n":
-                raise RuntimeError(
-                    f"the sandbox does not work here: {probe.stderr.decode(errors='replace')[-500:]}"
-                )
+            await preflight(tools.sandbox, tools.limits(10.0), required=required)
             await tools.sandbox.prestart(tools.limits(10.0))  # every slot's first call starts warm
             client: NATS = await connect(
                 settings.nats_url,
