@@ -239,6 +239,10 @@ class CallCgroup:
         self.v2 = v2
 
     @property
+    def name(self) -> str:
+        return next(iter(self.dirs.values())).name
+
+    @property
     def procs(self) -> list[Path]:
         """The ``cgroup.procs`` files the call's first process writes its pid to."""
         return [path / "cgroup.procs" for path in self.dirs.values()]
@@ -283,7 +287,9 @@ class CallCgroup:
     def stats(self) -> CallStats:
         mem, pids = self._path("memory"), self._path("pids")
         if self.v2:
-            oom = max(_field(mem / "memory.events", "oom_kill"), _field(mem / "memory.events", "oom_group_kill"))
+            oom = max(
+                _field(mem / "memory.events", "oom_kill"), _field(mem / "memory.events", "oom_group_kill")
+            )
             peak_file = mem / "memory.peak"
         else:
             oom, peak_file = _field(mem / "memory.oom_control", "oom_kill"), mem / "memory.max_usage_in_bytes"

@@ -138,7 +138,9 @@ async def preflight(sandbox: Sandbox, limits: Limits, *, required: bool) -> dict
         report: dict[str, Any] = json.loads(outcome.stdout)
     except ValueError:
         detail = outcome.stderr.decode(errors="replace")[-500:]
-        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"the sandbox does not work here: {detail}") from None
+        raise FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"the sandbox does not work here: {detail}"
+        ) from None
     wrong = check_canary(report, sandbox.confinement)
     if wrong and required:
         raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, "sandbox canary: " + "; ".join(wrong))

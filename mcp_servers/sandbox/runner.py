@@ -55,7 +55,7 @@ class Limits:
     tmp_bytes: int = 16 * 1024 * 1024
     output_bytes: int = 1024 * 1024
     file_bytes: int = 64 * 1024 * 1024
-    call: CallCaps = CallCaps()  # memory, pids and CPU of the whole call (its cgroup)
+    call: CallCaps = field(default_factory=CallCaps)  # memory, pids, CPU of the whole call (its cgroup)
 
 
 @dataclass(slots=True)
@@ -307,14 +307,26 @@ class Sandbox:
                     started = await slot.next
                     await asyncio.shield(started.ready)
 
-    def waiting_pids(self) -> list[int]:
-        """The host pids (bubblewrap's) of the sandboxes started ahead that have not had a job."""
-        pids = []
+    def _waiting(self) -> list[_Started]:
+        found = []
         for slot in self._slots:
             pending = slot.next
             if pending is not None and pending.done() and not pending.cancelled() and not pending.exception():
-                pids.append(pending.result().process.pid)
-        return pids
+                found.append(pending.result())
+        return found
+
+    def waiting_pids(self) -> list[int]:
+        """The host pids (bubblewrap's) of the sandboxes started ahead that have not had a job."""
+        return [started.process.pid for started in self._waiting()]
+
+    def processes(self, *, waiting: bool = True) -> list[int]:
+        """The host pids in this Sandbox's cgroups; with ``waiting=False`` but for those of the
+        sandboxes started ahead that wait for their job. Empty without per-call cgroups."""
+        tree = self.confinement.cgroups
+        if tree is None:
+            return []
+        skip = set() if waiting else {s.cgroup.name for s in self._waiting() if s.cgroup is not None}
+        return sorted(pid for name, pids in tree.processes().items() if name not in skip for pid in pids)
 
     async def close(self) -> None:
         """Ends the sandboxes started ahead; calls still running finish, and start none ahead. The

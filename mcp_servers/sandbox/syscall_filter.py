@@ -77,7 +77,7 @@ def build_filter() -> bytes:
     ``dependency_unavailable`` without pyseccomp or libseccomp, or if a syscall name is unknown to
     them: a filter that silently skipped a rule would be weaker than it claims."""
     try:
-        import pyseccomp as sc
+        import pyseccomp as sc  # type: ignore[import-untyped]
     except (ImportError, OSError) as exc:  # OSError: libseccomp.so.2 missing
         raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"no seccomp: {exc}") from exc
     program = sc.SyscallFilter(sc.ALLOW)

@@ -42,7 +42,8 @@ async def sandbox(runtime: tuple[Path, Path]) -> AsyncIterator[Sandbox]:
     yield sandbox
     await sandbox.close()
     tree = confinement.cgroups
-    assert tree is not None and not any(path.exists() for path in tree.dirs.values()), tree.processes()
+    assert tree is not None
+    assert not any(path.exists() for path in tree.dirs.values()), tree.processes()
 
 
 async def test_the_code_sees_nothing_of_the_servers_environment(
@@ -99,7 +100,15 @@ async def test_the_code_cannot_make_namespaces_or_use_the_kernels_risky_calls(sa
     outcome = await sandbox.run(UNSHARE, b"", LOOSE)
     result = json.loads(outcome.stdout)
     assert result["seccomp"] == "2", result
-    for name in ("unshare_user", "unshare_net_ns", "setns", "keyctl", "bpf", "ptrace_traceme", "clone_newuser"):
+    for name in (
+        "unshare_user",
+        "unshare_net_ns",
+        "setns",
+        "keyctl",
+        "bpf",
+        "ptrace_traceme",
+        "clone_newuser",
+    ):
         assert result[name] in ("EPERM", "ENOSPC"), (name, result)
     assert result["unshare_tool"] == "", result  # no "0": no root in a nested namespace
     assert result["subprocess"] == "42\n", result  # fork and exec still work (clone3 -> clone)
