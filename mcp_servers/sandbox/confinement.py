@@ -4,9 +4,10 @@
 - ``userns``: ``--disable-userns`` (bubblewrap >= 0.8): the sandbox cannot make a user namespace.
 - ``cgroups``: a cgroup per call (:mod:`.cgroups`) with memory, pids and CPU limits.
 
-A layer the host cannot give is either fatal (``required``) or a loud warning at every start; never
-silently skipped. :func:`preflight` runs one canary call at server start and checks from inside
-that the layers are in force.
+A layer the host cannot give is fatal if it is ``required``, else a loud warning at every start;
+never silently skipped. :func:`preflight` runs one canary call at server start and checks from
+inside that the layers are in force; what every sandbox has without them (no capabilities,
+NoNewPrivs, a non-root uid, a clean environment) is always required.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import re
 import subprocess
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,9 +49,9 @@ class Confinement:
         return cls(missing=dict.fromkeys(LAYERS, "switched off"))
 
     @classmethod
-    def build(cls, bwrap: Path, *, required: bool) -> Confinement:
-        """Every layer the host can give. With ``required`` a missing one raises
-        ``dependency_unavailable``; without, each is logged as a warning."""
+    def build(cls, bwrap: Path, *, required: Collection[str]) -> Confinement:
+        """Every layer the host can give. A missing one that is in ``required`` raises
+        ``dependency_unavailable``; the others are logged as warnings."""
         layers = cls()
         try:
             layers.seccomp = build_filter()
@@ -67,16 +69,15 @@ class Confinement:
         layers.report(required)
         return layers
 
-    def report(self, required: bool) -> None:
-        if not self.missing:
-            return
-        detail = "; ".join(f"{name}: {why}" for name, why in self.missing.items())
-        if required:
+    def report(self, required: Collection[str]) -> None:
+        fatal = {name: why for name, why in self.missing.items() if name in required}
+        if fatal:
             self.close()
+            detail = "; ".join(f"{name}: {why}" for name, why in fatal.items())
             raise FleetError(
                 ErrorCode.DEPENDENCY_UNAVAILABLE,
-                f"the sandbox cannot confine calls here ({detail}); set FLEET_SANDBOX_CONFINEMENT=warn"
-                " to run without these layers",
+                f"the sandbox cannot confine calls here ({detail}); FLEET_SANDBOX_REQUIRED_LAYERS"
+                " without them runs it anyway, with a warning",
             )
         for name, why in self.missing.items():
             log.warning("SANDBOX LAYER MISSING: %s (%s): untrusted code runs without it", name, why)
@@ -109,30 +110,31 @@ print(json.dumps(report))
 """
 
 
-def check_canary(report: dict[str, Any], layers: Confinement) -> list[str]:
-    """What the canary call saw that is wrong (empty: all in force)."""
+def check_canary(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the canary call saw that is wrong, as (layer, problem); ``base`` is what every sandbox
+    must have."""
     wrong = []
-    if layers.seccomp is not None and report.get("seccomp") != "2":
-        wrong.append(f"Seccomp is {report.get('seccomp')}, not 2")
-    if report.get("no_new_privs") != "1":
-        wrong.append("NoNewPrivs is not 1")
-    if int(str(report.get("cap_eff", "1")), 16) != 0:
-        wrong.append(f"CapEff is {report.get('cap_eff')}")
-    if report.get("uid") == 0:
-        wrong.append("the code runs as uid 0")
+    if report.get("seccomp") != "2":
+        wrong.append(("seccomp", f"Seccomp is {report.get('seccomp')}, not 2"))
     if not report.get("unshare_refused"):
-        wrong.append("unshare(CLONE_NEWUSER) succeeded")
+        wrong.append(("userns", "unshare(CLONE_NEWUSER) succeeded"))
+    if report.get("no_new_privs") != "1":
+        wrong.append(("base", "NoNewPrivs is not 1"))
+    if int(str(report.get("cap_eff", "1")), 16) != 0:
+        wrong.append(("base", f"CapEff is {report.get('cap_eff')}"))
+    if report.get("uid") == 0:
+        wrong.append(("base", "the code runs as uid 0"))
     for name in ("env_1", "env_self"):
         extra = set(report.get(name, ["?"])) - ALLOWED_ENV
         if extra:
-            wrong.append(f"{name} holds {sorted(extra)}")
+            wrong.append(("base", f"{name} holds {sorted(extra)}"))
     return wrong
 
 
-async def preflight(sandbox: Sandbox, limits: Limits, *, required: bool) -> dict[str, Any]:
+async def preflight(sandbox: Sandbox, limits: Limits, *, required: Collection[str]) -> dict[str, Any]:
     """One canary call: the call's cgroup is created and its limits read back (in ``Sandbox``), and
     the code checks from inside that the layers are in force. Raises ``dependency_unavailable`` if
-    the sandbox does not work at all, or (``required``) if a layer is not in force."""
+    the sandbox does not work at all, if a ``required`` layer or the base is not in force."""
     outcome = await sandbox.run(CANARY, b"", limits)
     try:
         report: dict[str, Any] = json.loads(outcome.stdout)
@@ -141,9 +143,10 @@ async def preflight(sandbox: Sandbox, limits: Limits, *, required: bool) -> dict
         raise FleetError(
             ErrorCode.DEPENDENCY_UNAVAILABLE, f"the sandbox does not work here: {detail}"
         ) from None
-    wrong = check_canary(report, sandbox.confinement)
-    if wrong and required:
-        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, "sandbox canary: " + "; ".join(wrong))
-    for problem in wrong:
+    wrong = check_canary(report)
+    fatal = [problem for layer, problem in wrong if layer == "base" or layer in required]
+    if fatal:
+        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, "sandbox canary: " + "; ".join(fatal))
+    for _, problem in wrong:
         log.warning("SANDBOX CANARY: %s", problem)
     return report

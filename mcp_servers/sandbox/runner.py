@@ -174,7 +174,7 @@ class Sandbox:
     ) -> None:
         self._bwrap = bwrap
         # default: every layer the host has, a warning for each it lacks
-        self.confinement = confinement or Confinement.build(bwrap, required=False)
+        self.confinement = confinement or Confinement.build(bwrap, required=())
         self._launcher = launcher
         self._python = python
         self._as_root = os.geteuid() == 0

@@ -32,7 +32,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -40,7 +39,7 @@ from mcp.types import ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
-from pydantic import Field
+from pydantic import Field, field_validator
 from starlette.applications import Starlette
 from typing_extensions import TypedDict  # pydantic nests these only from typing_extensions on 3.11
 
@@ -58,7 +57,7 @@ from mcp_servers._base import (
     tool_server_app,
 )
 from mcp_servers.sandbox.cgroups import CallCaps
-from mcp_servers.sandbox.confinement import Confinement, preflight
+from mcp_servers.sandbox.confinement import LAYERS, Confinement, preflight
 from mcp_servers.sandbox.runner import Limits, Outcome, Sandbox, find_bwrap, find_python, prepare_runtime
 from registry import RegistryClient
 
@@ -91,11 +90,23 @@ class SandboxSettings(ServiceSettings):
         default=64, gt=3, description="processes and threads of a call together, bubblewrap's 3 included"
     )
     sandbox_call_cpus: float = Field(default=1.0, gt=0, description="CPUs a call may use at once (CFS quota)")
-    sandbox_confinement: Literal["required", "warn"] = Field(
-        default="required",
-        description="a confinement layer (seccomp, --disable-userns, per-call cgroups) the host cannot give"
-        " stops the server (required) or is logged as a warning at start (warn)",
+    sandbox_required_layers: str = Field(
+        default=",".join(LAYERS),
+        description="confinement layers (seccomp, userns, cgroups; comma-separated) the server does not"
+        " start without; one not listed that the host cannot give is logged as a warning at start",
     )
+
+    @field_validator("sandbox_required_layers")
+    @classmethod
+    def _known_layers(cls, value: str) -> str:
+        unknown = set(filter(None, value.split(","))) - set(LAYERS)
+        if unknown:
+            raise ValueError(f"unknown sandbox layers {sorted(unknown)}; known: {', '.join(LAYERS)}")
+        return value
+
+    def required_layers(self) -> frozenset[str]:
+        return frozenset(filter(None, self.sandbox_required_layers.split(",")))
+
     sandbox_workspace_bytes: int = 64 * 1024 * 1024
     sandbox_output_bytes: int = 1024 * 1024
     sandbox_inline_output_bytes: int = 16 * 1024
@@ -428,7 +439,7 @@ def build_app_for(settings: SandboxSettings) -> Starlette:
         bwrap, launcher = await asyncio.to_thread(
             prepare_runtime, runtime, find_bwrap(settings.sandbox_bwrap), python
         )
-        required = settings.sandbox_confinement == "required"
+        required = settings.required_layers()
         tools.sandbox = Sandbox(
             bwrap,
             launcher,

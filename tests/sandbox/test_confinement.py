@@ -18,7 +18,7 @@ import pytest
 
 from fleet.errors import ErrorCode, FleetError
 from mcp_servers.sandbox.cgroups import CallCaps
-from mcp_servers.sandbox.confinement import ALLOWED_ENV, Confinement, preflight
+from mcp_servers.sandbox.confinement import ALLOWED_ENV, LAYERS, Confinement, preflight
 from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime
 
 UID_BASE = 62120  # apart from the other sandbox tests' and a running stack's sandbox uids
@@ -37,7 +37,7 @@ def runtime() -> tuple[Path, Path]:
 @pytest.fixture
 async def sandbox(runtime: tuple[Path, Path]) -> AsyncIterator[Sandbox]:
     bwrap, launcher = runtime
-    confinement = Confinement.build(bwrap, required=True)
+    confinement = Confinement.build(bwrap, required=LAYERS)
     sandbox = Sandbox(bwrap, launcher, find_python(), uid_base=UID_BASE, slots=1, confinement=confinement)
     yield sandbox
     await sandbox.close()
@@ -196,7 +196,7 @@ async def test_two_spinning_processes_get_no_more_cpu_than_the_calls_quota(sandb
 
 
 async def test_the_start_up_check_passes_with_every_layer(sandbox: Sandbox) -> None:
-    report = await preflight(sandbox, LOOSE, required=True)
+    report = await preflight(sandbox, LOOSE, required=LAYERS)
     assert report["seccomp"] == "2" and report["no_new_privs"] == "1" and report["unshare_refused"], report
     assert int(report["cap_eff"], 16) == 0 and report["uid"] != 0, report
 
@@ -206,11 +206,14 @@ async def test_the_start_up_check_refuses_a_sandbox_without_its_layers(runtime: 
     bare = Sandbox(bwrap, launcher, find_python(), uid_base=UID_BASE, slots=1, confinement=Confinement.none())
     try:
         with pytest.raises(FleetError) as refused:
-            await preflight(bare, LOOSE, required=True)
+            await preflight(bare, LOOSE, required=LAYERS)
         assert refused.value.code == ErrorCode.DEPENDENCY_UNAVAILABLE
         assert "unshare(CLONE_NEWUSER) succeeded" in refused.value.message, refused.value
-        report = await preflight(bare, LOOSE, required=False)  # warn: logged, the server starts
-        assert report["seccomp"] == "0"
+        with pytest.raises(FleetError) as refused:  # only the layers asked for are fatal
+            await preflight(bare, LOOSE, required=("seccomp",))
+        assert "Seccomp is 0" in refused.value.message and "unshare" not in refused.value.message
+        report = await preflight(bare, LOOSE, required=())  # none required: logged, the server starts
+        assert report["seccomp"] == "0" and not report["unshare_refused"]
     finally:
         await bare.close()
 
@@ -220,9 +223,9 @@ def test_a_missing_layer_is_fatal_when_required(tmp_path: Path) -> None:
     old.write_text("#!/bin/sh\necho bubblewrap 0.7.0\n")
     old.chmod(0o755)  # a bubblewrap without --disable-userns
     with pytest.raises(FleetError) as refused:
-        Confinement.build(old, required=True)
+        Confinement.build(old, required=LAYERS)
     assert refused.value.code == ErrorCode.DEPENDENCY_UNAVAILABLE and "userns" in refused.value.message
-    layers = Confinement.build(old, required=False)
+    layers = Confinement.build(old, required=())
     try:
         assert set(layers.missing) == {"userns"} and layers.seccomp and layers.cgroups is not None
     finally:
