@@ -7,8 +7,10 @@ root made of read-only binds of the system's ``/usr`` (and the ``/bin``, ``/lib`
 its own (one per concurrent run, from ``uid_base``), so the process limit counts only that run's
 processes and nothing it does carries the server's identity. The child's CPU time, address space,
 process count, file size and open files are capped by ``setrlimit``; the wall clock by the launcher
-and, a little later, by this side. Nothing stays running after a call: the launcher kills what is
-left, and the PID namespace ends with it.
+and, a little later, by this side. Around bubblewrap (see ``confinement``): an empty environment, a
+seccomp filter, ``--disable-userns``, and a cgroup per call that bounds the memory, processes and CPU
+of all its processes together. Nothing stays running after a call: the launcher kills what is left,
+the PID namespace ends with it, and the call's cgroup is killed and removed.
 
 A slot's next sandbox is started ahead, right after its call (bubblewrap, the interpreter and the
 launcher up, waiting on stdin with no job and nothing of anyone's), so a call pays only for handing
