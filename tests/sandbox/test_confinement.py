@@ -15,11 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from fleet.errors import ErrorCode, FleetError
 from mcp_servers.sandbox.cgroups import CallCaps
 from mcp_servers.sandbox.confinement import ALLOWED_ENV, LAYERS, Confinement, preflight
 from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime
+from mcp_servers.sandbox.server import SandboxSettings
 
 UID_BASE = 62120  # apart from the other sandbox tests' and a running stack's sandbox uids
 # RLIMIT_AS and RLIMIT_NPROC far above the cgroup's limits: what stops the attack is the cgroup
@@ -230,3 +232,18 @@ def test_a_missing_layer_is_fatal_when_required(tmp_path: Path) -> None:
         assert set(layers.missing) == {"userns"} and layers.seccomp and layers.cgroups is not None
     finally:
         layers.close()
+
+
+def test_the_required_layers_setting_knows_its_layers(tmp_path: Path) -> None:
+    def settings(**extra: str) -> SandboxSettings:
+        base = {
+            "service_id": "mcp-sandbox",
+            "key_file": tmp_path / "key.pem",
+            "public_url": "http://127.0.0.1:1",
+        }
+        return SandboxSettings.model_validate({**base, **extra})
+
+    assert settings().required_layers() == set(LAYERS)  # all by default
+    assert settings(sandbox_required_layers="").required_layers() == set()
+    with pytest.raises(ValidationError, match="unknown sandbox layers"):
+        settings(sandbox_required_layers="seccomp,apparmor")
