@@ -129,7 +129,9 @@ class FileRef(TypedDict):
 class RunResult(TypedDict):
     exit_code: int | None
     signal: int | None
-    limit: str | None  # which limit ended the run: timeout, cpu_limit, output_limit, workspace_too_large
+    # which limit the run met: timeout, cpu_limit, output_limit, workspace_too_large (these end it),
+    # process_limit (forks were refused at the call's pids limit; the run went on)
+    limit: str | None
     stdout: str
     stderr: str
     stdout_artifact: str | None  # the whole output, when it is longer than what is inline
@@ -397,11 +399,14 @@ def build_server(
             raise ToolError(f"[invalid_request] code is at most {MAX_CODE_CHARS} characters")
         try:
             key = await keys.for_caller(claims)
-            return await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
+            result = await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
         except FleetError as exc:
             if exc.code == ErrorCode.SANDBOX_OOM:
                 log.warning("sandbox call of %s/%s refused: %s", claims.tenant, claims.sub, exc.code)
             raise _fail(exc) from exc
+        if result["limit"] is not None:
+            log.info("sandbox call of %s/%s met its %s", claims.tenant, claims.sub, result["limit"])
+        return result
 
     @mcp.tool(annotations=READ_ONLY)
     async def read_artifact(artifact: str, offset: int = 0, length: int = 65536) -> ArtifactChunk:
