@@ -126,6 +126,8 @@ class CgroupTree:
     def create(cls, name: str = "") -> CgroupTree:
         name = name or f"{PREFIX}{os.getpid()}-{next(_sequence)}"
         tree = cls._at(name)
+        if tree.v2:  # the controllers for this tree, then for its calls
+            _write(tree.dirs["unified"].parent / "cgroup.subtree_control", "+memory +pids +cpu")
         tree._mkdirs()
         if tree.v2:
             _write(tree.dirs["unified"] / "cgroup.subtree_control", "+memory +pids +cpu")
@@ -143,7 +145,6 @@ class CgroupTree:
             enabled = set((base / "cgroup.controllers").read_text().split())
             if not {"memory", "pids", "cpu"} <= enabled:
                 raise unavailable(f"cgroup v2 at {base} lacks memory, pids or cpu ({sorted(enabled)})")
-            _write(base / "cgroup.subtree_control", "+memory +pids +cpu")
             return cls({"unified": base / name}, v2=True)
         missing = [c for c in V1_CONTROLLERS if c not in mounts or c not in own]
         if missing:
@@ -196,13 +197,6 @@ class CgroupTree:
         found = {"": _pids(base)}
         found.update({p.name: _pids(p) for p in base.iterdir() if p.is_dir()})
         return {name: pids for name, pids in found.items() if pids}
-
-    def empty(self) -> bool:
-        """Whether no process and no call's cgroup is left in this tree."""
-        for path in self.dirs.values():
-            if path.exists() and (any(p.is_dir() for p in path.iterdir()) or _pids(path)):
-                return False
-        return True
 
 
 def trees_of(pid: int | None) -> list[CgroupTree]:
