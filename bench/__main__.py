@@ -399,7 +399,16 @@ def _tool_plane(tool: dict[str, Any]) -> str:
         f"| <= +{tool['sandbox_target_ms']} ms ({verdict(sandbox_ok)}) |\n"
         f"| sandbox call (`pass`), cold: nothing started ahead | the same | {outside['p50_ms']} ms "
         f"| {cold['p50_ms']} ms | {tool['sandbox_cold_overhead_ms_p50']:+} ms "
-        f"| ({verdict(tool['sandbox_cold_overhead_ms_p50'] <= tool['sandbox_target_ms'])} it too) |\n\n"
+        f"| ({verdict(tool['sandbox_cold_overhead_ms_p50'] <= tool['sandbox_target_ms'])} it too) |\n"
+        + (
+            f"| the confinement layers (seccomp, --disable-userns, a cgroup per call), started ahead / cold "
+            f"| the same calls without them | {tool['sandbox_unconfined']['p50_ms']} / "
+            f"{tool['sandbox_unconfined_cold']['p50_ms']} ms | {inside['p50_ms']} / {cold['p50_ms']} ms "
+            f"| {tool['sandbox_layers_ms_p50']:+} / {tool['sandbox_layers_cold_ms_p50']:+} ms | (not a target) |\n"
+            if "sandbox_unconfined" in tool
+            else ""
+        )
+        + "\n"
         "Gate: the servers in one process on loopback (client and servers share one core's event loop), "
         "the same tool\n(the SQL tool's shape, 40 statements in turn, answering a fixed record), calls "
         "interleaved in 20 rounds of 100,\nlogging to a file at INFO as a server does. The gated server runs "

@@ -42,6 +42,7 @@ from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.tokens import TokenVerifier, any_public_key
 from mcp_servers._base import AUDIT_STREAM, READ_ONLY, AuditTrail, FleetTokenVerifier, ToolGate
+from mcp_servers.sandbox.confinement import Confinement
 from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime
 from mcp_servers.sql._schema import OWNER_SETTING, ensure_schema
 from mcp_servers.sql.server import SqlServerSettings, SqlTools, TenantPools
@@ -204,13 +205,19 @@ async def sandbox_start(n: int = 40) -> dict[str, Any]:
     under way, at worst the cold start). ``sandbox_cold``: the same call on a sandbox with nothing
     started ahead (bubblewrap, the interpreter and the launcher all start in the call), the latency
     of a first call or of one beyond the pool. ``sandbox_baseline``: ``python -I -B -c pass``, the
-    same interpreter, no sandbox. The three interleave, each measured while nothing else runs."""
+    same interpreter, no sandbox. ``sandbox_unconfined`` and ``sandbox_unconfined_cold``: the first
+    two without the confinement layers (seccomp, --disable-userns, the per-call cgroup), so
+    ``sandbox_layers_ms_p50`` is what the layers cost a call. All interleave, each measured while
+    nothing else runs."""
     python = find_python()
     bwrap, launcher = prepare_runtime(
         Path("/tmp") / f"fleet-bench-sandbox-{uuid.uuid4().hex[:8]}", find_bwrap(), python
     )
     warm = Sandbox(bwrap, launcher, python, uid_base=63100, slots=1)
     cold = Sandbox(bwrap, launcher, python, uid_base=63101, slots=1, prestart=False)
+    bare = Confinement.none()
+    bare_warm = Sandbox(bwrap, launcher, python, uid_base=63102, slots=1, confinement=bare)
+    bare_cold = Sandbox(bwrap, launcher, python, uid_base=63103, slots=1, prestart=False, confinement=bare)
     limits = Limits(wall_s=10)
     started_ahead = 0
 
@@ -218,7 +225,7 @@ async def sandbox_start(n: int = 40) -> dict[str, Any]:
         nonlocal started_ahead
         outcome = await sandbox.run("pass", b"", limits)
         assert outcome.exit_code == 0, outcome.stderr
-        started_ahead += bool(outcome.info.get("warm"))
+        started_ahead += sandbox is warm and bool(outcome.info.get("warm"))
 
     async def plain() -> None:
         process = await asyncio.create_subprocess_exec(str(python), "-I", "-B", "-c", "pass")
@@ -229,13 +236,16 @@ async def sandbox_start(n: int = 40) -> dict[str, Any]:
         await fn()
         return time.perf_counter() - started
 
-    inside, refill, outside, cold_start = [], [], [], []
+    inside, refill, outside, cold_start, unconfined, unconfined_cold = [], [], [], [], [], []
     try:
         await warm.prestart(limits)
+        await bare_warm.prestart(limits)
         for _ in range(3):
-            await sandboxed(warm)
-            await warm.ready()
+            for sandbox in (warm, bare_warm):
+                await sandboxed(sandbox)
+                await sandbox.ready()
             await sandboxed(cold)
+            await sandboxed(bare_cold)
             await plain()
         started_ahead = 0
         for _ in range(n):
@@ -243,11 +253,19 @@ async def sandbox_start(n: int = 40) -> dict[str, Any]:
             refill.append(await timed(warm.ready))  # the slot's next sandbox, started after the call
             outside.append(await timed(plain))
             cold_start.append(await timed(lambda: sandboxed(cold)))
+            unconfined.append(await timed(lambda: sandboxed(bare_warm)))
+            await bare_warm.ready()
+            unconfined_cold.append(await timed(lambda: sandboxed(bare_cold)))
     finally:
-        await warm.close()
-        await cold.close()
+        for sandbox in (warm, cold, bare_warm, bare_cold):
+            await sandbox.close()
     s, p, c = _summary(inside), _summary(outside), _summary(cold_start)
+    u, uc = _summary(unconfined), _summary(unconfined_cold)
     return {
+        "sandbox_unconfined": u,
+        "sandbox_unconfined_cold": uc,
+        "sandbox_layers_ms_p50": round(s["p50_ms"] - u["p50_ms"], 2),
+        "sandbox_layers_cold_ms_p50": round(c["p50_ms"] - uc["p50_ms"], 2),
         "sandbox_fleet": s,
         "sandbox_baseline": p,
         "sandbox_overhead_ms_p50": round(s["p50_ms"] - p["p50_ms"], 2),

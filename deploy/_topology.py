@@ -194,6 +194,9 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         env["XDG_CACHE_HOME"] = f"{STATE_DIR}/cache"  # the embedding model's derived int8 variant
     if spec.id == "mcp-sandbox":
         env["FLEET_SANDBOX_PYTHON"] = SANDBOX_PYTHON
+        # a container cannot make cgroups (nothing delegated): the container's own memory and pids
+        # limits bound its calls together; seccomp and --disable-userns stay required
+        env["FLEET_SANDBOX_REQUIRED_LAYERS"] = "seccomp,userns"
     if spec.id == "mcp-sql":
         env["FLEET_SEED_DEMO"] = "true" if platform == "compose" else "false"
     return env

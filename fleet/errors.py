@@ -51,6 +51,9 @@ class ErrorCode(StrEnum):
     APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
     APPROVAL_MISMATCH = "approval_mismatch"
     APPROVAL_REPLAYED = "approval_replayed"
+    # The sandbox: a call's processes together passed its cgroup memory limit (the kernel's OOM
+    # killer ended some of them).
+    SANDBOX_OOM = "sandbox_oom"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -89,6 +92,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
     ErrorCode.APPROVAL_MISMATCH: 403,
     ErrorCode.APPROVAL_REPLAYED: 409,
+    ErrorCode.SANDBOX_OOM: 422,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -7,8 +7,10 @@ root made of read-only binds of the system's ``/usr`` (and the ``/bin``, ``/lib`
 its own (one per concurrent run, from ``uid_base``), so the process limit counts only that run's
 processes and nothing it does carries the server's identity. The child's CPU time, address space,
 process count, file size and open files are capped by ``setrlimit``; the wall clock by the launcher
-and, a little later, by this side. Nothing stays running after a call: the launcher kills what is
-left, and the PID namespace ends with it.
+and, a little later, by this side. Around bubblewrap (see ``confinement``): an empty environment, a
+seccomp filter, ``--disable-userns``, and a cgroup per call that bounds the memory, processes and CPU
+of all its processes together. Nothing stays running after a call: the launcher kills what is left,
+the PID namespace ends with it, and the call's cgroup is killed and removed.
 
 A slot's next sandbox is started ahead, right after its call (bubblewrap, the interpreter and the
 launcher up, waiting on stdin with no job and nothing of anyone's), so a call pays only for handing
@@ -32,12 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from fleet.errors import ErrorCode, FleetError
+from mcp_servers.sandbox.cgroups import CallCaps, CallCgroup, CallStats
+from mcp_servers.sandbox.confinement import Confinement
 from mcp_servers.sandbox.launcher import READY, REASONS, REQUEST, RESULT, TAKEN
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 SANDBOX_DIR = "/sandbox"
 _COMPILE = "import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True)"
 _ROOT_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# joins the call's cgroups (the cgroup.procs files before "--"), then execs the rest: everything
+# the call runs, bubblewrap included, is in them from its first instruction
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +57,14 @@ class Limits:
     tmp_bytes: int = 16 * 1024 * 1024
     output_bytes: int = 1024 * 1024
     file_bytes: int = 64 * 1024 * 1024
+    call: CallCaps = field(default_factory=CallCaps)  # memory, pids, CPU of the whole call (its cgroup)
 
 
 @dataclass(slots=True)
 class Outcome:
     exit_code: int | None
     signal: int | None
-    reason: str | None  # timeout, cpu_limit, output_limit, workspace_too_large, or None
+    reason: str | None  # timeout, cpu_limit, output_limit, workspace_too_large, process_limit, or None
     stdout: bytes
     stderr: bytes
     stdout_truncated: bool
@@ -156,9 +164,19 @@ class Sandbox:
     ends the waiting ones."""
 
     def __init__(
-        self, bwrap: Path, launcher: Path, python: Path, *, uid_base: int, slots: int, prestart: bool = True
+        self,
+        bwrap: Path,
+        launcher: Path,
+        python: Path,
+        *,
+        uid_base: int,
+        slots: int,
+        prestart: bool = True,
+        confinement: Confinement | None = None,
     ) -> None:
         self._bwrap = bwrap
+        # default: every layer the host has, a warning for each it lacks
+        self.confinement = confinement or Confinement.build(bwrap, required=())
         self._launcher = launcher
         self._python = python
         self._as_root = os.geteuid() == 0
@@ -172,10 +190,15 @@ class Sandbox:
         for slot in self._slots:
             self._idle.put_nowait(slot)
 
-    def argv(self, limits: Limits) -> list[str]:
-        argv = [
-            str(self._bwrap),
-            "--unshare-all",
+    def argv(self, limits: Limits, seccomp_fd: int | None = None) -> list[str]:
+        # each namespace by name: ``--unshare-all`` only tries the user namespace, and goes on without
+        argv = [str(self._bwrap), "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net"]
+        argv += ["--unshare-uts", "--unshare-cgroup-try"]
+        if self.confinement.disable_userns:
+            argv.append("--disable-userns")
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
+        argv += [
             "--die-with-parent",
             "--new-session",
             "--ro-bind",
@@ -210,25 +233,48 @@ class Sandbox:
         return argv
 
     async def _spawn(self, uid: int, limits: Limits) -> _Started:
-        argv, ids = self.argv(limits), dict[str, Any]()
+        seccomp_fd = None
+        if self.confinement.seccomp is not None:  # a pipe holding the program; bwrap reads it to EOF
+            seccomp_fd, writer = os.pipe()
+            os.write(writer, self.confinement.seccomp)
+            os.close(writer)
+        argv, ids = self.argv(limits, seccomp_fd), dict[str, Any]()
         if self._as_root and self._setpriv is not None:
             argv = [self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
         elif self._as_root:
             ids = {"user": uid, "group": uid, "extra_groups": []}
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            limit=1 << 20,
-            **ids,
-        )
+        cgroup = None
+        try:
+            if self.confinement.cgroups is not None:
+                cgroup = self.confinement.cgroups.call(limits.call)
+                argv = ["/bin/sh", "-c", _JOIN, "sh", *map(str, cgroup.procs), "--", *argv]
+            # no environment and cwd "/": bwrap's own process (pid 1 inside) keeps what it was
+            # started with, whatever --clearenv gives the code, and the code can read it there
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                limit=1 << 20,
+                env={},
+                cwd="/",
+                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
+                **ids,
+            )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove_now()
+            raise
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
         assert process.stdout is not None
         return _Started(
             process,
             _mounts(limits),
             asyncio.get_running_loop(),
             asyncio.ensure_future(process.stdout.readexactly(len(READY))),
+            cgroup,
         )
 
     async def _take(self, slot: _Slot, limits: Limits) -> tuple[_Started, bool]:
@@ -263,17 +309,30 @@ class Sandbox:
                     started = await slot.next
                     await asyncio.shield(started.ready)
 
-    def waiting_pids(self) -> list[int]:
-        """The host pids (bubblewrap's) of the sandboxes started ahead that have not had a job."""
-        pids = []
+    def _waiting(self) -> list[_Started]:
+        found = []
         for slot in self._slots:
             pending = slot.next
             if pending is not None and pending.done() and not pending.cancelled() and not pending.exception():
-                pids.append(pending.result().process.pid)
-        return pids
+                found.append(pending.result())
+        return found
+
+    def waiting_pids(self) -> list[int]:
+        """The host pids (bubblewrap's) of the sandboxes started ahead that have not had a job."""
+        return [started.process.pid for started in self._waiting()]
+
+    def processes(self, *, waiting: bool = True) -> list[int]:
+        """The host pids in this Sandbox's cgroups; with ``waiting=False`` but for those of the
+        sandboxes started ahead that wait for their job. Empty without per-call cgroups."""
+        tree = self.confinement.cgroups
+        if tree is None:
+            return []
+        skip = set() if waiting else {s.cgroup.name for s in self._waiting() if s.cgroup is not None}
+        return sorted(pid for name, pids in tree.processes().items() if name not in skip for pid in pids)
 
     async def close(self) -> None:
-        """Ends the sandboxes started ahead; calls still running finish, and start none ahead."""
+        """Ends the sandboxes started ahead; calls still running finish, and start none ahead. The
+        confinement's cgroups go once no call is left."""
         self._closed = True
         for slot in self._slots:
             pending, slot.next = slot.next, None
@@ -281,6 +340,8 @@ class Sandbox:
                 continue
             with contextlib.suppress(Exception):
                 await (await pending).discard()
+        if not any(slot.busy for slot in self._slots):
+            self.confinement.close()
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[_Slot]:
@@ -320,8 +381,23 @@ class Sandbox:
                     raw, err, took = await _exchange(sandbox, request, most, limits)
             finally:
                 self._start_ahead(slot, limits)  # the next call's sandbox: a new one
+        stats = sandbox.stats
+        if stats is not None and stats.oom_kills:
+            raise FleetError(
+                ErrorCode.SANDBOX_OOM,
+                f"the call used more than its {limits.call.memory_bytes} bytes of memory: the kernel"
+                f" killed {stats.oom_kills} of its processes, so its result is incomplete and was dropped",
+            )
         outcome = _parse(raw, err, time.monotonic() - started)
         outcome.info["warm"] = warm
+        if stats is not None:
+            outcome.info.update(
+                memory_peak=stats.memory_peak,
+                pids_refused=stats.pids_refused,
+                cpu_throttled=stats.cpu_throttled,
+            )
+            if stats.pids_refused and outcome.reason is None:
+                outcome.reason = "process_limit"
         return outcome
 
 
@@ -341,6 +417,7 @@ async def _exchange(
             await process.wait()
         if not sandbox.ready.done():
             sandbox.ready.cancel()
+        await sandbox.end()
 
 
 def _find_setpriv() -> str | None:
@@ -350,8 +427,8 @@ def _find_setpriv() -> str | None:
     return None
 
 
-def _mounts(limits: Limits) -> tuple[int, int]:
-    return limits.workspace_bytes, limits.tmp_bytes
+def _mounts(limits: Limits) -> tuple[int, int, CallCaps]:
+    return limits.workspace_bytes, limits.tmp_bytes, limits.call
 
 
 @dataclass(slots=True)
@@ -359,9 +436,18 @@ class _Started:
     """One sandbox started for exactly one job."""
 
     process: asyncio.subprocess.Process
-    mounts: tuple[int, int]  # the sizes of /work and /tmp it was started with
+    mounts: tuple[int, int, CallCaps]  # the sizes of /work and /tmp, its cgroup's limits
     loop: asyncio.AbstractEventLoop
     ready: asyncio.Future[bytes]  # the launcher's READY byte: it waits for its job
+    cgroup: CallCgroup | None = None
+    stats: CallStats | None = None  # its cgroup's, read when it ended
+
+    async def end(self) -> None:
+        """Reads the cgroup's stats, kills what is left in it and removes it."""
+        if self.cgroup is not None:
+            cgroup, self.cgroup = self.cgroup, None
+            self.stats = cgroup.stats()
+            await cgroup.destroy()
 
     def usable(self, limits: Limits) -> bool:
         alive = self.process.returncode is None and not (
@@ -378,6 +464,8 @@ class _Started:
         if self.loop is not asyncio.get_running_loop():
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()  # its loop is gone; the kill ends the sandbox (die-with-parent)
+            if self.cgroup is not None:
+                self.cgroup.kill()
             return
         if self.process.stdin is not None:
             self.process.stdin.close()
@@ -387,6 +475,7 @@ class _Started:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self.process.wait()
+        await self.end()
 
 
 @dataclass(slots=True)

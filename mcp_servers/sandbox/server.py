@@ -39,7 +39,7 @@ from mcp.types import ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
-from pydantic import Field
+from pydantic import Field, field_validator
 from starlette.applications import Starlette
 from typing_extensions import TypedDict  # pydantic nests these only from typing_extensions on 3.11
 
@@ -56,6 +56,8 @@ from mcp_servers._base import (
     fleet_mcp_server,
     tool_server_app,
 )
+from mcp_servers.sandbox.cgroups import CallCaps
+from mcp_servers.sandbox.confinement import LAYERS, Confinement, preflight
 from mcp_servers.sandbox.runner import Limits, Outcome, Sandbox, find_bwrap, find_python, prepare_runtime
 from registry import RegistryClient
 
@@ -74,8 +76,37 @@ RUNS = ToolAnnotations(
 class SandboxSettings(ServiceSettings):
     sandbox_wall_s: float = Field(default=30.0, description="the longest wall time a call may ask for")
     sandbox_cpu_s: int = 20
-    sandbox_memory_bytes: int = 512 * 1024 * 1024
-    sandbox_processes: int = 32
+    sandbox_memory_bytes: int = Field(
+        default=512 * 1024 * 1024, description="address space of each process of a call (RLIMIT_AS)"
+    )
+    sandbox_processes: int = Field(default=32, description="processes of a call's host uid (RLIMIT_NPROC)")
+    sandbox_call_memory_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        gt=0,
+        description="memory (RAM and swap, /work and /tmp included) of all a call's processes together"
+        " (its cgroup); past it the call fails with sandbox_oom",
+    )
+    sandbox_call_pids: int = Field(
+        default=64, gt=3, description="processes and threads of a call together, bubblewrap's 3 included"
+    )
+    sandbox_call_cpus: float = Field(default=1.0, gt=0, description="CPUs a call may use at once (CFS quota)")
+    sandbox_required_layers: str = Field(
+        default=",".join(LAYERS),
+        description="confinement layers (seccomp, userns, cgroups; comma-separated) the server does not"
+        " start without; one not listed that the host cannot give is logged as a warning at start",
+    )
+
+    @field_validator("sandbox_required_layers")
+    @classmethod
+    def _known_layers(cls, value: str) -> str:
+        unknown = set(filter(None, value.split(","))) - set(LAYERS)
+        if unknown:
+            raise ValueError(f"unknown sandbox layers {sorted(unknown)}; known: {', '.join(LAYERS)}")
+        return value
+
+    def required_layers(self) -> frozenset[str]:
+        return frozenset(filter(None, self.sandbox_required_layers.split(",")))
+
     sandbox_workspace_bytes: int = 64 * 1024 * 1024
     sandbox_output_bytes: int = 1024 * 1024
     sandbox_inline_output_bytes: int = 16 * 1024
@@ -98,7 +129,9 @@ class FileRef(TypedDict):
 class RunResult(TypedDict):
     exit_code: int | None
     signal: int | None
-    limit: str | None  # which limit ended the run: timeout, cpu_limit, output_limit, workspace_too_large
+    # which limit the run met: timeout, cpu_limit, output_limit, workspace_too_large (these end it),
+    # process_limit (forks were refused at the call's pids limit; the run went on)
+    limit: str | None
     stdout: str
     stderr: str
     stdout_artifact: str | None  # the whole output, when it is longer than what is inline
@@ -267,6 +300,7 @@ class SandboxTools:
             workspace_bytes=s.sandbox_workspace_bytes,
             output_bytes=s.sandbox_output_bytes,
             file_bytes=s.sandbox_workspace_bytes,
+            call=CallCaps(s.sandbox_call_memory_bytes, s.sandbox_call_pids, s.sandbox_call_cpus),
         )
 
     async def _output(self, key: TenantKey, data: bytes) -> tuple[str, str | None]:
@@ -365,9 +399,14 @@ def build_server(
             raise ToolError(f"[invalid_request] code is at most {MAX_CODE_CHARS} characters")
         try:
             key = await keys.for_caller(claims)
-            return await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
+            result = await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
         except FleetError as exc:
+            if exc.code == ErrorCode.SANDBOX_OOM:
+                log.warning("sandbox call of %s/%s refused: %s", claims.tenant, claims.sub, exc.code)
             raise _fail(exc) from exc
+        if result["limit"] is not None:
+            log.info("sandbox call of %s/%s met its %s", claims.tenant, claims.sub, result["limit"])
+        return result
 
     @mcp.tool(annotations=READ_ONLY)
     async def read_artifact(artifact: str, offset: int = 0, length: int = 65536) -> ArtifactChunk:
@@ -405,19 +444,17 @@ def build_app_for(settings: SandboxSettings) -> Starlette:
         bwrap, launcher = await asyncio.to_thread(
             prepare_runtime, runtime, find_bwrap(settings.sandbox_bwrap), python
         )
+        required = settings.required_layers()
         tools.sandbox = Sandbox(
             bwrap,
             launcher,
             python,
             uid_base=settings.sandbox_uid_base,
             slots=settings.sandbox_slots,
+            confinement=await asyncio.to_thread(Confinement.build, bwrap, required=required),
         )
         try:
-            probe = await tools.sandbox.run("print('ok')", b"", Limits(wall_s=10))
-            if probe.stdout != b"ok\n":
-                raise RuntimeError(
-                    f"the sandbox does not work here: {probe.stderr.decode(errors='replace')[-500:]}"
-                )
+            await preflight(tools.sandbox, tools.limits(10.0), required=required)
             await tools.sandbox.prestart(tools.limits(10.0))  # every slot's first call starts warm
             client: NATS = await connect(
                 settings.nats_url,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Stack, start_stack, stop_stack
-from tests.e2e.stack_helpers import call, ok
+from tests.e2e.stack_helpers import call, logged, ok
 from tests.e2e.webhooks import SECRET, WebhookReceiver
 
 pytestmark = pytest.mark.e2e
@@ -125,6 +125,34 @@ async def test_the_sandbox_needs_its_scope(stack: Stack) -> None:
     token = stack.forge(aud="mcp-sandbox", scope="sql:query", run_id="r")
     result = await call(stack, "mcp-sandbox", token, "run_python", {"code": "print(1)"})
     assert result.is_error and "lacks scope sandbox:run" in result.content[0].text
+
+
+MEMORY_BOMB = """
+import os
+children = []
+for _ in range(5):
+    pid = os.fork()
+    if pid == 0:
+        blocks = [b"\\x01" * (10 * 1024 * 1024) for _ in range(30)]  # 300 MB each, every page touched
+        os._exit(0)
+    children.append(pid)
+print([os.waitpid(pid, 0)[1] for pid in children])
+open("after.txt", "w").write("bomb")
+"""
+
+
+async def test_a_memory_bomb_across_processes_fails_the_call_with_sandbox_oom(stack: Stack) -> None:
+    run = "run-" + uuid.uuid4().hex
+    token = sandbox_token(stack, run)
+    ok(await call(stack, "mcp-sandbox", token, "run_python", {"code": "open('before.txt', 'w').write('x')"}))
+    # 5 x 300 MB: each process is under its 512 MiB address space, together over the call's 1 GiB
+    bomb = await call(stack, "mcp-sandbox", token, "run_python", {"code": MEMORY_BOMB, "timeout_s": 20})
+    assert bomb.is_error and "[sandbox_oom] the call used more than" in bomb.content[0].text, bomb.content
+    await logged(stack, "mcp-sandbox", "sandbox call of acme/sql-analyst refused: sandbox_oom")
+    after = ok(
+        await call(stack, "mcp-sandbox", token, "run_python", {"code": "import os; print(os.listdir())"})
+    )
+    assert after["stdout"] == "['before.txt']\n", after  # the workspace as before the failed call
 
 
 def outbox_token(stack: Stack, tenant: str = "acme") -> str:

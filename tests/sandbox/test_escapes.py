@@ -10,7 +10,6 @@ import asyncio
 import io
 import os
 import socket
-import subprocess
 import tarfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -46,48 +45,19 @@ async def sandbox(runtime: tuple[Path, Path]) -> AsyncIterator[Sandbox]:
     sandbox = Sandbox(bwrap, launcher, find_python(), uid_base=UID_BASE, slots=2)
     yield sandbox
     await sandbox.close()  # the sandboxes started ahead for the next calls
-    assert await no_sandbox_processes(), "a sandboxed process outlived its call"
+    assert await no_sandbox_processes(sandbox), "a sandboxed process outlived its call"
 
 
-async def no_sandbox_processes(grace_s: float = 5.0) -> bool:
-    """Whether the sandbox uids' processes are gone, allowing a killed one a moment to finish
-    exiting (on a loaded machine the kernel can take that long to tear one down)."""
+async def no_sandbox_processes(sandbox: Sandbox, grace_s: float = 5.0) -> bool:
+    """Whether this sandbox's processes (those in its cgroups) are gone, allowing a killed one a
+    moment to finish exiting (on a loaded machine the kernel can take that long to tear one down).
+    Only its own: other stacks on the host run sandboxes too."""
     deadline = time.monotonic() + grace_s
-    while host_processes_of_sandbox_uids():
+    while sandbox.processes():
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(0.1)
     return True
-
-
-def host_processes_of_sandbox_uids(waiting: Sandbox | None = None) -> list[str]:
-    """The live host processes of the sandbox uids, but for those of the sandboxes that ``waiting``
-    started ahead and that wait for their job (bubblewrap and the launcher, nothing else)."""
-    if os.geteuid() != 0:
-        return []
-    rows = []
-    for uid in (UID_BASE, UID_BASE + 1):
-        result = subprocess.run(
-            ["ps", "-o", "stat=,pid=,ppid=,args=", "-u", str(uid)], capture_output=True, text=True
-        )
-        # a zombie (Z) is dead and holds nothing; it waits for the host's init to reap it
-        rows += [line.split(None, 3) for line in result.stdout.splitlines() if line.strip()]
-    ahead = set(waiting.waiting_pids()) if waiting is not None else set()
-    grew = True
-    while grew:  # the waiting sandboxes' processes: their bwrap, its child, the launcher
-        grew = False
-        for _, pid, ppid, _ in rows:
-            if int(ppid) in ahead and int(pid) not in ahead:
-                ahead.add(int(pid))
-                grew = True
-    found = []
-    for stat, pid, _, args in rows:
-        if stat.startswith("Z"):
-            continue
-        if int(pid) in ahead and ("bwrap" in args or "launcher.py" in args):
-            continue
-        found.append(f"{stat} {pid} {args}")
-    return found
 
 
 @pytest.fixture
@@ -244,7 +214,7 @@ print("left one behind")
     result = await run(sandbox, code)
     assert result["out"] == "left one behind\n", result
     await asyncio.sleep(0.2)
-    assert host_processes_of_sandbox_uids(waiting=sandbox) == []
+    assert sandbox.processes(waiting=False) == []  # the call's cgroup is gone, and all in it
 
 
 async def test_the_workspace_goes_out_and_comes_back(sandbox: Sandbox) -> None:

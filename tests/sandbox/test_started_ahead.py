@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from mcp_servers.sandbox import launcher
+from mcp_servers.sandbox.cgroups import trees_of
 from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime
 from mcp_servers.sandbox.server import tar_files
 
@@ -39,19 +40,7 @@ async def sandbox(runtime: tuple[Path, Path]) -> AsyncIterator[Sandbox]:
     yield sandbox
     await sandbox.close()
     assert sandbox.waiting_pids() == []
-    assert live_processes_of_uids() == [], "a sandbox outlived its call or close()"
-
-
-def live_processes_of_uids() -> list[str]:
-    if os.geteuid() != 0:
-        return []
-    found = []
-    for uid in (UID_BASE, UID_BASE + 1):
-        result = subprocess.run(
-            ["ps", "-o", "stat=,pid=,args=", "-u", str(uid)], capture_output=True, text=True
-        )
-        found += [line for line in result.stdout.splitlines() if line.strip() and not line.startswith("Z")]
-    return found
+    assert sandbox.processes() == [], "a sandbox outlived its call or close()"
 
 
 def alive(pid: int) -> bool:
@@ -143,7 +132,7 @@ async def test_a_sandbox_started_ahead_that_died_is_replaced(sandbox: Sandbox) -
         os.kill(pid, signal.SIGKILL)
     assert await gone(sandbox.waiting_pids())
     for _ in range(100):  # and the launchers inside, which end with their PID namespace
-        if not live_processes_of_uids():
+        if not sandbox.processes():
             break
         await asyncio.sleep(0.02)
     outcome = await sandbox.run("print('fine')", b"", LIMITS)
@@ -164,7 +153,7 @@ async def test_close_ends_the_sandboxes_started_ahead(sandbox: Sandbox) -> None:
     assert len(pids) == 2 and all(alive(pid) for pid in pids)
     await sandbox.close()
     assert sandbox.waiting_pids() == [] and not any(alive(pid) for pid in pids)
-    assert live_processes_of_uids() == []
+    assert sandbox.processes() == []
     outcome = await sandbox.run("print('after close')", b"", LIMITS)  # still runs, starts none ahead
     assert outcome.stdout == b"after close\n" and sandbox.waiting_pids() == []
 
@@ -214,8 +203,15 @@ async def test_the_sandboxes_started_ahead_die_with_the_server(runtime: tuple[Pa
         server.kill()  # no close(): the server is gone at once
         await server.wait()
     assert await gone(pids), "a sandbox started ahead outlived its server"
-    await asyncio.sleep(0.2)
-    assert live_processes_of_uids() == []
+    trees = trees_of(server.pid)  # the server's cgroups, left as it died: nothing runs in them
+    assert trees or os.geteuid() != 0
+    for _ in range(100):
+        if not any(tree.processes() for tree in trees):
+            break
+        await asyncio.sleep(0.02)
+    assert [tree.processes() for tree in trees if tree.processes()] == []
+    for tree in trees:
+        tree.remove()
 
 
 def test_an_empty_workspace_is_packed_without_tarfile(
