@@ -51,6 +51,12 @@ class ErrorCode(StrEnum):
     APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
     APPROVAL_MISMATCH = "approval_mismatch"
     APPROVAL_REPLAYED = "approval_replayed"
+    # A fetch of a URL from outside (a card, a webhook, a partner's token endpoint; see
+    # fleet.outbound): a target policy or the address check refuses; an answer over the byte cap;
+    # no complete answer by the deadline.
+    FETCH_REFUSED = "fetch_refused"
+    FETCH_TOO_LARGE = "fetch_too_large"
+    FETCH_TIMEOUT = "fetch_timeout"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -89,6 +95,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
     ErrorCode.APPROVAL_MISMATCH: 403,
     ErrorCode.APPROVAL_REPLAYED: 409,
+    ErrorCode.FETCH_REFUSED: 400,
+    ErrorCode.FETCH_TOO_LARGE: 502,
+    ErrorCode.FETCH_TIMEOUT: 504,
     ErrorCode.INTERNAL: 500,
 }
 
