@@ -131,7 +131,9 @@ class GuardedTransport(httpx.AsyncBaseTransport):
             except TimeoutError:
                 if not deadline.expired():
                     raise
-        log.warning("%s fetch from %s: no complete answer within %gs", self._purpose, target.host, rules.deadline_s)
+        log.warning(
+            "%s fetch from %s: no complete answer within %gs", self._purpose, target.host, rules.deadline_s
+        )
         raise FleetError(
             ErrorCode.FETCH_TIMEOUT,
             f"{target.host} gave no complete answer within {rules.deadline_s:g}s",
@@ -147,7 +149,9 @@ class GuardedTransport(httpx.AsyncBaseTransport):
         decision = await self._policy.decide(DECISION_PATH, document, log_decision=False)
         if not decision.allow:
             reasons = "; ".join(decision.reasons) or "not allowed"
-            log.warning("%s fetch from %s refused by policy: %s (%s)", self._purpose, target.host, reasons, given)
+            log.warning(
+                "%s fetch from %s refused by policy: %s (%s)", self._purpose, target.host, reasons, given
+            )
             raise refused(f"{self._purpose} fetch from {target.host} refused: {reasons}")
         result = decision.result
         return Rules(
@@ -215,7 +219,9 @@ def _target(url: httpx.URL) -> Target:
         raise refused("only http and https URLs with a host are fetched")
     if url.userinfo:
         raise refused("a URL with credentials in it is not fetched")
-    return Target(url.scheme, url.host.lower().rstrip("."), url.port or (443 if url.scheme == "https" else 80))
+    return Target(
+        url.scheme, url.host.lower().rstrip("."), url.port or (443 if url.scheme == "https" else 80)
+    )
 
 
 def guarded_client(
@@ -231,9 +237,7 @@ def guarded_client(
     the policy input (``card``, ``webhook``, ``token_endpoint``); ``local``: the stack runs on one
     machine (internal addresses are its own); ``private_hosts``: hosts (or ``host:port``) the
     operator allows on internal addresses; ``resolver``: DNS (tests answer for it)."""
-    transport = GuardedTransport(
-        purpose, policy, local=local, private_hosts=private_hosts, resolver=resolver
-    )
+    transport = GuardedTransport(purpose, policy, local=local, private_hosts=private_hosts, resolver=resolver)
     return httpx.AsyncClient(
         transport=transport,
         follow_redirects=False,
