@@ -124,13 +124,14 @@ class GuardedTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         target = _target(request.url)
         rules = await self._rules(target, request.extensions.get(FACTS, {}))
-        async with asyncio.timeout(rules.deadline_s) as deadline:
-            try:
+        deadline = asyncio.timeout(rules.deadline_s)
+        try:
+            async with deadline:
                 address = await self._address(request, target, rules)
                 return await self._exchange(request, target, address, rules.max_bytes)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
+        except TimeoutError:
+            if not deadline.expired():
+                raise
         log.warning(
             "%s fetch from %s: no complete answer within %gs", self._purpose, target.host, rules.deadline_s
         )
