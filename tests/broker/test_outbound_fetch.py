@@ -16,17 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from a2a.types import AgentSkill
+from a2a.server.context import ServerCallContext
+from a2a.types import AgentSkill, Message, Part, Role, Task, TaskPushNotificationConfig
 from google.protobuf.json_format import MessageToDict
 from nats.js.errors import NotFoundError
+from psycopg_pool import AsyncConnectionPool
 
+from coordinator.access import RunAccess
+from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
+from coordinator.runs import PostgresRunStore, RunState
+from coordinator.task_store import PostgresTaskStore
 from fleet import outbound
 from fleet.a2a_support import build_card, sign_card
 from fleet.errors import ErrorCode, FleetError
 from fleet.issuer_certs import CertifiedKey, IssuerTrust, certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
-from fleet.tokens import TokenClient
+from fleet.tokens import Claims, TokenClient
 from policy import DEFAULT_BUNDLE_DIR, RegorusEngine
 from registry._cards import CARD_PATH, fetch_verified_card
 from registry._records import AgentRecord, IdentityRecord
@@ -351,3 +357,51 @@ async def test_slow_agents_delay_no_other_agents_check(nats_url: str, tmp_path: 
             assert stalled is not None and stalled.failures == 1, stalled
             assert "no complete answer" in stalled.status_reason
     assert elapsed < slow * deadline_s * 0.75, elapsed  # in turn: at least slow * deadline_s
+
+
+# --------------------------------------------------------------------------------- push webhooks
+async def test_a_webhook_that_resolves_to_loopback_at_delivery_is_not_posted_outside_the_local_stack(
+    pg_dsn: str,
+) -> None:
+    """A webhook's name passed the check when its config was set (here: the operator's allow-list
+    of the set step stands for an answer that was public then); at delivery it resolves to
+    loopback. The coordinator's dispatcher posts nothing there and records why; on the local stack
+    the same delivery goes through."""
+    access = RunAccess(POLICY)
+    owner = Claims("operator", "acme", "coordinator", frozenset({"agent:invoke"}), "jti", 0, {})
+    context = ServerCallContext(state={"claims": owner})
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        pg_dsn, min_size=1, max_size=4, open=False, kwargs={"autocommit": True}
+    )
+    async with pool, Origin() as receiver:
+        runs, configs = (
+            PostgresRunStore(pool),
+            PostgresPushConfigStore(pool, PushUrlPolicy(["hooks.example"]), access),
+        )
+        tasks = PostgresTaskStore(pool, runs, access)
+        for store in (runs, tasks, configs):
+            await store.setup()
+        receiver.routes["/hook"] = answer(b"{}")
+        await runs.create_run("r-hook", "acme", "operator", {"text": "hi"}, [{"id": "s", "skill": "x"}])
+        request = Message(role=Role.ROLE_USER, message_id="m1", parts=[Part(text="hi")])
+        await tasks.save(Task(id="r-hook", context_id="ctx-r-hook", history=[request]), context)
+        hook = TaskPushNotificationConfig(url=f"http://hooks.example:{receiver.port}/hook")
+        await configs.set_info("r-hook", hook, context)
+        lease = await runs.acquire_lease("r-hook", "w", ttl_s=30)
+        assert lease is not None
+        await runs.transition(lease, RunState.WORKING, "w", {})
+        resolve = resolver_of({"hooks.example": [["127.0.0.1"]]}, [])
+        signer = PushSigner(SigningKey.generate(), "coordinator", "https://coordinator.example/jwks.json")
+        for local in (False, True):
+            async with pool.connection() as conn:  # due now, whatever the backoff of a failure
+                await conn.execute("UPDATE fleet_runs.push_configs SET next_attempt_at = now()")
+            http = outbound.guarded_client("webhook", POLICY, local=local, resolver=resolve)
+            async with http:
+                assert await PushDispatcher(pool, tasks, runs, signer, http).deliver_due() == 1
+            async with pool.connection() as conn:
+                row = await (await conn.execute("SELECT last_error FROM fleet_runs.push_configs")).fetchone()
+            assert row is not None
+            if not local:
+                assert row[0] is not None and "[fetch_refused]" in row[0], row
+                assert receiver.requests == []
+        assert row[0] is None and receiver.requests[0] == ("/hook", f"hooks.example:{receiver.port}")
