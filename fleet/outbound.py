@@ -122,8 +122,18 @@ class GuardedTransport(httpx.AsyncBaseTransport):
         self._inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_keepalive_connections=0))
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        given: Mapping[str, Any] = request.extensions.get(FACTS, {})
+        try:
+            return await self._guarded(request, given)
+        except FleetError as exc:  # a refusal of this client's (or no policy): logged with whose fetch
+            log.warning(
+                "%s fetch from %s %s: %s (%s)", self._purpose, request.url.host, exc.code, exc.message, given
+            )
+            raise
+
+    async def _guarded(self, request: httpx.Request, given: Mapping[str, Any]) -> httpx.Response:
         target = _target(request.url)
-        rules = await self._rules(target, request.extensions.get(FACTS, {}))
+        rules = await self._rules(target, given)
         deadline = asyncio.timeout(rules.deadline_s)
         try:
             async with deadline:
@@ -132,9 +142,6 @@ class GuardedTransport(httpx.AsyncBaseTransport):
         except TimeoutError:
             if not deadline.expired():
                 raise
-        log.warning(
-            "%s fetch from %s: no complete answer within %gs", self._purpose, target.host, rules.deadline_s
-        )
         raise FleetError(
             ErrorCode.FETCH_TIMEOUT,
             f"{target.host} gave no complete answer within {rules.deadline_s:g}s",
@@ -147,19 +154,23 @@ class GuardedTransport(httpx.AsyncBaseTransport):
     async def _rules(self, target: Target, given: Mapping[str, Any]) -> Rules:
         document = {"purpose": self._purpose, "scheme": target.scheme, "host": target.host,
                     "port": target.port, "local": self._local, **given}  # fmt: skip
-        decision = await self._policy.decide(DECISION_PATH, document, log_decision=False)
+        decision = await self._policy.decide(DECISION_PATH, document)
         if not decision.allow:
             reasons = "; ".join(decision.reasons) or "not allowed"
-            log.warning(
-                "%s fetch from %s refused by policy: %s (%s)", self._purpose, target.host, reasons, given
-            )
             raise refused(f"{self._purpose} fetch from {target.host} refused: {reasons}")
         result = decision.result
-        return Rules(
-            private_ok=bool(result.get("private_ok")),
-            max_bytes=int(result["max_bytes"]),
-            deadline_s=float(result["deadline_s"]),
-        )
+        try:
+            return Rules(
+                private_ok=result.get("private_ok") is True,
+                max_bytes=int(result["max_bytes"]),
+                deadline_s=float(result["deadline_s"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise FleetError(
+                ErrorCode.POLICY_UNAVAILABLE,
+                f"{DECISION_PATH} gave no max_bytes and deadline_s",
+                retryable=True,
+            ) from None
 
     async def _address(self, request: httpx.Request, target: Target, rules: Rules) -> str:
         """The address to connect to: resolved once, every answer checked."""
@@ -171,7 +182,7 @@ class GuardedTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(f"cannot resolve {target.host}", request=request)
         listed = target.host in self._private_hosts or f"{target.host}:{target.port}" in self._private_hosts
         if not (self._local or rules.private_ok or listed) and not all(map(is_public, addresses)):
-            log.warning("%s fetch from %s refused: it resolves to %s", self._purpose, target.host, addresses)
+            log.info("%s fetch from %s: it resolves to %s", self._purpose, target.host, addresses)
             raise refused(
                 f"{self._purpose} fetch from {target.host} refused: not a public address"
                 " (private, loopback, link-local and other internal addresses are not fetched)"
@@ -208,7 +219,6 @@ async def _capped(response: httpx.Response, target: Target, max_bytes: int) -> b
     async for chunk in response.stream:
         body += chunk
         if len(body) > max_bytes:
-            log.warning("fetch from %s: the answer exceeds %d bytes", target.host, max_bytes)
             raise FleetError(
                 ErrorCode.FETCH_TOO_LARGE, f"the answer of {target.host} exceeds {max_bytes} bytes"
             )

@@ -59,6 +59,12 @@ deny contains msg if {
 	msg := "a card must be on its agent's own host, or on a host in config.limits.fetch allowed_hosts"
 }
 
+deny contains msg if {
+	some key in ["max_bytes", "deadline_s"]
+	not limits[key] > 0
+	msg := sprintf("%s must be a number > 0 (config.limits.fetch)", [key])
+}
+
 default private_ok := false
 
 private_ok if input.local == true

@@ -56,3 +56,9 @@ test_an_unknown_purpose_is_refused if {
 	d := fetch.decision with input as {"purpose": "anything", "scheme": "https", "host": "a.example", "port": 443, "local": false}
 	not d.allow
 }
+
+test_a_limit_that_is_not_positive_refuses_every_fetch if {
+	d := fetch.decision with input as {"purpose": "webhook", "scheme": "https", "host": "a.example", "port": 443, "local": false}
+		with data.config.limits.fetch.purposes.webhook as {"deadline_s": 0}
+	not d.allow
+}
