@@ -126,11 +126,15 @@ class Delegator:
         http: httpx.AsyncClient,
         grants: GrantLookup | None = None,
         engine: PolicyEngine | None = None,
+        outbound: httpx.AsyncClient | None = None,
     ) -> None:
         """``engine``: the policy that steps to agents outside the fleet pass (without one, such
-        steps are refused: closed)."""
+        steps are refused: closed). ``outbound``: the guarded client (:mod:`fleet.outbound`,
+        purpose ``token_endpoint``) for the token endpoints their cards name (without one, none is
+        asked: closed)."""
         self._registry = registry
         self._http = http
+        self._outbound = outbound
         self._grants = grants
         self._engine = engine
         self._grant_of: dict[str, str | None] = {}  # by run id; a run's grant never changes
@@ -395,7 +399,9 @@ class Delegator:
         token_url, _ = _card_oauth(agent)
         if token_url == self._registry.token_url:
             return self._registry.tokens
-        return self._registry.tokens_at(token_url)
+        if self._outbound is None:
+            raise FleetError(ErrorCode.FETCH_REFUSED, "this process asks no token endpoint outside the fleet")
+        return self._registry.tokens_at(token_url, self._outbound)
 
     async def _agent_token(self, agent: AgentRecord, tenant: str, run_id: str) -> str:
         """A token for a call to ``agent`` for the run: from its grant if a caller started it; for

@@ -13,9 +13,12 @@ Every push carries a JWT (ES256, the coordinator's key, ``kid`` and ``jku`` in t
 credentials (those go in ``Authorization``, as A2A requires). Its claims bind it to the webhook
 (``aud``), the task, the event and the exact body (``request_body_sha256``); it lives five minutes.
 
-Webhook URLs are screened against SSRF when a config is set and again before every delivery:
-http(s) only, no credentials in the URL, and the host must resolve to public addresses only (the SDK's
-``validate_push_notification_url``) unless it is on the operator's allow-list.
+Webhook URLs are screened against SSRF when a config is set: http(s) only, no credentials in the
+URL, and the host must resolve to public addresses only (the SDK's
+``validate_push_notification_url``) unless it is on the operator's allow-list. Deliveries go through
+the guarded client (:mod:`fleet.outbound`, purpose ``webhook``), which screens the address again and
+connects to the very address it screened (a name that resolves elsewhere after the check reaches
+nothing), reads a bounded answer and ends by a deadline.
 """
 
 from __future__ import annotations
@@ -305,7 +308,6 @@ class PushDispatcher:
         pool: AsyncConnectionPool[Any],
         tasks: PostgresTaskStore,
         runs: PostgresRunStore,
-        policy: PushUrlPolicy,
         signer: PushSigner,
         http: httpx.AsyncClient,
         *,
@@ -315,7 +317,6 @@ class PushDispatcher:
         self._pool = pool
         self._tasks = tasks
         self._runs = runs
-        self._policy = policy
         self._signer = signer
         self._http = http
         self._max_attempts = max_attempts
@@ -373,10 +374,6 @@ class PushDispatcher:
 
     async def _post(self, target: _Target, event_id: int, payload: TaskUpdate | Task) -> None:
         body = json.dumps(MessageToDict(to_stream_response(payload)), separators=(",", ":")).encode()
-        try:
-            await self._policy.check(target.url)  # again: DNS may have changed since the config was set
-        except FleetError as exc:
-            raise _DeliveryFailed(f"[{exc.code}] {exc.message}") from exc
         signature = self._signer.sign(target, event_id, body)
         headers = {"Content-Type": "application/a2a+json", SIGNATURE_HEADER: signature}
         headers["Authorization"] = (
@@ -386,10 +383,12 @@ class PushDispatcher:
         )
         if target.token:
             headers["X-A2A-Notification-Token"] = target.token
-        try:
+        try:  # the guarded client screens the address again, the one it connects to (DNS may change)
             response = await self._http.post(
                 target.url, content=body, headers=headers, timeout=DELIVERY_TIMEOUT_S
             )
+        except FleetError as exc:  # refused, too large, too slow (see fleet.outbound)
+            raise _DeliveryFailed(f"[{exc.code}] {exc.message}") from exc
         except httpx.HTTPError as exc:
             raise _DeliveryFailed(f"{type(exc).__name__} reaching the webhook") from exc
         if not response.is_success:

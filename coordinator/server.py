@@ -42,6 +42,7 @@ from fleet.a2a_support import (
 from fleet.approvals import ApprovalBinding
 from fleet.keys import SigningKey
 from fleet.natsconn import service_credentials
+from fleet.outbound import guarded_client
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy.live import enforcing, live_policy
@@ -109,11 +110,15 @@ def agent_records(registry: RegistryClient) -> Callable[[], Awaitable[list[dict[
 
 def build_app(settings: CoordinatorSettings) -> Starlette:
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), event_hooks=transport.hooks())
-    push_http = httpx.AsyncClient(
-        timeout=httpx.Timeout(10.0), follow_redirects=False, event_hooks=transport.hooks()
-    )
     registry = RegistryClient(settings, http)
     engine = live_policy(settings)
+    push_http = guarded_client(
+        "webhook",
+        engine,
+        local=settings.local_stack,
+        private_hosts=settings.allowed_push_hosts,
+        event_hooks=transport.hooks(),
+    )
     delegator = Delegator(registry, http, engine=engine)  # routing policy, before a run is accepted
     card = build_card(
         name="Fleet coordinator",
@@ -140,7 +145,6 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         run_pool,
         tasks,
         runs,
-        policy,
         PushSigner(registry.key, settings.service_id, settings.public_url + JWKS_PATH),
         push_http,
         max_attempts=settings.push_max_attempts,

@@ -56,6 +56,7 @@ from coordinator.runs import (
 from fleet import telemetry, transport
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
+from fleet.outbound import guarded_client
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import PolicyEngine, PolicyError
@@ -621,7 +622,10 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)
     engine = live_policy(settings)
-    delegator = Delegator(registry, http, store.run_grant, engine)
+    outbound = guarded_client(
+        "token_endpoint", engine, local=settings.local_stack, event_hooks=transport.hooks()
+    )
+    delegator = Delegator(registry, http, store.run_grant, engine, outbound)
     worker = RunWorker(
         build_graph(delegator, saver),
         store,
@@ -645,6 +649,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
+            await stack.enter_async_context(outbound)
             stack.push_async_callback(registry.aclose)
             await stack.enter_async_context(pool_for_checkpoints)
             await stack.enter_async_context(run_pool)

@@ -54,6 +54,12 @@ class ErrorCode(StrEnum):
     # The sandbox: a call's processes together passed its cgroup memory limit (the kernel's OOM
     # killer ended some of them).
     SANDBOX_OOM = "sandbox_oom"
+    # A fetch of a URL from outside (a card, a webhook, a partner's token endpoint; see
+    # fleet.outbound): a target policy or the address check refuses; an answer over the byte cap;
+    # no complete answer by the deadline.
+    FETCH_REFUSED = "fetch_refused"
+    FETCH_TOO_LARGE = "fetch_too_large"
+    FETCH_TIMEOUT = "fetch_timeout"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -93,6 +99,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.APPROVAL_MISMATCH: 403,
     ErrorCode.APPROVAL_REPLAYED: 409,
     ErrorCode.SANDBOX_OOM: 422,
+    ErrorCode.FETCH_REFUSED: 400,
+    ErrorCode.FETCH_TOO_LARGE: 502,
+    ErrorCode.FETCH_TIMEOUT: 504,
     ErrorCode.INTERNAL: 500,
 }
 

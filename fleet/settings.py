@@ -146,6 +146,13 @@ class ServiceSettings(BaseSettings):
         " every hop itself, e.g. a service mesh with mutual TLS; see fleet.transport)",
     )
 
+    local_stack: bool = Field(
+        default=False,
+        description="the service runs in the local stack (``fleet up``, one machine): URLs from outside"
+        " (cards, webhooks, partner token endpoints) may resolve to loopback and private addresses"
+        " (see fleet.outbound)",
+    )
+
     @model_validator(mode="after")
     def _credentials_over_tls(self) -> Self:
         """A URL this service sends tokens or keys to is HTTPS, or on this machine (``fleet.transport``):

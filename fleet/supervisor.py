@@ -183,6 +183,8 @@ class Supervisor:
             "FLEET_OPERATOR_JWK_FILE": str(self.layout.operator_jwk_file),
             "FLEET_ISSUER_CERT_FILE": str(self.layout.issuer_cert_file),
             "FLEET_LOG_LEVEL": self.settings.log_level,
+            # Every service is on this machine: fetches of outside URLs may reach loopback.
+            "FLEET_LOCAL_STACK": "true",
             # regorus appends a Rust backtrace to every policy error when this is 1: slow and noisy.
             "RUST_BACKTRACE": "0",
         }

@@ -112,11 +112,18 @@ def any_public_key(jwk: dict[str, Any]) -> PublicKey:
 _MAX_AGE = re.compile(r"max-age=(\d+)")
 
 
+UNKNOWN_KID_S = 5.0  # a kid a fetch did not find is refused without another fetch this long
+MAX_UNKNOWN_KIDS = 4096
+
+
 class JwksCache:
     """Public keys of one issuer, fetched from its JWKS URL and cached by ``kid``: for the
     document's ``max-age`` (so a key the issuer retired stops being trusted), refetched at once
     (rate-limited) for an unknown ``kid`` (so a new key is picked up), and forgotten at once when
-    revoked (:meth:`forget`)."""
+    revoked (:meth:`forget`). A ``kid`` that a fetch made after it was first presented did not find
+    is refused for ``UNKNOWN_KID_S`` without another fetch (unless a fetch finds it meanwhile);
+    requests with unknown kids wait for their turn outside the lock, so they never hold up a
+    request that needs the lock to refresh stale keys."""
 
     def __init__(
         self,
@@ -138,6 +145,7 @@ class JwksCache:
         self._min_refresh = min_refresh_interval_s
         self._default_max_age = default_max_age_s
         self._forgotten: set[str] = set()
+        self._unknown: dict[str, float] = {}  # kid -> refused without a fetch until (monotonic)
         self._lock = asyncio.Lock()
 
     async def get(self, kid: str) -> PublicKey | None:
@@ -147,17 +155,20 @@ class JwksCache:
         key = self._keys.get(kid)
         if key is not None and arrived < self._fresh_until:
             return key
+        if key is None and arrived < self._fresh_until:
+            if self._unknown.get(kid, 0.0) > arrived:
+                return None
+            # An unknown key may be one the issuer has just published (a rotation): look once
+            # more, at most once per ``min_refresh_interval_s``, waiting for the turn (without the
+            # lock) rather than refusing a good token.
+            pause = self._min_refresh - (arrived - self._last_fetch)
+            if pause > 0:
+                await asyncio.sleep(pause)
         async with self._lock:
-            # Another caller fetched (or tried) while this one waited for the lock: use that.
+            # Another caller fetched (or tried) while this one waited: use that.
             if self._last_fetch < arrived:
                 stale = time.monotonic() >= self._fresh_until
                 if stale or kid not in self._keys:
-                    # An unknown key may be one the issuer has just published (a rotation): look
-                    # once more, at most once per ``min_refresh_interval_s``, waiting for the turn
-                    # rather than refusing a good token.
-                    pause = self._min_refresh - (time.monotonic() - self._last_fetch)
-                    if not stale and pause > 0:
-                        await asyncio.sleep(pause)
                     try:
                         await self._refresh()
                     except FleetError:
@@ -167,6 +178,10 @@ class JwksCache:
                         if kid not in self._keys:
                             raise
                         log.warning("JWKS %s unreachable; using the keys fetched before", self._url)
+            if kid not in self._keys and self._last_fetch >= arrived:
+                if len(self._unknown) >= MAX_UNKNOWN_KIDS:
+                    self._unknown.clear()
+                self._unknown[kid] = time.monotonic() + UNKNOWN_KID_S
         return None if kid in self._forgotten else self._keys.get(kid)
 
     def forget(self, kid: str) -> None:
@@ -191,6 +206,7 @@ class JwksCache:
             except (KeyError, ValueError):
                 continue
         self._keys = keys
+        self._unknown = {kid: until for kid, until in self._unknown.items() if kid not in keys}
         found = _MAX_AGE.search(response.headers.get("cache-control", ""))
         max_age = float(found.group(1)) if found else self._default_max_age
         self._fresh_until = time.monotonic() + max_age

@@ -3,9 +3,10 @@ that the card describes the host it was registered at."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import jwt
@@ -13,9 +14,12 @@ from a2a.types import AgentCard
 from a2a.utils.signing import SignatureVerificationError, create_signature_verifier
 from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 
+from fleet import outbound
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM
 from registry._records import AgentRecord, IdentityRecord, SkillRecord
+
+log = logging.getLogger(__name__)
 
 CARD_PATH = "/.well-known/agent-card.json"
 
@@ -24,28 +28,50 @@ def _invalid(message: str) -> FleetError:
     return FleetError(ErrorCode.CARD_INVALID, message)
 
 
+def card_url_of(base_url: str) -> str:
+    """The card's URL under ``base_url``, an http(s) URL with a host and no query, fragment or
+    credentials (which would move the card's path elsewhere), or ``card_invalid``."""
+    try:
+        parts = urlsplit(base_url)
+        valid = parts.port is None or parts.port > 0
+    except ValueError:
+        valid = False
+    if not valid:
+        raise _invalid("the agent's URL is not a valid URL")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _invalid("the agent's URL must be an http or https URL with a host")
+    if parts.query or parts.fragment or "?" in base_url or "#" in base_url or "@" in parts.netloc:
+        raise _invalid("the agent's URL must have no query, fragment or credentials")
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + CARD_PATH, "", ""))
+
+
 async def fetch_verified_card(
     http: httpx.AsyncClient, identity: IdentityRecord, base_url: str
 ) -> AgentRecord:
-    """Fetch ``base_url``'s card and return the record to store, or raise ``card_invalid``."""
-    card_url = base_url.rstrip("/") + CARD_PATH
+    """Fetch ``base_url``'s card and return the record to store, or raise ``card_invalid``. ``http``:
+    a client of :func:`fleet.outbound.guarded_client` (purpose ``card``). What the agent's server
+    answered (its status, its body) never appears in an error: it may not be the agent's."""
+    card_url = card_url_of(base_url)
+    host = urlsplit(card_url).hostname
+    agent = {"id": identity.id, "external": identity.external}
     try:
-        response = await http.get(card_url, timeout=5.0, follow_redirects=False)
+        response = await http.get(card_url, extensions=outbound.facts(agent=agent))
     except httpx.TransportError as exc:
         # The agent may still be starting: worth another try.
         raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach {card_url}", retryable=True
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"cannot reach the card at {host}", retryable=True
         ) from exc
-    if response.status_code >= 500:
-        raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"{card_url} answered {response.status_code}", retryable=True
-        )
     if response.status_code != 200:
-        raise _invalid(f"{card_url} answered {response.status_code}, not a card")
+        log.warning("card of %s at %s: answered %d", identity.id, card_url, response.status_code)
+        if response.status_code >= 500:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, f"the card at {host} is not available", retryable=True
+            )
+        raise _invalid(f"{host} did not serve a card at {CARD_PATH}")
     try:
         document = response.json()
     except ValueError as exc:
-        raise _invalid(f"{card_url} did not return JSON") from exc
+        raise _invalid(f"{host} did not serve a card at {CARD_PATH}") from exc
     card = parse_card(document)
     verify_card_signature(card, identity)
     url = _check_interfaces(card, base_url)
@@ -71,7 +97,9 @@ def parse_card(document: Any) -> AgentCard:
     try:
         card: AgentCard = ParseDict(document, AgentCard())
     except ParseError as exc:
-        raise _invalid(f"card does not match the A2A schema: {exc}") from exc
+        # The parser's message quotes the document (its unknown keys): logged, not returned.
+        log.warning("a card does not match the A2A schema: %s", exc)
+        raise _invalid("the card does not match the A2A schema") from exc
     if not card.name or not card.supported_interfaces:
         raise _invalid("card needs a name and at least one interface")
     return card

@@ -10,6 +10,10 @@ the agent holds now, interfaces on the registered host).
   it stays so until the agent registers again (which verifies again).
 * It cannot be fetched: after ``UNREACHABLE_AFTER`` failures in a row the agent is ``unreachable``,
   and not offered until it answers again (a health check).
+
+Agents are checked concurrently (``MAX_CONCURRENT_CHECKS`` at a time), each fetch bounded in time
+and bytes by ``fleet.limits.fetch`` (see :mod:`fleet.outbound`): an agent that answers slowly, or
+not at all, delays no other agent's check. A fetch past its deadline counts as a failure to fetch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from registry._store import RegistryStore
 log = logging.getLogger(__name__)
 
 UNREACHABLE_AFTER = 3
+MAX_CONCURRENT_CHECKS = 16  # cards fetched at once by one round of checks
+# Could not be fetched (counts towards unreachable); any other failure quarantines the agent.
+UNFETCHED = frozenset({ErrorCode.DEPENDENCY_UNAVAILABLE, ErrorCode.FETCH_TIMEOUT})
 
 
 def card_digest(card: dict[str, Any]) -> str:
@@ -89,7 +96,7 @@ async def refresh(
 
 
 async def _failed(store: RegistryStore, record: AgentRecord, exc: FleetError, now: float) -> AgentRecord:
-    if exc.code == ErrorCode.DEPENDENCY_UNAVAILABLE:  # could not be fetched
+    if exc.code in UNFETCHED:
         failures = record.failures + 1
         status = "unreachable" if failures >= UNREACHABLE_AFTER else record.status
         updated = record.model_copy(
@@ -108,17 +115,31 @@ async def _failed(store: RegistryStore, record: AgentRecord, exc: FleetError, no
     return updated
 
 
-async def refresh_all(store: RegistryStore, http: httpx.AsyncClient, skills: SkillBinding) -> None:
+async def refresh_all(
+    store: RegistryStore,
+    http: httpx.AsyncClient,
+    skills: SkillBinding,
+    concurrency: int = MAX_CONCURRENT_CHECKS,
+) -> None:
+    """Check every agent's card, ``concurrency`` at a time: each fetch ends by its deadline (see
+    fleet.outbound), and a slow agent holds up only its own check."""
     try:
         agents = await store.agents()
     except Exception:  # the broker is away: the next round tries again
         log.exception("could not list the agents to check their cards")
         return
-    for agent in agents:
-        try:
-            await refresh(store, http, skills, agent.id)
-        except Exception:  # one agent's trouble must not stop the others' checks
-            log.exception("checking the card of %s failed", agent.id)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def check(agent_id: str) -> None:
+        async with slots:
+            try:
+                await refresh(store, http, skills, agent_id)
+            except Exception:  # one agent's trouble must not stop the others' checks
+                log.exception("checking the card of %s failed", agent_id)
+
+    async with asyncio.TaskGroup() as group:
+        for agent in agents:
+            group.create_task(check(agent.id))
 
 
 async def refresh_forever(

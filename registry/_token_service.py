@@ -112,6 +112,7 @@ SIGNAL_FIELDS = {  # a signal grant's binding: the token request's field, and wh
 MAX_CHAIN = 5  # actors in one delegation chain, the subject's excluded
 MAX_ASSERTION_LIFETIME_S = 300
 IDENTITY_CACHE_S = 2.0
+IDENTITY_REREAD_S = 1.0  # an identity is read again for a key it did not hold at most this often
 DECISION_CACHE_S = 10.0
 DECISIONS_CACHED = 4096
 CLIENT_KEYS_CACHED = 4096
@@ -162,6 +163,7 @@ class TokenService:
         self._token_url = token_url
         self._revocations = revocations
         self._identities: dict[str, tuple[float, IdentityRecord]] = {}
+        self._rereads: dict[str, asyncio.Lock] = {}  # by identity id (identities that exist only)
         self._servers: dict[str, tuple[float, set[str]]] = {}  # MCP servers' declared scopes
         self._decisions: dict[str, tuple[float, Decision]] = {}  # token decisions, by facts
         self._client_keys: dict[str, ec.EllipticCurvePublicKey] = {}  # by kid (a thumbprint)
@@ -173,15 +175,32 @@ class TokenService:
         """The identity's record, read again at most every ``IDENTITY_CACHE_S``; at once if it does
         not hold ``kid`` (a key enrolled a moment ago). A revoked key is refused by the revocation
         list, which is followed live, whatever the cached record says."""
+        arrived = time.monotonic()
         cached = self._identities.get(identity_id)
-        fresh = cached is not None and time.monotonic() - cached[0] < IDENTITY_CACHE_S
+        fresh = cached is not None and arrived - cached[0] < IDENTITY_CACHE_S
         if cached is not None and fresh and (kid is None or kid in cached[1].keys):
             return cached[1]
+        if cached is None or not fresh:
+            return await self._read_identity(identity_id)
+        # A key the identity did not hold when last read (enrolled a moment ago, or made up):
+        # requests for it share one read per IDENTITY_REREAD_S, waiting for the turn.
+        async with self._rereads.setdefault(identity_id, asyncio.Lock()):
+            latest = self._identities.get(identity_id)
+            if latest is not None and latest[0] >= arrived:  # read since this request arrived
+                return latest[1]
+            pause = IDENTITY_REREAD_S - (time.monotonic() - (latest or cached)[0])
+            if pause > 0:
+                await asyncio.sleep(pause)
+            return await self._read_identity(identity_id)
+
+    async def _read_identity(self, identity_id: str) -> IdentityRecord | None:
+        started = time.monotonic()
         found = await self._store.identity(identity_id)
         if found is None:
             self._identities.pop(identity_id, None)
+            self._rereads.pop(identity_id, None)
         else:
-            self._identities[identity_id] = (time.monotonic(), found)
+            self._identities[identity_id] = (started, found)
         return found
 
     async def grant(self, form: Mapping[str, str]) -> IssuedToken:

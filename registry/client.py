@@ -80,17 +80,18 @@ class RegistryClient:
         self._enrolled = False
         self._enrolling = asyncio.Lock()
 
-    def tokens_at(self, token_url: str) -> TokenClient:
+    def tokens_at(self, token_url: str, http: httpx.AsyncClient) -> TokenClient:
         """Tokens from another token endpoint (an outside agent's, named by its card), for which this
         identity authenticates with its own key (``private_key_jwt``; one client per endpoint,
-        which follows this identity's key rotations)."""
+        which follows this identity's key rotations). ``http``: a guarded client
+        (:func:`fleet.outbound.guarded_client`, purpose ``token_endpoint``): the URL is a card's."""
         client = self._outside_tokens.get(token_url)
         if client is None:
             client = TokenClient(
                 token_url=token_url,
                 client_id=self._settings.service_id,
                 key=self.key,
-                http=self._http,
+                http=http,
                 control_plane=False,
             )
             self._outside_tokens[token_url] = client

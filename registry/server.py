@@ -29,6 +29,7 @@ from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.issuer_certs import CertifiedKey, IssuerTrust
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import TRANSIENT, Credentials, connect
+from fleet.outbound import guarded_client
 from fleet.revocations import Revocations, record_revocation
 from fleet.service import always_ready, configure_logging, serve_app
 from fleet.settings import ServiceSettings
@@ -64,7 +65,7 @@ class RegistryState:
     revocations: Revocations
     # the registry's signing keys, by kid, with when each stops verifying (None: the current one)
     issuer_keys: dict[str, tuple[ec.EllipticCurvePublicKey, float | None]]
-    http: httpx.AsyncClient
+    http: httpx.AsyncClient  # agents' cards: a guarded client (fleet.outbound, purpose "card")
     trust: IssuerTrust  # the operator's key: which of the registry's keys are its own
     signer: CertifiedKey  # the current signing key and its certificate
     tenant_keys: TenantKeyService
@@ -511,6 +512,9 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 policy = await stack.enter_async_context(
                     enforcing(door.policy if door else live_policy(settings), nc)
                 )
+                cards = await stack.enter_async_context(
+                    guarded_client("card", policy, local=settings.local_stack)
+                )
 
                 async def own_key(kid: str) -> ec.EllipticCurvePublicKey | None:
                     registry: RegistryState = app.state.registry
@@ -541,7 +545,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                     keys=admin,
                     revocations=revocations,
                     issuer_keys={},
-                    http=http,
+                    http=cards,
                     trust=trust,
                     signer=signer,
                     tenant_keys=TenantKeyService(master, own_key, settings.issuer, revocations, policy),
@@ -552,7 +556,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                 app.state.registry = state
                 checks = (
                     asyncio.create_task(
-                        refresh_forever(store, http, state.skills, settings.card_refresh_s),
+                        refresh_forever(store, cards, state.skills, settings.card_refresh_s),
                         name="card-checks",
                     )
                     if settings.card_refresh_s > 0

@@ -5,6 +5,7 @@ absent unless the registry signed it again first."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,12 @@ from nats.js.errors import NotFoundError
 from fleet.issuer_certs import CertifiedKey, IssuerTrust, certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
+from fleet.tokens import CLIENT_ASSERTION_TYPE, client_assertion
+from policy import RegorusEngine
 from registry._records import IdentityRecord, McpServerRecord
 from registry._seal import RecordSeal
 from registry._store import RECORDS_BUCKET, RegistryStore
+from registry._token_service import OAuthError, TokenService
 
 ISSUER = "fleet-registry"
 
@@ -85,3 +89,57 @@ async def test_a_revoked_signing_key_leaves_only_the_records_signed_again(nats_u
         assert [i.id for i in await store.identities()] == ["a", "b", "c"]
         revoked.add(new.key.kid)
         assert await store.identities() == []  # the memo does not outlive a revocation
+
+
+class CountingStore(RegistryStore):
+    """The registry's store, counting its reads of identity records."""
+
+    reads = 0
+
+    async def identity(self, identity_id: str) -> IdentityRecord | None:
+        self.reads += 1
+        return await super().identity(identity_id)
+
+
+TOKEN_URL = "https://registry.example/oauth/token"
+
+
+async def outcome(service: TokenService, key: SigningKey, client_id: str) -> str:
+    """The OAuth error of a client-credentials request with an assertion by ``key`` ("" if none)."""
+    form = {"grant_type": "client_credentials", "client_assertion_type": CLIENT_ASSERTION_TYPE,
+            "client_assertion": client_assertion(key, client_id, TOKEN_URL), "audience": client_id,
+            "tenant": "acme"}  # fmt: skip
+    try:
+        await service.grant(form)
+    except OAuthError as exc:
+        return exc.error
+    return ""
+
+
+async def test_assertions_with_made_up_keys_share_one_identity_read_and_a_new_key_is_still_found(
+    nats_url: str,
+) -> None:
+    """L3: assertions naming a real client with key ids it never enrolled read its record at most
+    once per interval, not once each; a key enrolled a moment ago is found at the next read."""
+    operator = SigningKey.generate()
+    async with registry_bucket(nats_url) as client:
+        seal = RecordSeal(IssuerTrust(operator.public_jwk(), ISSUER), lambda kid: False)
+        seal.signer = certified(operator)
+        store = await CountingStore.open(client, seal)
+        assert isinstance(store, CountingStore)
+        key = SigningKey.generate()
+        record = IdentityRecord(id="agent-x", kind="specialist", keys={key.kid: key.public_jwk()},
+                                tenants=["acme"], enrolled_at=0)  # fmt: skip
+        await store.put_identity(record)
+        service = TokenService(
+            store, SigningKey.generate(), ISSUER, TOKEN_URL, policy=RegorusEngine.from_dir()
+        )
+        assert await outcome(service, key, "agent-x") != "invalid_client"  # authenticated
+        before = store.reads
+        made_up = [SigningKey.generate() for _ in range(40)]
+        refused = await asyncio.gather(*(outcome(service, k, "agent-x") for k in made_up))
+        assert refused == ["invalid_client"] * 40
+        assert store.reads - before <= 2, store.reads - before  # one each before
+        new = SigningKey.generate()
+        await store.put_identity(record.with_key(new.public_jwk(), now=time.time(), grace_s=60))
+        assert await outcome(service, new, "agent-x") != "invalid_client"

@@ -41,10 +41,12 @@ class Issuer:
         self.keys: list[dict[str, Any]] = []
         self.fetches: list[float] = []
         self.max_age = max_age
+        self.fetched = asyncio.Event()
 
     def app(self) -> Starlette:
         async def jwks(request: Request) -> JSONResponse:
             self.fetches.append(time.monotonic())
+            self.fetched.set()
             return JSONResponse({"keys": self.keys}, headers={"Cache-Control": f"max-age={self.max_age}"})
 
         return Starlette(routes=[Route("/jwks.json", jwks)])
@@ -107,3 +109,42 @@ async def test_a_single_use_token_is_good_once() -> None:
         await verifier.verify(token)
     assert replayed.value.message == "token was already used"
     assert (await verifier.verify(key.sign({**claims, "jti": uuid.uuid4().hex}))).sub == "coordinator"
+
+
+async def test_unknown_kids_cost_one_fetch_per_interval_and_never_hold_up_a_stale_refresh(
+    issuer: Issuer,
+) -> None:
+    """A caller floods the verifier with tokens naming kids no one published (L3). A kid already
+    looked up is refused without another fetch; new ones share at most one fetch per interval; and
+    a good token whose key went stale is verified after one fetch, not behind the flood's waits."""
+    key = SigningKey.generate()
+    issuer.keys = [key.public_jwk()]
+    interval_s = 2.0
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=issuer.app())) as http:
+        cache = cache_for(issuer, http, interval_s=interval_s)
+        assert await cache.get(key.kid) is not None
+        assert await cache.get("bogus") is None  # waits its turn, fetches once
+        fetched = len(issuer.fetches)
+        assert await asyncio.gather(*(cache.get("bogus") for _ in range(50))) == [None] * 50
+        assert len(issuer.fetches) == fetched  # known to be unknown: no fetch
+
+        async def flood() -> None:
+            while True:
+                await cache.get(uuid.uuid4().hex)
+
+        flooding = [asyncio.create_task(flood()) for _ in range(20)]
+        try:
+            issuer.fetched.clear()
+            await asyncio.wait_for(issuer.fetched.wait(), 10)  # the flood's fetch: the next is an interval on
+            await asyncio.sleep(1.1)  # the good key's max-age (1 s) passes: it needs a refresh
+            started = time.monotonic()
+            assert await cache.get(key.kid) is not None
+            waited = time.monotonic() - started
+            during = time.monotonic()
+            await asyncio.sleep(interval_s * 2)
+        finally:
+            for task in flooding:
+                task.cancel()
+            await asyncio.gather(*flooding, return_exceptions=True)
+    assert waited < interval_s / 4, waited  # behind the flood's turn: the rest of the interval (0.9 s)
+    assert len([t for t in issuer.fetches if t >= during]) <= 3  # one per interval, whatever the flood
