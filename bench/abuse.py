@@ -72,11 +72,12 @@ from tests.e2e.stack_helpers import call
 VICTIM, HOSTILE = "acme", "globex"
 MB = 1024 * 1024
 BODY_BYTES = 10 * MB
-RUN_DEADLINE_S, READ_DEADLINE_S = 60.0, 20.0
+READ_DEADLINE_S = 20.0
 ATTACK_CALL_DEADLINE_S = 120.0  # one attack request; the window bounds them all
 STREAM_SETUP_S = 3.0  # the streams are opened before the victim is measured under attack
 HUGE_SQL = "SELECT repeat('x', 200000000) AS x"
-MANY_ROWS_SQL = "SELECT g, repeat('y', 100) AS pad FROM generate_series(1, 5000000) AS g"
+MANY_ROWS = 5_000_000
+MANY_ROWS_SQL = f"SELECT g, repeat('y', 100) AS pad FROM generate_series(1, {MANY_ROWS}) AS g"
 PII_TEXT = "1234 " * 3000
 MEMORY_BATCH = 10
 EVENTS_IN_FLIGHT = 64
@@ -105,6 +106,7 @@ class Form:
     sql_calls: int  # per statement and path
     memory_writes: int
     events: int
+    run_deadline_s: float  # a victim run not completed by then is a failure
 
 
 FULL = Form(
@@ -116,9 +118,18 @@ FULL = Form(
     sql_calls=5,
     memory_writes=2_000,
     events=10_000,
+    run_deadline_s=60,
 )
 SHORT = Form(
-    "short", idle_s=12, attack_s=30, streams=40, large_bodies=2, sql_calls=1, memory_writes=100, events=300
+    "short",
+    idle_s=10,
+    attack_s=20,
+    streams=40,
+    large_bodies=2,
+    sql_calls=1,
+    memory_writes=100,
+    events=300,
+    run_deadline_s=15,
 )
 
 
@@ -399,7 +410,7 @@ class Hostile:
             return outcome
 
         async with asyncio.TaskGroup() as group:
-            for label, statement in (("repeat 200 MB", HUGE_SQL), ("5M rows", MANY_ROWS_SQL)):
+            for label, statement in (("repeat 200 MB", HUGE_SQL), (f"{MANY_ROWS:,} rows", MANY_ROWS_SQL)):
                 for _ in range(self.form.sql_calls):
                     group.create_task(self.attempt(f"SQL {label}, direct MCP", partial(direct, statement)))
                     group.create_task(self.attempt(f"SQL {label}, plan step", partial(as_step, statement)))
@@ -468,13 +479,13 @@ async def _bounded(name: str, attack: Awaitable[None], until: float, hostile: Ho
         hostile.count(name, f"attack stopped: {failure_outcome(exc)}: {str(exc)[:120]}")
 
 
-async def _victim_loop(fleet: Fleet, victim: Victim, until: float) -> None:
+async def _victim_loop(fleet: Fleet, victim: Victim, until: float, run_deadline_s: float) -> None:
     """The victim's workload, one request at a time, until ``until`` (monotonic)."""
     while time.monotonic() < until:
-        await _victim_round(fleet, victim)
+        await _victim_round(fleet, victim, run_deadline_s)
 
 
-async def _victim_round(fleet: Fleet, victim: Victim) -> None:
+async def _victim_round(fleet: Fleet, victim: Victim, run_deadline_s: float) -> None:
     """One run and three reads. The token is the client's (cached), bounded but not timed."""
     http, base = fleet.http, fleet.endpoints["coordinator"]
     try:
@@ -490,7 +501,7 @@ async def _victim_round(fleet: Fleet, victim: Victim) -> None:
         response.raise_for_status()
         return response
 
-    run_id = await victim.timed("run", RUN_DEADLINE_S, fleet.run(TWO_STEPS, VICTIM))
+    run_id = await victim.timed("run", run_deadline_s, fleet.run(TWO_STEPS, VICTIM))
     await victim.timed("GET /v1/runs", READ_DEADLINE_S, read(f"{base}/v1/runs"))
     if run_id:
         await victim.timed("GET /v1/runs/{id}", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}"))
@@ -558,17 +569,18 @@ async def _attack_phase(fleet: Fleet, hostile: Hostile, watch: PostgresWatch, fo
                 await hostile.streams_open.wait()
         except TimeoutError:
             pass
-        group.create_task(_victim_loop(fleet, victim, until))
+        group.create_task(_victim_loop(fleet, victim, until, form.run_deadline_s))
     return victim
 
 
-def _ratios(idle: dict[str, Any], attacked: dict[str, Any]) -> dict[str, float | None]:
+def _ratios(idle: dict[str, Any], attacked: dict[str, Any], quantile: str) -> dict[str, float | None]:
+    """Attacked over idle, by kind of request (None where a side has nothing to compare)."""
     return {
-        kind: round(attacked[kind]["p99_ms"] / idle[kind]["p99_ms"], 2)
-        if kind in attacked and idle[kind]["p99_ms"]
+        kind: round(attacked[kind][quantile] / idle[kind][quantile], 2)
+        if kind in attacked and idle[kind][quantile]
         else None
         for kind in idle
-        if isinstance(idle[kind], dict) and "p99_ms" in idle[kind]
+        if isinstance(idle[kind], dict) and quantile in idle[kind]
     }
 
 
@@ -576,19 +588,27 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0), limits=limits) as http:
         fleet = Fleet(layout, endpoints, http)
-        await fleet.run(TWO_STEPS, VICTIM)  # warm up
+        took = {"warm-up": time.monotonic()}
+        async with asyncio.timeout(4 * form.run_deadline_s):
+            await fleet.run(TWO_STEPS, VICTIM)
         idle = Victim()
-        await _victim_loop(fleet, idle, time.monotonic() + form.idle_s)
+        took["idle"] = time.monotonic()
+        await _victim_loop(fleet, idle, time.monotonic() + form.idle_s, form.run_deadline_s)
         hostile = Hostile(fleet, tmp, form)
         watch = PostgresWatch(layout, endpoints)
         try:
+            took["waiting run"] = time.monotonic()
             await hostile.prepare()
+            took["attack"] = time.monotonic()
             attacked = await _attack_phase(fleet, hostile, watch, form)
+            took["run states"] = time.monotonic()
             await hostile.sql_run_states()
+            took["end"] = time.monotonic()
         finally:
             await hostile.http.aclose()
+    phases = list(took.items())
     idle_summary, attacked_summary = idle.summary(), attacked.summary()
-    ratios = _ratios(idle_summary, attacked_summary)
+    ratios = _ratios(idle_summary, attacked_summary, "p99_ms")
     known = [r for r in ratios.values() if r is not None]
     logged = watch.refusals_logged()
     refusals = sum(logged.values()) + watch.probe_refusals
@@ -611,6 +631,7 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
         "idle": idle_summary,
         "attacked": attacked_summary,
         "p99_ratio": ratios,
+        "p50_ratio": _ratios(idle_summary, attacked_summary, "p50_ms"),
         "worst_p99_ratio": worst,
         "victim_failures": attacked_summary["failures"],
         "victim_failures_idle": idle_summary["failures"],
@@ -624,6 +645,7 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
             "backends_max": watch.backends_max,
         },
         "attacks": {name: dict(counts.most_common()) for name, counts in sorted(hostile.outcomes.items())},
+        "took_s": {name: round(phases[i + 1][1] - at, 1) for i, (name, at) in enumerate(phases[:-1])},
         "target_p99_ratio": TARGET_P99_RATIO,
         "target_victim_failures": TARGET_FAILURES,
         "target_postgres_refusals": TARGET_REFUSALS,
@@ -636,14 +658,92 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
 
 def main(quick: bool = False) -> dict[str, Any]:
     form = SHORT if quick else FULL
+    started = time.monotonic()
     with (
         TemporaryDirectory(prefix="fleet-bench-") as tmp,
         running_stack(Path(tmp) / "fleet") as (layout, endpoints),
     ):
+        up_s = time.monotonic() - started
         result = asyncio.run(measure(layout, endpoints, form, Path(tmp)))
+        stopping = time.monotonic()
+    result["took_s"] = {"stack up": round(up_s, 1), **result["took_s"]}
+    result["took_s"]["stack down"] = round(time.monotonic() - stopping, 1)
     print(json.dumps(result, indent=2))
     return result
 
 
 if __name__ == "__main__":
     main(quick="--short" in sys.argv[1:])
+
+
+def _verdict(ok: bool) -> str:
+    return "meets" if ok else "MISSES"
+
+
+def summary_row(result: Mapping[str, Any]) -> str:
+    """The target's row in the page's summary table."""
+    idle, attacked = result["idle"]["run"], result["attacked"].get("run", {})
+    return (
+        f"| a victim tenant's runs and reads while another tenant attacks ({result['form']} form) "
+        f"| the same victim on the idle stack | run p99 {idle['p99_ms']} ms "
+        f"| run p99 {attacked.get('p99_ms', '-')} ms; {result['victim_failures']} victim failures, "
+        f"{result['postgres_refusals']} Postgres refusals | **{result['worst_p99_ratio']}x** (worst p99) "
+        f"| <= {result['target_p99_ratio']:.0f}x, 0 failures, 0 refusals ({_verdict(result['target_met'])}) |"
+    )
+
+
+def _victim_rows(result: Mapping[str, Any]) -> str:
+    idle, attacked = result["idle"], result["attacked"]
+    rows = ""
+    for kind, ratio in result["p99_ratio"].items():
+        was, now = idle[kind], attacked.get(kind, {"requests": 0, "p50_ms": "-", "p99_ms": "-"})
+        rows += (
+            f"| `{kind}` | {was['requests']} | {was['p50_ms']} ms | {was['p99_ms']} ms | {now['requests']} "
+            f"| {now['p50_ms']} ms | {now['p99_ms']} ms | {result['p50_ratio'].get(kind)}x | **{ratio}x** "
+            f"| {attacked['failures_by_kind'].get(kind, 0)} |\n"
+        )
+    return rows
+
+
+def _attack_rows(result: Mapping[str, Any]) -> str:
+    return "".join(
+        f"| {name} | {', '.join(f'{outcome}: {count}' for outcome, count in outcomes.items())} |\n"
+        for name, outcomes in result["attacks"].items()
+    )
+
+
+def section(result: Mapping[str, Any]) -> str:
+    """The page's section on one tenant at full tilt against another."""
+    load, probe = result["load"], result["postgres_probe"]
+    logged = ", ".join(f"{name} {n}" for name, n in result["postgres_refusals_logged"].items()) or "none"
+    samples = "".join(f"- `{sample}`\n" for sample in result["victim_failure_samples"])
+    return (
+        "\n## One tenant at full tilt against another (`bench/abuse.py`)\n\n"
+        f"{result['measured_on']}\n\n"
+        f"The victim (`{result['victim_tenant']}`) runs the demo's run (invoice totals through the SQL "
+        "analyst and the SQL MCP server, then outliers) over A2A, send to completion, and three reads of "
+        f"the run API, one request at a time: {result['idle_s']} s on the idle stack, then "
+        f"{result['attack_s']} s while `{result['hostile_tenant']}` attacks with, at once: "
+        f"{load['streams_each']} run event streams and {load['streams_each']} A2A `SubscribeToTask` "
+        f"streams held on a run of its own waiting at the approval gate; {load['large_bodies_each']} "
+        f"bodies of {load['body_bytes'] // MB} MB each to A2A `SendMessage`, the run API's signals and "
+        f"the registry's `/v1/enroll` (no token); `{HUGE_SQL}` and a "
+        f"{MANY_ROWS:,}-row query, {load['sql_calls_each']} of each as a direct MCP call and as a plan step; "
+        f'{load["memory_writes"]:,} memory facts of `"1234 " * 3000`; {load["events"]:,} events as a '
+        "producer, each starting a run through the trigger rule. A victim request that fails or passes "
+        "its deadline is a failure and counts in the percentiles at the time it took.\n\n"
+        "| victim request | idle: requests | idle p50 | idle p99 | attacked: requests | attacked p50 "
+        "| attacked p99 | p50 ratio | p99 ratio | failures under attack |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+        f"{_victim_rows(result)}\n"
+        f"Targets: victim p99 within {result['target_p99_ratio']:.0f}x of idle for every request "
+        f"(worst **{result['worst_p99_ratio']}x**), no victim failure (**{result['victim_failures']}**), "
+        f"no Postgres connection refused (**{result['postgres_refusals']}**): "
+        f"{_verdict(result['target_met'])}.\n\n"
+        f"Postgres: refusals logged during the attack: {logged}; a probe connecting as the fleet's role "
+        f"every second was refused {probe['refused']} times of {probe['tries']}; at most "
+        f"{probe['backends_max']} backends seen.\n\n"
+        + (f"Victim failures (first of them):\n\n{samples}\n" if samples else "")
+        + "What each attack got back (outcome: count):\n\n| attack | outcomes |\n|---|---|\n"
+        + _attack_rows(result)
+    )
