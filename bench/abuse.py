@@ -81,6 +81,7 @@ MANY_ROWS_SQL = f"SELECT g, repeat('y', 100) AS pad FROM generate_series(1, {MAN
 PII_TEXT = "1234 " * 3000
 MEMORY_BATCH = 10
 EVENTS_IN_FLIGHT = 64
+WINDOW_CLOSED = "no answer when the window closed"
 TRIGGERED = "fleet.events.invoices.closed"  # the shipped rule invoices-closed starts a run per event
 REFUSED_CONNECTION = re.compile(r"too many clients|remaining connection slots|connection slots are reserved")
 TARGET_P99_RATIO, TARGET_FAILURES, TARGET_REFUSALS = 2.0, 0, 0
@@ -262,15 +263,16 @@ class Hostile:
         try:
             async with asyncio.timeout(ATTACK_CALL_DEADLINE_S):
                 self.count(attack, await request())
+        except asyncio.CancelledError:
+            self.count(attack, WINDOW_CLOSED)
+            raise
         except Exception as exc:  # (a refusal or a crash is an outcome)
             self.count(attack, failure_outcome(exc))
 
-    async def a2a(self, method: str, params: dict[str, Any], headers: Mapping[str, str]) -> str:
-        body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": method, "params": params}
-        response = await self.http.post(
-            self.endpoints["coordinator"] + A2A_PATH, json=body, headers={**A2A_HEADERS, **headers}
-        )
-        return http_outcome(response.status_code, response.text)
+    def unsent(self, attack: str, left: int) -> None:
+        """Requests of ``attack`` not sent before the window closed."""
+        if left:
+            self.outcomes.setdefault(attack, Counter())["not sent when the window closed"] += left
 
     async def submit(self, plan: dict[str, Any], headers: Mapping[str, str]) -> tuple[str, str]:
         """A run sent with ``returnImmediately``: its outcome and task id."""
@@ -314,6 +316,9 @@ class Hostile:
         async def hold(kind: str, request: httpx.Request) -> None:
             try:
                 response = await self.http.send(request, stream=True)
+            except asyncio.CancelledError:
+                self.count(kind, WINDOW_CLOSED)
+                raise
             except Exception as exc:
                 self.count(kind, failure_outcome(exc))
                 return
@@ -433,9 +438,12 @@ class Hostile:
                 batch = queue.pop()
                 await self.attempt(f"memory writes ({MEMORY_BATCH} per call)", partial(write, batch))
 
-        async with asyncio.TaskGroup() as group:
-            for _ in range(4):
-                group.create_task(writer())
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(4):
+                    group.create_task(writer())
+        finally:
+            self.unsent(f"memory writes ({MEMORY_BATCH} per call)", len(queue))
 
     async def events(self) -> None:
         producer = f"abuse-{uuid.uuid4().hex[:8]}"
@@ -465,7 +473,9 @@ class Hostile:
                 for _ in range(EVENTS_IN_FLIGHT):
                     group.create_task(publisher())
         finally:
-            await client.close()
+            self.unsent("events published", len(queue))
+            async with asyncio.timeout(10):
+                await client.close()
 
 
 async def _bounded(name: str, attack: Awaitable[None], until: float, hostile: Hostile) -> None:

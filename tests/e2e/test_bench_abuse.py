@@ -21,6 +21,7 @@ ATTACKS = {
     "SQL repeat 200 MB, direct MCP",
     "SQL repeat 200 MB, plan step",
     "events published",
+    f"memory writes ({abuse.MEMORY_BATCH} per call)",
 }
 
 
@@ -28,7 +29,7 @@ def test_the_abuse_benchmark_runs_in_its_short_form() -> None:
     result = abuse.main(quick=True)
     assert result["form"] == "short"
     for phase in ("idle", "attacked"):
-        assert VICTIM_REQUESTS <= set(result[phase]), result[phase]
+        assert set(result[phase]) >= VICTIM_REQUESTS, result[phase]
         assert all(result[phase][kind]["requests"] >= 1 for kind in VICTIM_REQUESTS if kind in result[phase])
         assert isinstance(result[phase]["failures"], int)
     assert result["idle"]["failures"] == 0, result["idle"]  # the baseline is of a working stack
@@ -37,7 +38,7 @@ def test_the_abuse_benchmark_runs_in_its_short_form() -> None:
     assert isinstance(result["worst_p99_ratio"], float)
     assert isinstance(result["postgres_refusals"], int) and result["postgres_probe"]["tries"] >= 1
     # Every attack was made and something came back from it (whatever it was).
-    assert ATTACKS <= set(result["attacks"]), result["attacks"]
+    assert set(result["attacks"]) >= ATTACKS, result["attacks"]
     assert all(sum(result["attacks"][name].values()) >= 1 for name in ATTACKS)
     streams = sum(result["attacks"]["event streams"].values()) + sum(
         result["attacks"]["SubscribeToTask streams"].values()
