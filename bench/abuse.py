@@ -6,9 +6,9 @@ specialists and MCP servers, the shipped policy bundle):
 
 * victim (tenant ``acme``), one request at a time, in a loop: the demo's run (invoice totals through
   the SQL analyst and the SQL MCP server, then the statistician's outliers) over A2A from send to
-  completion, then three reads of the run API (``GET /v1/runs``, ``GET /v1/runs/{id}``, the ended
-  run's ``GET /v1/runs/{id}/events``). First ``idle_s`` on the idle stack (the baseline), then
-  ``attack_s`` while the hostile tenant attacks. Every request has a deadline; a request that fails
+  completion, then three reads of the run API (``GET /v1/runs``, and ``GET /v1/runs/{id}`` and
+  ``GET /v1/runs/{id}/events`` of its newest completed run). First ``idle_s`` on the idle stack (the
+  baseline), then ``attack_s`` while the hostile tenant attacks. Every request has a deadline; a request that fails
   (an error, a run not completed, its deadline passed) is a failure, and counts in the percentiles at
   the time it took (a timeout at its deadline).
 * hostile tenant (``globex``), all at once, each attack bounded by the attack window:
@@ -489,13 +489,16 @@ async def _bounded(name: str, attack: Awaitable[None], until: float, hostile: Ho
         hostile.count(name, f"attack stopped: {failure_outcome(exc)}: {str(exc)[:120]}")
 
 
-async def _victim_loop(fleet: Fleet, victim: Victim, until: float, run_deadline_s: float) -> None:
-    """The victim's workload, one request at a time, until ``until`` (monotonic)."""
+async def _victim_loop(fleet: Fleet, victim: Victim, until: float, run_deadline_s: float, run_id: str) -> str:
+    """The victim's workload, one request at a time, until ``until`` (monotonic). ``run_id``: a run
+    of the victim's that completed, which the reads read until a newer one completes; returns the
+    newest."""
     while time.monotonic() < until:
-        await _victim_round(fleet, victim, run_deadline_s)
+        run_id = await _victim_round(fleet, victim, run_deadline_s, run_id)
+    return run_id
 
 
-async def _victim_round(fleet: Fleet, victim: Victim, run_deadline_s: float) -> None:
+async def _victim_round(fleet: Fleet, victim: Victim, run_deadline_s: float, run_id: str) -> str:
     """One run and three reads. The token is the client's (cached), bounded but not timed."""
     http, base = fleet.http, fleet.endpoints["coordinator"]
     try:
@@ -504,20 +507,18 @@ async def _victim_round(fleet: Fleet, victim: Victim, run_deadline_s: float) -> 
     except Exception as exc:  # (no token is a failure of the round)
         victim.failures["token"] += 1
         victim.samples.append(f"token: {failure_outcome(exc)}")
-        return
+        return run_id
 
     async def read(url: str) -> httpx.Response:
         response = await http.get(url, headers=headers)
         response.raise_for_status()
         return response
 
-    run_id = await victim.timed("run", run_deadline_s, fleet.run(TWO_STEPS, VICTIM))
+    run_id = await victim.timed("run", run_deadline_s, fleet.run(TWO_STEPS, VICTIM)) or run_id
     await victim.timed("GET /v1/runs", READ_DEADLINE_S, read(f"{base}/v1/runs"))
-    if run_id:
-        await victim.timed("GET /v1/runs/{id}", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}"))
-        await victim.timed(
-            "GET /v1/runs/{id}/events", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}/events")
-        )
+    await victim.timed("GET /v1/runs/{id}", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}"))
+    await victim.timed("GET /v1/runs/{id}/events", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}/events"))
+    return run_id
 
 
 class PostgresWatch:
@@ -558,7 +559,9 @@ class PostgresWatch:
             await asyncio.sleep(1)
 
 
-async def _attack_phase(fleet: Fleet, hostile: Hostile, watch: PostgresWatch, form: Form) -> Victim:
+async def _attack_phase(
+    fleet: Fleet, hostile: Hostile, watch: PostgresWatch, form: Form, run_id: str
+) -> Victim:
     start = time.monotonic()
     until = start + form.attack_s
     watch.mark()
@@ -579,7 +582,7 @@ async def _attack_phase(fleet: Fleet, hostile: Hostile, watch: PostgresWatch, fo
                 await hostile.streams_open.wait()
         except TimeoutError:
             pass
-        group.create_task(_victim_loop(fleet, victim, until, form.run_deadline_s))
+        group.create_task(_victim_loop(fleet, victim, until, form.run_deadline_s, run_id))
     return victim
 
 
@@ -600,17 +603,17 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
         fleet = Fleet(layout, endpoints, http)
         took = {"warm-up": time.monotonic()}
         async with asyncio.timeout(4 * form.run_deadline_s):
-            await fleet.run(TWO_STEPS, VICTIM)
+            run_id = await fleet.run(TWO_STEPS, VICTIM)
         idle = Victim()
         took["idle"] = time.monotonic()
-        await _victim_loop(fleet, idle, time.monotonic() + form.idle_s, form.run_deadline_s)
+        run_id = await _victim_loop(fleet, idle, time.monotonic() + form.idle_s, form.run_deadline_s, run_id)
         hostile = Hostile(fleet, tmp, form)
         watch = PostgresWatch(layout, endpoints)
         try:
             took["waiting run"] = time.monotonic()
             await hostile.prepare()
             took["attack"] = time.monotonic()
-            attacked = await _attack_phase(fleet, hostile, watch, form)
+            attacked = await _attack_phase(fleet, hostile, watch, form, run_id)
             took["run states"] = time.monotonic()
             await hostile.sql_run_states()
             took["end"] = time.monotonic()
