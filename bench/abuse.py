@@ -150,7 +150,7 @@ class Victim:
         except Exception as exc:  # (every way a request fails is counted)
             self.failures[kind] += 1
             if len(self.samples) < 10:
-                self.samples.append(f"{kind}: {type(exc).__name__}: {str(exc)[:200]}")
+                self.samples.append(f"{kind}: {failure_outcome(exc)} {str(exc)[:200]}".strip())
             return None
         finally:
             self.took_s.setdefault(kind, []).append(time.perf_counter() - started)
@@ -208,7 +208,7 @@ def failure_outcome(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # the first cause in a task group
         exc = exc.exceptions[0]
     if isinstance(exc, TimeoutError):
-        return "no answer by the deadline"
+        return "no answer by its deadline"
     return f"exception {type(exc).__name__}"
 
 
@@ -529,7 +529,7 @@ class PostgresWatch:
         self.dsn = f"postgresql://fleet:{password}@127.0.0.1:{endpoints['postgres_port']}/fleet"
         self.logs = sorted(layout.home.joinpath("logs").glob("*.log"))
         self.offsets: dict[Path, int] = {}
-        self.probe_refusals, self.probes, self.backends_max = 0, 0, 0
+        self.probe_refusals, self.probes, self.backends_max, self.max_connections = 0, 0, 0, 0
         self.probe_samples: list[str] = []
 
     def mark(self) -> None:
@@ -550,8 +550,11 @@ class PostgresWatch:
             self.probes += 1
             try:
                 async with await psycopg.AsyncConnection.connect(self.dsn, connect_timeout=5) as conn:
-                    row = await (await conn.execute("SELECT count(*) FROM pg_stat_activity")).fetchone()
-                    self.backends_max = max(self.backends_max, int(row[0]) if row else 0)
+                    query = "SELECT count(*), current_setting('max_connections')::int FROM pg_stat_activity"
+                    row = await (await conn.execute(query)).fetchone()
+                    if row:
+                        self.backends_max = max(self.backends_max, int(row[0]))
+                        self.max_connections = int(row[1])
             except psycopg.Error as exc:
                 self.probe_refusals += 1
                 if len(self.probe_samples) < 3:
@@ -656,6 +659,7 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
             "refused": watch.probe_refusals,
             "samples": watch.probe_samples,
             "backends_max": watch.backends_max,
+            "max_connections": watch.max_connections,
         },
         "attacks": {name: dict(counts.most_common()) for name, counts in sorted(hostile.outcomes.items())},
         "took_s": {name: round(phases[i + 1][1] - at, 1) for i, (name, at) in enumerate(phases[:-1])},
@@ -697,7 +701,7 @@ def summary_row(result: Mapping[str, Any]) -> str:
     """The target's row in the page's summary table."""
     idle, attacked = result["idle"]["run"], result["attacked"].get("run", {})
     return (
-        f"| a victim tenant's runs and reads while another tenant attacks ({result['form']} form) "
+        f"| one tenant at full tilt against another: the victim's runs and reads ({result['form']} form) "
         f"| the same victim on the idle stack | run p99 {idle['p99_ms']} ms "
         f"| run p99 {attacked.get('p99_ms', '-')} ms; {result['victim_failures']} victim failures, "
         f"{result['postgres_refusals']} Postgres refusals | **{result['worst_p99_ratio']}x** (worst p99) "
@@ -755,7 +759,7 @@ def section(result: Mapping[str, Any]) -> str:
         f"{_verdict(result['target_met'])}.\n\n"
         f"Postgres: refusals logged during the attack: {logged}; a probe connecting as the fleet's role "
         f"every second was refused {probe['refused']} times of {probe['tries']}; at most "
-        f"{probe['backends_max']} backends seen.\n\n"
+        f"{probe['backends_max']} backends seen (`max_connections` {probe['max_connections']}).\n\n"
         + (f"Victim failures (first of them):\n\n{samples}\n" if samples else "")
         + "What each attack got back (outcome: count):\n\n| attack | outcomes |\n|---|---|\n"
         + _attack_rows(result)
