@@ -4,10 +4,10 @@ attacks the stack through every door a tenant has, against the same victim on th
 On a fresh local stack (``fleet up``: NATS JetStream, Postgres, the coordinator and workers, the
 specialists and MCP servers, the shipped policy bundle):
 
-* victim (tenant ``acme``), one request at a time, in a loop: the demo's run (invoice totals through
-  the SQL analyst and the SQL MCP server, then the statistician's outliers) over A2A from send to
-  completion, then three reads of the run API (``GET /v1/runs``, and ``GET /v1/runs/{id}`` and
-  ``GET /v1/runs/{id}/events`` of its newest completed run). First ``idle_s`` on the idle stack (the
+* victim (tenant ``acme``): the demo's run (invoice totals through the SQL analyst and the SQL MCP
+  server, then the statistician's outliers) over A2A from send to completion, one after another; beside
+  them, three reads of the run API one after another, 0.2 s between rounds (``GET /v1/runs``, and
+  ``GET /v1/runs/{id}`` and ``GET /v1/runs/{id}/events`` of its newest completed run). First ``idle_s`` on the idle stack (the
   baseline), then ``attack_s`` while the hostile tenant attacks. Every request has a deadline; a request that fails
   (an error, a run not completed, its deadline passed) is a failure, and counts in the percentiles at
   the time it took (a timeout at its deadline).
@@ -73,6 +73,7 @@ VICTIM, HOSTILE = "acme", "globex"
 MB = 1024 * 1024
 BODY_BYTES = 10 * MB
 READ_DEADLINE_S = 20.0
+READ_PAUSE_S = 0.2  # between the victim's rounds of reads
 ATTACK_CALL_DEADLINE_S = 120.0  # one attack request; the window bounds them all
 STREAM_SETUP_S = 3.0  # the streams are opened before the victim is measured under attack
 HUGE_SQL = "SELECT repeat('x', 200000000) AS x"
@@ -490,35 +491,46 @@ async def _bounded(name: str, attack: Awaitable[None], until: float, hostile: Ho
 
 
 async def _victim_loop(fleet: Fleet, victim: Victim, until: float, run_deadline_s: float, run_id: str) -> str:
-    """The victim's workload, one request at a time, until ``until`` (monotonic). ``run_id``: a run
-    of the victim's that completed, which the reads read until a newer one completes; returns the
-    newest."""
-    while time.monotonic() < until:
-        run_id = await _victim_round(fleet, victim, run_deadline_s, run_id)
-    return run_id
+    """The victim's workload until ``until`` (monotonic): runs one after another, and beside them
+    reads one after another (``READ_PAUSE_S`` apart) of the newest run that completed (``run_id`` at
+    first); returns the newest."""
+    newest = [run_id]
+
+    async def runs() -> None:
+        while time.monotonic() < until:
+            done = await victim.timed("run", run_deadline_s, fleet.run(TWO_STEPS, VICTIM))
+            newest[0] = done or newest[0]
+
+    async def reads() -> None:
+        while time.monotonic() < until:
+            await _victim_reads(fleet, victim, newest[0])
+            await asyncio.sleep(READ_PAUSE_S)
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(runs())
+        group.create_task(reads())
+    return newest[0]
 
 
-async def _victim_round(fleet: Fleet, victim: Victim, run_deadline_s: float, run_id: str) -> str:
-    """One run and three reads. The token is the client's (cached), bounded but not timed."""
+async def _victim_reads(fleet: Fleet, victim: Victim, run_id: str) -> None:
+    """The three reads. The token is the client's (cached), bounded but not timed."""
     http, base = fleet.http, fleet.endpoints["coordinator"]
     try:
         async with asyncio.timeout(READ_DEADLINE_S):
             headers = dict((await fleet.context(VICTIM)).service_parameters or {})
-    except Exception as exc:  # (no token is a failure of the round)
+    except Exception as exc:  # (no token: the reads fail)
         victim.failures["token"] += 1
         victim.samples.append(f"token: {failure_outcome(exc)}")
-        return run_id
+        return
 
     async def read(url: str) -> httpx.Response:
         response = await http.get(url, headers=headers)
         response.raise_for_status()
         return response
 
-    run_id = await victim.timed("run", run_deadline_s, fleet.run(TWO_STEPS, VICTIM)) or run_id
     await victim.timed("GET /v1/runs", READ_DEADLINE_S, read(f"{base}/v1/runs"))
     await victim.timed("GET /v1/runs/{id}", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}"))
     await victim.timed("GET /v1/runs/{id}/events", READ_DEADLINE_S, read(f"{base}/v1/runs/{run_id}/events"))
-    return run_id
 
 
 class PostgresWatch:
@@ -738,8 +750,9 @@ def section(result: Mapping[str, Any]) -> str:
         "\n## One tenant at full tilt against another (`bench/abuse.py`)\n\n"
         f"{result['measured_on']}\n\n"
         f"The victim (`{result['victim_tenant']}`) runs the demo's run (invoice totals through the SQL "
-        "analyst and the SQL MCP server, then outliers) over A2A, send to completion, and three reads of "
-        f"the run API, one request at a time: {result['idle_s']} s on the idle stack, then "
+        "analyst and the SQL MCP server, then outliers) over A2A, send to completion, one after another, "
+        f"and beside them reads the run API (the list, its newest run, that run's events), "
+        f"{READ_PAUSE_S} s between rounds: {result['idle_s']} s on the idle stack, then "
         f"{result['attack_s']} s while `{result['hostile_tenant']}` attacks with, at once: "
         f"{load['streams_each']} run event streams and {load['streams_each']} A2A `SubscribeToTask` "
         f"streams held on a run of its own waiting at the approval gate; {load['large_bodies_each']} "
