@@ -196,12 +196,16 @@ def _code_of(body: Any) -> str:
     return ""
 
 
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def http_outcome(status: int, text: str) -> str:
     """``http <status>`` and the error code of its body, if any."""
-    try:
-        code = _code_of(json.loads(text))
-    except ValueError:
-        code = ""
+    code = _code_of(_json_or_none(text))
     return f"http {status}" + (f" {code}" if code else "")
 
 
@@ -328,9 +332,18 @@ class Hostile:
                 if opened[0] == 2 * self.form.streams:
                     self.streams_open.set()
             try:
-                self.count(kind, http_outcome(response.status_code, "") + " opened")
-                async for _ in response.aiter_bytes():
-                    pass
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    text = (await response.aread())[:65536].decode(errors="replace")  # a refusal
+                    self.count(kind, http_outcome(response.status_code, text))
+                    return
+                self.count(kind, http_outcome(response.status_code, "") + " stream opened")
+                first = True
+                async for line in response.aiter_lines():
+                    if first and line.startswith("data:"):  # an error sent as the stream's first event
+                        first = False
+                        code = _code_of(_json_or_none(line.removeprefix("data:")))
+                        if code:
+                            self.count(kind, f"first event: error {code}")
                 self.count(kind, "ended by the server")
             except Exception as exc:
                 self.count(kind, "then " + failure_outcome(exc))
