@@ -178,22 +178,16 @@ def _ms(seconds: float) -> float:
 
 
 def _code_of(body: Any) -> str:
-    """An error code in a JSON body, wherever the service put it (``code``, ``error``,
-    ``error.code``, ``error.data.code``), or ''."""
+    """The error codes in a JSON body, wherever the service put them (``code``, ``error``,
+    ``error.code``, ``error.data.code``: a JSON-RPC code and the fleet's own), or ''."""
     if not isinstance(body, dict):
         return ""
     error = body.get("error")
-    for value in (
-        body.get("code"),
-        error,
-        error.get("code") if isinstance(error, dict) else None,
-        error.get("data", {}).get("code")
-        if isinstance(error, dict) and isinstance(error.get("data"), dict)
-        else None,
-    ):
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return str(value)
-    return ""
+    inner = error if isinstance(error, dict) else {}
+    data = inner.get("data") if isinstance(inner.get("data"), dict) else {}
+    found = [body.get("code"), error, inner.get("code"), data.get("code") if data else None]
+    codes = [str(v) for v in found if isinstance(v, (str, int)) and not isinstance(v, bool)]
+    return " ".join(dict.fromkeys(codes))
 
 
 def _json_or_none(text: str) -> Any:
@@ -203,10 +197,11 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-def http_outcome(status: int, text: str) -> str:
-    """``http <status>`` and the error code of its body, if any."""
+def http_outcome(response: httpx.Response, text: str) -> str:
+    """``http <status>``, the error codes of its body (``text``), and whether it says when to retry."""
     code = _code_of(_json_or_none(text))
-    return f"http {status}" + (f" {code}" if code else "")
+    retry = " (Retry-After)" if "retry-after" in response.headers else ""
+    return f"http {response.status_code}" + (f" {code}" if code else "") + retry
 
 
 def failure_outcome(exc: BaseException) -> str:
@@ -251,7 +246,7 @@ class Hostile:
                 return (
                     f"run {response.json().get('state')}"
                     if response.is_success
-                    else http_outcome(response.status_code, response.text)
+                    else http_outcome(response, response.text)
                 )
 
             await self.attempt("SQL plan-step runs at the window's end", state)
@@ -293,7 +288,7 @@ class Hostile:
             task_id = str(response.json()["result"]["task"]["id"])
         except (ValueError, KeyError, TypeError):
             task_id = ""
-        return http_outcome(response.status_code, response.text), task_id
+        return http_outcome(response, response.text), task_id
 
     async def prepare(self) -> None:
         """The hostile tenant's run waiting at the approval gate, which its streams follow."""
@@ -334,9 +329,9 @@ class Hostile:
             try:
                 if not response.headers.get("content-type", "").startswith("text/event-stream"):
                     text = (await response.aread())[:65536].decode(errors="replace")  # a refusal
-                    self.count(kind, http_outcome(response.status_code, text))
+                    self.count(kind, http_outcome(response, text))
                     return
-                self.count(kind, http_outcome(response.status_code, "") + " stream opened")
+                self.count(kind, http_outcome(response, "") + " stream opened")
                 first = True
                 async for line in response.aiter_lines():
                     if first and line.startswith("data:"):  # an error sent as the stream's first event
@@ -407,7 +402,7 @@ class Hostile:
 
         async def post(url: str, body: bytes, sent: Mapping[str, str]) -> str:
             response = await self.http.post(url, content=body, headers={**json_type, **sent})
-            return http_outcome(response.status_code, response.text)
+            return http_outcome(response, response.text)
 
         async with asyncio.TaskGroup() as group:
             for name, url, body, sent in targets:
