@@ -487,13 +487,39 @@ class Hostile:
                 await client.close()
 
 
-async def _bounded(name: str, attack: Awaitable[None], until: float, hostile: Hostile) -> None:
-    """``attack`` until the window closes (``until``, monotonic); what it had not finished is noted."""
+class Window:
+    """The attack window: what runs in it is cut when it closes, at the latest at ``hard_until``
+    (monotonic, the clock of asyncio's loop)."""
+
+    def __init__(self, hard_until: float) -> None:
+        self.hard_until = hard_until
+        self.timeouts: list[asyncio.Timeout] = []
+
+    async def within(self, work: Awaitable[None]) -> bool:
+        """Run ``work`` until it ends (True) or the window closes (False)."""
+        try:
+            async with asyncio.timeout_at(self.hard_until) as timeout:
+                self.timeouts.append(timeout)
+                try:
+                    await work
+                finally:
+                    self.timeouts.remove(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for timeout in self.timeouts:
+            if not timeout.expired():
+                timeout.reschedule(now)
+
+
+async def _bounded(name: str, attack: Awaitable[None], window: Window, hostile: Hostile) -> None:
+    """``attack`` until the window closes; what it had not finished is noted."""
     try:
-        async with asyncio.timeout_at(until):
-            await attack
-    except TimeoutError:
-        hostile.count(name, "still running when the window closed")
+        if not await window.within(attack):
+            hostile.count(name, "still running when the window closed")
     except Exception as exc:  # (an attack that fails is reported, the bench goes on)
         hostile.count(name, f"attack stopped: {failure_outcome(exc)}: {str(exc)[:120]}")
 
@@ -565,8 +591,9 @@ class PostgresWatch:
                 found[path.stem] = lines
         return found
 
-    async def probe(self, until: float) -> None:
-        while time.monotonic() < until:
+    async def probe(self) -> None:
+        """Every second, until cancelled or cut by the window."""
+        while True:
             self.probes += 1
             try:
                 async with await psycopg.AsyncConnection.connect(self.dsn, connect_timeout=5) as conn:
@@ -585,8 +612,9 @@ class PostgresWatch:
 async def _attack_phase(
     fleet: Fleet, hostile: Hostile, watch: PostgresWatch, form: Form, run_id: str
 ) -> Victim:
-    start = time.monotonic()
-    until = start + form.attack_s
+    until = time.monotonic() + form.attack_s
+    # The attacks go on while the victim's last requests finish, which their deadlines bound.
+    window = Window(until + form.run_deadline_s + READ_DEADLINE_S)
     watch.mark()
     attacks = {
         "streams": hostile.streams(),
@@ -598,14 +626,15 @@ async def _attack_phase(
     victim = Victim()
     async with asyncio.TaskGroup() as group:
         for name, attack in attacks.items():
-            group.create_task(_bounded(name, attack, until, hostile))
-        group.create_task(watch.probe(until))
+            group.create_task(_bounded(name, attack, window, hostile))
+        group.create_task(window.within(watch.probe()))
         try:  # the streams first: the victim is measured with them held
             async with asyncio.timeout(STREAM_SETUP_S + form.streams * 0.05):
                 await hostile.streams_open.wait()
         except TimeoutError:
             pass
-        group.create_task(_victim_loop(fleet, victim, until, form.run_deadline_s, run_id))
+        await _victim_loop(fleet, victim, until, form.run_deadline_s, run_id)
+        window.close()
     return victim
 
 
