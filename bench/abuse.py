@@ -32,13 +32,15 @@ fleet's own role every second.
 Targets (the full form): victim p99 under attack within 2x idle for every kind of request, no victim
 failure, no Postgres connection refused.
 
-Run: ``.venv/bin/python -m bench.abuse [--short]`` (starts and stops its own stack).
+Run: ``.venv/bin/python -m bench.abuse [--short] [ATTACK...]`` (starts and stops its own stack; ATTACK:
+``streams``, ``"large bodies"``, ``SQL``, ``memory``, ``events``, to make only those).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -96,6 +98,9 @@ WAITING_PLAN: dict[str, Any] = {
 }
 
 
+ATTACKS = ("streams", "large bodies", "SQL", "memory", "events")
+
+
 @dataclass(frozen=True, slots=True)
 class Form:
     """How hard and how long: the full form is the benchmark, the short one its smoke test."""
@@ -109,6 +114,7 @@ class Form:
     memory_writes: int
     events: int
     run_deadline_s: float  # a victim run not completed by then is a failure
+    attacks: tuple[str, ...] = ATTACKS  # which to make
 
 
 FULL = Form(
@@ -617,20 +623,21 @@ async def _attack_phase(
     window = Window(until + form.run_deadline_s + READ_DEADLINE_S)
     watch.mark()
     attacks = {
-        "streams": hostile.streams(),
-        "large bodies": hostile.large_bodies(),
-        "SQL": hostile.sql(),
-        "memory": hostile.memory(),
-        "events": hostile.events(),
+        "streams": hostile.streams,
+        "large bodies": hostile.large_bodies,
+        "SQL": hostile.sql,
+        "memory": hostile.memory,
+        "events": hostile.events,
     }
     victim = Victim()
     async with asyncio.TaskGroup() as group:
-        for name, attack in attacks.items():
-            group.create_task(_bounded(name, attack, window, hostile))
+        for name in form.attacks:
+            group.create_task(_bounded(name, attacks[name](), window, hostile))
         group.create_task(window.within(watch.probe()))
         try:  # the streams first: the victim is measured with them held
             async with asyncio.timeout(STREAM_SETUP_S + form.streams * 0.05):
-                await hostile.streams_open.wait()
+                if "streams" in form.attacks:
+                    await hostile.streams_open.wait()
         except TimeoutError:
             pass
         await _victim_loop(fleet, victim, until, form.run_deadline_s, run_id)
@@ -685,6 +692,7 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
         "hostile_tenant": HOSTILE,
         "idle_s": form.idle_s,
         "attack_s": form.attack_s,
+        "attacks_made": list(form.attacks),
         "load": {
             "streams_each": form.streams,
             "large_bodies_each": form.large_bodies,
@@ -722,8 +730,15 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
     }
 
 
-def main(quick: bool = False) -> dict[str, Any]:
+def main(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The full form, or the short one if ``quick``; ``only``: these attacks alone (names in
+    :data:`ATTACKS`), to see what one of them does."""
     form = SHORT if quick else FULL
+    if only:
+        unknown = set(only) - set(ATTACKS)
+        if unknown:
+            raise SystemExit(f"unknown attacks {sorted(unknown)}; known: {list(ATTACKS)}")
+        form = dataclasses.replace(form, attacks=only)
     started = time.monotonic()
     with (
         TemporaryDirectory(prefix="fleet-bench-") as tmp,
@@ -739,7 +754,8 @@ def main(quick: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(quick="--short" in sys.argv[1:])
+    args = sys.argv[1:]
+    main(quick="--short" in args, only=tuple(a for a in args if a != "--short"))
 
 
 def _verdict(ok: bool) -> str:
@@ -799,7 +815,12 @@ def section(result: Mapping[str, Any]) -> str:
         f'{load["memory_writes"]:,} memory facts of `"1234 " * 3000`; {load["events"]:,} events as a '
         "producer, each starting a run through the trigger rule. A victim request that fails or passes "
         "its deadline is a failure and counts in the percentiles at the time it took.\n\n"
-        "| victim request | idle: requests | idle p50 | idle p99 | attacked: requests | attacked p50 "
+        + (
+            f"**Only these attacks were made**: {', '.join(result['attacks_made'])}.\n\n"
+            if len(result.get("attacks_made", ATTACKS)) < len(ATTACKS)
+            else ""
+        )
+        + "| victim request | idle: requests | idle p50 | idle p99 | attacked: requests | attacked p50 "
         "| attacked p99 | p50 ratio | p99 ratio | failures under attack |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
         f"{_victim_rows(result)}\n"

@@ -28,6 +28,7 @@ ATTACKS = {
 def test_the_abuse_benchmark_runs_in_its_short_form() -> None:
     result = abuse.main(quick=True)
     assert result["form"] == "short"
+    assert result["attacks_made"] == list(abuse.ATTACKS)
     for phase in ("idle", "attacked"):
         assert set(result[phase]) >= VICTIM_REQUESTS, result[phase]
         assert all(result[phase][kind]["requests"] >= 1 for kind in VICTIM_REQUESTS if kind in result[phase])
