@@ -5,13 +5,15 @@ On a fresh local stack (``fleet up``: NATS JetStream, Postgres, the coordinator 
 specialists and MCP servers, the shipped policy bundle):
 
 * victim (tenant ``acme``): the demo's run (invoice totals through the SQL analyst and the SQL MCP
-  server, then the statistician's outliers) over A2A from send to completion, one after another; beside
-  them, three reads of the run API one after another, 0.2 s between rounds (``GET /v1/runs``, and
-  ``GET /v1/runs/{id}`` and ``GET /v1/runs/{id}/events`` of its newest completed run). First ``idle_s`` on the idle stack (the
-  baseline), then ``attack_s`` while the hostile tenant attacks. Every request has a deadline; a request that fails
-  (an error, a run not completed, its deadline passed) is a failure, and counts in the percentiles at
-  the time it took (a timeout at its deadline).
-* hostile tenant (``globex``), all at once, each attack bounded by the attack window:
+  server, then the statistician's outliers) over A2A from send to completion, one after another;
+  beside them, three reads of the run API one after another, 0.2 s between rounds (``GET /v1/runs``,
+  and ``GET /v1/runs/{id}`` and ``GET /v1/runs/{id}/events`` of its newest completed run). First
+  ``idle_s`` on the idle stack (the baseline), then ``attack_s`` while the hostile tenant attacks
+  (from the moment its streams are open). Every request has a deadline; a request that fails (an
+  error, a run not completed, its deadline passed) is a failure, and counts in the percentiles at the
+  time it took (a timeout at its deadline).
+* hostile tenant (``globex``), all at once, until the victim's last request ends (then cut; bounded by
+  the window and the victim's deadlines):
   - streams: ``streams`` ``GET /v1/runs/{id}/events`` and ``streams`` A2A ``SubscribeToTask`` on a run
     of its own waiting at the approval gate, held open;
   - large bodies: 10 MB to A2A ``SendMessage``, to the run API (``POST /v1/runs/{id}/signals``) and,
