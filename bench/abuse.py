@@ -86,6 +86,7 @@ MANY_ROWS_SQL = f"SELECT g, repeat('y', 100) AS pad FROM generate_series(1, {MAN
 PII_TEXT = "1234 " * 3000
 MEMORY_BATCH = 10
 EVENTS_IN_FLIGHT = 64
+MESSAGE_ID = "message-id-to-fill"  # in the 10 MB A2A body, replaced by a fresh id for each send
 WINDOW_CLOSED = "no answer when the window closed"
 TRIGGERED = "fleet.events.invoices.closed"  # the shipped rule invoices-closed starts a run per event
 REFUSED_CONNECTION = re.compile(r"too many clients|remaining connection slots|connection slots are reserved")
@@ -380,7 +381,7 @@ class Hostile:
     async def large_bodies(self) -> None:
         headers = await self.token("coordinator", ["agent:invoke"])
         text = "x" * BODY_BYTES
-        message = Message(role=Role.ROLE_USER, message_id="big", parts=[new_text_part(text)])
+        message = Message(role=Role.ROLE_USER, message_id=MESSAGE_ID, parts=[new_text_part(text)])
         a2a_body = json.dumps(
             {
                 "jsonrpc": "2.0",
@@ -409,6 +410,7 @@ class Hostile:
         ]
 
         async def post(url: str, body: bytes, sent: Mapping[str, str]) -> str:
+            body = body.replace(MESSAGE_ID.encode(), uuid.uuid4().hex.encode())  # each message its own
             response = await self.http.post(url, content=body, headers={**json_type, **sent})
             return http_outcome(response, response.text)
 
