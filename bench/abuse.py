@@ -25,6 +25,9 @@ specialists and MCP servers, the shipped policy bundle):
   - event flood: ``events`` events on ``fleet.events.globex.<source>.invoices.closed`` as a producer
     with credentials the registry issued, each starting a run through the trigger rule.
 
+Both tenants call with the operator identity's tokens (one tenant in each), as the other benchmarks
+do: a limit kept per principal rather than per tenant counts them together.
+
 What each attack got back is counted by outcome (HTTP status and the body's error code, JSON-RPC
 code, tool error code, exception type), never by expected names: a refusal (413, 429, ...) is an
 outcome like any other. Postgres connection refusals: the ``too many clients`` / reserved-slot lines
