@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import (
+    abuse,
     batch,
     bus,
     checkpoint_overhead,
@@ -74,6 +75,7 @@ BENCHMARKS = {
     "telemetry": telemetry.main,
     "scaling": scaling.main,
     "bus": bus.main,
+    "abuse": abuse.main,
 }
 
 
@@ -194,6 +196,7 @@ def write_doc(results: dict[str, Any]) -> None:
         f"of {token['reach_tries']} tries | | <= {token['reach_target_s']:.0f} s ({'meets' if reach_ok else 'MISSES'}) |\n"
         + (scaling.summary_row(results["scaling"]) + "\n" if "scaling" in results else "")
         + (bus.summary_row(results["bus"]) + "\n" if "bus" in results else "")
+        + (abuse.summary_row(results["abuse"]) + "\n" if "abuse" in results else "")
         + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
@@ -367,6 +370,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + _telemetry(results.get("telemetry"))
         + (scaling.section(results["scaling"]) if "scaling" in results else "")
         + (bus.section(results["bus"]) if "bus" in results else "")
+        + (abuse.section(results["abuse"]) if "abuse" in results else "")
     )
 
 
