@@ -51,6 +51,10 @@ class ErrorCode(StrEnum):
     APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
     APPROVAL_MISMATCH = "approval_mismatch"
     APPROVAL_REPLAYED = "approval_replayed"
+    # The SQL tool: a statement that calls a function or reads a relation outside what a tenant's
+    # query may reach; a result (or one row of it) larger than the byte cap.
+    SQL_REFUSED = "sql_refused"
+    RESULT_TOO_LARGE = "result_too_large"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -89,6 +93,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
     ErrorCode.APPROVAL_MISMATCH: 403,
     ErrorCode.APPROVAL_REPLAYED: 409,
+    ErrorCode.SQL_REFUSED: 403,
+    ErrorCode.RESULT_TOO_LARGE: 413,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -25,6 +25,7 @@ TENANTS_GROUP = "fleet_sql_tenants"  # every tenant login role is a member; gran
 LEGACY_READER_ROLE = "fleet_sql_reader"  # the shared reader of earlier versions: stripped of grants
 OWNER_SETTING = "fleet.tenant"  # used by the owner's own fixed statements (seeding), never by tools
 WRITE_STATUS_PENDING = "pending"
+RESULT_TOO_LARGE_SQLSTATE = "54F13"  # fleet_sql.result_bytes: a query's result passed the byte cap
 
 SCHEMA_SQL = f"""
 CREATE SCHEMA IF NOT EXISTS tenant_data;
@@ -115,11 +116,39 @@ CREATE TABLE IF NOT EXISTS tenant_data.payments (
     paid_on         date        NOT NULL
 );
 CREATE INDEX IF NOT EXISTS payments_tenant_invoice ON tenant_data.payments (tenant_id, invoice_number);
--- No temporary tables: a statement must not leave objects that shadow tenant_data for later calls.
+-- Temporary objects for the tenant roles only, and only for the guard's function (mcp_servers.sql._guard):
+-- the query tool declares a cursor (no DDL), the execute tool's statement must be a DML (else its
+-- transaction rolls back), and DISCARD ALL drops what a session made before its connection is reused.
 DO $$
 BEGIN
     EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+    EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO {TENANTS_GROUP}', current_database());
 END $$;
+
+-- The byte cap of the query tool: each row of a result passes through here (see server.capped) with
+-- its bytes; the running count lives in a transaction-local setting (a statement cannot set it: the
+-- guard refuses set_config). The row that would take the count past p_cap stops the statement before
+-- it is sent. DETAIL: rows within the cap, their bytes, the bytes of the refused row.
+CREATE OR REPLACE FUNCTION fleet_sql.result_bytes(p_row_bytes bigint, p_cap bigint) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    state text := pg_catalog.current_setting('fleet_sql.result', true);
+    n_rows bigint := 0;
+    n_bytes bigint := 0;
+BEGIN
+    IF state IS NOT NULL AND state <> '' THEN
+        n_rows := pg_catalog.split_part(state, ' ', 1)::bigint;
+        n_bytes := pg_catalog.split_part(state, ' ', 2)::bigint;
+    END IF;
+    IF n_bytes + p_row_bytes > p_cap THEN
+        RAISE EXCEPTION 'result_too_large' USING ERRCODE = '{RESULT_TOO_LARGE_SQLSTATE}',
+            DETAIL = pg_catalog.format('%s %s %s', n_rows, n_bytes, p_row_bytes);
+    END IF;
+    PERFORM pg_catalog.set_config('fleet_sql.result', (n_rows + 1)::text || ' ' || (n_bytes + p_row_bytes)::text, true);
+    RETURN n_bytes + p_row_bytes;
+END $fn$;
+REVOKE ALL ON FUNCTION fleet_sql.result_bytes(bigint, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION fleet_sql.result_bytes(bigint, bigint) TO {TENANTS_GROUP};
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{LEGACY_READER_ROLE}') THEN

@@ -33,6 +33,7 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 from starlette.applications import Starlette
 
+from fleet.errors import ErrorCode
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -43,7 +44,9 @@ from mcp_servers._base import (
     tool_server_app,
 )
 from mcp_servers._pg import discard_session_state, pg_message
+from mcp_servers.sql._guard import StatementRefused, check_statement, trimmed
 from mcp_servers.sql._schema import (
+    RESULT_TOO_LARGE_SQLSTATE,
     ensure_schema,
     ensure_tenant_role,
     expose_table,
@@ -76,6 +79,11 @@ class SqlServerSettings(ServiceSettings):
     )
     sql_connections_per_tenant: int = 4
     sql_max_tenant_pools: int = 64
+    sql_max_result_bytes: int = Field(
+        default=1_048_576,
+        ge=1,
+        description="bytes of a query's rows (their text form) that the query tool returns at most",
+    )
 
 
 class QueryResult(TypedDict):
@@ -105,6 +113,29 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.hex()
     return value
+
+
+def capped(statement: str, cap: int) -> str:
+    """``statement`` (one SELECT, see ``_guard``) inside a SELECT that passes each of its rows through
+    ``fleet_sql.result_bytes``, which stops the statement at the row that would take the result past
+    ``cap`` bytes, before that row is sent; its running count is the last column. A row's bytes are
+    those of its text form (what the cursor sends), or of its stored form when that alone passes the
+    cap: a giant value is refused without being turned into text."""
+    row, cap_sql = "fleet_q", str(int(cap))
+    size = (
+        f"CASE WHEN pg_catalog.pg_column_size({row}) > {cap_sql} THEN pg_catalog.pg_column_size({row})"
+        f" ELSE pg_catalog.octet_length({row}::pg_catalog.text) END"
+    )
+    return (
+        f"SELECT {row}.*, fleet_sql.result_bytes({size}, {cap_sql})"
+        f" FROM (SELECT * FROM ({statement}\n) AS fleet_r OFFSET 0) AS {row}"
+    )
+
+
+def _result_detail(exc: psycopg.Error) -> tuple[str, str, str]:
+    """Rows and bytes within the cap, and the bytes of the row past it (``fleet_sql.result_bytes``)."""
+    rows, kept, row_bytes, *_ = (exc.diag.message_detail or "").split() + ["?", "?", "?"]
+    return rows, kept, row_bytes
 
 
 def statement_hash(statement: str) -> str:
@@ -197,15 +228,20 @@ class SqlTools:
         self._pools = pools
         self._settings = settings
 
-    async def query(self, tenant: str, statement: str) -> QueryResult:
+    async def query(self, tenant: str, statement: str, caller: str = "") -> QueryResult:
         """Run one SELECT for ``tenant``.
 
-        The statement runs through a server-side cursor (``DECLARE ... CURSOR FOR``), which accepts
-        exactly one SELECT or VALUES: no second statement, no COMMIT, no SET, no write. Only
-        ``max_rows + 1`` rows ever leave the server.
+        The statement passes the guard (``_guard``: only allowed functions and relations), then runs
+        through a server-side cursor (``DECLARE ... CURSOR FOR``), which accepts exactly one SELECT or
+        VALUES: no second statement, no COMMIT, no SET, no write. Only ``max_rows + 1`` rows ever
+        leave the server, and no row that takes the result past ``sql_max_result_bytes``: the
+        statement is wrapped so that Postgres counts each row's bytes before sending it and stops at
+        the row that would pass the cap (``fleet_sql.result_bytes``).
         """
+        statement = trimmed(statement)
         async with self._pools.connection(tenant) as conn, conn.transaction():
-            await conn.execute("SET TRANSACTION READ ONLY")
+            # Read-write only while the guard creates (and rolls back) its temporary function.
+            await conn.execute("SET TRANSACTION READ WRITE")
             # A cursor is planned for its first 10% of rows by default (cursor_tuple_fraction): a
             # fast-start plan that may walk a large table in the order asked for, filtering every
             # row by tenant. The tool reads the whole answer (to max_rows), so plan for all of it.
@@ -213,22 +249,62 @@ class SqlTools:
                 "SELECT set_config('statement_timeout', %s, true), set_config('cursor_tuple_fraction', '1.0', true)",
                 (str(self._settings.statement_timeout_ms),),
             )
+            await self._guard(conn, tenant, caller, statement)
+            await conn.execute("SET TRANSACTION READ ONLY")
             async with conn.cursor(name="fleet_query") as cursor:
                 try:
-                    await cursor.execute(statement)
+                    await cursor.execute(capped(statement, self._settings.sql_max_result_bytes))
                     rows = await cursor.fetchmany(self._settings.max_rows + 1)
                 except psycopg.Error as exc:
-                    raise ToolError(
-                        f"[invalid_request] the database refused the query: {pg_message(exc)}"
-                    ) from exc
-                columns = [column.name for column in cursor.description or []]
+                    raise self._refusal(exc, tenant, caller) from exc
+                columns = [column.name for column in cursor.description or []][:-1]
         truncated = len(rows) > self._settings.max_rows
         rows = rows[: self._settings.max_rows]
         return QueryResult(
             columns=columns,
-            rows=[[_jsonable(v) for v in row] for row in rows],
+            rows=[[_jsonable(v) for v in row[:-1]] for row in rows],
             row_count=len(rows),
             truncated=truncated,
+        )
+
+    async def _guard(
+        self, conn: psycopg.AsyncConnection[Any], tenant: str, caller: str, statement: str
+    ) -> None:
+        """Refuse ``statement`` (``sql_refused``) if it calls a function or reads a relation that a
+        tenant's statement may not (see ``_guard``)."""
+        try:
+            await check_statement(conn, statement)
+        except StatementRefused as exc:
+            log.warning("sql_refused tenant=%s caller=%s uses=%s", tenant, caller or "-", exc)
+            raise ToolError(
+                f"[{ErrorCode.SQL_REFUSED}] the statement uses {exc}, which the SQL tool does not allow;"
+                " it may call the built-in functions that compute on values, and read tenant_data"
+                " and information_schema"
+            ) from exc
+        except psycopg.Error as exc:
+            raise ToolError(
+                f"[{ErrorCode.INVALID_REQUEST}] the database refused the statement: {pg_message(exc)}"
+            ) from exc
+
+    def _refusal(self, exc: psycopg.Error, tenant: str, caller: str) -> ToolError:
+        """The tool's answer to a query the database stopped."""
+        if exc.sqlstate != RESULT_TOO_LARGE_SQLSTATE:
+            return ToolError(f"[invalid_request] the database refused the query: {pg_message(exc)}")
+        cap = self._settings.sql_max_result_bytes
+        rows, kept, row_bytes = _result_detail(exc)
+        log.warning(
+            "result_too_large tenant=%s caller=%s cap=%d rows_within_cap=%s bytes_within_cap=%s next_row=%s",
+            tenant,
+            caller or "-",
+            cap,
+            rows,
+            kept,
+            row_bytes,
+        )
+        return ToolError(
+            f"[{ErrorCode.RESULT_TOO_LARGE}] the result is larger than the {cap} bytes the SQL tool returns:"
+            f" {rows} rows ({kept} bytes) fit, the next row has {row_bytes} bytes; select fewer rows or"
+            " columns, shorten long values, or aggregate"
         )
 
     async def execute(self, tenant: str, statement: str, key: str, caller: str) -> WriteResult:
@@ -250,6 +326,7 @@ class SqlTools:
                     "SELECT set_config('statement_timeout', %s, true)",
                     (str(self._settings.statement_timeout_ms),),
                 )
+                await self._guard(conn, tenant, caller, statement)
                 claim = await (
                     await conn.execute(
                         "SELECT status, statement_hash, row_count FROM fleet_sql.claim_write(%s, %s, %s)",
@@ -314,7 +391,7 @@ def build_server(
     async def query(sql: str) -> QueryResult:
         """Run one read-only SELECT over your tenant's data (tables tenant_data.invoices, tenant_data.payments)."""
         claims = await gate.allow("query", {"sql_length": len(sql)})
-        return await tools.query(claims.tenant, sql)
+        return await tools.query(claims.tenant, sql, claims.sub)
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def execute(sql: str, idempotency_key: str) -> WriteResult:
