@@ -94,9 +94,7 @@ FUNCTION_KEYS = (
 OPERATOR_KEYS = ("opno", "eqop", "sortop")
 RELATION_KEYS = ("relid", "resorigtbl")
 
-_CREATE = sql.SQL(
-    "CREATE FUNCTION pg_temp.fleet_guard() RETURNS void LANGUAGE sql BEGIN ATOMIC {}\n; END"
-)
+_CREATE = sql.SQL("CREATE FUNCTION pg_temp.fleet_guard() RETURNS void LANGUAGE sql BEGIN ATOMIC {}\n; END")
 _REFUSED = """
 WITH body AS (
     SELECT prosqlbody::pg_catalog.text AS tree FROM pg_catalog.pg_proc
@@ -151,7 +149,7 @@ async def refused_objects(conn: psycopg.AsyncConnection[Any], statement: str) ->
     async with conn.transaction(force_rollback=True):
         cursor = conn.cursor()
         # binary: the extended protocol, which refuses a second statement
-        await cursor.execute(_CREATE.format(sql.SQL(statement)), binary=True)  # type: ignore[arg-type]
+        await cursor.execute(_CREATE.format(sql.SQL(statement)), binary=True)
         await cursor.execute(
             _REFUSED,
             {

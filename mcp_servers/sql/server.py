@@ -134,7 +134,7 @@ def capped(statement: str, cap: int) -> str:
 
 def _result_detail(exc: psycopg.Error) -> tuple[str, str, str]:
     """Rows and bytes within the cap, and the bytes of the row past it (``fleet_sql.result_bytes``)."""
-    rows, kept, row_bytes, *_ = (exc.diag.message_detail or "").split() + ["?", "?", "?"]
+    rows, kept, row_bytes, *_ = [*(exc.diag.message_detail or "").split(), "?", "?", "?"]
     return rows, kept, row_bytes
 
 
