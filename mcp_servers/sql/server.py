@@ -63,6 +63,7 @@ TOOLS = {"query": ["sql:query"], "execute": ["sql:write"], "write_status": ["sql
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
 _FIRST_WORD = re.compile(r"^(?:\s+|--[^\n]*\n?|/\*.*?\*/|\()*([A-Za-z]+)", re.DOTALL)
 _INVALID_PASSWORD = "28P01"
+MAX_REASON_CHARS = 500
 
 
 class SqlServerSettings(ServiceSettings):
@@ -130,6 +131,12 @@ def capped(statement: str, cap: int) -> str:
         f"SELECT {row}.*, fleet_sql.result_bytes({size}, {cap_sql})"
         f" FROM (SELECT * FROM ({statement}\n) AS fleet_r OFFSET 0) AS {row}"
     )
+
+
+def _reason(exc: psycopg.Error) -> str:
+    """Postgres's reason, cut to ``MAX_REASON_CHARS``: some quote a whole value (an invalid cast)."""
+    reason = pg_message(exc)
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
 
 
 def _result_detail(exc: psycopg.Error) -> tuple[str, str, str]:
@@ -283,13 +290,13 @@ class SqlTools:
             ) from exc
         except psycopg.Error as exc:
             raise ToolError(
-                f"[{ErrorCode.INVALID_REQUEST}] the database refused the statement: {pg_message(exc)}"
+                f"[{ErrorCode.INVALID_REQUEST}] the database refused the statement: {_reason(exc)}"
             ) from exc
 
     def _refusal(self, exc: psycopg.Error, tenant: str, caller: str) -> ToolError:
         """The tool's answer to a query the database stopped."""
         if exc.sqlstate != RESULT_TOO_LARGE_SQLSTATE:
-            return ToolError(f"[invalid_request] the database refused the query: {pg_message(exc)}")
+            return ToolError(f"[invalid_request] the database refused the query: {_reason(exc)}")
         cap = self._settings.sql_max_result_bytes
         rows, kept, row_bytes = _result_detail(exc)
         log.warning(
@@ -346,7 +353,7 @@ class SqlTools:
                     await cursor.execute(statement, binary=True)
                 except psycopg.Error as exc:
                     raise ToolError(
-                        f"[invalid_request] the database refused the statement: {pg_message(exc)}"
+                        f"[invalid_request] the database refused the statement: {_reason(exc)}"
                     ) from exc
                 tag = (cursor.statusmessage or "").split(" ", 1)[0]
                 if tag not in WRITE_TAGS:
@@ -354,7 +361,7 @@ class SqlTools:
                 rows = max(cursor.rowcount, 0)
                 await conn.execute("SELECT fleet_sql.finish_write(%s, %s)", (key, rows))
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] the write did not happen: {pg_message(exc)}") from exc
+            raise ToolError(f"[tool_failed] the write did not happen: {_reason(exc)}") from exc
         return WriteResult(idempotency_key=key, row_count=rows, replayed=False)
 
     async def write_status(self, tenant: str, key: str) -> WriteStatus:
