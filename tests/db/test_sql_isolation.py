@@ -443,3 +443,12 @@ async def test_many_moderate_rows_are_refused_at_the_cap(capped_tools: SqlTools)
     # The rows cap still applies below the byte cap.
     small = await capped_tools.query("acme", "SELECT g FROM generate_series(1, 600) g")
     assert small["row_count"] == 500 and small["truncated"]
+
+
+async def test_an_error_that_quotes_a_long_value_is_cut_in_the_answer(tools: SqlTools) -> None:
+    with pytest.raises(ToolError, match="invalid_request") as refused:
+        await tools.query("acme", "SELECT repeat('x', 100000)::int")
+    assert len(str(refused.value)) < 1000
+    # Settings that name the server's files stay Postgres's to refuse (tenant roles cannot read them).
+    with pytest.raises(ToolError, match="permission denied to examine"):
+        await tools.query("acme", "SELECT current_setting('data_directory')")
