@@ -28,6 +28,7 @@ from typing import Any, TypedDict
 import psycopg
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
@@ -116,21 +117,22 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def capped(statement: str, cap: int) -> str:
-    """``statement`` (one SELECT, see ``_guard``) inside a SELECT that passes each of its rows through
-    ``fleet_sql.result_bytes``, which stops the statement at the row that would take the result past
-    ``cap`` bytes, before that row is sent; its running count is the last column. A row's bytes are
-    those of its text form (what the cursor sends), or of its stored form when that alone passes the
-    cap: a giant value is refused without being turned into text."""
-    row, cap_sql = "fleet_q", str(int(cap))
-    size = (
-        f"CASE WHEN pg_catalog.pg_column_size({row}) > {cap_sql} THEN pg_catalog.pg_column_size({row})"
-        f" ELSE pg_catalog.octet_length({row}::pg_catalog.text) END"
+async def _describe(conn: psycopg.AsyncConnection[Any], statement: str) -> tuple[list[str], list[str]]:
+    """The names and types (as Postgres writes them) of ``statement``'s columns, planned but not run."""
+    await conn.execute("SELECT fleet_sql.describe_query(%s)", (statement,))
+    cursor = await conn.execute('FETCH ALL FROM "fleet_describe"')
+    result = cursor.pgresult
+    assert result is not None
+    names = [column.name for column in cursor.description or []]
+    oids = [result.ftype(i) for i in range(result.nfields)]
+    modifiers = [result.fmod(i) for i in range(result.nfields)]
+    await conn.execute('CLOSE "fleet_describe"')
+    types = await conn.execute(
+        "SELECT pg_catalog.format_type(t, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY AS c(t, m, i)"
+        " ORDER BY i",
+        (oids, modifiers),
     )
-    return (
-        f"SELECT {row}.*, fleet_sql.result_bytes({size}, {cap_sql})"
-        f" FROM (SELECT * FROM ({statement}\n) AS fleet_r OFFSET 0) AS {row}"
-    )
+    return names, [str(row[0]) for row in await types.fetchall()]
 
 
 def _reason(exc: psycopg.Error) -> str:
@@ -140,7 +142,7 @@ def _reason(exc: psycopg.Error) -> str:
 
 
 def _result_detail(exc: psycopg.Error) -> tuple[str, str, str]:
-    """Rows and bytes within the cap, and the bytes of the row past it (``fleet_sql.result_bytes``)."""
+    """Rows and bytes within the cap, and the bytes of the row past it (``fleet_sql.query_rows``)."""
     rows, kept, row_bytes, *_ = [*(exc.diag.message_detail or "").split(), "?", "?", "?"]
     return rows, kept, row_bytes
 
@@ -236,40 +238,62 @@ class SqlTools:
         self._settings = settings
 
     async def query(self, tenant: str, statement: str, caller: str = "") -> QueryResult:
-        """Run one SELECT for ``tenant``.
+        """Run one SELECT (or VALUES) for ``tenant``.
 
-        The statement passes the guard (``_guard``: only allowed functions and relations), then runs
-        through a server-side cursor (``DECLARE ... CURSOR FOR``), which accepts exactly one SELECT or
-        VALUES: no second statement, no COMMIT, no SET, no write. Only ``max_rows + 1`` rows ever
-        leave the server, and no row that takes the result past ``sql_max_result_bytes``: the
-        statement is wrapped so that Postgres counts each row's bytes before sending it and stops at
-        the row that would pass the cap (``fleet_sql.result_bytes``).
+        The statement passes the guard (``_guard``: only allowed functions and relations), then runs in
+        a read-only transaction through ``fleet_sql.describe_query`` (its columns: it must fit in
+        ``SELECT * FROM (...)``, so one SELECT or VALUES) and ``fleet_sql.query_rows`` (its rows: at
+        most ``max_rows + 1``, and no row that takes the result past ``sql_max_result_bytes``, counted
+        by Postgres before the row is sent). Both run the statement inside a handler that cuts an
+        error's reason, so no error quotes a long value back either.
         """
         statement = trimmed(statement)
         async with self._pools.connection(tenant) as conn, conn.transaction():
             # Read-write only while the guard creates (and rolls back) its temporary function.
             await conn.execute("SET TRANSACTION READ WRITE")
-            # A cursor is planned for its first 10% of rows by default (cursor_tuple_fraction): a
-            # fast-start plan that may walk a large table in the order asked for, filtering every
-            # row by tenant. The tool reads the whole answer (to max_rows), so plan for all of it.
             await conn.execute(
-                "SELECT set_config('statement_timeout', %s, true), set_config('cursor_tuple_fraction', '1.0', true)",
+                "SELECT set_config('statement_timeout', %s, true)",
                 (str(self._settings.statement_timeout_ms),),
             )
             await self._guard(conn, tenant, caller, statement)
             await conn.execute("SET TRANSACTION READ ONLY")
-            async with conn.cursor(name="fleet_query") as cursor:
-                try:
-                    await cursor.execute(capped(statement, self._settings.sql_max_result_bytes))
-                    rows = await cursor.fetchmany(self._settings.max_rows + 1)
-                except psycopg.Error as exc:
-                    raise self._refusal(exc, tenant, caller) from exc
-                columns = [column.name for column in cursor.description or []][:-1]
+            try:
+                columns, types = await _describe(conn, statement)
+                if not columns:
+                    raise ToolError(f"[{ErrorCode.INVALID_REQUEST}] a query must return at least one column")
+                # Each column as the type the description names (a domain's base type, as the protocol
+                # describes it), under a name of ours (the statement's may repeat).
+                names = [sql.Identifier(f"c{i}") for i in range(len(columns))]
+                typed = [
+                    sql.SQL("{} {}").format(name, sql.SQL(kind))
+                    for name, kind in zip(names, types, strict=True)
+                ]
+                rows_of = sql.SQL("SELECT {} FROM ({}\n) AS fleet_r ({})").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("{}::{}").format(name, sql.SQL(kind))
+                        for name, kind in zip(names, types, strict=True)
+                    ),
+                    sql.SQL(statement),
+                    sql.SQL(", ").join(names),
+                )
+                cursor = await conn.execute(
+                    sql.SQL("SELECT * FROM fleet_sql.query_rows(%s, %s, %s) AS fleet_q ({})").format(
+                        sql.SQL(", ").join(typed)
+                    ),
+                    (
+                        rows_of.as_string(conn),
+                        self._settings.max_rows + 1,
+                        self._settings.sql_max_result_bytes,
+                    ),
+                )
+                rows = await cursor.fetchall()
+            except psycopg.Error as exc:
+                raise self._refusal(exc, tenant, caller) from exc
         truncated = len(rows) > self._settings.max_rows
         rows = rows[: self._settings.max_rows]
         return QueryResult(
             columns=columns,
-            rows=[[_jsonable(v) for v in row[:-1]] for row in rows],
+            rows=[[_jsonable(v) for v in row] for row in rows],
             row_count=len(rows),
             truncated=truncated,
         )

@@ -275,7 +275,7 @@ REACHING_OUT = {
     "pg_relation_size": "SELECT pg_relation_size('tenant_data.invoices')",
     "inet_server_addr": "SELECT inet_server_addr()",
     "session_tenant": "SELECT fleet_sql.session_tenant()",
-    "result_bytes": "SELECT fleet_sql.result_bytes(-1000000000, 1)",
+    "query_rows": "SELECT * FROM fleet_sql.query_rows('SELECT pg_notify(''a'', ''b'')', 1, 1) AS q (a text)",
     "pg_stat_user_tables": "SELECT relname, n_live_tup FROM pg_stat_user_tables",
     "pg_class": "SELECT relname, reltuples FROM pg_catalog.pg_class",
     "pg_locks": "SELECT * FROM pg_locks",
