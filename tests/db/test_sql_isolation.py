@@ -405,29 +405,50 @@ async def capped_tools(pg_dsn: str) -> AsyncIterator[SqlTools]:
         await pools.aclose()
 
 
+class PeakGrowth:
+    """The peak resident memory of this process above what it was on entry, sampled every 5 ms.
+    The tools run in this process: it stands for the server process."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._done = threading.Event()
+        self._baseline = self._peak = 0
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def __enter__(self) -> PeakGrowth:
+        self._baseline = self._peak = self._process.memory_info().rss
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._sampler.join(timeout=10)
+
+    @property
+    def mib(self) -> int:
+        return (self._peak - self._baseline) >> 20
+
+
 async def test_a_giant_value_is_refused_before_it_reaches_the_tool_process(capped_tools: SqlTools) -> None:
-    """The tools run in this process: its resident memory must not grow by the value's size."""
     await capped_tools.query("acme", "SELECT 1")  # the pool and its connection exist before measuring
-    process = psutil.Process()
-    baseline = process.memory_info().rss
-    peak = baseline
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(0.005):
-            peak = max(peak, process.memory_info().rss)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        with pytest.raises(ToolError, match=r"\[result_too_large\]") as refused:
-            await capped_tools.query("acme", "SELECT repeat('x', 200000000) AS big")
-    finally:
-        done.set()
-        sampler.join(timeout=10)
+    with PeakGrowth() as growth, pytest.raises(ToolError, match=r"\[result_too_large\]") as refused:
+        await capped_tools.query("acme", "SELECT repeat('x', 200000000) AS big")
     assert "65536 bytes" in str(refused.value) and "0 rows" in str(refused.value)
-    assert peak - baseline < 50 * 1024 * 1024, f"the tool process grew by {(peak - baseline) >> 20} MiB"
+    assert growth.mib < 50, f"the tool process grew by {growth.mib} MiB"
+
+
+async def test_an_error_that_quotes_a_giant_value_does_not_reach_the_tool_process(
+    capped_tools: SqlTools,
+) -> None:
+    await capped_tools.query("acme", "SELECT 1")
+    with PeakGrowth() as growth, pytest.raises(ToolError, match="invalid input syntax") as refused:
+        await capped_tools.query("acme", "SELECT repeat('x', 50000000)::int")
+    assert len(str(refused.value)) < 1000
+    assert growth.mib < 50, f"the tool process grew by {growth.mib} MiB"
 
 
 async def test_many_moderate_rows_are_refused_at_the_cap(capped_tools: SqlTools) -> None:
