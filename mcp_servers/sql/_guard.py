@@ -9,8 +9,7 @@ pose as a reference). One query reads the references out and returns the ones no
 
 - functions: those of ``pg_catalog`` that are immutable or stable, except :data:`DENIED` (stable ones
   that reach outside the statement), plus :data:`ALLOWED_VOLATILE`. Everything else is refused:
-  ``pg_notify``, ``pg_advisory_*``, ``pg_logical_emit_message``, ``set_config``, ``pg_sleep``,
-  ``nextval``, ``lo_*``, ``pg_read_*``, ``pg_ls_*``, ``query_to_xml`` and every function outside
+  ``pg_notify``, ``pg_advisory_*``, ``pg_logical_emit_message``, ``set_config``, ``nextval``, ``lo_*``, ``pg_read_*``, ``pg_ls_*``, ``query_to_xml`` and every function outside
   ``pg_catalog`` (``dblink``, the service's own ``fleet_sql`` functions).
 - relations: those of :data:`ALLOWED_SCHEMAS`; every table and view of ``pg_catalog`` (``pg_class``
   with its ``reltuples``, ``pg_stat_*``, ``pg_statio_*``, ``pg_locks``, ``pg_settings``, ``pg_roles``)
@@ -61,8 +60,12 @@ DENIED = (
 # Name patterns with the same reasons: every pg_stat_get_* counter, and the *_to_xml functions that
 # read a table, a schema or the whole database.
 DENIED_PATTERN = r"^pg_stat|_to_xml"
-# Volatile functions of pg_catalog a query may call: random values, the clock, TABLESAMPLE methods.
+# Volatile functions of pg_catalog a query may call: random values, the clock, TABLESAMPLE methods, and
+# sleeping, which the statement timeout stops (a statement cannot change it: set_config is refused).
 ALLOWED_VOLATILE = (
+    "pg_sleep",
+    "pg_sleep_for",
+    "pg_sleep_until",
     "random",
     "random_normal",
     "setseed",

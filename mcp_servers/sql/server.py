@@ -127,9 +127,13 @@ async def _describe(conn: psycopg.AsyncConnection[Any], statement: str) -> tuple
     oids = [result.ftype(i) for i in range(result.nfields)]
     modifiers = [result.fmod(i) for i in range(result.nfields)]
     await conn.execute('CLOSE "fleet_describe"')
+    # A pseudo-type other than record (void, from a function that returns nothing) cannot be a column
+    # of the result: its text form (what the cursor sent before) stands in.
     types = await conn.execute(
-        "SELECT pg_catalog.format_type(t, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY AS c(t, m, i)"
-        " ORDER BY i",
+        "SELECT CASE WHEN y.typtype = 'p' AND y.oid <> 'pg_catalog.record'::pg_catalog.regtype"
+        " THEN 'text' ELSE pg_catalog.format_type(c.t, c.m) END"
+        " FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY AS c(t, m, i)"
+        " JOIN pg_catalog.pg_type y ON y.oid = c.t ORDER BY c.i",
         (oids, modifiers),
     )
     return names, [str(row[0]) for row in await types.fetchall()]
