@@ -3,8 +3,11 @@ tenant to its own rows whatever statement arrives.
 
 - Each call runs on a connection that logged in as the caller's tenant role (see ``_schema``), taken
   from the verified token only. Row-level security keys on that login, which no statement can change.
-- ``query``: one SELECT (or VALUES) through a server-side cursor, in a read-only transaction with a
-  statement timeout; at most ``max_rows`` rows leave the server.
+- Every statement first passes the guard (``_guard``): functions and relations outside an allow-list
+  are refused (``sql_refused``) before anything runs.
+- ``query``: one SELECT (or VALUES), in a read-only transaction with a statement timeout, run by
+  ``fleet_sql.query_rows``: at most ``max_rows`` rows and ``sql_max_result_bytes`` bytes leave the
+  server (``result_too_large`` past that), and no error quotes more than 500 characters.
 - ``execute``: one INSERT, UPDATE, DELETE or MERGE on a table listed in ``writable_tables`` (none by
   default), under an idempotency key recorded in the same transaction (``fleet_sql.writes``): the same
   key runs the statement at most once, and ``write_status`` answers what it did.
