@@ -60,6 +60,10 @@ class ErrorCode(StrEnum):
     FETCH_REFUSED = "fetch_refused"
     FETCH_TOO_LARGE = "fetch_too_large"
     FETCH_TIMEOUT = "fetch_timeout"
+    # The SQL tool: a statement that calls a function or reads a relation outside what a tenant's
+    # query may reach; a result (or one row of it) larger than the byte cap.
+    SQL_REFUSED = "sql_refused"
+    RESULT_TOO_LARGE = "result_too_large"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -102,6 +106,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FETCH_REFUSED: 400,
     ErrorCode.FETCH_TOO_LARGE: 502,
     ErrorCode.FETCH_TIMEOUT: 504,
+    ErrorCode.SQL_REFUSED: 403,
+    ErrorCode.RESULT_TOO_LARGE: 413,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -95,6 +95,11 @@ class ServiceSettings(BaseSettings):
     tls_cert_file: Path | None = Field(default=None, description="serve HTTPS with this certificate (PEM)")
     tls_key_file: Path | None = Field(default=None, description="and this key (PEM)")
     pg_dsn: str = ""
+    mcp_max_result_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1,
+        description="an MCP server's: the bytes of one tool result (as JSON) it answers at most",
+    )
     enrollment_token: str = ""
     operator_jwk_file: Path | None = Field(
         default=None, description="the operator's public key: the root of trust of every verifier"

@@ -18,7 +18,7 @@ from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
+from mcp.types import CallToolResult, InputRequiredResult, TextContent, ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from opentelemetry import trace
@@ -568,9 +568,12 @@ class TracedMCPServer(MCPServer):
     caller's span its request's ``traceparent`` names) and a sample of the tool latency histogram,
     by tool and outcome (``ok``; ``error``: an error answer or a refusal of the gate)."""
 
-    def __init__(self, name: str, server_id: str, **kwargs: Any) -> None:
+    def __init__(self, name: str, server_id: str, max_result_bytes: int | None = None, **kwargs: Any) -> None:
+        """``max_result_bytes``: a tool result larger than this (as JSON) is answered with a
+        ``result_too_large`` error instead (None: no cap)."""
         super().__init__(name, **kwargs)
         self.server_id = server_id
+        self.max_result_bytes = max_result_bytes
 
     async def call_tool(
         self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
@@ -589,7 +592,7 @@ class TracedMCPServer(MCPServer):
         )
         try:
             with span as current:
-                result = await super().call_tool(name, arguments, context)
+                result = self._capped(name, await super().call_tool(name, arguments, context), claims)
                 if isinstance(result, CallToolResult) and result.is_error:
                     current.set_attribute("error.type", "tool_error")
                     current.set_status(Status(StatusCode.ERROR))
@@ -601,6 +604,30 @@ class TracedMCPServer(MCPServer):
             telemetry.TOOL_CALL_SECONDS.labels(self.server_id, tool, outcome).observe(
                 time.perf_counter() - started
             )
+
+    def _capped(
+        self, name: str, result: CallToolResult | InputRequiredResult, claims: Claims | None
+    ) -> CallToolResult | InputRequiredResult:
+        """``result``, or a ``result_too_large`` error when it is larger than ``max_result_bytes``."""
+        if self.max_result_bytes is None or not isinstance(result, CallToolResult) or result.is_error:
+            return result
+        size = len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+        if size <= self.max_result_bytes:
+            return result
+        log.warning(
+            "result_too_large server=%s tool=%s sub=%s tenant=%s bytes=%d cap=%d",
+            self.server_id,
+            name,
+            claims.sub if claims else "-",
+            claims.tenant if claims else "-",
+            size,
+            self.max_result_bytes,
+        )
+        text = (
+            f"[{ErrorCode.RESULT_TOO_LARGE}] the result of {name} has {size} bytes, more than the"
+            f" {self.max_result_bytes} this server answers; ask for less"
+        )
+        return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
 
 
 def _in_a_span() -> bool:
@@ -632,10 +659,12 @@ def fleet_mcp_server(
     name: str, settings: ServiceSettings, registry: RegistryClient, instructions: str | None = None
 ) -> MCPServer:
     """An MCP server that verifies every request's token (addressed to this service, keys from the
-    registry's JWKS) before any tool runs, and traces and times every tool call."""
+    registry's JWKS) before any tool runs, traces and times every tool call, and answers a tool result
+    larger than ``settings.mcp_max_result_bytes`` with ``result_too_large``."""
     return TracedMCPServer(
         name,
         settings.service_id,
+        max_result_bytes=settings.mcp_max_result_bytes,
         instructions=instructions,
         token_verifier=RegistryTokenVerifier(registry, settings.service_id),
         auth=auth_settings(settings),

@@ -25,6 +25,7 @@ TENANTS_GROUP = "fleet_sql_tenants"  # every tenant login role is a member; gran
 LEGACY_READER_ROLE = "fleet_sql_reader"  # the shared reader of earlier versions: stripped of grants
 OWNER_SETTING = "fleet.tenant"  # used by the owner's own fixed statements (seeding), never by tools
 WRITE_STATUS_PENDING = "pending"
+RESULT_TOO_LARGE_SQLSTATE = "54F13"  # fleet_sql.query_rows: a query's result passed the byte cap
 
 SCHEMA_SQL = f"""
 CREATE SCHEMA IF NOT EXISTS tenant_data;
@@ -115,11 +116,66 @@ CREATE TABLE IF NOT EXISTS tenant_data.payments (
     paid_on         date        NOT NULL
 );
 CREATE INDEX IF NOT EXISTS payments_tenant_invoice ON tenant_data.payments (tenant_id, invoice_number);
--- No temporary tables: a statement must not leave objects that shadow tenant_data for later calls.
+-- Temporary objects for the tenant roles only, and only for the guard's function (mcp_servers.sql._guard):
+-- the query tool declares a cursor (no DDL), the execute tool's statement must be a DML (else its
+-- transaction rolls back), and DISCARD ALL drops what a session made before its connection is reused.
 DO $$
 BEGIN
     EXECUTE format('REVOKE TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+    EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO {TENANTS_GROUP}', current_database());
 END $$;
+
+-- The query tool runs a tenant's statement only through these two (as the tenant: no SECURITY DEFINER),
+-- so that every error it raises, in planning or in running, passes a handler that cuts the reason to
+-- 500 characters before it leaves the server (an invalid cast quotes the whole value it was given).
+-- describe_query: a cursor over no rows (fleet_describe) whose description is the statement's columns.
+CREATE OR REPLACE FUNCTION fleet_sql.describe_query(p_statement text) RETURNS refcursor
+    LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    c refcursor := 'fleet_describe';
+BEGIN
+    OPEN c FOR EXECUTE 'SELECT * FROM (' || p_statement || E'\n) AS fleet_r LIMIT 0';
+    RETURN c;
+EXCEPTION WHEN OTHERS THEN
+    RAISE EXCEPTION USING ERRCODE = SQLSTATE, MESSAGE = pg_catalog.left(SQLERRM, 500);
+END $fn$;
+-- query_rows: the statement's rows, at most p_max_rows, and none that would take the result past
+-- p_cap bytes (a row counts its text form, or its stored form when that alone is past the cap): that
+-- row stops the statement with SQLSTATE {RESULT_TOO_LARGE_SQLSTATE} before it is sent. DETAIL: rows within
+-- the cap, their bytes, the bytes of the refused row.
+CREATE OR REPLACE FUNCTION fleet_sql.query_rows(p_statement text, p_max_rows integer, p_cap bigint)
+    RETURNS SETOF record LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    r record;
+    n_rows integer := 0;
+    n_bytes bigint := 0;
+    row_bytes bigint;
+BEGIN
+    FOR r IN EXECUTE p_statement LOOP
+        row_bytes := pg_catalog.pg_column_size(r);
+        IF row_bytes <= p_cap THEN
+            row_bytes := pg_catalog.octet_length(r::pg_catalog.text);
+        END IF;
+        IF n_bytes + row_bytes > p_cap THEN
+            RAISE EXCEPTION 'result_too_large' USING ERRCODE = '{RESULT_TOO_LARGE_SQLSTATE}',
+                DETAIL = pg_catalog.format('%s %s %s', n_rows, n_bytes, row_bytes);
+        END IF;
+        n_rows := n_rows + 1;
+        n_bytes := n_bytes + row_bytes;
+        RETURN NEXT r;
+        EXIT WHEN n_rows >= p_max_rows;
+    END LOOP;
+    RETURN;
+EXCEPTION WHEN OTHERS THEN
+    IF SQLSTATE = '{RESULT_TOO_LARGE_SQLSTATE}' THEN
+        RAISE;
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = SQLSTATE, MESSAGE = pg_catalog.left(SQLERRM, 500);
+END $fn$;
+REVOKE ALL ON FUNCTION fleet_sql.describe_query(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION fleet_sql.query_rows(text, integer, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION fleet_sql.describe_query(text) TO {TENANTS_GROUP};
+GRANT EXECUTE ON FUNCTION fleet_sql.query_rows(text, integer, bigint) TO {TENANTS_GROUP};
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{LEGACY_READER_ROLE}') THEN

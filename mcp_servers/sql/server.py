@@ -3,8 +3,11 @@ tenant to its own rows whatever statement arrives.
 
 - Each call runs on a connection that logged in as the caller's tenant role (see ``_schema``), taken
   from the verified token only. Row-level security keys on that login, which no statement can change.
-- ``query``: one SELECT (or VALUES) through a server-side cursor, in a read-only transaction with a
-  statement timeout; at most ``max_rows`` rows leave the server.
+- Every statement first passes the guard (``_guard``): functions and relations outside an allow-list
+  are refused (``sql_refused``) before anything runs.
+- ``query``: one SELECT (or VALUES), in a read-only transaction with a statement timeout, run by
+  ``fleet_sql.query_rows``: at most ``max_rows`` rows and ``sql_max_result_bytes`` bytes leave the
+  server (``result_too_large`` past that), and no error quotes more than 500 characters.
 - ``execute``: one INSERT, UPDATE, DELETE or MERGE on a table listed in ``writable_tables`` (none by
   default), under an idempotency key recorded in the same transaction (``fleet_sql.writes``): the same
   key runs the statement at most once, and ``write_status`` answers what it did.
@@ -28,11 +31,13 @@ from typing import Any, TypedDict
 import psycopg
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 from starlette.applications import Starlette
 
+from fleet.errors import ErrorCode
 from fleet.service import configure_logging, serve_app
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -43,7 +48,9 @@ from mcp_servers._base import (
     tool_server_app,
 )
 from mcp_servers._pg import discard_session_state, pg_message
+from mcp_servers.sql._guard import StatementRefused, check_statement, trimmed
 from mcp_servers.sql._schema import (
+    RESULT_TOO_LARGE_SQLSTATE,
     ensure_schema,
     ensure_tenant_role,
     expose_table,
@@ -60,6 +67,7 @@ TOOLS = {"query": ["sql:query"], "execute": ["sql:write"], "write_status": ["sql
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
 _FIRST_WORD = re.compile(r"^(?:\s+|--[^\n]*\n?|/\*.*?\*/|\()*([A-Za-z]+)", re.DOTALL)
 _INVALID_PASSWORD = "28P01"
+MAX_REASON_CHARS = 500
 
 
 class SqlServerSettings(ServiceSettings):
@@ -76,6 +84,11 @@ class SqlServerSettings(ServiceSettings):
     )
     sql_connections_per_tenant: int = 4
     sql_max_tenant_pools: int = 64
+    sql_max_result_bytes: int = Field(
+        default=1_048_576,
+        ge=1,
+        description="bytes of a query's rows (their text form) that the query tool returns at most",
+    )
 
 
 class QueryResult(TypedDict):
@@ -105,6 +118,40 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.hex()
     return value
+
+
+async def _describe(conn: psycopg.AsyncConnection[Any], statement: str) -> tuple[list[str], list[str]]:
+    """The names and types (as Postgres writes them) of ``statement``'s columns, planned but not run."""
+    await conn.execute("SELECT fleet_sql.describe_query(%s)", (statement,))
+    cursor = await conn.execute('FETCH ALL FROM "fleet_describe"')
+    result = cursor.pgresult
+    assert result is not None
+    names = [column.name for column in cursor.description or []]
+    oids = [result.ftype(i) for i in range(result.nfields)]
+    modifiers = [result.fmod(i) for i in range(result.nfields)]
+    await conn.execute('CLOSE "fleet_describe"')
+    # A pseudo-type other than record (void, from a function that returns nothing) cannot be a column
+    # of the result: its text form (what the cursor sent before) stands in.
+    types = await conn.execute(
+        "SELECT CASE WHEN y.typtype = 'p' AND y.oid <> 'pg_catalog.record'::pg_catalog.regtype"
+        " THEN 'text' ELSE pg_catalog.format_type(c.t, c.m) END"
+        " FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY AS c(t, m, i)"
+        " JOIN pg_catalog.pg_type y ON y.oid = c.t ORDER BY c.i",
+        (oids, modifiers),
+    )
+    return names, [str(row[0]) for row in await types.fetchall()]
+
+
+def _reason(exc: psycopg.Error) -> str:
+    """Postgres's reason, cut to ``MAX_REASON_CHARS``: some quote a whole value (an invalid cast)."""
+    reason = pg_message(exc)
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
+
+
+def _result_detail(exc: psycopg.Error) -> tuple[str, str, str]:
+    """Rows and bytes within the cap, and the bytes of the row past it (``fleet_sql.query_rows``)."""
+    rows, kept, row_bytes, *_ = [*(exc.diag.message_detail or "").split(), "?", "?", "?"]
+    return rows, kept, row_bytes
 
 
 def statement_hash(statement: str) -> str:
@@ -197,31 +244,58 @@ class SqlTools:
         self._pools = pools
         self._settings = settings
 
-    async def query(self, tenant: str, statement: str) -> QueryResult:
-        """Run one SELECT for ``tenant``.
+    async def query(self, tenant: str, statement: str, caller: str = "") -> QueryResult:
+        """Run one SELECT (or VALUES) for ``tenant``.
 
-        The statement runs through a server-side cursor (``DECLARE ... CURSOR FOR``), which accepts
-        exactly one SELECT or VALUES: no second statement, no COMMIT, no SET, no write. Only
-        ``max_rows + 1`` rows ever leave the server.
+        The statement passes the guard (``_guard``: only allowed functions and relations), then runs in
+        a read-only transaction through ``fleet_sql.describe_query`` (its columns: it must fit in
+        ``SELECT * FROM (...)``, so one SELECT or VALUES) and ``fleet_sql.query_rows`` (its rows: at
+        most ``max_rows + 1``, and no row that takes the result past ``sql_max_result_bytes``, counted
+        by Postgres before the row is sent). Both run the statement inside a handler that cuts an
+        error's reason, so no error quotes a long value back either.
         """
+        statement = trimmed(statement)
         async with self._pools.connection(tenant) as conn, conn.transaction():
-            await conn.execute("SET TRANSACTION READ ONLY")
-            # A cursor is planned for its first 10% of rows by default (cursor_tuple_fraction): a
-            # fast-start plan that may walk a large table in the order asked for, filtering every
-            # row by tenant. The tool reads the whole answer (to max_rows), so plan for all of it.
+            # Read-write only while the guard creates (and rolls back) its temporary function.
+            await conn.execute("SET TRANSACTION READ WRITE")
             await conn.execute(
-                "SELECT set_config('statement_timeout', %s, true), set_config('cursor_tuple_fraction', '1.0', true)",
+                "SELECT set_config('statement_timeout', %s, true)",
                 (str(self._settings.statement_timeout_ms),),
             )
-            async with conn.cursor(name="fleet_query") as cursor:
-                try:
-                    await cursor.execute(statement)
-                    rows = await cursor.fetchmany(self._settings.max_rows + 1)
-                except psycopg.Error as exc:
-                    raise ToolError(
-                        f"[invalid_request] the database refused the query: {pg_message(exc)}"
-                    ) from exc
-                columns = [column.name for column in cursor.description or []]
+            await self._guard(conn, tenant, caller, statement)
+            await conn.execute("SET TRANSACTION READ ONLY")
+            try:
+                columns, types = await _describe(conn, statement)
+                if not columns:
+                    raise ToolError(f"[{ErrorCode.INVALID_REQUEST}] a query must return at least one column")
+                # Each column as the type the description names (a domain's base type, as the protocol
+                # describes it), under a name of ours (the statement's may repeat).
+                names = [sql.Identifier(f"c{i}") for i in range(len(columns))]
+                typed = [
+                    sql.SQL("{} {}").format(name, sql.SQL(kind))
+                    for name, kind in zip(names, types, strict=True)
+                ]
+                rows_of = sql.SQL("SELECT {} FROM ({}\n) AS fleet_r ({})").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("{}::{}").format(name, sql.SQL(kind))
+                        for name, kind in zip(names, types, strict=True)
+                    ),
+                    sql.SQL(statement),
+                    sql.SQL(", ").join(names),
+                )
+                cursor = await conn.execute(
+                    sql.SQL("SELECT * FROM fleet_sql.query_rows(%s, %s, %s) AS fleet_q ({})").format(
+                        sql.SQL(", ").join(typed)
+                    ),
+                    (
+                        rows_of.as_string(conn),
+                        self._settings.max_rows + 1,
+                        self._settings.sql_max_result_bytes,
+                    ),
+                )
+                rows = await cursor.fetchall()
+            except psycopg.Error as exc:
+                raise self._refusal(exc, tenant, caller) from exc
         truncated = len(rows) > self._settings.max_rows
         rows = rows[: self._settings.max_rows]
         return QueryResult(
@@ -229,6 +303,46 @@ class SqlTools:
             rows=[[_jsonable(v) for v in row] for row in rows],
             row_count=len(rows),
             truncated=truncated,
+        )
+
+    async def _guard(
+        self, conn: psycopg.AsyncConnection[Any], tenant: str, caller: str, statement: str
+    ) -> None:
+        """Refuse ``statement`` (``sql_refused``) if it calls a function or reads a relation that a
+        tenant's statement may not (see ``_guard``)."""
+        try:
+            await check_statement(conn, statement)
+        except StatementRefused as exc:
+            log.warning("sql_refused tenant=%s caller=%s uses=%s", tenant, caller or "-", exc)
+            raise ToolError(
+                f"[{ErrorCode.SQL_REFUSED}] the statement uses {exc}, which the SQL tool does not allow;"
+                " it may call the built-in functions that compute on values, and read tenant_data"
+                " and information_schema"
+            ) from exc
+        except psycopg.Error as exc:
+            raise ToolError(
+                f"[{ErrorCode.INVALID_REQUEST}] the database refused the statement: {_reason(exc)}"
+            ) from exc
+
+    def _refusal(self, exc: psycopg.Error, tenant: str, caller: str) -> ToolError:
+        """The tool's answer to a query the database stopped."""
+        if exc.sqlstate != RESULT_TOO_LARGE_SQLSTATE:
+            return ToolError(f"[invalid_request] the database refused the query: {_reason(exc)}")
+        cap = self._settings.sql_max_result_bytes
+        rows, kept, row_bytes = _result_detail(exc)
+        log.warning(
+            "result_too_large tenant=%s caller=%s cap=%d rows_within_cap=%s bytes_within_cap=%s next_row=%s",
+            tenant,
+            caller or "-",
+            cap,
+            rows,
+            kept,
+            row_bytes,
+        )
+        return ToolError(
+            f"[{ErrorCode.RESULT_TOO_LARGE}] the result is larger than the {cap} bytes the SQL tool returns:"
+            f" {rows} rows ({kept} bytes) fit, the next row has {row_bytes} bytes; select fewer rows or"
+            " columns, shorten long values, or aggregate"
         )
 
     async def execute(self, tenant: str, statement: str, key: str, caller: str) -> WriteResult:
@@ -250,6 +364,7 @@ class SqlTools:
                     "SELECT set_config('statement_timeout', %s, true)",
                     (str(self._settings.statement_timeout_ms),),
                 )
+                await self._guard(conn, tenant, caller, statement)
                 claim = await (
                     await conn.execute(
                         "SELECT status, statement_hash, row_count FROM fleet_sql.claim_write(%s, %s, %s)",
@@ -269,7 +384,7 @@ class SqlTools:
                     await cursor.execute(statement, binary=True)
                 except psycopg.Error as exc:
                     raise ToolError(
-                        f"[invalid_request] the database refused the statement: {pg_message(exc)}"
+                        f"[invalid_request] the database refused the statement: {_reason(exc)}"
                     ) from exc
                 tag = (cursor.statusmessage or "").split(" ", 1)[0]
                 if tag not in WRITE_TAGS:
@@ -277,7 +392,7 @@ class SqlTools:
                 rows = max(cursor.rowcount, 0)
                 await conn.execute("SELECT fleet_sql.finish_write(%s, %s)", (key, rows))
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] the write did not happen: {pg_message(exc)}") from exc
+            raise ToolError(f"[tool_failed] the write did not happen: {_reason(exc)}") from exc
         return WriteResult(idempotency_key=key, row_count=rows, replayed=False)
 
     async def write_status(self, tenant: str, key: str) -> WriteStatus:
@@ -314,7 +429,7 @@ def build_server(
     async def query(sql: str) -> QueryResult:
         """Run one read-only SELECT over your tenant's data (tables tenant_data.invoices, tenant_data.payments)."""
         claims = await gate.allow("query", {"sql_length": len(sql)})
-        return await tools.query(claims.tenant, sql)
+        return await tools.query(claims.tenant, sql, claims.sub)
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def execute(sql: str, idempotency_key: str) -> WriteResult:

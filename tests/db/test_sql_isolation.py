@@ -20,6 +20,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 from mcp_servers.sql._schema import DEMO_INVOICES, OWNER_SETTING, ensure_schema, seed_demo_data
 from mcp_servers.sql.server import SqlServerSettings, SqlTools, TenantPools
+from tests.memwatch import PeakGrowth
 
 GLOBEX_MARKERS = ("globex", "Initech", "Hooli", "Vandelay", "3900", "450", "470", "510", "495")
 ACME_ROWS = len(DEMO_INVOICES["acme"])
@@ -229,6 +230,220 @@ async def test_a_runaway_query_is_stopped_by_the_statement_timeout(tools: SqlToo
         await tools.query("acme", "SELECT pg_sleep(30)")
     with pytest.raises(ToolError, match="statement timeout"):
         await tools.query(
+            "acme", "SELECT count(*) FROM generate_series(1, 100000) a, generate_series(1, 100000) b"
+        )
+    # Turning the timeout off inside the statement is refused before it runs.
+    with pytest.raises(ToolError, match=r"\[sql_refused\].*set_config"):
+        await tools.query(
             "acme",
             "WITH s AS MATERIALIZED (SELECT set_config('statement_timeout', '0', true)) SELECT pg_sleep(30)",
         )
+
+
+# Statements that reach outside the tenant's rows or outside the statement: each must be refused
+# naming the function or relation, before it runs.
+REACHING_OUT = {
+    "pg_notify": "SELECT pg_notify('fleet_data', 'spoofed')",
+    "pg_notify_in_a_cte": "WITH n AS MATERIALIZED (SELECT pg_catalog.pg_notify('fleet_data', 'x')) SELECT * FROM n",
+    "pg_notify_quoted_in_where": "SELECT 1 FROM tenant_data.invoices WHERE \"pg_notify\"('fleet_data', customer) IS NULL",
+    "pg_notify_in_order_by": "SELECT customer FROM tenant_data.invoices ORDER BY length(pg_notify('c', 'x')::text)",
+    "pg_logical_emit_message": "SELECT pg_logical_emit_message(true, 'x', repeat('x', 1000000))",
+    "pg_advisory_lock": "SELECT pg_advisory_lock(hashtext('fleet.mcp_sql.schema'))",
+    "pg_advisory_lock_shared": "SELECT pg_advisory_lock_shared(1)",
+    "pg_advisory_xact_lock": "SELECT pg_advisory_xact_lock(1, 2)",
+    "pg_try_advisory_lock": "SELECT * FROM tenant_data.invoices i, LATERAL (SELECT pg_try_advisory_lock(i.id)) l",
+    "pg_try_advisory_xact_lock_shared": "SELECT pg_try_advisory_xact_lock_shared(1)",
+    "pg_advisory_unlock_all": "SELECT pg_advisory_unlock_all()",
+    "txid_current": "SELECT txid_current()",
+    "pg_current_xact_id": "SELECT pg_current_xact_id()",
+    "pg_current_snapshot": "SELECT pg_current_snapshot()",
+    "txid_current_snapshot": "SELECT txid_current_snapshot()",
+    "set_config": "SELECT set_config('work_mem', '2GB', true)",
+    "nextval": "SELECT nextval('tenant_data.invoices_id_seq')",
+    "lo_create": "SELECT lo_create(0)",
+    "lo_import": "SELECT lo_import('/etc/passwd')",
+    "pg_read_file": "SELECT pg_read_file('postgresql.conf')",
+    "pg_read_binary_file": "SELECT pg_read_binary_file('postgresql.conf')",
+    "pg_ls_dir": "SELECT * FROM pg_ls_dir('.')",
+    "pg_ls_waldir": "SELECT * FROM pg_ls_waldir()",
+    "pg_stat_file": "SELECT pg_stat_file('postgresql.conf')",
+    "pg_terminate_backend": "SELECT pg_terminate_backend(1)",
+    "query_to_xml": "SELECT query_to_xml('SELECT pg_notify(''a'', ''b'')', true, false, '')",
+    "table_to_xml": "SELECT table_to_xml('pg_class', true, false, '')",
+    "pg_stat_get_live_tuples": "SELECT pg_stat_get_live_tuples('tenant_data.invoices'::regclass)",
+    "pg_relation_size": "SELECT pg_relation_size('tenant_data.invoices')",
+    "inet_server_addr": "SELECT inet_server_addr()",
+    "session_tenant": "SELECT fleet_sql.session_tenant()",
+    "query_rows": "SELECT * FROM fleet_sql.query_rows('SELECT pg_notify(''a'', ''b'')', 1, 1) AS q (a text)",
+    "pg_stat_user_tables": "SELECT relname, n_live_tup FROM pg_stat_user_tables",
+    "pg_class": "SELECT relname, reltuples FROM pg_catalog.pg_class",
+    "pg_locks": "SELECT * FROM pg_locks",
+    "pg_settings": "SELECT name, setting FROM pg_settings",
+}
+
+
+@pytest.mark.parametrize(("name", "statement"), REACHING_OUT.items(), ids=list(REACHING_OUT))
+async def test_a_statement_that_reaches_outside_its_rows_is_refused_naming_what(
+    tools: SqlTools, name: str, statement: str
+) -> None:
+    target = name.split("_in_")[0].split("_quoted")[0]
+    with pytest.raises(
+        ToolError, match=rf"\[sql_refused\] the statement uses (function|relation) {target}\b"
+    ):
+        await tools.query("acme", statement)
+
+
+async def test_a_refused_notify_and_advisory_lock_have_no_effect(tools: SqlTools, pg_dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
+        await admin.execute("LISTEN fleet_data")
+        for statement in (REACHING_OUT["pg_notify"], REACHING_OUT["pg_notify_in_a_cte"]):
+            with pytest.raises(ToolError, match="sql_refused"):
+                await tools.query("acme", statement)
+        with pytest.raises(ToolError, match="sql_refused"):
+            await tools.execute(
+                "acme",
+                "UPDATE tenant_data.invoices SET amount = amount WHERE pg_notify('fleet_data', 'w') IS NULL",
+                "notify-from-a-write",
+                "attacker",
+            )
+        with pytest.raises(ToolError, match="sql_refused"):
+            await tools.query("acme", REACHING_OUT["pg_advisory_lock"])
+        locks = await (
+            await admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+        ).fetchone()
+        assert locks == (0,)
+        # The marker notification, sent after the attacks, is the first to arrive: none came before it.
+        await admin.execute("NOTIFY fleet_data, 'marker'")
+        received = [n.payload async for n in admin.notifies(timeout=10, stop_after=1)]
+        assert received == ["marker"]
+    assert (await tools.write_status("acme", "notify-from-a-write"))["status"] == "unknown"
+
+
+async def test_statistics_do_not_reveal_another_tenants_row_count(tools: SqlTools, pg_dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
+        async with admin.transaction():
+            await admin.execute("SELECT set_config(%s, 'globex', true)", (OWNER_SETTING,))
+            await admin.execute(
+                "INSERT INTO tenant_data.invoices (tenant_id, customer, amount, issued_on, status)"
+                " SELECT 'globex', 'Bulk', 1, now(), 'open' FROM generate_series(1, 4321)"
+            )
+        await admin.execute("ANALYZE tenant_data.invoices")
+    total = str(4321 + len(DEMO_INVOICES["globex"]) + ACME_ROWS)
+    for statement in (
+        "SELECT relname, n_live_tup, n_tup_ins FROM pg_stat_user_tables",
+        "SELECT relname, n_live_tup FROM pg_stat_all_tables WHERE schemaname = 'tenant_data'",
+        "SELECT relname, n_tup_ins FROM pg_stat_xact_user_tables",
+        "SELECT relname, heap_blks_read FROM pg_statio_user_tables",
+        "SELECT reltuples, relpages FROM pg_class WHERE relname = 'invoices'",
+        "SELECT pg_stat_get_live_tuples('tenant_data.invoices'::regclass)",
+        "SELECT pg_stat_get_tuples_inserted('tenant_data.invoices'::regclass)",
+        "SELECT pg_relation_size('tenant_data.invoices'), pg_table_size('tenant_data.invoices')",
+        "SELECT n_distinct, most_common_freqs::text FROM pg_stats WHERE tablename = 'invoices'",
+        "SELECT table_to_xml('pg_class', true, false, '')",
+    ):
+        with pytest.raises(ToolError, match="sql_refused") as refused:
+            await tools.query("acme", statement)
+        assert total not in str(refused.value) and "4321" not in str(refused.value)
+    assert (await tools.query("acme", "SELECT count(*) FROM tenant_data.invoices"))["rows"] == [[ACME_ROWS]]
+
+
+async def test_ordinary_queries_still_work(tools: SqlTools) -> None:
+    acme = DEMO_INVOICES["acme"]
+    by_customer: dict[str, float] = {}
+    for customer, amount, _, _ in acme:
+        by_customer[customer] = by_customer.get(customer, 0.0) + amount
+    result = await tools.query(
+        "acme",
+        "WITH totals AS (SELECT customer, sum(amount) AS total, count(*) AS n FROM tenant_data.invoices"
+        " GROUP BY customer) SELECT customer, total, rank() OVER (ORDER BY total DESC) AS place"
+        " FROM totals ORDER BY total DESC;",
+    )
+    assert result["columns"] == ["customer", "total", "place"]
+    expected = sorted(by_customer.items(), key=lambda item: -item[1])
+    assert [(r[0], r[1]) for r in result["rows"]] == [(c, pytest.approx(t)) for c, t in expected]
+    assert [r[2] for r in result["rows"]] == list(range(1, len(expected) + 1))
+    checks = {
+        "SELECT 1 AS a, 2 AS a": [[1, 2]],
+        "VALUES (1, 'x'), (2, 'y')": [[1, "x"], [2, "y"]],
+        "SELECT upper(customer), length(customer) FROM tenant_data.invoices WHERE amount > 9000": [
+            ["FABRIKAM", 8]
+        ],
+        "SELECT count(*) FILTER (WHERE status = 'paid') FROM tenant_data.invoices": [
+            [sum(1 for *_, s in acme if s == "paid")]
+        ],
+        "SELECT string_agg(DISTINCT status, ',' ORDER BY status) FROM tenant_data.invoices": [
+            [",".join(sorted({s for *_, s in acme}))]
+        ],
+        "SELECT i.customer FROM tenant_data.invoices i JOIN tenant_data.payments p"
+        " ON p.amount = i.amount WHERE false": [],
+        "SELECT g, g * 2 FROM generate_series(1, 3) g": [[1, 2], [2, 4], [3, 6]],
+        "SELECT pg_sleep(0.01) IS NULL AS slept, pg_sleep(0) AS nothing": [[False, ""]],
+        "SELECT ROW(1, 'a') AS pair, i FROM tenant_data.invoices i WHERE false": [],
+        "SELECT jsonb_build_object('n', 1) ->> 'n', date_trunc('day', now()) <= now(), random() < 1": [
+            ["1", True, True]
+        ],
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'tenant_data'"
+        " ORDER BY table_name": [["invoices"], ["payments"]],
+        "SELECT * FROM (SELECT customer FROM tenant_data.invoices ORDER BY amount DESC LIMIT 1) t": [
+            ["Fabrikam"]
+        ],
+    }
+    for statement, rows in checks.items():
+        assert (await tools.query("acme", statement))["rows"] == rows, statement
+
+
+@pytest.fixture
+async def capped_tools(pg_dsn: str) -> AsyncIterator[SqlTools]:
+    """The tools with a 64 KiB result cap and a timeout long enough for a 200 MB value to be built."""
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
+        await ensure_schema(admin, writable=("invoices",))
+        await seed_demo_data(admin)
+    settings = settings_for(pg_dsn, statement_timeout_ms=120_000, sql_max_result_bytes=64 * 1024)
+    pools = TenantPools(settings)
+    try:
+        yield SqlTools(pools, settings)
+    finally:
+        await pools.aclose()
+
+
+async def test_a_giant_value_is_refused_before_it_reaches_the_tool_process(capped_tools: SqlTools) -> None:
+    """The tools run in this process: it stands for the server process (tests/e2e measures that one)."""
+    await capped_tools.query("acme", "SELECT 1")  # the pool and its connection exist before measuring
+    with PeakGrowth() as growth, pytest.raises(ToolError, match=r"\[result_too_large\]") as refused:
+        await capped_tools.query("acme", "SELECT repeat('x', 200000000) AS big")
+    assert "65536 bytes" in str(refused.value) and "0 rows" in str(refused.value)
+    assert growth.mib < 50, f"the tool process grew by {growth.mib} MiB"
+
+
+async def test_an_error_that_quotes_a_giant_value_does_not_reach_the_tool_process(
+    capped_tools: SqlTools,
+) -> None:
+    await capped_tools.query("acme", "SELECT 1")
+    with PeakGrowth() as growth, pytest.raises(ToolError, match="invalid input syntax") as refused:
+        await capped_tools.query("acme", "SELECT repeat('x', 50000000)::int")
+    assert len(str(refused.value)) < 1000
+    assert growth.mib < 50, f"the tool process grew by {growth.mib} MiB"
+
+
+async def test_many_moderate_rows_are_refused_at_the_cap(capped_tools: SqlTools) -> None:
+    row_bytes = len("(" + "x" * 1000 + ")")  # a row's bytes: its text form
+    fit = 64 * 1024 // row_bytes
+    within = await capped_tools.query("acme", f"SELECT repeat('x', 1000) FROM generate_series(1, {fit})")
+    assert within["row_count"] == fit and not within["truncated"]
+    with pytest.raises(ToolError, match=r"\[result_too_large\]") as refused:
+        await capped_tools.query("acme", "SELECT repeat('x', 1000) FROM generate_series(1, 400)")
+    assert f"{fit} rows ({fit * row_bytes} bytes) fit, the next row has {row_bytes} bytes" in str(
+        refused.value
+    )
+    # The rows cap still applies below the byte cap.
+    small = await capped_tools.query("acme", "SELECT g FROM generate_series(1, 600) g")
+    assert small["row_count"] == 500 and small["truncated"]
+
+
+async def test_an_error_that_quotes_a_long_value_is_cut_in_the_answer(tools: SqlTools) -> None:
+    with pytest.raises(ToolError, match="invalid_request") as refused:
+        await tools.query("acme", "SELECT repeat('x', 100000)::int")
+    assert len(str(refused.value)) < 1000
+    # Settings that name the server's files stay Postgres's to refuse (tenant roles cannot read them).
+    with pytest.raises(ToolError, match="permission denied to examine"):
+        await tools.query("acme", "SELECT current_setting('data_directory')")

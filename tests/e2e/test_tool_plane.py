@@ -15,6 +15,7 @@ import pytest
 from tests.e2e.conftest import Stack, start_stack, stop_stack
 from tests.e2e.stack_helpers import call, logged, ok
 from tests.e2e.webhooks import SECRET, WebhookReceiver
+from tests.memwatch import PeakGrowth
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +32,21 @@ async def test_the_sql_server_keeps_a_tenant_in_even_when_the_statement_sets_ano
         "WITH s AS MATERIALIZED (SELECT set_config('fleet.tenant', 'globex', true))"
         " SELECT DISTINCT i.tenant_id FROM s, tenant_data.invoices i"
     )
-    assert ok(await call(stack, "mcp-sql", token, "query", {"sql": hostile}))["rows"] == [["acme"]]
+    refused = await call(stack, "mcp-sql", token, "query", {"sql": hostile})
+    assert (
+        refused.is_error and "[sql_refused] the statement uses function set_config" in refused.content[0].text
+    )
+    plain = "SELECT DISTINCT tenant_id FROM tenant_data.invoices"
+    assert ok(await call(stack, "mcp-sql", token, "query", {"sql": plain}))["rows"] == [["acme"]]
+
+
+async def test_the_sql_server_refuses_a_giant_value_before_it_reaches_its_process(stack: Stack) -> None:
+    token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
+    ok(await call(stack, "mcp-sql", token, "query", {"sql": "SELECT 1"}))  # the tenant's pool is open
+    with PeakGrowth(stack.endpoints["processes"]["mcp-sql"]) as growth:
+        result = await call(stack, "mcp-sql", token, "query", {"sql": "SELECT repeat('x', 30000000) AS big"})
+    assert result.is_error and "[result_too_large]" in result.content[0].text, result.content
+    assert growth.mib < 30, f"mcp-sql grew by {growth.mib} MiB"
 
 
 async def test_the_sql_server_is_read_only_unless_the_operator_opens_a_table(stack: Stack) -> None:
