@@ -13,12 +13,12 @@ Every route reaches only the runs the caller's principal started, unless policy
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from coordinator.access import Reach, RunAccess, RunAction
@@ -26,6 +26,7 @@ from coordinator.debug_bundle import bundle
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunState, event_json
 from coordinator.signals import SignalDesk, parse_signal
+from coordinator.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 from policy import PolicyEngine
@@ -77,7 +78,7 @@ def run_routes(
     store: PostgresRunStore,
     ledger: Ledger,
     submit: Callable[[str, str], Awaitable[None]],
-    listen_dsn: str,
+    streams: Streams,
     saver: BaseCheckpointSaver[Any],
     policy: PolicyEngine,
     desk: SignalDesk,
@@ -136,15 +137,22 @@ def run_routes(
             after = _cursor(request)
             within = await reach(request)
             await store.get_run(run_id, within.tenant, owner=within.owner)
+            slot = await streams.slots.take(request_claims(request), "run events")
+        except StreamLimitReached as exc:
+            return exc.response()
         except FleetError as exc:
             return _error(exc)
 
-        async def stream() -> AsyncIterator[str]:
-            async for event in store.follow(run_id, within.tenant, after, listen_dsn, owner=within.owner):
+        async def stream() -> AsyncGenerator[str]:
+            events = store.follow(run_id, within.tenant, after, streams.notifier, owner=within.owner)
+            async for event in events:
                 yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
 
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+        return HeldStream(
+            with_keepalives(stream(), streams.keepalive_s),
+            slot,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store"},
         )
 
     async def debug_bundle(request: Request) -> Response:

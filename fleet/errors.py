@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
     APPROVAL_MISMATCH = "approval_mismatch"
     APPROVAL_REPLAYED = "approval_replayed"
+    STREAM_LIMIT = "stream_limit"  # too many event streams open at once (principal, tenant, process)
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -89,6 +90,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
     ErrorCode.APPROVAL_MISMATCH: 403,
     ErrorCode.APPROVAL_REPLAYED: 409,
+    ErrorCode.STREAM_LIMIT: 429,
     ErrorCode.INTERNAL: 500,
 }
 
