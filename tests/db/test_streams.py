@@ -12,7 +12,7 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,7 +310,7 @@ async def test_an_idle_stream_gets_keep_alives(pg_dsn: str, http: httpx.AsyncCli
 
 
 @pytest.fixture
-def a2a_ping() -> AsyncIterator[None]:
+def a2a_ping() -> Iterator[None]:
     before = EventSourceResponse.DEFAULT_PING_INTERVAL
     a2a_keepalives(0.2)
     yield None
