@@ -3,7 +3,9 @@
 ``GET /v1/runs/{id}/events`` replays the event log after the client's cursor (``Last-Event-ID`` or
 ``?after=``) and then streams new events as they are committed, until the run ends. Every event
 carries its sequence number as the SSE id, so a client that reconnects with the last id it saw gets
-exactly the events it missed, with no duplicates. Closing the stream never affects the run.
+exactly the events it missed, with no duplicates. Closing the stream never affects the run. A
+stream takes a slot (:mod:`coordinator.streams`: over a cap it is refused with ``stream_limit``, 429
+and ``Retry-After``) and sends a keep-alive comment whenever it has been idle for a while.
 
 Every route reaches only the runs the caller's principal started, unless policy
 (``fleet.runs.access``, see :mod:`coordinator.access`) gives it the tenant's: any other run is
