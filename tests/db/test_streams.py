@@ -216,7 +216,7 @@ def events_url(c: Coordinator, run_id: str) -> str:
 
 
 async def test_streams_over_the_principal_cap_are_refused_with_429_and_the_slot_comes_back_on_disconnect(
-    pg_dsn: str, http: httpx.AsyncClient
+    pg_dsn: str, http: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with coordinator(pg_dsn, engine_with(per_principal=3)) as c, contextlib.AsyncExitStack() as stack:
         await c.waiting_run("r1")
@@ -230,6 +230,8 @@ async def test_streams_over_the_principal_cap_are_refused_with_429_and_the_slot_
         assert refused.headers["retry-after"] == "5"
         assert refused.json()["error"]["code"] == "stream_limit"
         assert "per principal" in refused.json()["error"]["message"]
+        [logged] = [r.getMessage() for r in caplog.records if r.name == "coordinator.streams"]
+        assert "principal alice of tenant acme has 3 open" in logged
         assert c.slots.open_for("acme", "alice") == 3
 
         # The client goes away: its slot is free again, and the same request now gets its stream.
@@ -267,11 +269,34 @@ async def test_a_subscribe_over_the_cap_is_a_json_rpc_error_with_the_stable_code
         assert first.status_code == 200
         answer = await subscribe(http, c, "r1", c.token("alice"))
         assert answer.status_code == 200
-        error = answer.json()["error"]
-        assert error["code"] == -32603 and error["message"].startswith("[stream_limit]")
-        [info] = error["data"]  # the SDK carries the data as a google.rpc.ErrorInfo's metadata
-        assert info["metadata"] == {"code": "stream_limit", "retryable": True, "retry_after_s": 5}
+        assert_refused(answer)
         assert c.slots.open_for("acme", "alice") == 1  # the refused call holds nothing
+
+
+def assert_refused(answer: httpx.Response) -> None:
+    """A JSON-RPC error (not a stream) with the stable code and when to try again."""
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
+    error = answer.json()["error"]
+    assert error["code"] == -32603 and error["message"].startswith("[stream_limit]")
+    [info] = error["data"]  # the SDK carries the data as a google.rpc.ErrorInfo's metadata
+    assert info["metadata"] == {"code": "stream_limit", "retryable": True, "retry_after_s": 5}
+
+
+async def test_a_message_over_the_cap_is_refused_before_anything_is_planned_or_recorded(
+    pg_dsn: str, http: httpx.AsyncClient
+) -> None:
+    async with coordinator(pg_dsn, engine_with(per_principal=1)) as c, contextlib.AsyncExitStack() as stack:
+        await c.waiting_run("r1")
+        first = await HeldStreams(http, stack).open(events_url(c, "r1"), c.token("alice"))
+        assert first.status_code == 200
+        for method in ("SendMessage", "SendStreamingMessage"):
+            message = {"messageId": f"m-{method}", "role": "ROLE_USER", "parts": [{"text": "invoice totals"}]}
+            body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {"message": message}}
+            headers = {"authorization": f"Bearer {c.token('alice')}", "A2A-Version": "1.0"}
+            answer = await http.post(c.url + RPC_PATH, json=body, headers=headers)
+            assert_refused(answer)
+        assert [r.run_id for r in await c.runs.list_runs("acme")] == ["r1"]  # no run was created
+        assert c.slots.open_for("acme", "alice") == 1
 
 
 async def subscribe(http: httpx.AsyncClient, c: Coordinator, task_id: str, token: str) -> httpx.Response:
