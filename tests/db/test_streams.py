@@ -236,7 +236,7 @@ async def test_streams_over_the_principal_cap_are_refused_with_429_and_the_slot_
 
         # The client goes away: its slot is free again, and the same request now gets its stream.
         await opened[0].aclose()
-        await until(lambda: c.slots.open_for("acme", "alice") == 2)
+        await until(lambda: c.slots.open_for("acme", "alice") == 2 and c.notifier.watching == 2)
         again = await held.open(events_url(c, "r1"), alice)
         assert again.status_code == 200
 
