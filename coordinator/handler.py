@@ -18,7 +18,9 @@ run's event log in Postgres, which any coordinator process can read. So:
 Every call reaches only the tasks the caller's principal started, unless policy gives it the tenant's
 (see :mod:`coordinator.access`); any other task is not found.
 
-Closing a stream never cancels a run: only ``CancelTask`` does.
+Closing a stream never cancels a run: only ``CancelTask`` does. A subscription takes a stream slot
+(:mod:`coordinator.streams`) before its first event; over a cap it is a ``stream_limit`` JSON-RPC
+error. Every follower here shares the process's one ``LISTEN`` connection (:mod:`coordinator.notifier`).
 """
 
 from __future__ import annotations
