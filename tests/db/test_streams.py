@@ -260,6 +260,19 @@ async def test_streams_over_the_tenant_cap_are_refused_and_another_tenant_still_
         assert c.slots.open_for("acme") == 4 and c.slots.open_for("globex") == 1
 
 
+async def test_streams_over_the_process_cap_are_refused_whatever_the_tenant(
+    pg_dsn: str, http: httpx.AsyncClient
+) -> None:
+    async with coordinator(pg_dsn, engine_with(per_process=2)) as c, contextlib.AsyncExitStack() as stack:
+        callers = [("a1", "acme", "alice"), ("g1", "globex", "dave"), ("i1", "initech", "erin")]
+        for run_id, tenant, owner in callers:
+            await c.waiting_run(run_id, tenant=tenant, owner=owner)
+        held = HeldStreams(http, stack)
+        answers = [await held.open(events_url(c, run), c.token(sub, tenant)) for run, tenant, sub in callers]
+        assert [a.status_code for a in answers] == [200, 200, 429]
+        assert "as many streams open as it serves" in json.loads(await answers[2].aread())["error"]["message"]
+
+
 async def test_a_subscribe_over_the_cap_is_a_json_rpc_error_with_the_stable_code(
     pg_dsn: str, http: httpx.AsyncClient
 ) -> None:
