@@ -20,6 +20,7 @@ from coordinator.handler import follow
 from coordinator.plan import Planner, Step, plan_request
 from coordinator.runs import PostgresRunStore
 from coordinator.signals import Signal, SignalDesk, parse_signal
+from coordinator.streams import Streams, a2a_slot
 from coordinator.task_events import TaskFold, event_id_of, initial_task
 from coordinator.task_store import PostgresTaskStore
 from fleet import telemetry
@@ -83,7 +84,7 @@ class CoordinatorExecutor(AgentExecutor):
         runs: PostgresRunStore,
         tasks: PostgresTaskStore,
         submit: Callable[[str], Awaitable[None]],
-        listen_dsn: str,
+        streams: Streams,
         desk: SignalDesk,
         *,
         planner: Planner | None = None,
@@ -95,7 +96,7 @@ class CoordinatorExecutor(AgentExecutor):
         self._runs = runs
         self._tasks = tasks
         self._submit = submit
-        self._listen_dsn = listen_dsn
+        self._streams = streams
         self._desk = desk
         self._planner = planner
 
@@ -137,7 +138,8 @@ class CoordinatorExecutor(AgentExecutor):
             tenant=claims.tenant,
             parent=headers if isinstance(headers, dict) else None,
         )
-        with span as current:
+        # A relay is a stream: it takes a slot before anything is done (a refused request changes nothing).
+        with span as current, await a2a_slot(self._streams.slots, claims, "SendMessage"):
             if context.current_task is not None:
                 await self._follow_up(context, context.current_task, event_queue)
             else:
@@ -174,7 +176,7 @@ class CoordinatorExecutor(AgentExecutor):
             log.warning("could not submit run %s; the stranded-run sweep will", task.id, exc_info=True)
         await event_queue.enqueue_event(task)
         fold = TaskFold(initial_task(task.id, task.context_id, context.message))
-        async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._listen_dsn):
+        async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._streams.notifier):
             await event_queue.enqueue_event(update)
 
     async def _follow_up(self, context: RequestContext, task: Task, event_queue: EventQueue) -> None:
@@ -194,7 +196,7 @@ class CoordinatorExecutor(AgentExecutor):
         current = Task()  # on a copy: the SDK owns `task`
         current.CopyFrom(task)
         fold = TaskFold(current, event_id_of(task.metadata) or 0)
-        async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._listen_dsn):
+        async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._streams.notifier):
             await event_queue.enqueue_event(update)
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:

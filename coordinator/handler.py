@@ -18,7 +18,9 @@ run's event log in Postgres, which any coordinator process can read. So:
 Every call reaches only the tasks the caller's principal started, unless policy gives it the tenant's
 (see :mod:`coordinator.access`); any other task is not found.
 
-Closing a stream never cancels a run: only ``CancelTask`` does.
+Closing a stream never cancels a run: only ``CancelTask`` does. A subscription takes a stream slot
+(:mod:`coordinator.streams`) before its first event; over a cap it is a ``stream_limit`` JSON-RPC
+error. Every follower here shares the process's one ``LISTEN`` connection (:mod:`coordinator.notifier`).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ from a2a.utils.errors import (
 from a2a.utils.proto_utils import validate_proto_required_fields
 
 from coordinator.access import Reach, RunAction
+from coordinator.notifier import RunNotifier
 from coordinator.runs import PostgresRunStore
 from coordinator.signals import Signal, SignalDesk
+from coordinator.streams import Streams, a2a_slot
 from coordinator.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
 from coordinator.task_store import PostgresTaskStore
 from fleet.a2a_support import claims_of
@@ -71,7 +75,7 @@ async def follow(
     runs: PostgresRunStore,
     tasks: PostgresTaskStore,
     tenant: str,
-    listen_dsn: str,
+    notifier: RunNotifier,
     *,
     owner: str | None = None,
 ) -> AsyncGenerator[Event]:
@@ -79,7 +83,7 @@ async def follow(
     comes to wait for someone. If retention prunes events from under the reader, it sends the task as
     it is now instead and goes on after it. ``owner``: the reader's reach (see ``fold``)."""
     task_id = fold.task.id
-    async for event in runs.follow(task_id, tenant, fold.seq, listen_dsn, owner=owner):
+    async for event in runs.follow(task_id, tenant, fold.seq, notifier, owner=owner):
         if event.seq <= fold.seq:
             continue  # already in a snapshot sent below
         if event.seq > fold.seq + 1:
@@ -114,7 +118,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         tasks: PostgresTaskStore,
         runs: PostgresRunStore,
         desk: SignalDesk,
-        listen_dsn: str,
+        streams: Streams,
         cancel_timeout_s: float = CANCEL_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
@@ -122,7 +126,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         self._tasks = tasks
         self._runs = runs
         self._desk = desk
-        self._listen_dsn = listen_dsn
+        self._streams = streams
         self._cancel_timeout_s = cancel_timeout_s
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task | None:
@@ -154,7 +158,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         try:
             async with asyncio.timeout(self._cancel_timeout_s):
                 async for event in self._runs.follow(
-                    fold.task.id, reach.tenant, fold.seq, self._listen_dsn, owner=reach.owner
+                    fold.task.id, reach.tenant, fold.seq, self._streams.notifier, owner=reach.owner
                 ):
                     fold.apply(event)
         except TimeoutError:
@@ -171,15 +175,27 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         fold = await self._tasks.fold(params.id, tenant, upto=cursor, owner=owner)
         if fold is None:
             raise TaskNotFoundError
+        # Before the first event: the SDK fetches it eagerly, so a refusal is a plain JSON-RPC error.
+        slot = await a2a_slot(self._streams.slots, claims_of(context), "SubscribeToTask")
+        try:
+            async for update in self._subscribed(params.id, fold, cursor, reach):
+                yield update
+        finally:
+            slot.release()
+
+    async def _subscribed(
+        self, task_id: str, fold: TaskFold, cursor: int | None, reach: Reach
+    ) -> AsyncGenerator[Event]:
+        tenant, owner = reach.tenant, reach.owner
         if cursor is None:
             if fold.state in TERMINAL:
                 raise UnsupportedOperationError(
-                    message=f"task {params.id} has ended; GetTask shows it, or resubscribe with "
+                    message=f"task {task_id} has ended; GetTask shows it, or resubscribe with "
                     "Last-Event-ID to get the updates after an event"
                 )
             yield fold.snapshot()
         elif cursor < fold.base:
-            current = await self._tasks.fold(params.id, tenant, owner=owner)
+            current = await self._tasks.fold(task_id, tenant, owner=owner)
             if current is None:
                 raise TaskNotFoundError
             fold = current
@@ -195,7 +211,9 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
             yield fold.snapshot()
         if fold.state in TERMINAL:
             return
-        async for update in follow(fold, self._runs, self._tasks, tenant, self._listen_dsn, owner=owner):
+        async for update in follow(
+            fold, self._runs, self._tasks, tenant, self._streams.notifier, owner=owner
+        ):
             yield update
 
 

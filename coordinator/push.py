@@ -36,7 +36,6 @@ from typing import Any
 
 import httpx
 import jwt
-import psycopg
 from a2a.server.context import ServerCallContext
 from a2a.server.tasks import PushNotificationConfigStore
 from a2a.server.tasks.push_notification_config_store import normalize_push_notification_config
@@ -49,7 +48,8 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.access import Reach, RunAccess, RunAction
-from coordinator.runs import NOTIFY_CHANNEL, PostgresRunStore
+from coordinator.notifier import RunNotifier
+from coordinator.runs import PostgresRunStore
 from coordinator.task_events import TaskUpdate
 from coordinator.task_store import PostgresTaskStore
 from fleet.a2a_support import claims_of
@@ -322,19 +322,18 @@ class PushDispatcher:
         self._max_attempts = max_attempts
         self._poll_s = poll_s
 
-    async def run(self, listen_dsn: str) -> None:
-        """Deliver until cancelled; wake on new events, and at least every ``poll_s`` for retries."""
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(listen_dsn, autocommit=True) as listener:
-                    await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    while True:
-                        if not await self.deliver_due():
-                            async for _ in listener.notifies(timeout=self._poll_s, stop_after=1):
-                                pass
-            except Exception:  # the dispatcher outlives any failure (database down, a bug): log, retry
-                log.exception("push dispatcher failed; retrying")
-                await asyncio.sleep(self._poll_s)
+    async def run(self, notifier: RunNotifier) -> None:
+        """Deliver until cancelled; wake on new events (of any run, through the process's one
+        ``notifier``), and at least every ``poll_s`` for retries."""
+        with notifier.watch() as wakeup:
+            while True:
+                try:
+                    wakeup.arm()
+                    if not await self.deliver_due():
+                        await wakeup.wait(self._poll_s)
+                except Exception:  # the dispatcher outlives any failure (database down, a bug): log, retry
+                    log.exception("push dispatcher failed; retrying")
+                    await asyncio.sleep(self._poll_s)
 
     async def deliver_due(self) -> int:
         """Claim the configs with pending updates and deliver them; return how many were claimed."""

@@ -3,7 +3,9 @@
 ``GET /v1/runs/{id}/events`` replays the event log after the client's cursor (``Last-Event-ID`` or
 ``?after=``) and then streams new events as they are committed, until the run ends. Every event
 carries its sequence number as the SSE id, so a client that reconnects with the last id it saw gets
-exactly the events it missed, with no duplicates. Closing the stream never affects the run.
+exactly the events it missed, with no duplicates. Closing the stream never affects the run. A
+stream takes a slot (:mod:`coordinator.streams`: over a cap it is refused with ``stream_limit``, 429
+and ``Retry-After``) and sends a keep-alive comment whenever it has been idle for a while.
 
 Every route reaches only the runs the caller's principal started, unless policy
 (``fleet.runs.access``, see :mod:`coordinator.access`) gives it the tenant's: any other run is
@@ -13,12 +15,12 @@ Every route reaches only the runs the caller's principal started, unless policy
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from coordinator.access import Reach, RunAccess, RunAction
@@ -26,6 +28,7 @@ from coordinator.debug_bundle import bundle
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunState, event_json
 from coordinator.signals import SignalDesk, parse_signal
+from coordinator.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 from policy import PolicyEngine
@@ -77,7 +80,7 @@ def run_routes(
     store: PostgresRunStore,
     ledger: Ledger,
     submit: Callable[[str, str], Awaitable[None]],
-    listen_dsn: str,
+    streams: Streams,
     saver: BaseCheckpointSaver[Any],
     policy: PolicyEngine,
     desk: SignalDesk,
@@ -136,15 +139,22 @@ def run_routes(
             after = _cursor(request)
             within = await reach(request)
             await store.get_run(run_id, within.tenant, owner=within.owner)
+            slot = await streams.slots.take(request_claims(request), "run events")
+        except StreamLimitReached as exc:
+            return exc.response()
         except FleetError as exc:
             return _error(exc)
 
-        async def stream() -> AsyncIterator[str]:
-            async for event in store.follow(run_id, within.tenant, after, listen_dsn, owner=within.owner):
+        async def stream() -> AsyncGenerator[str]:
+            events = store.follow(run_id, within.tenant, after, streams.notifier, owner=within.owner)
+            async for event in events:
                 yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
 
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+        return HeldStream(
+            with_keepalives(stream(), streams.keepalive_s),
+            slot,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store"},
         )
 
     async def debug_bundle(request: Request) -> Response:

@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -22,6 +22,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact
+
+if TYPE_CHECKING:
+    from coordinator.notifier import RunNotifier
 
 NOTIFY_CHANNEL = "fleet_run_events"
 WAIT_SUMMARY = (
@@ -32,6 +35,7 @@ WAIT_SUMMARY = (
 # What a wait record says of the first request it stands for (its detail holds the rest of it).
 ON_THE_WAIT = ("type", "awaited", "deadline", "warn_at")
 FOLLOW_PAGE = 500
+FOLLOW_POLL_S = 60.0  # a follower re-reads this often even without a notification
 
 
 class RunState(StrEnum):
@@ -838,17 +842,18 @@ class PostgresRunStore:
         return [RunEvent(**row) for row in rows]
 
     async def follow(
-        self, run_id: str, tenant: str, after_seq: int, dsn: str, *, owner: str | None = None
+        self, run_id: str, tenant: str, after_seq: int, notifier: RunNotifier, *, owner: str | None = None
     ) -> AsyncIterator[RunEvent]:
         """Every event after ``after_seq``, then new ones as they are committed, until the run ends.
 
-        Notifications only wake the reader; the events always come from the table, so a missed or
-        duplicated notification never loses or repeats an event.
+        ``notifier`` (the process's one ``LISTEN`` connection) only wakes the reader; the events
+        always come from the table, so a missed or duplicated notification never loses or repeats
+        an event.
         """
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as listener:
-            await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        with notifier.watch(run_id) as wakeup:
             cursor = after_seq
             while True:
+                wakeup.arm()  # before reading: a commit after the read wakes the wait below
                 page = await self.events_after(run_id, tenant, cursor, FOLLOW_PAGE, owner=owner)
                 for event in page:
                     cursor = event.seq
@@ -858,9 +863,7 @@ class PostgresRunStore:
                 run = await self.get_run(run_id, tenant, owner=owner)
                 if run.state.terminal and cursor >= run.last_seq:
                     return
-                async for notify in listener.notifies(timeout=5.0):
-                    if notify.payload == run_id:
-                        break
+                await wakeup.wait(FOLLOW_POLL_S)
 
 
 def event_json(event: RunEvent) -> str:

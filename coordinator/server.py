@@ -25,11 +25,13 @@ from coordinator.graph import checkpoint_pool
 from coordinator.handler import CoordinatorRequestHandler
 from coordinator.llm_planner import llm_planner
 from coordinator.metrics import coordinator_metrics
+from coordinator.notifier import RunNotifier
 from coordinator.operations import Ledger
 from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
 from coordinator.run_api import RUNS_PREFIX, run_routes
 from coordinator.runs import PostgresRunStore
 from coordinator.signals import SIGNAL_GRANT, SignalDesk, SignalIngest
+from coordinator.streams import KEEPALIVE_S, Streams, StreamSlots, a2a_keepalives
 from coordinator.task_store import PostgresTaskStore, sweep_retention
 from coordinator.triggers import TriggerIngest
 from fleet import telemetry, transport
@@ -72,6 +74,8 @@ class CoordinatorSettings(ServiceSettings):
     push_max_attempts: int = 8
     event_retention_s: float | None = None  # unset: keep every event of every run
     retention_sweep_s: float = 300.0
+    # Seconds between keep-alive comments on an idle event stream (run API SSE and A2A streams).
+    stream_keepalive_s: float = KEEPALIVE_S
 
     @property
     def allowed_push_hosts(self) -> list[str]:
@@ -136,6 +140,10 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
     )
     runs = PostgresRunStore(run_pool)
+    # The process's one LISTEN connection: every stream, cancel and the push dispatcher share it.
+    notifier = RunNotifier(settings.pg_dsn)
+    streams = Streams(notifier, StreamSlots(engine), settings.stream_keepalive_s)
+    a2a_keepalives(settings.stream_keepalive_s)
     ledger = Ledger(run_pool)
     access = RunAccess(engine)
     tasks = PostgresTaskStore(run_pool, runs, access)
@@ -166,14 +174,14 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         tasks=tasks,
         runs=runs,
         desk=desk,
-        listen_dsn=settings.pg_dsn,
+        streams=streams,
         agent_executor=CoordinatorExecutor(
             delegator,
             engine,
             runs,
             tasks,
             submitter.submit,
-            listen_dsn=settings.pg_dsn,
+            streams=streams,
             desk=desk,
             planner=llm_planner(settings, http, registry),  # None without an LLM: routing rules only
         ),
@@ -183,7 +191,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         extended_card_modifier=ExtendedCardForCaller(registry.key, registry.own_keys_url),
     )
     readiness = Readiness(settings.service_id, "coordinator")
-    jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(settings.pg_dsn)]
+    jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(notifier)]
     jobs.append(lambda: TriggerIngest(submitter.client, runs, engine).run())
     grants = registry.verifier(grant=SIGNAL_GRANT)
     jobs.append(lambda: SignalIngest(submitter.client, desk, grants).run())
@@ -202,6 +210,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             await stack.enter_async_context(push_http)
             await stack.enter_async_context(run_pool)
             await stack.enter_async_context(pool_for_checkpoints)
+            await stack.enter_async_context(notifier)
             await runs.setup()
             await ledger.setup()
             await tasks.setup()
@@ -228,7 +237,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         extra_routes=[
             jwks_route(registry.key),
             *run_routes(
-                runs, ledger, submitter.submit, settings.pg_dsn, saver, engine, desk, agent_records(registry)
+                runs, ledger, submitter.submit, streams, saver, engine, desk, agent_records(registry)
             ),
         ],
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),

@@ -35,7 +35,7 @@ from deploy._topology import (
     environment,
     serve_command,
 )
-from deploy.local_stack import SERVICES
+from deploy.local_stack import PG_MAX_CONNECTIONS, SERVICES
 
 # ------------------------------------------------------------------------------- compose
 COMPOSE_NETWORKS = {
@@ -242,6 +242,7 @@ def _compose_infra() -> Doc:
         },
         "postgres": {
             "image": POSTGRES_IMAGE,
+            "command": ["postgres", "-c", f"max_connections={PG_MAX_CONNECTIONS}"],
             "environment": {
                 "POSTGRES_USER": "postgres",
                 "POSTGRES_PASSWORD_FILE": f"{pg_dir}/postgres-password",

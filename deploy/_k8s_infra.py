@@ -40,6 +40,7 @@ from deploy._topology import (
     QDRANT_IMAGE,
     Doc,
 )
+from deploy.local_stack import PG_MAX_CONNECTIONS
 
 # ------------------------------------------------------------------------------- infrastructure
 # A NATS pod that stops first goes into lame duck mode (its preStop hook): it stops taking clients,
@@ -186,6 +187,7 @@ def postgres_docs() -> list[Doc]:
     container: Doc = {
         "name": "postgres",
         "image": POSTGRES_IMAGE,
+        "args": ["postgres", "-c", f"max_connections={PG_MAX_CONNECTIONS}"],
         "env": [
             {"name": "POSTGRES_USER", "value": "postgres"},
             {"name": "POSTGRES_PASSWORD_FILE", "value": f"{secrets_dir}/postgres-password"},

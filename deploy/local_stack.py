@@ -154,6 +154,18 @@ SERVICES: tuple[ServiceSpec, ...] = (
 # service gets. The SQL server's role may create roles (it creates its own read-only tool role).
 DATABASES: dict[str, bool] = {"fleet": False, "fleet_data": True}
 
+# Postgres connections: the embedded server allows PG_MAX_CONNECTIONS, 3 of them kept for the
+# superuser. Each database has a CONNECTION LIMIT (all its roles together), and so does its owner
+# role, so that no service, and no caller's load on one, takes the connections the others need. The
+# sums leave room for the superuser and for operators (docs/limits.md has the arithmetic). Roles that
+# services create carry their own limits (mcp_servers._pg, mcp-sql's tenant roles).
+PG_MAX_CONNECTIONS = 200
+DATABASE_CONNECTION_LIMITS: dict[str, int] = {
+    "fleet": 80,  # the coordinator (10 + 4 + 1 LISTEN) and the workers (12 each at concurrency 4)
+    "fleet_data": 100,  # mcp-sql tenant pools (16 x 4), mcp-cases and mcp-outbox (10 each), owners
+}
+OWNER_CONNECTION_LIMITS: dict[str, int] = {"fleet": 80, "fleet_data": 10}
+
 # The operator (``fleet token``, ``fleet status``, the demo acting as an outside agent) is enrolled
 # from its public key when the registry starts; it may ask for any scope and any tenant.
 OPERATOR_ID = "operator"

@@ -64,6 +64,7 @@ class ErrorCode(StrEnum):
     # query may reach; a result (or one row of it) larger than the byte cap.
     SQL_REFUSED = "sql_refused"
     RESULT_TOO_LARGE = "result_too_large"
+    STREAM_LIMIT = "stream_limit"  # too many event streams open at once (principal, tenant, process)
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -108,6 +109,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FETCH_TIMEOUT: 504,
     ErrorCode.SQL_REFUSED: 403,
     ErrorCode.RESULT_TOO_LARGE: 413,
+    ErrorCode.STREAM_LIMIT: 429,
     ErrorCode.INTERNAL: 500,
 }
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deploy.local_stack import PG_MAX_CONNECTIONS
 from fleet.errors import ErrorCode, FleetError
 
 PG_SYSTEM_USER = "embedded_postgres"
@@ -141,7 +142,7 @@ def prepare_postgres(data_dir: Path, port: int, password: str) -> PostgresLaunch
         "-k",
         "",
         "-c",
-        "max_connections=200",
+        f"max_connections={PG_MAX_CONNECTIONS}",
         "-c",
         "fsync=on",
     ]

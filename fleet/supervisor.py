@@ -33,7 +33,15 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from deploy.local_stack import DATABASES, OPERATOR_ID, ServiceSpec, service, stack_services
+from deploy.local_stack import (
+    DATABASE_CONNECTION_LIMITS,
+    DATABASES,
+    OPERATOR_ID,
+    OWNER_CONNECTION_LIMITS,
+    ServiceSpec,
+    service,
+    stack_services,
+)
 from fleet import stacklock
 from fleet.buscatalog import provision
 from fleet.buskeys import BusKeys, ServerTls, stack_config
@@ -380,8 +388,8 @@ class Supervisor:
         async with await psycopg.AsyncConnection.connect(admin_dsn, autocommit=True) as conn:
             for name, may_create_roles in DATABASES.items():
                 password = self.layout.secret(f"postgres-{name}-password")
-                await _ensure_owner_role(conn, name, password, may_create_roles)
-                await _ensure_database(conn, name)
+                await ensure_owner_role(conn, name, password, may_create_roles, OWNER_CONNECTION_LIMITS[name])
+                await ensure_database(conn, name, DATABASE_CONNECTION_LIMITS[name])
                 dsns[name] = make_conninfo(admin_dsn, user=name, password=password, dbname=name)
         return dsns
 
@@ -483,26 +491,37 @@ async def _pg_ready(dsn: str) -> bool:
     return True
 
 
-async def _ensure_owner_role(
-    conn: psycopg.AsyncConnection[Any], name: str, password: str, may_create_roles: bool
+async def ensure_owner_role(
+    conn: psycopg.AsyncConnection[Any],
+    name: str,
+    password: str,
+    may_create_roles: bool,
+    connection_limit: int,
 ) -> None:
+    """Create (or update) the login role ``name``, with at most ``connection_limit`` connections."""
     found = await (await conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,))).fetchone()
     verb = "ALTER" if found else "CREATE"
     options = "LOGIN NOSUPERUSER NOBYPASSRLS " + ("CREATEROLE" if may_create_roles else "NOCREATEROLE")
     await conn.execute(
-        sql.SQL(verb + " ROLE {} " + options + " PASSWORD {}").format(
-            sql.Identifier(name), sql.Literal(password)
+        sql.SQL(verb + " ROLE {} " + options + " CONNECTION LIMIT {} PASSWORD {}").format(
+            sql.Identifier(name), sql.Literal(connection_limit), sql.Literal(password)
         )
     )
 
 
-async def _ensure_database(conn: psycopg.AsyncConnection[Any], name: str) -> None:
-    """Create database ``name`` owned by the role of the same name, if it does not exist."""
+async def ensure_database(conn: psycopg.AsyncConnection[Any], name: str, connection_limit: int) -> None:
+    """Create database ``name`` owned by the role of the same name, if it does not exist; at most
+    ``connection_limit`` connections to it, all roles together (superusers excepted)."""
     found = await (await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))).fetchone()
     if found is None:
         await conn.execute(
             sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(name), sql.Identifier(name))
         )
+    await conn.execute(
+        sql.SQL("ALTER DATABASE {} CONNECTION LIMIT {}").format(
+            sql.Identifier(name), sql.Literal(connection_limit)
+        )
+    )
 
 
 class ChildExited(FleetError):

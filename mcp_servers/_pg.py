@@ -26,6 +26,21 @@ async def discard_session_state(conn: psycopg.AsyncConnection[Any]) -> None:
     await conn.set_autocommit(False)
 
 
+WRITER_POOL_SIZE = 10
+# The tool role's CONNECTION LIMIT: two pools, so that a restarting replica's new process can
+# connect while the old one drains.
+WRITER_CONNECTION_LIMIT = 2 * WRITER_POOL_SIZE
+
+
+async def enable_login(admin: psycopg.AsyncConnection[Any], role: str, password: str) -> None:
+    """Let ``role`` log in with ``password``, with at most :data:`WRITER_CONNECTION_LIMIT` sessions."""
+    await admin.execute(
+        sql.SQL("ALTER ROLE {} LOGIN CONNECTION LIMIT {} PASSWORD {}").format(
+            sql.Identifier(role), sql.Literal(WRITER_CONNECTION_LIMIT), sql.Literal(password)
+        )
+    )
+
+
 def pg_message(exc: psycopg.Error) -> str:
     """The server's own one-line reason (never the statement or its parameters)."""
     diag = getattr(exc, "diag", None)
@@ -43,14 +58,14 @@ def database_tool_app(
     more: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
 ) -> Starlette:
     """The app of an MCP server whose tools run fixed statements on its database through ``role``: a
-    login role without superuser or BYPASSRLS, whose password only this process knows (set anew at
-    every start, after ``prepare`` has made the schema with the service's own login). ``more``: other
-    resources the tools need, entered after the pool."""
+    login role without superuser or BYPASSRLS and with a CONNECTION LIMIT, whose password only this
+    process knows (set anew at every start, after ``prepare`` has made the schema with the service's
+    own login). ``more``: other resources the tools need, entered after the pool."""
     password = secrets.token_urlsafe(24)
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         make_conninfo(settings.pg_dsn, user=role, password=password),
         min_size=1,
-        max_size=10,
+        max_size=WRITER_POOL_SIZE,
         open=False,
         kwargs={"prepare_threshold": None},
         reset=discard_session_state,
@@ -60,9 +75,7 @@ def database_tool_app(
     async def resources() -> AsyncIterator[None]:
         async with await psycopg.AsyncConnection.connect(settings.pg_dsn, autocommit=True) as admin:
             await prepare(admin)
-            await admin.execute(
-                sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
-            )
+            await enable_login(admin, role, password)
         async with pool, more() if more is not None else contextlib.nullcontext():
             yield
 

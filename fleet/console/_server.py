@@ -159,10 +159,15 @@ class _Api:
             response = await self._http.send(upstream, stream=True)
         except httpx.HTTPError as exc:
             return _error(FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"coordinator: {type(exc).__name__}"))
-        if response.status_code != 200:
+        if response.status_code != 200:  # a refusal, ``stream_limit`` (429) with its Retry-After included
             body = await response.aread()
             await response.aclose()
-            return Response(body, status_code=response.status_code, media_type="application/json")
+            retry = (
+                {"retry-after": response.headers["retry-after"]} if "retry-after" in response.headers else {}
+            )
+            return Response(
+                body, status_code=response.status_code, media_type="application/json", headers=retry
+            )
 
         async def relay() -> AsyncIterator[str]:
             # Without the ``event:`` lines: a browser's EventSource hands only untyped events to

@@ -83,7 +83,9 @@ class SqlServerSettings(ServiceSettings):
         description="derives the tenant roles' passwords; replicas of one server share it (random if empty)",
     )
     sql_connections_per_tenant: int = 4
-    sql_max_tenant_pools: int = 64
+    # 16 pools x 4 connections: what the fleet_data database's CONNECTION LIMIT (100) leaves it
+    # beside mcp-cases and mcp-outbox (docs/limits.md); the least recently used tenant's pool closes.
+    sql_max_tenant_pools: int = 16
     sql_max_result_bytes: int = Field(
         default=1_048_576,
         ge=1,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.notifier import RunNotifier
 from coordinator.runs import PostgresRunStore, RunNotFound, RunState, StaleLease
 
 
@@ -110,17 +111,18 @@ async def test_follow_replays_then_tails_until_the_run_ends(store: PostgresRunSt
     seen: list[int] = []
     caught_up = asyncio.Event()
 
-    async def read() -> None:
-        async for event in store.follow("r1", "acme", after_seq=1, dsn=pg_dsn):
+    async def read(notifier: RunNotifier) -> None:
+        async for event in store.follow("r1", "acme", 1, notifier):
             seen.append(event.seq)
             caught_up.set()
 
-    reader = asyncio.create_task(read())
-    async with asyncio.timeout(10):
-        await caught_up.wait()
-        await store.append(lease, "step.started", "w", {})
-        await store.transition(lease, RunState.COMPLETED, "w", {})
-        await reader
+    async with RunNotifier(pg_dsn) as notifier:
+        reader = asyncio.create_task(read(notifier))
+        async with asyncio.timeout(10):
+            await caught_up.wait()
+            await store.append(lease, "step.started", "w", {})
+            await store.transition(lease, RunState.COMPLETED, "w", {})
+            await reader
     assert seen == [2, 3, 4]
 
 
