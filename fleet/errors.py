@@ -51,6 +51,10 @@ class ErrorCode(StrEnum):
     APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
     APPROVAL_MISMATCH = "approval_mismatch"
     APPROVAL_REPLAYED = "approval_replayed"
+    # A tenant's own share of a shared path is used up (scans queued, runs in flight) or it asks
+    # more often than policy allows (tokens, events): retry after ``retry_after_s``.
+    QUOTA_EXCEEDED = "quota_exceeded"
+    RATE_LIMITED = "rate_limited"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -89,6 +93,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.APPROVAL_GRANT_EXPIRED: 403,
     ErrorCode.APPROVAL_MISMATCH: 403,
     ErrorCode.APPROVAL_REPLAYED: 409,
+    ErrorCode.QUOTA_EXCEEDED: 429,
+    ErrorCode.RATE_LIMITED: 429,
     ErrorCode.INTERNAL: 500,
 }
 
@@ -97,21 +103,32 @@ class FleetError(Exception):
     """Root of every error the platform raises on purpose.
 
     ``code`` is stable and safe to show a caller; ``message`` must never carry secrets or another
-    tenant's data; ``retryable`` tells a caller whether the same request may succeed later.
+    tenant's data; ``retryable`` tells a caller whether the same request may succeed later, and
+    ``retry_after_s`` (if known) when (an HTTP answer's ``Retry-After``).
     """
 
-    def __init__(self, code: ErrorCode, message: str, *, retryable: bool = False) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, *, retryable: bool = False, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.retry_after_s = retry_after_s
 
     @property
     def http_status(self) -> int:
         return HTTP_STATUS.get(self.code, 500)
 
     def to_dict(self) -> dict[str, object]:
-        return {"code": str(self.code), "message": self.message, "retryable": self.retryable}
+        out: dict[str, object] = {
+            "code": str(self.code),
+            "message": self.message,
+            "retryable": self.retryable,
+        }
+        if self.retry_after_s is not None:
+            out["retry_after_s"] = self.retry_after_s
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!s}: {self.message})"
