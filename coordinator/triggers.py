@@ -211,7 +211,7 @@ class TriggerIngest:
         await self._runs.create_run(
             run_id, event.tenant, f"event:{event.source}", request, [s.to_dict() for s in steps]
         )
-        await work.submit_run(self._client, run_id)
+        await work.submit_run(self._client, run_id, tenant=event.tenant)
         log.info("event %s on %s started run %s", event.id, event.subject, run_id)
         return "started"
 
@@ -250,7 +250,7 @@ class TriggerIngest:
         except BatchClosed as exc:
             raise EventError(exc.message) from exc
         if created:
-            await work.submit_run(self._client, run_id)
+            await work.submit_run(self._client, run_id, tenant=event.tenant)
             log.info("event %s started batch run %s (%s, window %d)", event.id, run_id, rule, window)
         return "batched" if added else "ignored"
 
@@ -289,7 +289,7 @@ class TriggerIngest:
             raise FleetError(
                 ErrorCode.CONFLICT, f"batch run {run_id} is not at its collection yet", retryable=True
             ) from exc
-        await work.submit_run(self._client, run_id, attempt=f"closed-{seq}")
+        await work.submit_run(self._client, run_id, f"closed-{seq}", event.tenant)
 
     async def _deliver_to_waiting(self, event: Event) -> None:
         """Answer the waits of the tenant's runs that wait for this event (an event wait step: its
@@ -311,7 +311,7 @@ class TriggerIngest:
                 )
             except FleetError:  # answered by an earlier delivery, or no longer waiting
                 continue
-            await work.submit_run(self._client, run_id, attempt=f"event-{seq}")
+            await work.submit_run(self._client, run_id, f"event-{seq}", event.tenant)
 
     async def _dead_letter(self, message: Msg, reason: str) -> None:
         log.warning("event on %s dead-lettered: %s", message.subject, reason)
