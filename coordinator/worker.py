@@ -55,6 +55,7 @@ from coordinator.runs import (
 from fleet import telemetry, transport
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
+from fleet.retry import backoff_s
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import PolicyEngine, PolicyError
@@ -220,13 +221,16 @@ class RunWorker:
     async def consume(self, queues: work.TenantQueues, ready: asyncio.Event) -> None:
         """Take messages one at a time, the tenants in turn, until cancelled."""
         await ready.wait()
+        failed = 0  # pulls failed in a row
         while True:
             try:
                 message = await queues.next()
+                failed = 0
             except (NatsError, JetStreamError) as exc:
                 # The connection is moving to another node of the cluster: keep pulling once it has.
+                failed += 1
                 log.warning("could not pull work (%s); trying again", type(exc).__name__)
-                await asyncio.sleep(FETCH_RETRY_S)
+                await asyncio.sleep(backoff_s(failed, base_s=FETCH_RETRY_S, cap_s=5.0))
                 continue
             if message is not None:
                 try:

@@ -18,3 +18,13 @@ test_a_tenant_entry_overrides_the_default_field_by_field if {
 	other := fair.memory_scan with input as {"tenant": "acme"} with data.config.limits.fair.memory_scan.tenants as tenants
 	other.weight == 1
 }
+
+test_token_and_event_rates_come_per_tenant if {
+	tenants := {"globex": {"per_second": 1}}
+	t := fair.token_issue with input as {"tenant": "globex"} with data.config.limits.fair.token_issue.tenants as tenants
+	t.allow
+	t.per_second == 1
+	t.burst == data.config.limits.fair.token_issue.default.burst
+	e := fair.event_ingest with input as {"tenant": "acme"}
+	e.per_second == data.config.limits.fair.event_ingest.default.per_second
+}
