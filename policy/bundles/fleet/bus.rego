@@ -78,6 +78,7 @@ pulling(stream, durable) := {
 coordinator_pub := ((((revocations | enforcing) | pulling("FLEET_EVENTS", "triggers")) | pulling("FLEET_SIGNALS", "signals")) | {
 	"$JS.API.STREAM.INFO.FLEET_WORK",
 	"$JS.API.CONSUMER.INFO.FLEET_WORK.run-workers",
+	"$JS.API.CONSUMER.LIST.FLEET_WORK", # the work queue gauges: every tenant's consumer
 	"fleet.work.run",
 	"fleet.work.run.*", # a tenant's work (coordinator/work.py)
 	"$JS.API.STREAM.INFO.FLEET_DEAD_LETTERS",
