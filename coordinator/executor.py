@@ -83,7 +83,7 @@ class CoordinatorExecutor(AgentExecutor):
         engine: PolicyEngine,
         runs: PostgresRunStore,
         tasks: PostgresTaskStore,
-        submit: Callable[[str], Awaitable[None]],
+        submit: Callable[[str, str, str], Awaitable[None]],
         streams: Streams,
         desk: SignalDesk,
         *,
@@ -171,7 +171,7 @@ class CoordinatorExecutor(AgentExecutor):
         if context.call_context is not None:  # its context id, before the task is shown to anyone
             await self._tasks.save(task, context.call_context)
         try:
-            await self._submit(task.id)
+            await self._submit(task.id, "", claims.tenant)
         except Exception:  # the run is durable already: the workers' sweep re-submits it
             log.warning("could not submit run %s; the stranded-run sweep will", task.id, exc_info=True)
         await event_queue.enqueue_event(task)

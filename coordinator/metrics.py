@@ -5,6 +5,7 @@ run work queue's depth (from the JetStream consumer the workers share)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
@@ -13,6 +14,8 @@ from prometheus_client import Gauge
 from coordinator import work
 from coordinator.runs import PostgresRunStore, RunState
 from fleet import telemetry
+
+CONSUMERS_PER_PAGE = 256  # JetStream's consumer list page
 
 
 async def refresh_runs(store: PostgresRunStore) -> None:
@@ -40,13 +43,19 @@ def _label_sets(gauge: Gauge) -> list[dict[str, str]]:
 
 
 async def refresh_work_queue(client: NATS) -> None:
-    """Set the work queue gauges from the workers' consumer (nothing before a worker created it)."""
+    """Set the work queue gauges from the workers' consumers, one per tenant (see
+    :mod:`coordinator.work`), summed (nothing before a worker created one)."""
+    consumers: list[Any] = []
     try:
-        info = await client.jetstream().consumer_info(work.STREAM, work.CONSUMER, timeout=1.0)
+        while True:
+            page = await client.jetstream().consumers_info(work.STREAM, offset=len(consumers))
+            consumers += page
+            if not page or len(page) < CONSUMERS_PER_PAGE:
+                break
     except NotFoundError:
         return
-    telemetry.WORK_QUEUE.labels("pending").set(info.num_pending or 0)
-    telemetry.WORK_QUEUE.labels("ack_pending").set(info.num_ack_pending or 0)
+    telemetry.WORK_QUEUE.labels("pending").set(sum(c.num_pending or 0 for c in consumers))
+    telemetry.WORK_QUEUE.labels("ack_pending").set(sum(c.num_ack_pending or 0 for c in consumers))
 
 
 def coordinator_metrics(store: PostgresRunStore, client: Callable[[], NATS]) -> Callable[[], Awaitable[None]]:

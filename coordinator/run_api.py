@@ -79,7 +79,7 @@ def _listing(request: Request) -> tuple[int, RunState | None]:
 def run_routes(
     store: PostgresRunStore,
     ledger: Ledger,
-    submit: Callable[[str, str], Awaitable[None]],
+    submit: Callable[[str, str, str], Awaitable[None]],
     streams: Streams,
     saver: BaseCheckpointSaver[Any],
     policy: PolicyEngine,
@@ -108,11 +108,11 @@ def run_routes(
             log.warning("could not list the registry's agents for a debug bundle", exc_info=True)
             return {}
 
-    async def resubmit(run_id: str, attempt: str) -> None:
+    async def resubmit(run_id: str, attempt: str, tenant: str) -> None:
         """Hand an answered run back to the workers; it is durable as submitted, so if the broker
         cannot take it now, the workers' sweep for stranded runs will."""
         try:
-            await submit(run_id, attempt)
+            await submit(run_id, attempt, tenant)
         except Exception:
             log.warning("could not submit run %s (%s); the sweep will", run_id, attempt, exc_info=True)
 
@@ -202,7 +202,7 @@ def run_routes(
             )
         except FleetError as exc:
             return _error(exc)
-        await resubmit(run_id, f"resume-{seq}")
+        await resubmit(run_id, f"resume-{seq}", claims.tenant)
         return JSONResponse({"operation": op.to_json()})
 
     async def decide(request: Request) -> Response:
@@ -218,7 +218,7 @@ def run_routes(
             seq = await store.answer_wait(run_id, claims.tenant, "budget", answer, claims.sub)
         except FleetError as exc:
             return _error(exc)
-        await resubmit(run_id, f"decided-{seq}")
+        await resubmit(run_id, f"decided-{seq}", claims.tenant)
         return JSONResponse({"run": _run_json(await store.get_run(run_id, claims.tenant)), "seq": seq})
 
     async def signal(request: Request) -> Response:

@@ -235,7 +235,7 @@ class SignalDesk:
         pool: AsyncConnectionPool[Any],
         runs: PostgresRunStore,
         engine: PolicyEngine,
-        submit: Callable[[str, str], Awaitable[None]],
+        submit: Callable[[str, str, str], Awaitable[None]],
         grants: GrantIssuer | None = None,
     ) -> None:
         """``grants``: asks the registry for the approval grant of an approved gate whose tool
@@ -400,7 +400,7 @@ class SignalDesk:
             awaited=awaited,
         )
         try:
-            await self._submit(run.run_id, f"signal-{seq}")
+            await self._submit(run.run_id, f"signal-{seq}", run.tenant)
         except Exception:  # the run is durable as submitted: the workers' sweep picks it up
             log.warning("could not submit run %s after a signal; the sweep will", run.run_id, exc_info=True)
         return seq

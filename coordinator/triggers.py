@@ -16,6 +16,11 @@ For each event (a durable pull consumer on the events stream, see :mod:`fleet.ev
 
 In-flight work is bounded: a consumer holds at most ``batch`` events at once (JetStream's
 ``max_ack_pending`` bounds the whole consumer), and takes more only when those are settled.
+
+Each tenant's events are taken at most as often as ``fleet.limits.fair.event_ingest`` allows (per
+second, burst; each coordinator counts its own): an event over its tenant's rate is put back
+(delivered again after a backoff with jitter) so that other tenants' events go first, and one put
+back ``MAX_DELIVER`` times is dead-lettered with the reason ``[rate_limited]`` (kept, never dropped).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -47,6 +53,8 @@ from fleet.events import (
     ensure_event_streams,
     parse_event,
 )
+from fleet.rates import RateLimits
+from fleet.retry import backoff_s, retrying
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
@@ -115,6 +123,7 @@ class TriggerIngest:
         self._runs = runs
         self._engine = engine
         self._batch = batch
+        self._rates = RateLimits()  # events taken per tenant
 
     async def subscribe(self, ack_wait_s: float = 30.0) -> JetStreamContext.PullSubscription:
         js = self._client.jetstream()
@@ -132,21 +141,19 @@ class TriggerIngest:
         """Take events until cancelled; trouble with the broker or one event never ends the loop."""
         if ready is not None:
             await ready.wait()
-        while True:
-            try:
-                subscription = await self.subscribe()
-                break
-            except Exception:  # the broker is not there yet
-                log.warning("could not subscribe to events; retrying", exc_info=True)
-                await asyncio.sleep(RETRY_DELAY_S)
+        # The broker not there yet, or away (failing over): tried again with backoff, for ever.
+        subscription = await retrying("subscribing to events", self.subscribe, retry_on=(Exception,))
+        failed = 0  # fetches failed in a row
         while True:
             try:
                 messages = await subscription.fetch(self._batch, timeout=5)
+                failed = 0
             except NatsTimeout:
                 continue
             except Exception:  # the broker is away: try again shortly
+                failed += 1
                 log.warning("could not fetch events", exc_info=True)
-                await asyncio.sleep(RETRY_DELAY_S)
+                await asyncio.sleep(backoff_s(failed, base_s=RETRY_DELAY_S / 4, cap_s=RETRY_DELAY_S * 4))
                 continue
             settled = await asyncio.gather(*(self.handle(m) for m in messages), return_exceptions=True)
             for outcome in settled:
@@ -155,9 +162,13 @@ class TriggerIngest:
                     log.warning("an event could not be settled", exc_info=outcome)
 
     async def handle(self, message: Msg) -> str:
-        """Settle one event; what became of it: ``started``, ``ignored`` or ``dead``, or ``retry``."""
+        """Settle one event; what became of it: ``started``, ``ignored``, ``dead``, ``retry`` or
+        ``deferred`` (over its tenant's rate)."""
         try:
             event = parse_event(message.subject, message.data, message.headers)
+            wait_s = await self._over_rate(event.tenant)
+            if wait_s:
+                return await self._put_back(message, event.tenant, wait_s)
             outcome = await self._start(event)
         except EventError as exc:
             await self._dead_letter(message, exc.message)
@@ -175,6 +186,29 @@ class TriggerIngest:
             return "retry"
         await message.ack()
         return outcome
+
+    async def _over_rate(self, tenant: str) -> float:
+        """0 if an event of ``tenant`` may be taken now (and counted), else the seconds until one may."""
+        decision = await self._engine.decide("fleet.limits.fair.event_ingest", {"tenant": tenant})
+        if not decision.allow:  # the policy cannot be evaluated: retried, then dead-lettered
+            raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "; ".join(decision.reasons))
+        return self._rates.take((tenant,), decision.result)
+
+    async def _put_back(self, message: Msg, tenant: str, wait_s: float) -> str:
+        """An event over its tenant's rate: delivered again later, or dead-lettered (``rate_limited``)
+        once it has been put back ``MAX_DELIVER`` times."""
+        delivered = message.metadata.num_delivered
+        if delivered >= MAX_DELIVER:
+            await self._dead_letter(
+                message,
+                f"[{ErrorCode.RATE_LIMITED}] tenant {tenant} sent events faster than policy allows"
+                f" (fleet.limits.fair.event_ingest); retry in {max(1, math.ceil(wait_s))} s",
+            )
+            return "dead"
+        delay_s = max(wait_s, backoff_s(delivered, base_s=RETRY_DELAY_S, cap_s=60.0))
+        log.info("event of tenant %s over its rate: delivered again in %.1f s", tenant, delay_s)
+        await message.nak(delay=delay_s)
+        return "deferred"
 
     async def _start(self, event: Event) -> str:
         await self._deliver_to_waiting(event)
@@ -211,7 +245,7 @@ class TriggerIngest:
         await self._runs.create_run(
             run_id, event.tenant, f"event:{event.source}", request, [s.to_dict() for s in steps]
         )
-        await work.submit_run(self._client, run_id)
+        await work.submit_run(self._client, run_id, tenant=event.tenant)
         log.info("event %s on %s started run %s", event.id, event.subject, run_id)
         return "started"
 
@@ -250,7 +284,7 @@ class TriggerIngest:
         except BatchClosed as exc:
             raise EventError(exc.message) from exc
         if created:
-            await work.submit_run(self._client, run_id)
+            await work.submit_run(self._client, run_id, tenant=event.tenant)
             log.info("event %s started batch run %s (%s, window %d)", event.id, run_id, rule, window)
         return "batched" if added else "ignored"
 
@@ -289,7 +323,7 @@ class TriggerIngest:
             raise FleetError(
                 ErrorCode.CONFLICT, f"batch run {run_id} is not at its collection yet", retryable=True
             ) from exc
-        await work.submit_run(self._client, run_id, attempt=f"closed-{seq}")
+        await work.submit_run(self._client, run_id, f"closed-{seq}", event.tenant)
 
     async def _deliver_to_waiting(self, event: Event) -> None:
         """Answer the waits of the tenant's runs that wait for this event (an event wait step: its
@@ -311,7 +345,7 @@ class TriggerIngest:
                 )
             except FleetError:  # answered by an earlier delivery, or no longer waiting
                 continue
-            await work.submit_run(self._client, run_id, attempt=f"event-{seq}")
+            await work.submit_run(self._client, run_id, f"event-{seq}", event.tenant)
 
     async def _dead_letter(self, message: Msg, reason: str) -> None:
         log.warning("event on %s dead-lettered: %s", message.subject, reason)

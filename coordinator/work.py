@@ -1,5 +1,10 @@
 """The work queue that workers share: one JetStream work-queue stream, one message per run to advance.
 
+Each tenant's work has its own subject (``fleet.work.run.<tenant>``) and durable pull consumer, and
+each consumer task of a worker takes the tenants that have work in turn (:class:`TenantQueues`): one
+tenant's backlog, however long, delays another tenant's run by one turn, not by the backlog. Work
+submitted without a tenant (the stranded-run sweep) goes on ``fleet.work.run``, one more turn.
+
 A message is published when a run is submitted (de-duplicated by the run id, so a retried submit never
 makes a second job) and is acked only once the run has reached a durable stopping point. A worker that
 dies leaves its message unacked; JetStream redelivers it after ``ack_wait`` to another worker, which
@@ -14,16 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from fleet import telemetry
-from fleet.natsconn import Credentials, connect, patiently, replicas
+from fleet.natsconn import Credentials, connect, patiently, replicas, subject_token
 
 STREAM = "FLEET_WORK"
 RUN_SUBJECT = "fleet.work.run"
@@ -34,6 +41,20 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 TRACE_KEY = "trace"  # in a run's record: the trace context of the request that created the run
 SUBMIT_PATIENCE_S = 20.0  # how long a submit keeps trying while the broker fails over
 PUBLISH_TIMEOUT_S = 2.0
+TURN_FETCH_S = 0.2  # how long a turn waits on a tenant whose messages may all be in flight
+IDLE_FETCH_S = 1.0  # how long a consumer task waits for work when no tenant has any
+CONSUMER_INACTIVE_S = 7 * 24 * 3600.0  # a tenant's consumer nobody pulled from this long is removed
+
+
+def run_subject(tenant: str) -> str:
+    """The subject of ``tenant``'s work (``fleet.work.run`` for work of no tenant)."""
+    return f"{RUN_SUBJECT}.{subject_token(tenant)}" if tenant else RUN_SUBJECT
+
+
+def consumer_of(subject: str) -> str:
+    """The durable consumer of a work subject: ``run-workers`` for ``fleet.work.run``, and
+    ``run-workers-<tenant token>`` for a tenant's."""
+    return CONSUMER if subject == RUN_SUBJECT else f"{CONSUMER}-{subject.rsplit('.', 1)[1]}"
 
 
 async def ensure_stream(js: JetStreamContext) -> None:
@@ -52,9 +73,9 @@ async def ensure_stream(js: JetStreamContext) -> None:
         )
 
 
-async def submit_run(client: NATS, run_id: str, attempt: str = "") -> None:
-    """Ask a worker to advance ``run_id`` (idempotent within the de-duplication window for the same
-    ``attempt``; a re-submission of a stranded run names a new attempt)."""
+async def submit_run(client: NATS, run_id: str, attempt: str = "", tenant: str = "") -> None:
+    """Ask a worker to advance ``run_id`` of ``tenant`` (idempotent within the de-duplication window
+    for the same ``attempt``; a re-submission of a stranded run names a new attempt)."""
     js = client.jetstream()
     msg_id = f"run-{run_id}" + (f"-{attempt}" if attempt else "")
     headers = {"Nats-Msg-Id": msg_id, SUBMITTED_AT_HEADER: f"{time.time():.6f}"}
@@ -62,7 +83,10 @@ async def submit_run(client: NATS, run_id: str, attempt: str = "") -> None:
     async def publish() -> None:
         await ensure_stream(js)
         await js.publish(
-            RUN_SUBJECT, run_id.encode(), headers=dict(telemetry.inject(headers)), timeout=PUBLISH_TIMEOUT_S
+            run_subject(tenant),
+            run_id.encode(),
+            headers=dict(telemetry.inject(headers)),
+            timeout=PUBLISH_TIMEOUT_S,
         )
 
     # A cluster node failing over: the stream elects a new leader within seconds. The same message id
@@ -113,24 +137,71 @@ class RunSubmitter:
             raise RuntimeError("RunSubmitter used outside its context")
         return self._client
 
-    async def submit(self, run_id: str, attempt: str = "") -> None:
-        """Queue ``run_id``; a run that is submitted again (resumed after a wait) names a new
-        ``attempt``, or de-duplication would drop it."""
+    async def submit(self, run_id: str, attempt: str = "", tenant: str = "") -> None:
+        """Queue ``run_id`` of ``tenant``; a run that is submitted again (resumed after a wait) names
+        a new ``attempt``, or de-duplication would drop it."""
         if self._client is None:
             raise RuntimeError("RunSubmitter used outside its context")
-        await submit_run(self._client, run_id, attempt)
+        await submit_run(self._client, run_id, attempt, tenant)
 
 
-async def subscribe(client: NATS, ack_wait_s: float) -> JetStreamContext.PullSubscription:
+async def subscribe(
+    client: NATS, ack_wait_s: float, subject: str = RUN_SUBJECT
+) -> JetStreamContext.PullSubscription:
+    """A pull subscription to the durable consumer of ``subject`` (created if missing)."""
     js = client.jetstream()
+    tenant = subject != RUN_SUBJECT
     config = ConsumerConfig(
-        durable_name=CONSUMER, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_deliver=-1
+        durable_name=consumer_of(subject),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        filter_subject=subject,
+        inactive_threshold=CONSUMER_INACTIVE_S if tenant else None,
     )
 
     async def pull_subscribe() -> JetStreamContext.PullSubscription:
         await ensure_stream(js)
-        return await js.pull_subscribe(RUN_SUBJECT, durable=CONSUMER, config=config)
+        return await js.pull_subscribe(subject, durable=consumer_of(subject), config=config)
 
-    # Every worker creates-or-binds the one durable consumer when it starts; on a loaded cluster
+    # Every worker creates-or-binds the durable consumers when it starts; on a loaded cluster
     # the replicated consumer's creation can answer late.
     return await patiently("subscribing to the work queue", pull_subscribe)
+
+
+class TenantQueues:
+    """One consumer task's pull on the work queue: the subjects that hold work (the stream says
+    which), each through its durable consumer, taken in turn after the one it took last."""
+
+    def __init__(self, client: NATS, ack_wait_s: float) -> None:
+        self._client = client
+        self._ack_wait_s = ack_wait_s
+        self._subscriptions: dict[str, JetStreamContext.PullSubscription] = {}
+        self._turns: deque[str] = deque()  # subjects, the one to try next first
+
+    async def next(self) -> Msg | None:
+        """The next message, from the next subject in turn that has one; None if none has
+        (after waiting up to :data:`IDLE_FETCH_S`)."""
+        await self._refresh()
+        for _ in range(len(self._turns)):
+            subject = self._turns[0]
+            self._turns.rotate(-1)
+            with contextlib.suppress(NatsTimeout):
+                [message] = await (await self._subscription(subject)).fetch(1, timeout=TURN_FETCH_S)
+                return message
+        with contextlib.suppress(NatsTimeout):  # no tenant has work: wait on the untenanted subject
+            [message] = await (await self._subscription(RUN_SUBJECT)).fetch(1, timeout=IDLE_FETCH_S)
+            return message
+        return None
+
+    async def _refresh(self) -> None:
+        """Add the subjects that hold messages to the turns; drop those that hold none."""
+        info = await self._client.jetstream().stream_info(STREAM, subjects_filter="fleet.work.>")
+        holding = {s for s, n in (info.state.subjects or {}).items() if n > 0}
+        self._turns = deque(s for s in self._turns if s in holding)
+        self._turns.extend(sorted(holding - set(self._turns)))
+
+    async def _subscription(self, subject: str) -> JetStreamContext.PullSubscription:
+        if subject not in self._subscriptions:
+            self._subscriptions[subject] = await subscribe(self._client, self._ack_wait_s, subject)
+        return self._subscriptions[subject]

@@ -28,7 +28,6 @@ from langgraph.types import Command, StateSnapshot
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
 from nats.js.errors import Error as JetStreamError
 from opentelemetry.trace import SpanKind
@@ -57,6 +56,7 @@ from fleet import telemetry, transport
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.outbound import guarded_client
+from fleet.retry import backoff_s
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from policy import PolicyEngine, PolicyError
@@ -141,7 +141,7 @@ async def supervise_waits(
                             awaited=wait.get("awaited"),
                             only_if_due=True,
                         )
-                        await work.submit_run(client, run.run_id, attempt=f"expired-{seq}")
+                        await work.submit_run(client, run.run_id, f"expired-{seq}", run.tenant)
                 else:
                     await store.warn_wait(run.run_id, SUPERVISOR)
         except Exception:  # the next sweep tries again
@@ -219,20 +219,21 @@ class RunWorker:
         self._ttl = lease_ttl_s
         self.approvals: JetStreamContext | None = None  # where approval requests go, once connected
 
-    async def consume(self, subscription: JetStreamContext.PullSubscription, ready: asyncio.Event) -> None:
-        """Take messages one at a time until cancelled."""
+    async def consume(self, queues: work.TenantQueues, ready: asyncio.Event) -> None:
+        """Take messages one at a time, the tenants in turn, until cancelled."""
         await ready.wait()
+        failed = 0  # pulls failed in a row
         while True:
             try:
-                messages = await subscription.fetch(1, timeout=5)
-            except NatsTimeout:
-                continue
+                message = await queues.next()
+                failed = 0
             except (NatsError, JetStreamError) as exc:
                 # The connection is moving to another node of the cluster: keep pulling once it has.
+                failed += 1
                 log.warning("could not pull work (%s); trying again", type(exc).__name__)
-                await asyncio.sleep(FETCH_RETRY_S)
+                await asyncio.sleep(backoff_s(failed, base_s=FETCH_RETRY_S, cap_s=5.0))
                 continue
-            for message in messages:
+            if message is not None:
                 try:
                     await self.handle(message)
                 except Exception:  # infrastructure trouble: keep consuming, let the run be retried
@@ -666,13 +667,12 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             stack.push_async_callback(nc.drain)
             await stack.enter_async_context(enforcing(engine, nc))
             worker.approvals = nc.jetstream()
-            # One pull subscription per consumer task: they must not share an inbox.
-            subscriptions = [
-                await work.subscribe(nc, settings.ack_wait_s) for _ in range(settings.concurrency)
-            ]
+            # Pull subscriptions of their own per consumer task: they must not share an inbox.
+            queues = [work.TenantQueues(nc, settings.ack_wait_s) for _ in range(settings.concurrency)]
+            await work.subscribe(nc, settings.ack_wait_s)  # the untenanted consumer, before work comes
             consumers = [
-                asyncio.create_task(worker.consume(subscription, enrolled), name=f"consumer-{i}")
-                for i, subscription in enumerate(subscriptions)
+                asyncio.create_task(worker.consume(queue, enrolled), name=f"consumer-{i}")
+                for i, queue in enumerate(queues)
             ]
             consumers.append(
                 asyncio.create_task(sweep_stranded(store, nc, settings, enrolled), name="sweeper")

@@ -65,6 +65,10 @@ class ErrorCode(StrEnum):
     SQL_REFUSED = "sql_refused"
     RESULT_TOO_LARGE = "result_too_large"
     STREAM_LIMIT = "stream_limit"  # too many event streams open at once (principal, tenant, process)
+    # A tenant's own share of a shared path is used up (scans queued, runs in flight) or it asks
+    # more often than policy allows (tokens, events): retry after ``retry_after_s``.
+    QUOTA_EXCEEDED = "quota_exceeded"
+    RATE_LIMITED = "rate_limited"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -110,6 +114,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SQL_REFUSED: 403,
     ErrorCode.RESULT_TOO_LARGE: 413,
     ErrorCode.STREAM_LIMIT: 429,
+    ErrorCode.QUOTA_EXCEEDED: 429,
+    ErrorCode.RATE_LIMITED: 429,
     ErrorCode.INTERNAL: 500,
 }
 
@@ -118,21 +124,32 @@ class FleetError(Exception):
     """Root of every error the platform raises on purpose.
 
     ``code`` is stable and safe to show a caller; ``message`` must never carry secrets or another
-    tenant's data; ``retryable`` tells a caller whether the same request may succeed later.
+    tenant's data; ``retryable`` tells a caller whether the same request may succeed later, and
+    ``retry_after_s`` (if known) when (an HTTP answer's ``Retry-After``).
     """
 
-    def __init__(self, code: ErrorCode, message: str, *, retryable: bool = False) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, *, retryable: bool = False, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.retry_after_s = retry_after_s
 
     @property
     def http_status(self) -> int:
         return HTTP_STATUS.get(self.code, 500)
 
     def to_dict(self) -> dict[str, object]:
-        return {"code": str(self.code), "message": self.message, "retryable": self.retryable}
+        out: dict[str, object] = {
+            "code": str(self.code),
+            "message": self.message,
+            "retryable": self.retryable,
+        }
+        if self.retry_after_s is not None:
+            out["retry_after_s"] = self.retry_after_s
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!s}: {self.message})"

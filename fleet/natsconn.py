@@ -32,6 +32,7 @@ from nats.js.kv import KeyValue
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
+from fleet.retry import retrying
 from fleet.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -234,15 +235,7 @@ async def patiently(what: str, action: Callable[[], Awaitable[T]], *, patience_s
     """``action`` (a JetStream call), tried again while it fails in a :data:`TRANSIENT` way, for
     up to ``patience_s``; the last failure is raised after that. Only for calls that are safe to
     repeat (a lookup, a create-if-missing, a publish with a message id)."""
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            return await action()
-        except TRANSIENT as exc:
-            if time.monotonic() >= deadline:
-                raise
-            log.warning("%s: %s from NATS; trying again", what, type(exc).__name__)
-            await asyncio.sleep(RETRY_S)
+    return await retrying(what, action, retry_on=TRANSIENT, patience_s=patience_s, base_s=RETRY_S, cap_s=2.0)
 
 
 def stream_replicas(endpoints: Mapping[str, Any]) -> int:

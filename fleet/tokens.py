@@ -36,6 +36,7 @@ from jwt.algorithms import RSAAlgorithm
 from fleet.approvals import APPROVAL_GRANT_TYPE, ApprovalBinding
 from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey, public_key_from_jwk
+from fleet.retry import retrying
 from fleet.revocations import Revocations
 from fleet.settings import ExternalIssuer
 
@@ -735,18 +736,21 @@ class TokenClient:
             return cached.token
         if not cache:
             cache_key = (f"once|{uuid.uuid4().hex}", "", "")
-        deadline = time.monotonic() + self._patience_s
-        while True:
-            try:
-                token = await self._request_once(cache_key, form)
-                if not cache:
-                    self._cache.pop(cache_key, None)
-                return token
-            except DependencyUnavailable as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.info("token request: %s; trying again", exc.message)
-                await asyncio.sleep(FAILOVER_RETRY_S)
+
+        async def once() -> str:
+            token = await self._request_once(cache_key, form)
+            if not cache:
+                self._cache.pop(cache_key, None)
+            return token
+
+        return await retrying(
+            "token request",
+            once,
+            retry_on=(DependencyUnavailable,),
+            patience_s=self._patience_s,
+            base_s=FAILOVER_RETRY_S,
+            cap_s=2.0,
+        )
 
     async def _request_once(self, cache_key: tuple[str, str, str], form: dict[str, str]) -> str:
         form = {
@@ -904,6 +908,14 @@ def _token_error(response: httpx.Response) -> FleetError:
         detail = response.text[:200]  # not the registry's answer: a proxy in front of it failing over
     if failing_over:
         return DependencyUnavailable(f"the token service failed ({response.status_code}) {detail}")
+    if response.status_code == 429:  # the tenant's own rate (fleet.limits.fair.token_issue)
+        retry = response.headers.get("Retry-After", "")
+        return FleetError(
+            ErrorCode.RATE_LIMITED,
+            f"token request refused (429) {detail}",
+            retryable=True,
+            retry_after_s=int(retry) if retry.isdigit() else None,
+        )
     code = (
         ErrorCode.FORBIDDEN if response.status_code in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE
     )

@@ -33,6 +33,7 @@ from fleet.approvals import APPROVAL_GRANT, args_sha256
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
 from fleet.natsconn import connect, key_value, service_credentials
+from fleet.rates import RateLimits
 from fleet.service import Readiness, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
@@ -278,35 +279,6 @@ class AuditTrail(EventLog):
 async def read_audit(client: NATS, server_id: str, *, wait_s: float = 1.0) -> list[dict[str, Any]]:
     """Every audit event of ``server_id`` the stream holds, oldest first."""
     return await read_records(client, f"fleet.audit.tools.{server_id}", wait_s=wait_s)
-
-
-class RateLimits:
-    """Token buckets per (tenant, agent, tool), sized by what policy says for each call
-    (``rate_limit``: ``per_minute``, ``burst``). In memory: every replica of a server limits on its
-    own, so a fleet-wide limit is this times the replicas."""
-
-    MAX_BUCKETS = 100_000
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._buckets: dict[tuple[str, str, str], tuple[float, float]] = {}
-
-    def take(self, key: tuple[str, str, str], limit: Mapping[str, Any] | None) -> float:
-        """Take one call from ``key``'s bucket: 0.0 if it may go now, else the seconds to wait."""
-        if not limit:
-            return 0.0
-        per_s = float(limit.get("per_minute", 0)) / 60.0
-        burst = max(1.0, float(limit.get("burst", 1)))
-        now = self._clock()
-        tokens, then = self._buckets.get(key, (burst, now))
-        tokens = min(burst, tokens + (now - then) * per_s)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            return (1.0 - tokens) / per_s if per_s > 0 else float("inf")
-        if len(self._buckets) >= self.MAX_BUCKETS and key not in self._buckets:
-            self._buckets.clear()  # a flood of new keys: start over rather than grow without end
-        self._buckets[key] = (tokens - 1.0, now)
-        return 0.0
 
 
 RUN_CALLS_BUCKET = "fleet-run-tool-calls"

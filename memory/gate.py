@@ -23,7 +23,6 @@ written and the caller gets an error with a stable code: the gate fails closed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import hashlib
 import logging
@@ -42,7 +41,8 @@ from fleet import telemetry
 from fleet.errors import ErrorCode, FleetError
 from memory.consolidate import Extractor, RuleExtractor
 from memory.embeddings import Embedder
-from memory.scan import Finding, Scanner
+from memory.scan import DEFAULT_MAX_CHARS, Finding, Scanner
+from memory.scan_pool import ScanPool, ScanQuota
 from memory.store import TIERS, Entry, VectorStore, Where
 from policy.engine import Decision, PolicyEngine
 
@@ -54,6 +54,7 @@ SOURCES = ("agent", "tool", "user", "external", "consolidation", "operator")
 _IDENTIFIER = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 MAX_TAGS = 16
 MAX_BATCH = 256
+SCAN_JOB_CHARS = DEFAULT_MAX_CHARS  # a scan thread's job: texts up to this many characters (at least one)
 Audit = Callable[[dict[str, Any]], object]
 
 
@@ -183,14 +184,14 @@ class Memory:
         clock: Callable[[], float] = time.time,
         extractor: Extractor | None = None,
         audit_room: Callable[[], int] | None = None,
+        scan_threads: int = 2,
     ) -> None:
         """``audit_room``: how many more events the audit trail takes now (a write that would not
-        fit is refused before anything is written)."""
+        fit is refused before anything is written). ``scan_threads``: the scan pool's threads,
+        shared by the tenants in turn (quotas and weights: ``fleet.limits.fair.memory_scan``)."""
         self.audit_room = audit_room
         # Scans wait for their own threads, not behind the embedding model's in the default pool.
-        self._scanning = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="memory-scan"
-        )
+        self._scanning = ScanPool(scan_threads)
         self.extractor: Extractor = extractor or RuleExtractor()
         self.store = store
         self.embedder = embedder
@@ -229,7 +230,7 @@ class Memory:
                 outcomes[i] = Outcome(
                     "refused", tier=shown(write.tier), code=str(exc.code), reasons=[exc.message]
                 )
-        scanned = await self._scan([texts[i] for i in sorted(texts)])
+        scanned = await self._scan(caller, [texts[i] for i in sorted(texts)])
         found: dict[int, list[Finding]] = {}
         for i, result in zip(sorted(texts), scanned, strict=True):
             if isinstance(result, FleetError):
@@ -302,20 +303,43 @@ class Memory:
                 ErrorCode.INVALID_REQUEST, f"at most {MAX_TAGS} tags, each an identifier ([A-Za-z0-9_.:/-])"
             )
 
-    async def _scan(self, texts: list[str]) -> list[list[Finding] | FleetError]:
+    async def _scan(self, caller: Caller, texts: list[str]) -> list[list[Finding] | FleetError]:
         """Each text's findings, or why it could not be scanned: a text the scanner does not finish
         within ``scan_timeout_s`` of starting it is refused (its scan goes on in its thread, bounded
         by the size limit, and its answer is dropped; the texts after it go on in another thread).
-        A scanner that fails fails the call: nothing is written. The texts go to a scan thread in
-        one call (a call per short text costs nearly what its scan does)."""
+        A scanner that fails fails the call: nothing is written. The texts go to the tenant's queue
+        of the scan pool in jobs of up to ``SCAN_JOB_CHARS`` characters (a job per short text costs
+        nearly what its scan does), and wait their turn among the tenants'. A call whose texts do
+        not fit the tenant's quota is refused whole (``too_large``, ``quota_exceeded``)."""
+        if not texts:
+            return []
+        quota = await self._decide("fleet.limits.fair.memory_scan", {"tenant": caller.tenant})
+        try:
+            self._scanning.reserve(caller.tenant, texts, ScanQuota.of(quota.result))
+        except FleetError as exc:
+            log.warning(
+                "memory write of %s/%s refused: %s (decision %s)",
+                caller.tenant,
+                caller.agent,
+                exc.code,
+                quota.decision_id,
+            )
+            raise
+        try:
+            return await self._scan_jobs(caller.tenant, texts)
+        finally:
+            self._scanning.release(caller.tenant, texts)
+
+    async def _scan_jobs(self, tenant: str, texts: list[str]) -> list[list[Finding] | FleetError]:
         found: list[list[Finding] | FleetError] = []
         while len(found) < len(texts):
-            run = _ScanRun(self.scanner, texts[len(found) :])
-            found += await self._wait_for(run)
-            if not run.begun:  # both scan threads are still on texts given up on: refuse the rest
+            run = _ScanRun(self.scanner, _job(texts[len(found) :]))
+            done = await self._wait_for(tenant, run)
+            found += done
+            if not run.begun:  # the scan threads are still on texts given up on: refuse the rest
                 busy = FleetError(ErrorCode.UNSCANNABLE, "no scan thread is free; try again", retryable=True)
                 found += [busy] * (len(texts) - len(found))
-            elif len(found) < len(texts):  # the text it was on took too long
+            elif len(done) < len(run.texts):  # the text it was on took too long
                 found.append(
                     FleetError(
                         ErrorCode.UNSCANNABLE, f"scanning took longer than {self.scan_timeout_s:.1f} s"
@@ -323,9 +347,9 @@ class Memory:
                 )
         return found
 
-    async def _wait_for(self, run: _ScanRun) -> list[list[Finding] | FleetError]:
+    async def _wait_for(self, tenant: str, run: _ScanRun) -> list[list[Finding] | FleetError]:
         """What ``run`` scanned: all its texts, or those before the one that took too long."""
-        future = asyncio.get_running_loop().run_in_executor(self._scanning, run)
+        future = self._scanning.submit(tenant, run)
         try:
             while True:
                 try:
@@ -343,6 +367,7 @@ class Memory:
             ) from None
         finally:
             run.stop()  # a call cancelled or failed leaves its thread after the text it is on
+            future.cancel()  # and a job no thread took yet is dropped
 
     async def _gate(
         self,
@@ -840,6 +865,17 @@ class _ScanRun:
         """No text after the one it is on (if any)."""
         with self._lock:
             self._stopped = True
+
+
+def _job(texts: list[str]) -> list[str]:
+    """The first texts of ``texts`` that one scan job takes: up to ``SCAN_JOB_CHARS`` characters, at
+    least one text."""
+    total = 0
+    for n, text in enumerate(texts):
+        total += len(text)
+        if n and total > SCAN_JOB_CHARS:
+            return texts[:n]
+    return texts
 
 
 def _supporters(payload: dict[str, Any]) -> set[tuple[str, str]]:

@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import re
 import time
 import uuid
@@ -69,8 +71,9 @@ from fleet.approvals import (
     POLICY_APPROVER,
     ApprovalBinding,
 )
-from fleet.errors import AuthError, FleetError
+from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import SigningKey, public_key_from_jwk
+from fleet.rates import RateLimits
 from fleet.revocations import Revocations
 from fleet.tokens import (
     ACCESS_TOKEN_TTL_S,
@@ -97,6 +100,7 @@ GRANT_KINDS = {
     SESSION_GRANT_TYPE: ("session-grant+jwt", "session_grant"),
 }
 SIGNAL_GRANT_TTL_S = 300  # published at once; refused once expired, even if it waited in the stream
+log = logging.getLogger(__name__)
 ISSUED_TYPES = {
     "signal-grant+jwt": SIGNAL_GRANT_TYPE,
     APPROVAL_GRANT_TYP: APPROVAL_GRANT_TYPE,
@@ -122,13 +126,17 @@ REGISTRY_AUDIENCE = "registry"
 
 
 class OAuthError(Exception):
-    """An RFC 6749 error response: ``error`` is the standard code, ``status`` the HTTP status."""
+    """An RFC 6749 error response: ``error`` is the standard code, ``status`` the HTTP status,
+    ``retry_after_s`` the ``Retry-After`` of a refusal that retrying later helps."""
 
-    def __init__(self, error: str, description: str, status: int = 400) -> None:
+    def __init__(
+        self, error: str, description: str, status: int = 400, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(description)
         self.error = error
         self.description = description
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +145,7 @@ class IssuedToken:
     expires_in: int
     scope: str
     issued_token_type: str = ACCESS_TOKEN_TYPE
+    tenant: str = ""  # whose quota it counts against (fleet.limits.fair.token_issue)
 
 
 class TokenService:
@@ -167,6 +176,7 @@ class TokenService:
         self._servers: dict[str, tuple[float, set[str]]] = {}  # MCP servers' declared scopes
         self._decisions: dict[str, tuple[float, Decision]] = {}  # token decisions, by facts
         self._client_keys: dict[str, ec.EllipticCurvePublicKey] = {}  # by kid (a thumbprint)
+        self._rates = RateLimits()  # tokens issued per tenant
 
     async def _own_key(self, kid: str) -> ec.EllipticCurvePublicKey | None:
         return self.key.private_key.public_key() if kid == self.key.kid else None
@@ -223,7 +233,28 @@ class TokenService:
             first_use.cancel()
             raise
         await self._first_use(first_use)
+        await self._within_rate(client, issued.tenant)
         return issued
+
+    async def _within_rate(self, client: IdentityRecord, tenant: str) -> None:
+        """Count one token issued for ``tenant``, or refuse it (``rate_limited``, 429) if the tenant
+        has had as many as ``fleet.limits.fair.token_issue`` allows (per second, burst)."""
+        try:
+            decision = await self._policy.decide("fleet.limits.fair.token_issue", {"tenant": tenant})
+        except FleetError as exc:
+            raise OAuthError(
+                "temporarily_unavailable", f"rate policy unavailable: {exc.message}", 503
+            ) from None
+        wait_s = self._rates.take((tenant,), decision.result)
+        if wait_s:
+            retry = max(1, math.ceil(min(wait_s, 3600)))
+            log.warning("token for %s of tenant %r refused: tenant over its rate", client.id, tenant)
+            raise OAuthError(
+                str(ErrorCode.RATE_LIMITED),
+                f"tenant {tenant!r} is issued tokens more often than policy allows; retry in {retry} s",
+                429,
+                retry,
+            )
 
     @staticmethod
     async def _first_use(first_use: Awaitable[bool]) -> None:
@@ -696,7 +727,7 @@ class TokenService:
             },
             typ=typ,
         )
-        return IssuedToken(token, ttl_s, scope, ISSUED_TYPES.get(typ, ACCESS_TOKEN_TYPE))
+        return IssuedToken(token, ttl_s, scope, ISSUED_TYPES.get(typ, ACCESS_TOKEN_TYPE), tenant)
 
 
 def subject_kind(identity: IdentityRecord) -> str:

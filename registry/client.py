@@ -17,6 +17,7 @@ from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.issuer_certs import IssuerTrust
 from fleet.keys import SigningKey
 from fleet.natsconn import Credentials, connect
+from fleet.retry import retrying
 from fleet.revocations import Revocations
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
@@ -263,15 +264,14 @@ class RegistryClient:
         """GET a registry resource. A registry that cannot be reached, or answers that what it
         stands on is failing over, is asked again for up to ``FAILOVER_PATIENCE_S``; then it is
         :class:`DependencyUnavailable` (the caller's work waits and is retried, it does not fail)."""
-        deadline = time.monotonic() + FAILOVER_PATIENCE_S
-        while True:
-            try:
-                return await self._read_once(path, what, params, authorized)
-            except DependencyUnavailable as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.info("%s; trying again", exc.message)
-                await asyncio.sleep(FAILOVER_RETRY_S)
+        return await retrying(
+            what,
+            lambda: self._read_once(path, what, params, authorized),
+            retry_on=(DependencyUnavailable,),
+            patience_s=FAILOVER_PATIENCE_S,
+            base_s=FAILOVER_RETRY_S,
+            cap_s=2.0,
+        )
 
     async def _read_once(self, path: str, what: str, params: dict[str, str] | None, authorized: bool) -> Any:
         headers = await self._headers("registry:read") if authorized else {}

@@ -179,8 +179,9 @@ async def token(request: Request, state: RegistryState) -> Response:
             form.get("audience"),
             form.get("tenant"),
         )
+        retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
         return JSONResponse(
-            {"error": exc.error, "error_description": exc.description}, status_code=exc.status
+            {"error": exc.error, "error_description": exc.description}, status_code=exc.status, headers=retry
         )
     return JSONResponse(
         {

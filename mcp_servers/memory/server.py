@@ -93,6 +93,9 @@ class MemorySettings(ServiceSettings):
     memory_qdrant_collection: str = "fleet_memory"
     memory_max_chars: int = Field(default=DEFAULT_MAX_CHARS, gt=0, le=1_000_000)
     memory_scan_timeout_s: float = Field(default=5.0, gt=0)
+    memory_scan_threads: int = Field(
+        default=2, ge=1, le=64, description="scan threads, shared by tenants in turn (fleet.limits.fair)"
+    )
     memory_ner_model: str = Field(default="", description="an installed spaCy model for names and places")
     memory_sweep_every_s: float = Field(default=300.0, ge=0, description="retention sweep (0: never)")
     memory_index_after: int = Field(
@@ -405,6 +408,7 @@ def build_app_for(settings: MemorySettings) -> Starlette:
             audit.record,
             server_id=settings.service_id,
             scan_timeout_s=settings.memory_scan_timeout_s,
+            scan_threads=settings.memory_scan_threads,
             extractor=(
                 LlmExtractor(
                     settings.memory_llm_url, settings.memory_llm_model, api_key=settings.memory_llm_api_key

@@ -16,11 +16,13 @@ from mcp.client.streamable_http import streamable_http_client
 from tests.e2e.conftest import Stack
 
 
-async def call(stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any]) -> Any:
+async def call(
+    stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any], *, timeout_s: float = 60
+) -> Any:
     """One MCP tool call to ``server`` of ``stack`` over Streamable HTTP, with ``token``."""
     url = stack.endpoints["mcp_servers"][server]
     async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http,
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s) as http,
         Client(streamable_http_client(url, http_client=http)) as client,
     ):
         return await client.call_tool(tool, arguments)

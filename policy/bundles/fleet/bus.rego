@@ -78,7 +78,9 @@ pulling(stream, durable) := {
 coordinator_pub := ((((revocations | enforcing) | pulling("FLEET_EVENTS", "triggers")) | pulling("FLEET_SIGNALS", "signals")) | {
 	"$JS.API.STREAM.INFO.FLEET_WORK",
 	"$JS.API.CONSUMER.INFO.FLEET_WORK.run-workers",
+	"$JS.API.CONSUMER.LIST.FLEET_WORK", # the work queue gauges: every tenant's consumer
 	"fleet.work.run",
+	"fleet.work.run.*", # a tenant's work (coordinator/work.py)
 	"$JS.API.STREAM.INFO.FLEET_DEAD_LETTERS",
 	"fleet.dead.events",
 	"fleet.dead.signals",
@@ -88,8 +90,10 @@ coordinator_pub := ((((revocations | enforcing) | pulling("FLEET_EVENTS", "trigg
 	"$JS.API.STREAM.MSG.DELETE.FLEET_SIGNALS",
 })
 
-worker_pub := ((revocations | enforcing) | pulling("FLEET_WORK", "run-workers")) | {
+# The workers own every consumer of FLEET_WORK: run-workers and one per tenant (run-workers-<tenant>).
+worker_pub := ((revocations | enforcing) | pulling("FLEET_WORK", "*")) | {
 	"fleet.work.run",
+	"fleet.work.run.*",
 	"$JS.API.STREAM.INFO.FLEET_APPROVALS",
 	"$JS.API.STREAM.INFO.FLEET_SIGNALS",
 	"fleet.approvals.>",
