@@ -17,6 +17,7 @@ from types import TracebackType
 import psycopg
 
 from coordinator.runs import NOTIFY_CHANNEL
+from fleet.retry import backoff_s
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +116,19 @@ class RunNotifier:
             wakeup.wake()
 
     async def _listen(self) -> None:
-        delay = self._backoff_s
+        failed = 0  # connections lost in a row without one that got to listen
         while True:
             try:
                 await self._listen_once()
             except Exception as exc:  # the database restarting, a network cut: log, then reconnect
-                if self._listening.is_set():
-                    delay = self._backoff_s
+                failed = 1 if self._listening.is_set() else failed + 1
+                delay = backoff_s(failed, base_s=self._backoff_s, cap_s=self._max_backoff_s)
                 log.warning("run notifications: connection lost (%s); reconnecting in %.1fs", exc, delay)
+            else:
+                failed, delay = 0, self._backoff_s
             self._listening.clear()
             self.backend_pid = None
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self._max_backoff_s)
 
     async def _listen_once(self) -> None:
         async with await psycopg.AsyncConnection.connect(self._dsn, autocommit=True) as conn:

@@ -55,6 +55,7 @@ from coordinator.task_store import PostgresTaskStore
 from fleet.a2a_support import claims_of
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey
+from fleet.retry import backoff_s
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +399,7 @@ class PushDispatcher:
     ) -> None:
         """Move the cursor and release the claim; on a failure, schedule the retry or give up."""
         gave_up = failure is not None and attempts >= self._max_attempts
-        backoff = min(2.0**attempts, MAX_BACKOFF_S)
+        backoff = backoff_s(attempts, base_s=2.0, cap_s=MAX_BACKOFF_S)
         if failure is not None:
             host = urllib.parse.urlsplit(target.url).hostname
             log.warning(

@@ -61,6 +61,7 @@ from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_re
 from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.events import ensure_stream
+from fleet.retry import backoff_s, retrying
 from fleet.tokens import (
     ACCESS_TOKEN_TYPE,
     SIGNAL_GRANT_TYPE,
@@ -551,21 +552,19 @@ class SignalIngest:
         )
 
     async def run(self) -> None:
-        while True:
-            try:
-                subscription = await self.subscribe()
-                break
-            except Exception:  # the broker is not there yet
-                log.warning("could not subscribe to signals; retrying", exc_info=True)
-                await asyncio.sleep(RETRY_DELAY_S)
+        # The broker not there yet, or away (failing over): tried again with backoff, for ever.
+        subscription = await retrying("subscribing to signals", self.subscribe, retry_on=(Exception,))
+        failed = 0  # fetches failed in a row
         while True:
             try:
                 messages = await subscription.fetch(16, timeout=5)
+                failed = 0
             except NatsTimeout:
                 continue
             except Exception:
+                failed += 1
                 log.warning("could not fetch signals", exc_info=True)
-                await asyncio.sleep(RETRY_DELAY_S)
+                await asyncio.sleep(backoff_s(failed, base_s=RETRY_DELAY_S / 4, cap_s=RETRY_DELAY_S * 4))
                 continue
             # One at a time, in order: signals to one run are answered in the order they came.
             for message in messages:

@@ -27,6 +27,7 @@ from nats.js.errors import NotFoundError
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import ensure_stream
+from fleet.retry import backoff_s
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +93,17 @@ class EventLog:
                 batch.append(self._queue.get_nowait())
             message = b"\n".join(json.dumps(record, default=str).encode() for record in batch)
             headers = {"Nats-Msg-Id": str(batch[0]["id"]), "Fleet-Events": str(len(batch))}
-            delay = 0.2
+            failed = 0
             while True:
                 try:
                     await js.publish(self.subject, message, headers=headers)
                     break
                 except (nats.errors.Error, TimeoutError, OSError) as exc:
+                    failed += 1
                     log.warning(
                         "records for %s not stored yet (%d queued): %s", self.stream, self.pending, exc
                     )
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                    await asyncio.sleep(backoff_s(failed, base_s=0.2, cap_s=5.0))
             for _ in batch:
                 self._queue.task_done()
 

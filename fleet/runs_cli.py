@@ -33,6 +33,7 @@ from fleet.cli_common import (
 from fleet.errors import ErrorCode, FleetError
 from fleet.layout import StackLayout
 from fleet.progress import ProgressBar
+from fleet.retry import backoff_s
 
 # The operator reaches every run of the tenant (runs:admin), not only those it started.
 READ_SCOPES = ("agent:invoke", "runs:admin")
@@ -114,7 +115,7 @@ async def _backoff(failures: int, why: str) -> int:
     failures += 1
     if failures > RECONNECTS:
         raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"lost the coordinator's event stream: {why}")
-    await asyncio.sleep(min(0.25 * 2**failures, 5.0))
+    await asyncio.sleep(backoff_s(failures, base_s=0.5, cap_s=5.0))
     return failures
 
 

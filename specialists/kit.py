@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
@@ -61,6 +60,7 @@ from fleet.operation_ext import (
     operations_extension,
     skills_extension,
 )
+from fleet.retry import backoff_s
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
@@ -517,7 +517,7 @@ class Toolbox:
                     why,
                     attempt,
                 )
-                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
+                await asyncio.sleep(backoff_s(attempt, base_s=RETRY_BACKOFF_S))
         raise AssertionError("unreachable")
 
 
