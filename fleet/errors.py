@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     APPROVAL_GRANT_EXPIRED = "approval_grant_expired"
     APPROVAL_MISMATCH = "approval_mismatch"
     APPROVAL_REPLAYED = "approval_replayed"
+    BODY_TOO_LARGE = "body_too_large"  # a request body over the service's cap (fleet.bodylimit)
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -61,6 +62,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CARD_INVALID: 400,
     ErrorCode.PUSH_URL_REFUSED: 400,
     ErrorCode.TOO_LARGE: 413,
+    ErrorCode.BODY_TOO_LARGE: 413,
     ErrorCode.UNSCANNABLE: 422,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.NO_SPECIALIST: 404,
