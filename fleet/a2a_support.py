@@ -109,6 +109,23 @@ def _body_error(body: bytes) -> JSONRPCError | None:
     return None
 
 
+class _CallerFaultTraces(logging.Filter):
+    """Drops the a2a-sdk dispatcher's ERROR records with a stack trace for requests it refuses as
+    the caller's fault (-32600 Invalid Request, -32602 Invalid params): it logs each again as a
+    WARNING with the reason, and a caller must not be able to fill the log with stack traces."""
+
+    MESSAGES = frozenset({"Failed to validate base JSON-RPC request", "Failed to parse request params"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.MESSAGES
+
+
+def _quiet_caller_faults() -> None:
+    dispatcher_log = logging.getLogger("a2a.server.routes.jsonrpc_dispatcher")
+    if not any(isinstance(f, _CallerFaultTraces) for f in dispatcher_log.filters):
+        dispatcher_log.addFilter(_CallerFaultTraces())
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that gives ``body`` once, then waits on the real one (for the disconnect)."""
     pending = [body]
@@ -301,6 +318,7 @@ def a2a_app(
         ],
         lifespan=lifespan,
     )
+    _quiet_caller_faults()
     app.add_middleware(JsonRpcBodyCheck)  # inside the auth: a caller without a token gets 401 unread
     app.add_middleware(
         BearerAuthMiddleware,

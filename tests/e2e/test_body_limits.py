@@ -256,6 +256,31 @@ async def test_a2a_json_that_is_not_an_object_is_an_invalid_request_without_a_tr
     _assert_no_sdk_traceback(_log_since(stack, "coordinator", offset))
 
 
+INVALID_REQUESTS = {
+    "no-method": (b'{"jsonrpc": "2.0", "id": 7}', 7, -32600),
+    "empty": (b"{}", None, -32600),
+    "bad-params": (json.dumps(_rpc("GetTask", {"id": {"not": "a string"}})).encode(), 1, -32602),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(INVALID_REQUESTS))
+async def test_an_invalid_a2a_request_is_refused_without_a_stack_trace_in_the_log(
+    stack: Stack, kind: str
+) -> None:
+    body, request_id, code = INVALID_REQUESTS[kind]
+    offset = _log_size(stack, "coordinator")
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.post(
+            stack.endpoints["coordinator"] + RPC_PATH,
+            content=body,
+            headers=_bearer(stack.token("coordinator")),
+        )
+    answer = response.json()
+    assert answer["id"] == request_id and answer["error"]["code"] == code, answer
+    await logged(stack, "coordinator", f"Code={code}")  # the SDK's WARNING with the reason stays
+    _assert_no_sdk_traceback(_log_since(stack, "coordinator", offset))
+
+
 @pytest.mark.parametrize("kind", ["binary", "invalid-utf8", "truncated", "too-deep"])
 @pytest.mark.parametrize("surface", ["run-api", "registry-enroll"])
 async def test_http_apis_answer_a_body_that_is_not_json_with_400_invalid_request(
