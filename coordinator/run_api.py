@@ -274,7 +274,7 @@ def budget_decision(body: dict[str, Any]) -> dict[str, Any]:
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8 JSON, or nested deeper than Python parses
         raise FleetError(ErrorCode.INVALID_REQUEST, "the body must be a JSON object") from exc
     if not isinstance(body, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "the body must be a JSON object")

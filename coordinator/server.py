@@ -38,6 +38,7 @@ from fleet import telemetry, transport
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
+    a2a_body_limit,
     build_card,
     sign_card,
 )
@@ -247,4 +248,6 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
 async def main(settings: ServiceSettings) -> None:
     coordinator_settings = CoordinatorSettings.from_env(settings.service_id)
     configure_logging(coordinator_settings.service_id, coordinator_settings.log_level)
-    await serve_app(build_app(coordinator_settings), coordinator_settings)
+    await serve_app(
+        build_app(coordinator_settings), coordinator_settings, [a2a_body_limit(coordinator_settings)]
+    )

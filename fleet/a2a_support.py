@@ -4,12 +4,15 @@ context carrying the verified claims, and signed agent cards."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from a2a.server.context import ServerCallContext
+from a2a.server.jsonrpc_models import InvalidRequestError, JSONParseError, JSONRPCError
 from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.request_handlers.response_helpers import build_error_response
 from a2a.server.routes import (
     DefaultServerCallContextBuilder,
     create_agent_card_routes,
@@ -34,15 +37,105 @@ from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm
 from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fleet.bodylimit import BodyLimit
 from fleet.errors import FleetError
 from fleet.keys import ALGORITHM, SigningKey
 from fleet.service import Readiness
+from fleet.settings import ServiceSettings
 from fleet.tokens import BearerVerifier, Claims, bearer_token
 
 RPC_PATH = "/a2a/jsonrpc"
+
+log = logging.getLogger(__name__)
+
+
+def a2a_body_limit(settings: ServiceSettings) -> BodyLimit:
+    """The body cap of the A2A JSON-RPC path (for :func:`fleet.service.serve_app`): refusals there
+    are JSON-RPC errors."""
+    return BodyLimit(RPC_PATH, settings.max_body_bytes, jsonrpc=True)
+
+
+class JsonRpcBodyCheck:
+    """Answers an A2A JSON-RPC body that is not UTF-8 JSON with -32700 Parse error, and JSON that is
+    not an object with -32600 Invalid Request (JSON-RPC 2.0: ``1`` is an invalid request; batches are
+    not supported), both with id null. The SDK's dispatcher answers some of these -32603 with a logged
+    traceback. Other bodies reach the app unchanged. The body is read whole here, as the dispatcher
+    reads it: the cap of :mod:`fleet.bodylimit` bounds it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != RPC_PATH:
+            await self._app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return  # the caller went away: nobody to answer
+        error = _body_error(body)
+        if error is not None:
+            claims = scope.get("state", {}).get("claims")
+            who = f"{claims.tenant}/{claims.sub}" if isinstance(claims, Claims) else "-"
+            log.warning("A2A request refused (%d %s); principal=%s", error.code, error.message, who)
+            await JSONResponse(build_error_response(None, error))(scope, receive, send)
+            return
+        await self._app(scope, _replay(body, receive), send)
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _body_error(body: bytes) -> JSONRPCError | None:
+    try:
+        parsed = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return JSONParseError(message="Parse error: the body is not UTF-8 JSON")
+    if isinstance(parsed, list):
+        return InvalidRequestError(message="Batch requests are not supported")
+    if not isinstance(parsed, dict):
+        return InvalidRequestError(message="Invalid request: the body must be a JSON object")
+    return None
+
+
+class _CallerFaultTraces(logging.Filter):
+    """Drops the a2a-sdk dispatcher's ERROR records with a stack trace for requests it refuses as
+    the caller's fault (-32600 Invalid Request, -32602 Invalid params): it logs each again as a
+    WARNING with the reason, and a caller must not be able to fill the log with stack traces."""
+
+    MESSAGES = frozenset({"Failed to validate base JSON-RPC request", "Failed to parse request params"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.MESSAGES
+
+
+def _quiet_caller_faults() -> None:
+    dispatcher_log = logging.getLogger("a2a.server.routes.jsonrpc_dispatcher")
+    if not any(isinstance(f, _CallerFaultTraces) for f in dispatcher_log.filters):
+        dispatcher_log.addFilter(_CallerFaultTraces())
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` once, then waits on the real one (for the disconnect)."""
+    pending = [body]
+
+    async def replayed() -> Message:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class BearerAuthMiddleware:
@@ -225,6 +318,8 @@ def a2a_app(
         ],
         lifespan=lifespan,
     )
+    _quiet_caller_faults()
+    app.add_middleware(JsonRpcBodyCheck)  # inside the auth: a caller without a token gets 401 unread
     app.add_middleware(
         BearerAuthMiddleware,
         verifier=verifier,
@@ -249,7 +344,9 @@ __all__ = [
     "RPC_PATH",
     "BearerAuthMiddleware",
     "ClaimsContextBuilder",
+    "JsonRpcBodyCheck",
     "a2a_app",
+    "a2a_body_limit",
     "build_card",
     "claims_of",
     "request_claims",

@@ -69,6 +69,7 @@ class ErrorCode(StrEnum):
     # more often than policy allows (tokens, events): retry after ``retry_after_s``.
     QUOTA_EXCEEDED = "quota_exceeded"
     RATE_LIMITED = "rate_limited"
+    BODY_TOO_LARGE = "body_too_large"  # a request body over the service's cap (fleet.bodylimit)
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -79,6 +80,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CARD_INVALID: 400,
     ErrorCode.PUSH_URL_REFUSED: 400,
     ErrorCode.TOO_LARGE: 413,
+    ErrorCode.BODY_TOO_LARGE: 413,
     ErrorCode.UNSCANNABLE: 422,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.NO_SPECIALIST: 404,

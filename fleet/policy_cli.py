@@ -32,6 +32,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from deploy.local_stack import OPERATOR_ID
+from fleet.bodylimit import BodySizeLimit
 from fleet.cli_common import report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
@@ -51,6 +52,7 @@ from policy.testing import RegoTestResult, run_bundle_tests
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 ENFORCED_WAIT_S = 10.0
+SERVE_MAX_BODY_BYTES = 16 * 1024 * 1024  # `fleet policy serve`: a body over it (a module, data) is 413
 
 
 def _load(directory: Path | None) -> Bundle:
@@ -420,5 +422,6 @@ def serve(directory: Path | None, host: str, port: int) -> int:
     except PolicyError as exc:
         print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
         return EXIT_FAILED
-    uvicorn.run(build_app(point, token), host=host, port=port, log_level="warning")
+    app = BodySizeLimit(build_app(point, token), SERVE_MAX_BODY_BYTES)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
     return EXIT_OK

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import uvicorn
 from starlette.requests import Request
@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from fleet import telemetry
+from fleet.bodylimit import BodyLimit, BodySizeLimit
 from fleet.settings import ServiceSettings
 
 
@@ -45,14 +46,17 @@ def listening_socket(settings: ServiceSettings) -> socket.socket:
     return sock
 
 
-async def serve_app(app: ASGIApp, settings: ServiceSettings) -> None:
+async def serve_app(app: ASGIApp, settings: ServiceSettings, body_limits: Sequence[BodyLimit] = ()) -> None:
     """Serve ``app`` until SIGTERM/SIGINT; uvicorn drains in-flight requests on the way out.
 
     Every service gets ``/metrics`` here, and its traces go to the OTLP endpoint its settings name
-    (none: tracing stays off); the spans still queued are exported on the way out."""
+    (none: tracing stays off); the spans still queued are exported on the way out. Request bodies are
+    capped at ``settings.max_body_bytes``, or at the cap of the first of ``body_limits`` whose prefix
+    the path starts with (:mod:`fleet.bodylimit`)."""
     tracing = telemetry.configure(settings.service_id, settings.otlp_endpoint)
+    capped = BodySizeLimit(app, settings.max_body_bytes, body_limits)
     try:
-        await _serve(telemetry.with_metrics(app), settings)
+        await _serve(telemetry.with_metrics(capped), settings)
     finally:
         if tracing is not None:
             tracing.shutdown()

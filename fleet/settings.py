@@ -115,6 +115,18 @@ class ServiceSettings(BaseSettings):
     opa_token: str = Field(default="", description="a bearer token for that OPA server, if it wants one")
     policy_timeout_s: float = Field(default=2.0, gt=0, description="a decision not made by then is a denial")
     log_level: str = "info"
+    max_body_bytes: int = Field(
+        default=1024 * 1024,
+        gt=0,
+        description="the largest request body any route takes, A2A JSON-RPC included (larger: 413"
+        " body_too_large)",
+    )
+    max_mcp_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="the largest request body of an MCP server's /mcp route (the MCP SDK's own limit;"
+        " a memory batch of 256 texts of 16,000 characters needs it)",
+    )
     state_dir: Path | None = Field(default=None, description="where this service keeps local state")
     heartbeat_s: float = Field(
         default=20.0, description="a specialist's heartbeat to its caller while a skill works (0: none)"

@@ -30,11 +30,12 @@ from starlette.routing import Mount, Route
 from fleet import telemetry, transport
 from fleet import tokens as fleet_tokens
 from fleet.approvals import APPROVAL_GRANT, args_sha256
+from fleet.bodylimit import BodyLimit
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
 from fleet.natsconn import connect, key_value, service_credentials
 from fleet.rates import RateLimits
-from fleet.service import Readiness, start_in_background
+from fleet.service import Readiness, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
 from fleet.tokens import Claims
@@ -467,6 +468,12 @@ def build_app(
         routes=[Route("/healthz", readiness.endpoint), Mount("/", app=mcp_app)],
         lifespan=lifespan,
     )
+
+
+async def serve_mcp(app: Starlette, settings: ServiceSettings) -> None:
+    """Serve an MCP server's app (:func:`fleet.service.serve_app`); ``/mcp`` takes bodies up to
+    ``settings.max_mcp_body_bytes``, every other route ``settings.max_body_bytes``."""
+    await serve_app(app, settings, [BodyLimit(MCP_PATH, settings.max_mcp_body_bytes, jsonrpc=True)])
 
 
 async def declared_tools(mcp: MCPServer, scopes: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:

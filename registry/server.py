@@ -147,7 +147,7 @@ async def _authorize(request: Request, state: RegistryState, scope: str) -> Clai
 async def _json_body(request: Request) -> dict[str, object]:
     try:
         body = await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8 JSON, or nested deeper than Python parses
         raise FleetError(ErrorCode.INVALID_REQUEST, "body must be JSON") from exc
     if not isinstance(body, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "body must be a JSON object")

@@ -45,6 +45,7 @@ from fleet import telemetry, transport
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
+    a2a_body_limit,
     build_card,
     claims_of,
     request_claims,
@@ -1096,4 +1097,4 @@ async def serve_specialist(
 ) -> None:
     configure_logging(settings.service_id, settings.log_level)
     app = build_specialist_app(settings, name=name, description=description, version=version, skills=skills)
-    await serve_app(app, settings)
+    await serve_app(app, settings, [a2a_body_limit(settings)])

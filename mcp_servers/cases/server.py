@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from starlette.applications import Starlette
 
 from fleet.approvals import ApprovalRequest
-from fleet.service import configure_logging, serve_app
+from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
     KEYED_WRITE,
@@ -45,6 +45,7 @@ from mcp_servers._base import (
     approval_grants_sql,
     current_claims,
     fleet_mcp_server,
+    serve_mcp,
     use_grant,
 )
 from mcp_servers._pg import database_tool_app, pg_message
@@ -476,4 +477,4 @@ def build_app_for(settings: CasesSettings) -> Starlette:
 async def main(settings: ServiceSettings) -> None:
     cases_settings = CasesSettings.from_env(settings.service_id)
     configure_logging(cases_settings.service_id, cases_settings.log_level)
-    await serve_app(build_app_for(cases_settings), cases_settings)
+    await serve_mcp(build_app_for(cases_settings), cases_settings)

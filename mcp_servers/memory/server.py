@@ -45,7 +45,7 @@ from typing_extensions import TypedDict  # pydantic nests these only from typing
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import EventLog
 from fleet.natsconn import connect, service_credentials
-from fleet.service import configure_logging, serve_app
+from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
 from mcp_servers._base import (
@@ -55,6 +55,7 @@ from mcp_servers._base import (
     READ_ONLY,
     ToolGate,
     fleet_mcp_server,
+    serve_mcp,
     tool_server_app,
 )
 from memory.consolidate import LlmExtractor
@@ -497,4 +498,4 @@ async def _housekeeping(memory: Memory, settings: MemorySettings) -> AsyncIterat
 async def main(settings: ServiceSettings) -> None:
     memory_settings = MemorySettings.from_env(settings.service_id)
     configure_logging(memory_settings.service_id, memory_settings.log_level)
-    await serve_app(build_app_for(memory_settings), memory_settings)
+    await serve_mcp(build_app_for(memory_settings), memory_settings)

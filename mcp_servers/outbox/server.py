@@ -49,7 +49,7 @@ from fleet.approvals import ApprovalRequest
 from fleet.artifacts import NatsArtifactStore, parse_ref
 from fleet.errors import FleetError
 from fleet.natsconn import connect, service_credentials
-from fleet.service import configure_logging, serve_app
+from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
 from mcp_servers._base import (
@@ -61,6 +61,7 @@ from mcp_servers._base import (
     ToolGate,
     approval_grants_sql,
     fleet_mcp_server,
+    serve_mcp,
     use_grant,
 )
 from mcp_servers._pg import database_tool_app, pg_message
@@ -523,4 +524,4 @@ def build_app_for(settings: OutboxSettings) -> Starlette:
 async def main(settings: ServiceSettings) -> None:
     outbox_settings = OutboxSettings.from_env(settings.service_id)
     configure_logging(outbox_settings.service_id, outbox_settings.log_level)
-    await serve_app(build_app_for(outbox_settings), outbox_settings)
+    await serve_mcp(build_app_for(outbox_settings), outbox_settings)

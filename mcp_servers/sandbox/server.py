@@ -46,7 +46,7 @@ from typing_extensions import TypedDict  # pydantic nests these only from typing
 from fleet.artifacts import ArtifactRef, NatsArtifactStore
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, key_value, service_credentials
-from fleet.service import configure_logging, serve_app
+from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
 from mcp_servers._base import (
@@ -54,6 +54,7 @@ from mcp_servers._base import (
     TenantKeys,
     ToolGate,
     fleet_mcp_server,
+    serve_mcp,
     tool_server_app,
 )
 from mcp_servers.sandbox.cgroups import CallCaps
@@ -487,4 +488,4 @@ def build_app_for(settings: SandboxSettings) -> Starlette:
 async def main(settings: ServiceSettings) -> None:
     sandbox_settings = SandboxSettings.from_env(settings.service_id)
     configure_logging(sandbox_settings.service_id, sandbox_settings.log_level)
-    await serve_app(build_app_for(sandbox_settings), sandbox_settings)
+    await serve_mcp(build_app_for(sandbox_settings), sandbox_settings)

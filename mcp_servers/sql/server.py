@@ -38,13 +38,14 @@ from pydantic import Field
 from starlette.applications import Starlette
 
 from fleet.errors import ErrorCode
-from fleet.service import configure_logging, serve_app
+from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
     KEYED_WRITE,
     READ_ONLY,
     ToolGate,
     fleet_mcp_server,
+    serve_mcp,
     tool_server_app,
 )
 from mcp_servers._pg import discard_session_state, pg_message
@@ -478,4 +479,4 @@ def build_app_for(settings: SqlServerSettings) -> Starlette:
 async def main(settings: ServiceSettings) -> None:
     sql_settings = SqlServerSettings.from_env(settings.service_id)
     configure_logging(sql_settings.service_id, sql_settings.log_level)
-    await serve_app(build_app_for(sql_settings), sql_settings)
+    await serve_mcp(build_app_for(sql_settings), sql_settings)

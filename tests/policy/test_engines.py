@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from fleet.errors import ErrorCode
+from fleet.policy_cli import SERVE_MAX_BODY_BYTES
 from fleet.settings import ServiceSettings
 from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicyError, RegorusEngine
 from policy.live import LivePolicy, live_policy
@@ -171,3 +172,14 @@ def test_with_the_opa_engine_nothing_is_decided_before_the_bundle_is_loaded(tmp_
     assert policy.engine is None and policy.revision == "none"
     with pytest.raises(PolicyError, match="no policy is loaded here yet"):
         asyncio.run(policy.decide(*CALLS[0]))
+
+
+async def test_the_decision_point_refuses_a_body_over_its_cap_with_413(opa_url: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.put(
+            opa_url + "/v1/data/huge",
+            content=b"x" * (SERVE_MAX_BODY_BYTES + 1),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
