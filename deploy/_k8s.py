@@ -337,7 +337,7 @@ def scaled_object() -> Doc:
         "spec": {
             "scaleTargetRef": {"name": "worker"},
             "minReplicaCount": 2,  # never 0: workers also fire timers and resume stranded runs
-            "maxReplicaCount": 20,
+            "maxReplicaCount": 5,  # what the `fleet` role's CONNECTION LIMIT (80) admits beside the coordinator
             "pollingInterval": 15,
             "cooldownPeriod": 300,
             "triggers": [
