@@ -36,8 +36,8 @@ _SECRET_KEYS = (
 )
 _SECRET_TEXT = re.compile(
     r"(?i:bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}"
-    r"|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"
-    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----"
+    r"|(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----(?:(?!-----BEGIN ).)*?-----END [A-Z ]*PRIVATE KEY-----"
     r"|\bAKIA[0-9A-Z]{16}\b"
     r"|\bgh[pousr]_[A-Za-z0-9]{30,}"
     r"|\bxox[abprs]-[A-Za-z0-9-]{10,}"
@@ -46,7 +46,7 @@ _SECRET_TEXT = re.compile(
 )
 # Secrets after a prefix that stays readable: a URL's password, and key=value / key: value pairs.
 _SECRET_AFTER = re.compile(
-    r"(?P<keep>[a-z][a-z0-9+.-]*://[^\s/:@]+:)[^\s@/]+(?=@)"
+    r"(?P<keep>(?<![a-z0-9+.-])[0-9+.-]*[a-z][a-z0-9+.-]*://[^\s/:@]+:)[^\s@/]+(?=@)"
     r"|(?P<pair>(?i:\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|token|client[_-]secret)"
     r"\s*[=:]\s*))(?![\[\s])[^\s,;&\"']+"
 )
