@@ -245,8 +245,11 @@ def _cost(compiled: Any, text: str) -> float:
 def _measure(case: Case) -> tuple[str, float, float]:
     """The costliest unit of ``case``, and the time its runs take on SMALL and LARGE characters."""
     compiled = case.compiled()
-    screened = sorted(((_cost(compiled, _text(u, 2_000)), u) for u in units(case)), reverse=True)
-    worst = max((_cost(compiled, _text(u, 20_000)), u) for _, u in screened[:3])[1]
+    # Twice each, the least: one pause of a loaded machine must not hide the costly shape.
+    screened = sorted(
+        ((min(_cost(compiled, _text(u, 2_000)) for _ in range(2)), u) for u in units(case)), reverse=True
+    )
+    worst = max((_cost(compiled, _text(u, 20_000)), u) for _, u in screened[:8])[1]
     small = min(_cost(compiled, _text(worst, SMALL)) for _ in range(3))
     if small * (LARGE / SMALL) > MAX_LARGE_S * 2:  # already far too slow: do not wait for 1 MB
         return worst, small, float("inf")
@@ -303,6 +306,6 @@ def test_the_patterns_of_the_code_are_found() -> None:
 def test_pattern_runs_in_linear_time_on_its_adversarial_input(case: Case) -> None:
     unit, small, large = measure(case)
     shape = f"{case.where} on runs of {unit!r}: {small:.3f} s on 100 KB, {large:.3f} s on 1 MB"
-    assert small < float("inf"), f"{case.where}: no answer within {DEADLINE_S:.0f} s (exponential?)"
+    assert small < float("inf"), f"{case.where}: no answer within {DEADLINE_S:.0f} s"
     assert large < MAX_LARGE_S, shape
     assert large / max(small, MIN_SMALL_S) < MAX_RATIO, shape

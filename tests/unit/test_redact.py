@@ -88,5 +88,6 @@ async def test_a_large_value_is_redacted_while_the_event_loop_runs_other_tasks()
     before = ticks
     out, count = await redact_async({"text": "a" * 4_000_000 + " token=abcdef123456"})
     other.cancel()
-    assert (out["text"][-20:], count) == (f" token={MARK}", 1)
+    assert out["text"].endswith(f"a token={MARK}")
+    assert count == 1
     assert ticks - before > 10  # the loop kept running while the text was read
