@@ -19,7 +19,11 @@ LARGE_TEXT = "a" * 900_000
 
 async def test_a_900_kb_text_part_does_not_stall_the_coordinator_for_another_tenant(stack: Stack) -> None:
     large = asyncio.create_task(
-        start(stack, stack.token("coordinator", tenant=fresh_tenant()), user_message(LARGE_TEXT, INLINE_OUTLIERS))
+        start(
+            stack,
+            stack.token("coordinator", tenant=fresh_tenant()),
+            user_message(LARGE_TEXT, INLINE_OUTLIERS),
+        )
     )
     other = stack.token("coordinator", tenant=fresh_tenant())
     answered_meanwhile = 0
