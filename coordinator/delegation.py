@@ -77,7 +77,7 @@ from fleet.operation_ext import (
     skill_traits,
     status_url,
 )
-from fleet.redact import redact
+from fleet.redact import redact_async
 from fleet.tokens import RUN_GRANT_TYPE, Claims, TokenClient
 from policy import Decision, PolicyEngine
 from registry import AgentRecord, RegistryClient
@@ -452,7 +452,7 @@ class Delegator:
             f"egress to {agent.id} (outside the fleet): {len(send)} field(s) sent, {len(withheld)} withheld"
             f" (decision {decision.decision_id}): withheld {_listed(withheld)}"
         )
-        sent: dict[str, Any] = redact(keep_paths(payload, send))[0]
+        sent: dict[str, Any] = (await redact_async(keep_paths(payload, send)))[0]
         return sent
 
     async def _answer(

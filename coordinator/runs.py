@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from fleet.errors import ErrorCode, FleetError
-from fleet.redact import redact
+from fleet.redact import redact, redact_async
 
 if TYPE_CHECKING:
     from coordinator.notifier import RunNotifier
@@ -260,10 +260,11 @@ async def _create(
     run_id: str,
     tenant: str,
     owner: str,
-    request: dict[str, Any],
+    recorded: dict[str, Any],
     plan: list[dict[str, Any]] | None,
 ) -> Run | None:
-    """Insert the run and its first events in the caller's transaction; None if it exists."""
+    """Insert the run (with its request as ``recorded``: redacted) and its first events in the
+    caller's transaction; None if it exists."""
     submitted: dict[str, Any] = {"state": RunState.SUBMITTED.value}
     if plan is not None:
         # The first event shows the plan's shape; its inputs are in the run's record, once.
@@ -279,7 +280,7 @@ async def _create(
             tenant,
             owner,
             RunState.SUBMITTED.value,
-            Jsonb(redact(request)[0]),  # kept for the record; the plan runs as given
+            Jsonb(recorded),  # kept for the record, redacted; the plan runs as given
             Jsonb(plan or []),
             len(events),
         ),
@@ -418,8 +419,9 @@ class PostgresRunStore:
         """Create the run in state ``submitted`` with its first events (submitted, and the plan if
         there is one), and its caller's ``grant`` if it has one (see :mod:`coordinator.grants`);
         idempotent for one run id."""
+        recorded = (await redact_async(request))[0]  # before the transaction: a large text takes a while
         async with self._pool.connection() as conn, conn.transaction():
-            created = await _create(conn, run_id, tenant, owner, request, plan)
+            created = await _create(conn, run_id, tenant, owner, recorded, plan)
             if created is not None and grant is not None:
                 await conn.execute(
                     "INSERT INTO fleet_runs.run_grants (run_id, grant_token) VALUES (%s, %s)", (run_id, grant)
@@ -449,8 +451,9 @@ class PostgresRunStore:
         first): (whether the run was created, whether the item is new). One transaction, under the
         run's row lock, so an item is either in the batch when it closes or refused:
         :class:`BatchClosed` once it has (see :meth:`close_batch`)."""
+        recorded = (await redact_async(request))[0]
         async with self._pool.connection() as conn, conn.transaction():
-            created = await _create(conn, run_id, tenant, owner, request, plan) is not None
+            created = await _create(conn, run_id, tenant, owner, recorded, plan) is not None
             cursor = await conn.execute(
                 "SELECT batch_closed_at, state, updated_at FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s"
                 " FOR UPDATE",

@@ -130,7 +130,9 @@ class DecisionPoint:
         return True, node
 
 
-_PACKAGE = re.compile(r"^\s*package\s+([A-Za-z_][\w.]*)", re.MULTILINE)
+# Blanks within the line only: every line start is tried anyway, and "\s*" there rereads all the
+# blank lines after it (quadratic on a run of newlines).
+_PACKAGE = re.compile(r"^[^\S\n]*package\s+([A-Za-z_][\w.]*)", re.MULTILINE)
 
 
 def _package(source: str) -> list[str] | None:

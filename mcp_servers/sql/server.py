@@ -66,7 +66,9 @@ log = logging.getLogger(__name__)
 # each tool, with the scopes a token needs to call it
 TOOLS = {"query": ["sql:query"], "execute": ["sql:write"], "write_status": ["sql:write"]}
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
-_FIRST_WORD = re.compile(r"^(?:\s+|--[^\n]*\n?|/\*.*?\*/|\()*([A-Za-z]+)", re.DOTALL)
+# Possessive: no item of the prefix starts with a letter, so giving one back never helps; without it
+# the nested \s+ backtracks exponentially on a run of spaces.
+_FIRST_WORD = re.compile(r"^(?:\s+|--[^\n]*\n?|/\*.*?\*/|\()*+([A-Za-z]+)", re.DOTALL)
 _INVALID_PASSWORD = "28P01"
 MAX_REASON_CHARS = 500
 

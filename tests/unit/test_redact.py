@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fleet.redact import MARK, redact
+import asyncio
+
+from fleet.redact import MARK, redact, redact_async
 
 JWT = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJlLXZhbHVl"
 
@@ -62,3 +64,30 @@ def test_words_that_only_look_like_secrets_are_kept() -> None:
     text = "the token budget is spent; see https://example.com/a:b; sk-short; password reset page"
     out, count = redact({"text": text})
     assert (out["text"], count) == (text, 0)
+
+
+def test_a_secret_after_a_megabyte_of_adversarial_text_is_redacted() -> None:
+    """The whole text is read, however long: nothing is cut off before the patterns run."""
+    for run in ("a" * 1_000_000, "eyJ" * 333_333, "-----BEGIN RSA PRIVATE KEY-----\n" * 30_000):
+        out, count = redact(run + " postgresql://app:s3cr3t@db/app password=hunter22")
+        assert out.endswith(f" postgresql://app:{MARK}@db/app password={MARK}")
+        assert count == 2
+
+
+async def test_a_large_value_is_redacted_while_the_event_loop_runs_other_tasks() -> None:
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    out, count = await redact_async({"text": "a" * 4_000_000 + " token=abcdef123456"})
+    other.cancel()
+    assert out["text"].endswith(f"a token={MARK}")
+    assert count == 1
+    assert ticks - before > 10  # the loop kept running while the text was read
