@@ -286,6 +286,7 @@ async def pause_and_resume(
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
     return {
         "runs": n,
         "tenant": tenant,
