@@ -201,6 +201,14 @@ class TenantQueues:
         self._turns = deque(s for s in self._turns if s in holding)
         self._turns.extend(sorted(holding - set(self._turns)))
 
+    async def close(self) -> None:
+        """Unsubscribe from every consumer this pull used (before the connection drains, which
+        would otherwise wait on each of them)."""
+        subscriptions, self._subscriptions = self._subscriptions, {}
+        for subscription in subscriptions.values():
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
     async def _subscription(self, subject: str) -> JetStreamContext.PullSubscription:
         if subject not in self._subscriptions:
             self._subscriptions[subject] = await subscribe(self._client, self._ack_wait_s, subject)

@@ -686,6 +686,8 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
                 for task in consumers:
                     task.cancel()
                 await asyncio.gather(*consumers, return_exceptions=True)
+                for queue in queues:
+                    await queue.close()
 
             stack.push_async_callback(stop_consumers)
             await stack.enter_async_context(start_in_background(readiness, start))
