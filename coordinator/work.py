@@ -5,6 +5,12 @@ each consumer task of a worker takes the tenants that have work in turn (:class:
 tenant's backlog, however long, delays another tenant's run by one turn, not by the backlog. Work
 submitted without a tenant (the stranded-run sweep) goes on ``fleet.work.run``, one more turn.
 
+A tenant's runs being advanced at once, over every worker of the fleet, are at most its
+``max_in_flight`` (policy: ``fleet.limits.fair.work``). JetStream keeps that count: it is the
+``max_ack_pending`` of the tenant's consumer, so a tenant at its cap is not delivered more work
+whichever worker asks, and a consumer task passes over it without waiting (the consumer's own
+counts say so). A run parked for a person is acked and does not count.
+
 A message is published when a run is submitted (de-duplicated by the run id, so a retried submit never
 makes a second job) and is acked only once the run has reached a durable stopping point. A worker that
 dies leaves its message unacked; JetStream redelivers it after ``ack_wait`` to another worker, which
@@ -18,9 +24,10 @@ submitted, so a worker's slice joins the submitter's trace and the queue's lag c
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -32,6 +39,7 @@ from nats.js.errors import NotFoundError
 from fleet import telemetry
 from fleet.natsconn import Credentials, connect, patiently, replicas, subject_token
 
+log = logging.getLogger(__name__)
 STREAM = "FLEET_WORK"
 RUN_SUBJECT = "fleet.work.run"
 CONSUMER = "run-workers"
@@ -44,6 +52,10 @@ PUBLISH_TIMEOUT_S = 2.0
 TURN_FETCH_S = 0.2  # how long a turn waits on a tenant whose messages may all be in flight
 IDLE_FETCH_S = 1.0  # how long a consumer task waits for work when no tenant has any
 CONSUMER_INACTIVE_S = 7 * 24 * 3600.0  # a tenant's consumer nobody pulled from this long is removed
+LIMITS_REFRESH_S = 30.0  # how often a pull asks policy again for its tenants' caps
+
+# A tenant's cap on runs in flight: the tenant token of its work subject -> max_in_flight (>= 1).
+InFlightCap = Callable[[str], Awaitable[int]]
 
 
 def run_subject(tenant: str) -> str:
@@ -145,23 +157,31 @@ class RunSubmitter:
         await submit_run(self._client, run_id, attempt, tenant)
 
 
-async def subscribe(
-    client: NATS, ack_wait_s: float, subject: str = RUN_SUBJECT
-) -> JetStreamContext.PullSubscription:
-    """A pull subscription to the durable consumer of ``subject`` (created if missing)."""
-    js = client.jetstream()
+def _consumer_config(ack_wait_s: float, subject: str, max_in_flight: int | None) -> ConsumerConfig:
     tenant = subject != RUN_SUBJECT
-    config = ConsumerConfig(
+    return ConsumerConfig(
+        name=consumer_of(subject),
         durable_name=consumer_of(subject),
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s,
         max_deliver=-1,
         filter_subject=subject,
         inactive_threshold=CONSUMER_INACTIVE_S if tenant else None,
+        max_ack_pending=max_in_flight,
     )
+
+
+async def subscribe(
+    client: NATS, ack_wait_s: float, subject: str = RUN_SUBJECT, *, max_in_flight: int | None = None
+) -> JetStreamContext.PullSubscription:
+    """A pull subscription to the durable consumer of ``subject``, created or brought to
+    ``max_in_flight`` (messages delivered and not yet acked; None: the server's default) first."""
+    js = client.jetstream()
+    config = _consumer_config(ack_wait_s, subject, max_in_flight)
 
     async def pull_subscribe() -> JetStreamContext.PullSubscription:
         await ensure_stream(js)
+        await js.add_consumer(STREAM, config)  # creates it, or updates what may change
         return await js.pull_subscribe(subject, durable=consumer_of(subject), config=config)
 
     # Every worker creates-or-binds the durable consumers when it starts; on a loaded cluster
@@ -171,12 +191,16 @@ async def subscribe(
 
 class TenantQueues:
     """One consumer task's pull on the work queue: the subjects that hold work (the stream says
-    which), each through its durable consumer, taken in turn after the one it took last."""
+    which), each through its durable consumer, taken in turn after the one it took last; a tenant
+    with nothing deliverable (all its work in flight, or at its ``cap``) is passed over."""
 
-    def __init__(self, client: NATS, ack_wait_s: float) -> None:
+    def __init__(self, client: NATS, ack_wait_s: float, cap: InFlightCap | None = None) -> None:
         self._client = client
         self._ack_wait_s = ack_wait_s
+        self._cap = cap
         self._subscriptions: dict[str, JetStreamContext.PullSubscription] = {}
+        self._caps: dict[str, int | None] = {}  # subject: the max_in_flight its consumer was given
+        self._caps_at = time.monotonic()
         self._turns: deque[str] = deque()  # subjects, the one to try next first
 
     async def next(self) -> Msg | None:
@@ -186,8 +210,11 @@ class TenantQueues:
         for _ in range(len(self._turns)):
             subject = self._turns[0]
             self._turns.rotate(-1)
+            subscription = await self._subscription(subject)
+            if not await self._deliverable(subject):
+                continue
             with contextlib.suppress(NatsTimeout):
-                [message] = await (await self._subscription(subject)).fetch(1, timeout=TURN_FETCH_S)
+                [message] = await subscription.fetch(1, timeout=TURN_FETCH_S)
                 return message
         with contextlib.suppress(NatsTimeout):  # no tenant has work: wait on the untenanted subject
             [message] = await (await self._subscription(RUN_SUBJECT)).fetch(1, timeout=IDLE_FETCH_S)
@@ -195,11 +222,38 @@ class TenantQueues:
         return None
 
     async def _refresh(self) -> None:
-        """Add the subjects that hold messages to the turns; drop those that hold none."""
+        """Add the subjects that hold messages to the turns; drop those that hold none. Every
+        :data:`LIMITS_REFRESH_S`, bring the consumers of the tenants it pulls from to the caps
+        policy names now."""
         info = await self._client.jetstream().stream_info(STREAM, subjects_filter="fleet.work.>")
         holding = {s for s, n in (info.state.subjects or {}).items() if n > 0}
         self._turns = deque(s for s in self._turns if s in holding)
         self._turns.extend(sorted(holding - set(self._turns)))
+        if self._cap is not None and time.monotonic() - self._caps_at >= LIMITS_REFRESH_S:
+            self._caps_at = time.monotonic()
+            for subject, given in list(self._caps.items()):
+                cap = await self._cap_of(subject)
+                if cap != given:
+                    log.info("%s: runs in flight at most %s (was %s)", consumer_of(subject), cap, given)
+                    config = _consumer_config(self._ack_wait_s, subject, cap)
+                    await self._client.jetstream().add_consumer(STREAM, config)
+                    self._caps[subject] = cap
+
+    async def _deliverable(self, subject: str) -> bool:
+        """Whether ``subject``'s consumer has a message it would deliver now: one not yet delivered,
+        and (for a capped tenant) fewer in flight than its cap. Asked of JetStream rather than
+        learnt by a fetch that waits."""
+        if self._caps.get(subject) is None:
+            return True
+        consumer = await self._client.jetstream().consumer_info(STREAM, consumer_of(subject))
+        limit = consumer.config.max_ack_pending or 0
+        in_flight = consumer.num_ack_pending or 0
+        return bool(consumer.num_pending) and (limit <= 0 or in_flight < limit)
+
+    async def _cap_of(self, subject: str) -> int | None:
+        if self._cap is None or subject == RUN_SUBJECT:
+            return None
+        return max(1, await self._cap(subject.rsplit(".", 1)[1]))
 
     async def close(self) -> None:
         """Unsubscribe from every consumer this pull used (before the connection drains, which
@@ -211,5 +265,9 @@ class TenantQueues:
 
     async def _subscription(self, subject: str) -> JetStreamContext.PullSubscription:
         if subject not in self._subscriptions:
-            self._subscriptions[subject] = await subscribe(self._client, self._ack_wait_s, subject)
+            cap = await self._cap_of(subject)
+            self._subscriptions[subject] = await subscribe(
+                self._client, self._ack_wait_s, subject, max_in_flight=cap
+            )
+            self._caps[subject] = cap
         return self._subscriptions[subject]

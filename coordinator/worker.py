@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import logging
 import os
 import secrets
@@ -77,6 +78,7 @@ FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the
 # A run whose work message comes back this often and still finds the control plane unavailable
 # fails (with the lease's delay between deliveries: about ten minutes at the default 15 s lease).
 MAX_UNAVAILABLE_DELIVERIES = 40
+DEFAULT_MAX_IN_FLIGHT = 4  # a tenant's runs advanced at once when policy names no cap
 
 
 def _deliveries(message: Msg) -> int:
@@ -595,6 +597,20 @@ def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def max_in_flight(engine: PolicyEngine, tenant: str) -> int:
+    """How many of ``tenant``'s runs the fleet advances at once (``fleet.limits.fair.work``); a
+    policy that cannot answer keeps the default."""
+    decision = await engine.decide("fleet.limits.fair.work", {"tenant": tenant})
+    result = decision.result if decision.allow and isinstance(decision.result, dict) else {}
+    value = result.get("max_in_flight")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        log.warning(
+            "fleet.limits.fair.work gave no max_in_flight for %s; %d it is", tenant, DEFAULT_MAX_IN_FLIGHT
+        )
+        return DEFAULT_MAX_IN_FLIGHT
+    return value
+
+
 async def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
     """The run's budget and convergence limits and the deadlines of its approvals, decided by
     policy when the run starts; a policy
@@ -668,7 +684,8 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await stack.enter_async_context(enforcing(engine, nc))
             worker.approvals = nc.jetstream()
             # Pull subscriptions of their own per consumer task: they must not share an inbox.
-            queues = [work.TenantQueues(nc, settings.ack_wait_s) for _ in range(settings.concurrency)]
+            cap = functools.partial(max_in_flight, engine)
+            queues = [work.TenantQueues(nc, settings.ack_wait_s, cap) for _ in range(settings.concurrency)]
             await work.subscribe(nc, settings.ack_wait_s)  # the untenanted consumer, before work comes
             consumers = [
                 asyncio.create_task(worker.consume(queue, enrolled), name=f"consumer-{i}")

@@ -669,8 +669,9 @@ class _Cached:
 
 
 # A token service failing over (a NATS node lost under the registry's store) answers again within
-# seconds; a service's request waits that long rather than failing the work it is for.
-FAILOVER_PATIENCE_S = 10.0
+# seconds (longer on a loaded machine); a service's request waits that long rather than failing the work
+# it is for.
+FAILOVER_PATIENCE_S = 30.0
 FAILOVER_RETRY_S = 0.25
 
 

@@ -1,9 +1,11 @@
 """Scan threads shared fairly between tenants.
 
 Each tenant's scan jobs wait in the tenant's own queue; a free thread takes the next job of the next
-tenant in turn, ``weight`` jobs of a tenant before the next tenant's (weighted round-robin). A tenant's
-jobs count against its own quota (texts and characters queued or being scanned) until its thread is
-really done with them, so a tenant that floods the pool waits behind itself, never others behind it.
+tenant in turn, ``weight`` jobs of a tenant before the next tenant's (weighted round-robin), and never
+more than ``max_threads`` of one tenant's jobs at once (by default one: with two threads, another
+tenant's scan always finds a thread free of the first's). A tenant's jobs count against its own quota
+(texts and characters queued or being scanned) until its thread is really done with them, so a tenant
+that floods the pool waits behind itself, never others behind it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ScanQuota:
     max_queued_texts: int = 512  # texts queued or being scanned, over all its calls
     max_queued_chars: int = 2_097_152  # characters of those texts
     max_call_chars: int = 1_048_576  # characters of one call's texts
+    max_threads: int = 1  # scan threads its jobs may hold at once
 
     @classmethod
     def of(cls, value: object) -> ScanQuota:
@@ -57,6 +60,8 @@ class ScanPool:
         self._turns: deque[str] = deque()  # tenants with queued jobs, the next one first
         self._served = 0  # jobs taken from the first tenant in its current turn
         self._weights: dict[str, int] = {}
+        self._max_threads: dict[str, int] = {}
+        self._running: dict[str, int] = {}  # tenant: its jobs in a thread now
         self._held: dict[str, tuple[int, int]] = {}  # tenant: (texts, chars) queued or in a thread
 
     def reserve(self, tenant: str, texts: list[str], quota: ScanQuota) -> None:
@@ -81,6 +86,7 @@ class ScanPool:
             )
         self._held[tenant] = (held_texts + len(texts), held_chars + chars)
         self._weights[tenant] = quota.weight
+        self._max_threads[tenant] = quota.max_threads
 
     def release(self, tenant: str, texts: list[str]) -> None:
         """Take ``texts`` (reserved before) off the tenant's count."""
@@ -105,18 +111,27 @@ class ScanPool:
 
     def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._free > 0 and self._turns:
-            job, answer = self._next()
+        while self._free > 0 and (next_job := self._next()) is not None:
+            tenant, job, answer = next_job
             if answer.done():  # given up while it waited
                 continue
             self._free -= 1
+            self._running[tenant] = self._running.get(tenant, 0) + 1
             running = self._executor.submit(job)
-            running.add_done_callback(functools.partial(self._done, loop, answer))
+            running.add_done_callback(functools.partial(self._done, loop, tenant, answer))
 
-    def _next(self) -> tuple[Callable[[], Any], asyncio.Future[Any]]:
-        tenant = self._turns[0]
+    def _next(self) -> tuple[str, Callable[[], Any], asyncio.Future[Any]] | None:
+        """The next job of the first tenant in turn that is under its ``max_threads``."""
+        for _ in range(len(self._turns)):
+            tenant = self._turns[0]
+            if self._running.get(tenant, 0) < self._max_threads.get(tenant, 1):
+                break
+            self._turns.rotate(-1)  # at its cap: the next tenant's turn
+            self._served = 0
+        else:
+            return None
         queue = self._queues[tenant]
-        taken = queue.popleft()
+        job, answer = queue.popleft()
         self._served += 1
         if not queue:
             del self._queues[tenant]
@@ -125,18 +140,24 @@ class ScanPool:
         elif self._served >= self._weights.get(tenant, 1):
             self._turns.rotate(-1)
             self._served = 0
-        return taken
+        return tenant, job, answer
 
     def _done(
         self,
         loop: asyncio.AbstractEventLoop,
+        tenant: str,
         answer: asyncio.Future[Any],
         done: concurrent.futures.Future[Any],
     ) -> None:
-        loop.call_soon_threadsafe(self._finished, done, answer)
+        loop.call_soon_threadsafe(self._finished, tenant, done, answer)
 
-    def _finished(self, done: concurrent.futures.Future[Any], answer: asyncio.Future[Any]) -> None:
+    def _finished(
+        self, tenant: str, done: concurrent.futures.Future[Any], answer: asyncio.Future[Any]
+    ) -> None:
         self._free += 1
+        left = self._running.pop(tenant, 1) - 1
+        if left > 0:
+            self._running[tenant] = left
         if not answer.done():
             if done.cancelled():
                 answer.cancel()

@@ -89,7 +89,7 @@ class Confinement:
 
 def bwrap_version(bwrap: Path) -> tuple[int, ...]:
     done = subprocess.run([str(bwrap), "--version"], capture_output=True, text=True, timeout=10, env={})
-    found = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", done.stdout)
+    found = re.search(r"(\d{1,9})\.(\d{1,9})(?:\.(\d{1,9}))?", done.stdout)
     return tuple(int(part) for part in found.groups("0")) if found else (0,)
 
 

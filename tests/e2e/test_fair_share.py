@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from a2a.types import TaskState
 
+from coordinator import work
 from fleet.buskeys import stack_admin
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import DEAD_LETTER_STREAM, ensure_event_streams, publish_event
@@ -26,7 +27,7 @@ from tests.e2e.conftest import TWO_STEPS, Stack, clean_env, send, start_stack, s
 from tests.e2e.stack_helpers import call, ok
 
 MEMORY = ("memory:read", "memory:write")
-TOKEN_FLOODER, EVENT_FLOODER = fresh_tenant(), fresh_tenant()
+TOKEN_FLOODER, EVENT_FLOODER, CAPPED = fresh_tenant(), fresh_tenant(), fresh_tenant()
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def limited_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     fair = data["config"]["limits"]["fair"]
     fair["token_issue"]["tenants"] = {TOKEN_FLOODER: {"per_second": 0.01, "burst": 3}}
     fair["event_ingest"]["tenants"] = {EVENT_FLOODER: {"per_second": 1, "burst": 5}}
+    fair["work"]["tenants"] = {CAPPED: {"max_in_flight": 2}}
     (bundle / "data.json").write_text(json.dumps(data, indent=2))
     running = start_stack(root / "fleet", env=clean_env(FLEET_POLICY_DIR=str(bundle)))
     yield running
@@ -187,6 +189,24 @@ async def test_a_tenant_over_its_event_rate_waits_its_turn_and_loses_no_event(li
             if await runs_of(stack, EVENT_FLOODER) + len(refused) == 30:
                 break
             await asyncio.sleep(1)
+
+
+async def test_a_tenant_has_at_most_its_cap_of_runs_in_flight_over_all_workers(limited_stack: Stack) -> None:
+    stack, count = limited_stack, 12
+    await publish_closings(stack, CAPPED, count)
+    client = await connect(stack.endpoints["nats"], "test-cap", credentials=stack_admin(stack.endpoints))
+    in_flight: list[int] = []  # the tenant's runs being advanced, sampled
+    try:
+        async with asyncio.timeout(240):
+            while await runs_of(stack, CAPPED, "completed") < count:
+                in_flight.append(await runs_of(stack, CAPPED, "working"))
+                await asyncio.sleep(0.05)
+        consumer = await client.jetstream().consumer_info(work.STREAM, f"{work.CONSUMER}-{CAPPED}")
+    finally:
+        await client.drain()
+    assert consumer.config.max_ack_pending == 2
+    # Two workers of four consumer tasks each would have taken up to eight at once.
+    assert max(in_flight) == 2, in_flight
 
 
 async def test_one_tenants_thousand_triggered_runs_do_not_hold_up_another_tenants_run(

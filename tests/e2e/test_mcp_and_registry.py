@@ -60,9 +60,14 @@ async def test_mcp_query_sees_only_the_token_tenant_even_when_sql_sets_another(s
 
 async def test_mcp_query_cannot_escalate_to_another_role(stack: Stack) -> None:
     token = stack.token("mcp-sql", tenant="globex", scopes=("sql:query",))
-    result = await call_query(stack, token, "SELECT set_config('role', 'postgres', true)")
-    assert result.is_error
-    assert "permission denied" in result.content[0].text
+    for statement in ("SELECT set_config('role', 'postgres', true)", "SET ROLE postgres"):
+        result = await call_query(stack, token, statement)
+        assert result.is_error
+        assert "[sql_refused] the statement uses function set_config" in result.content[0].text or (
+            "[invalid_request] the database refused the statement" in result.content[0].text
+        )
+    after = await call_query(stack, token, "SELECT current_user AS u")
+    assert after.structured_content["rows"] != [["postgres"]]
 
 
 async def test_mcp_call_without_the_tool_scope_is_denied_by_policy(stack: Stack) -> None:
@@ -160,7 +165,7 @@ async def test_mcp_query_refuses_anything_but_one_select(stack: Stack, statement
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
     result = await call_query(stack, token, statement)
     assert result.is_error
-    assert "[invalid_request] the database refused the query" in result.content[0].text
+    assert "[invalid_request] the database refused the " in result.content[0].text
     after = await call_query(stack, token, "SELECT count(*) AS n FROM tenant_data.invoices")
     assert after.structured_content["rows"] == [[7]]
 
@@ -169,7 +174,8 @@ async def test_mcp_session_state_set_by_one_call_does_not_reach_the_next(stack: 
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
     for _ in range(12):  # more calls than the pool has connections
         result = await call_query(stack, token, "SELECT set_config('search_path', 'pg_catalog', false)")
-        assert not result.is_error
+        assert result.is_error  # refused by the tool's allow-list before it runs
+        assert "[sql_refused] the statement uses function set_config" in result.content[0].text
     after = await call_query(stack, token, "SELECT current_setting('search_path') AS p")
     assert after.structured_content["rows"] == [['"$user", public']]
 

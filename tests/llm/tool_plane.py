@@ -117,7 +117,7 @@ def _settings(
         nats_url=nats_url,
         state_dir=tmp / identity,
         operator_jwk_file=tmp / "operator.jwk.json",
-        **more,
+        **{"local_stack": True, **more},  # every part is on this machine's loopback
     )
 
 

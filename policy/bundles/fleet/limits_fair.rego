@@ -3,11 +3,13 @@
 #   memory_scan  the memory servers' scan threads: weight (scan jobs taken from the tenant's queue in a
 #                row when its turn comes), max_queued_texts and max_queued_chars (texts, and their
 #                characters, queued or being scanned for the tenant on one server), max_call_chars
-#                (characters of one call's texts)
+#                (characters of one call's texts), max_threads (scan threads its jobs hold at once)
 #   token_issue  tokens the token service issues for the tenant (each registry replica counts its
 #                own): per_second, burst
 #   event_ingest events of the tenant the trigger ingest takes (each coordinator counts its own):
 #                per_second, burst; the rest wait their turn in the stream
+#   work         the tenant's runs the workers advance at once, over the whole fleet: max_in_flight
+#                (its work consumer's max_ack_pending; the rest wait their turn in the queue)
 package fleet.limits.fair
 
 limits(path) := object.union(
@@ -20,3 +22,5 @@ memory_scan := object.union(limits("memory_scan"), {"allow": true})
 token_issue := object.union(limits("token_issue"), {"allow": true})
 
 event_ingest := object.union(limits("event_ingest"), {"allow": true})
+
+work := object.union(limits("work"), {"allow": true})

@@ -28,3 +28,12 @@ test_token_and_event_rates_come_per_tenant if {
 	e := fair.event_ingest with input as {"tenant": "acme"}
 	e.per_second == data.config.limits.fair.event_ingest.default.per_second
 }
+
+test_a_tenant_runs_at_most_its_own_runs_in_flight if {
+	tenants := {"globex": {"max_in_flight": 1}}
+	w := fair.work with input as {"tenant": "globex"} with data.config.limits.fair.work.tenants as tenants
+	w.allow
+	w.max_in_flight == 1
+	other := fair.work with input as {"tenant": "acme"} with data.config.limits.fair.work.tenants as tenants
+	other.max_in_flight == data.config.limits.fair.work.default.max_in_flight
+}

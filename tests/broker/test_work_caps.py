@@ -1,0 +1,82 @@
+"""A tenant's runs in flight on the work queue, on a real JetStream: at most its policy's
+``max_in_flight`` over every pull at once (its consumer's ``max_ack_pending``), and a pull passes
+over a tenant at its cap straight to the next tenant's work."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from coordinator import work
+from fleet.natsconn import connect
+
+
+@pytest.fixture
+async def client(nats_url: str) -> AsyncIterator[NATS]:
+    nc = await connect(nats_url, "test-work-caps")
+    js = nc.jetstream()
+    with contextlib.suppress(NotFoundError):  # another test's stream on the session's server
+        await js.delete_stream(work.STREAM)
+    await work.ensure_stream(js)
+    yield nc
+    await js.delete_stream(work.STREAM)
+    await nc.drain()
+
+
+async def caps(tenant: str) -> int:
+    return {"flooder": 2}.get(tenant, 4)
+
+
+async def pulled(queues: list[work.TenantQueues]) -> list[tuple[str, float]]:
+    """One message from each pull, unacked (in flight): (its tenant, seconds the pull took)."""
+    taken = []
+    for queue in queues:
+        started = time.monotonic()
+        message: Msg | None = await queue.next()
+        assert message is not None
+        taken.append((message.subject.rsplit(".", 1)[1], time.monotonic() - started))
+    return taken
+
+
+async def test_a_tenant_at_its_cap_is_passed_over_for_the_next_tenants_work(client: NATS) -> None:
+    for n in range(6):
+        await work.submit_run(client, f"flood-{n}", tenant="flooder")
+    await work.submit_run(client, "victim-0", tenant="victim")
+    queues = [work.TenantQueues(client, ack_wait_s=30.0, cap=caps) for _ in range(4)]
+    try:
+        taken = await pulled(queues[:3])
+        # Without the cap the third pull would have been the flooder's third run in flight.
+        assert sorted(tenant for tenant, _ in taken) == ["flooder", "flooder", "victim"]
+        info = await client.jetstream().consumer_info(work.STREAM, f"{work.CONSUMER}-flooder")
+        assert info.config.max_ack_pending == 2
+        assert info.num_ack_pending == 2
+        started = time.monotonic()
+        assert await queues[3].next() is None  # nothing deliverable: the flooder is at its cap
+        # It waited on the idle subject only, not a turn's fetch on the flooder as well.
+        assert time.monotonic() - started < work.IDLE_FETCH_S + work.TURN_FETCH_S
+    finally:
+        for queue in queues:
+            await queue.close()
+
+
+async def test_a_run_acked_makes_room_for_the_tenants_next(client: NATS) -> None:
+    for n in range(3):
+        await work.submit_run(client, f"flood-{n}", tenant="flooder")
+    queues = [work.TenantQueues(client, ack_wait_s=30.0, cap=caps) for _ in range(2)]
+    try:
+        first = await queues[0].next()
+        assert first is not None
+        assert await queues[1].next() is not None
+        assert await queues[1].next() is None
+        await first.ack()
+        again = await queues[1].next()
+        assert again is not None and again.subject == work.run_subject("flooder")
+    finally:
+        for queue in queues:
+            await queue.close()
