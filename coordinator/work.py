@@ -8,8 +8,9 @@ submitted without a tenant (the stranded-run sweep) goes on ``fleet.work.run``, 
 A tenant's runs being advanced at once, over every worker of the fleet, are at most its
 ``max_in_flight`` (policy: ``fleet.limits.fair.work``). JetStream keeps that count: it is the
 ``max_ack_pending`` of the tenant's consumer, so a tenant at its cap is not delivered more work
-whichever worker asks, and a consumer task passes over it without waiting (the consumer's own
-counts say so). A run parked for a person is acked and does not count.
+whichever worker asks (a run whose worker died is still redelivered), and a consumer task gives it a
+short turn only (the consumer's own counts say it is at its cap). A run parked for a person is acked
+and does not count.
 
 A message is published when a run is submitted (de-duplicated by the run id, so a retried submit never
 makes a second job) and is acked only once the run has reached a durable stopping point. A worker that
@@ -50,6 +51,7 @@ TRACE_KEY = "trace"  # in a run's record: the trace context of the request that 
 SUBMIT_PATIENCE_S = 20.0  # how long a submit keeps trying while the broker fails over
 PUBLISH_TIMEOUT_S = 2.0
 TURN_FETCH_S = 0.2  # how long a turn waits on a tenant whose messages may all be in flight
+AT_CAP_FETCH_S = 0.05  # how long it waits on a tenant at its cap (for a redelivery only)
 IDLE_FETCH_S = 1.0  # how long a consumer task waits for work when no tenant has any
 CONSUMER_INACTIVE_S = 7 * 24 * 3600.0  # a tenant's consumer nobody pulled from this long is removed
 LIMITS_REFRESH_S = 30.0  # how often a pull asks policy again for its tenants' caps
@@ -192,7 +194,7 @@ async def subscribe(
 class TenantQueues:
     """One consumer task's pull on the work queue: the subjects that hold work (the stream says
     which), each through its durable consumer, taken in turn after the one it took last; a tenant
-    with nothing deliverable (all its work in flight, or at its ``cap``) is passed over."""
+    at its ``cap`` of runs in flight gets a short turn (a redelivery only)."""
 
     def __init__(self, client: NATS, ack_wait_s: float, cap: InFlightCap | None = None) -> None:
         self._client = client
@@ -211,10 +213,9 @@ class TenantQueues:
             subject = self._turns[0]
             self._turns.rotate(-1)
             subscription = await self._subscription(subject)
-            if not await self._deliverable(subject):
-                continue
+            wait_s = await self._turn_wait_s(subject)
             with contextlib.suppress(NatsTimeout):
-                [message] = await subscription.fetch(1, timeout=TURN_FETCH_S)
+                [message] = await subscription.fetch(1, timeout=wait_s)
                 return message
         with contextlib.suppress(NatsTimeout):  # no tenant has work: wait on the untenanted subject
             [message] = await (await self._subscription(RUN_SUBJECT)).fetch(1, timeout=IDLE_FETCH_S)
@@ -239,16 +240,17 @@ class TenantQueues:
                     await self._client.jetstream().add_consumer(STREAM, config)
                     self._caps[subject] = cap
 
-    async def _deliverable(self, subject: str) -> bool:
-        """Whether ``subject``'s consumer has a message it would deliver now: one not yet delivered,
-        and (for a capped tenant) fewer in flight than its cap. Asked of JetStream rather than
-        learnt by a fetch that waits."""
+    async def _turn_wait_s(self, subject: str) -> float:
+        """How long a turn's fetch on ``subject`` waits for a message. A capped tenant with its cap
+        of runs in flight (JetStream's own counts) can be given only a redelivery (a run whose
+        worker died: JetStream redelivers those first, cap or not), which comes at once: a short
+        wait, not a full turn's."""
         if self._caps.get(subject) is None:
-            return True
+            return TURN_FETCH_S
         consumer = await self._client.jetstream().consumer_info(STREAM, consumer_of(subject))
         limit = consumer.config.max_ack_pending or 0
-        in_flight = consumer.num_ack_pending or 0
-        return bool(consumer.num_pending) and (limit <= 0 or in_flight < limit)
+        at_cap = limit > 0 and (consumer.num_ack_pending or 0) >= limit
+        return AT_CAP_FETCH_S if at_cap else TURN_FETCH_S
 
     async def _cap_of(self, subject: str) -> int | None:
         if self._cap is None or subject == RUN_SUBJECT:
