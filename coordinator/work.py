@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
@@ -142,8 +144,13 @@ class RunSubmitter:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        # Flushed and closed, not drained: the pull subscriptions the process's background jobs made
+        # on this connection (triggers, signals) outlive the jobs, and a drain waits on each of them
+        # until its timeout. Everything that used the connection has stopped by now.
         if self._client is not None:
-            await self._client.drain()
+            with contextlib.suppress(NatsError, TimeoutError):
+                await self._client.flush(timeout=math.ceil(PUBLISH_TIMEOUT_S))
+            await self._client.close()
 
     @property
     def client(self) -> NATS:
