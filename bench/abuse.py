@@ -67,7 +67,7 @@ from a2a.helpers import new_data_part, new_text_part
 from a2a.types import Message, Role, SendMessageConfiguration, SendMessageRequest
 from google.protobuf.json_format import MessageToDict
 
-from bench._stack import running_stack
+from bench._stack import running_shipped_stack
 from bench.throughput import Fleet
 from fleet import producers_cli
 from fleet.events import event_message
@@ -749,7 +749,7 @@ def main(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
     started = time.monotonic()
     with (
         TemporaryDirectory(prefix="fleet-bench-") as tmp,
-        running_stack(Path(tmp) / "fleet") as (layout, endpoints),
+        running_shipped_stack(Path(tmp) / "fleet") as (layout, endpoints),
     ):
         up_s = time.monotonic() - started
         result = asyncio.run(measure(layout, endpoints, form, Path(tmp)))

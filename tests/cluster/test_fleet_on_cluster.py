@@ -26,7 +26,16 @@ from deploy.nats_cluster import NatsCluster
 from fleet.buskeys import admin_credentials
 from fleet.events import Event, publish_event
 from fleet.natsconn import Credentials, connect
-from tests.e2e.conftest import FAST_FAILOVER, Stack, clean_env, send, start_stack, stop_stack, user_message
+from tests.e2e.conftest import (
+    FAST_FAILOVER,
+    Stack,
+    bundle_with,
+    clean_env,
+    send,
+    start_stack,
+    stop_stack,
+    user_message,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +61,17 @@ def fleet_on_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     root = tmp_path_factory.mktemp("cluster")
     keys = root / "bus-keys"
     with NatsCluster(root / "nats", size=3, keys_dir=keys) as cluster:
-        env = clean_env(**SETTINGS, FLEET_NATS_URL=cluster.url, FLEET_NATS_KEYS_DIR=str(keys))
+        # Four workers: one tenant may have all their sixteen consumer tasks busy (the shipped
+        # policy's cap is sized for the local stack's two).
+        bundle = bundle_with(
+            root, lambda data: data["config"]["limits"]["fair"]["work"]["default"].update(max_in_flight=16)
+        )
+        env = clean_env(
+            **SETTINGS,
+            FLEET_NATS_URL=cluster.url,
+            FLEET_NATS_KEYS_DIR=str(keys),
+            FLEET_POLICY_DIR=str(bundle),
+        )
         stack = start_stack(root / "fleet", env=env)
         try:
             yield cluster, stack

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,19 @@ def token_claims(**overrides: Any) -> dict[str, Any]:
         **overrides,
     }
     return {k: v for k, v in claims.items() if v is not None}
+
+
+def bundle_with(root: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of the shipped policy bundle in ``root/bundle`` with ``edit`` applied to its data (for
+    ``FLEET_POLICY_DIR``): what an operator changes for a fleet of another size or a given tenant."""
+    from policy import DEFAULT_BUNDLE_DIR
+
+    bundle = root / "bundle"
+    shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
+    data = json.loads((bundle / "data.json").read_text())
+    edit(data)
+    (bundle / "data.json").write_text(json.dumps(data, indent=2))
+    return bundle
 
 
 def start_stack(data_dir: Path, env: dict[str, str] | None = None) -> Stack:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -21,9 +20,17 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.events import DEAD_LETTER_STREAM, ensure_event_streams, publish_event
 from fleet.natsconn import connect
 from fleet.operator_cli import operator_token_client
-from policy import DEFAULT_BUNDLE_DIR
 from tests.e2e.a2a_helpers import fresh_tenant
-from tests.e2e.conftest import TWO_STEPS, Stack, clean_env, send, start_stack, stop_stack, user_message
+from tests.e2e.conftest import (
+    TWO_STEPS,
+    Stack,
+    bundle_with,
+    clean_env,
+    send,
+    start_stack,
+    stop_stack,
+    user_message,
+)
 from tests.e2e.stack_helpers import call, ok
 
 MEMORY = ("memory:read", "memory:write")
@@ -34,14 +41,14 @@ TOKEN_FLOODER, EVENT_FLOODER, CAPPED = fresh_tenant(), fresh_tenant(), fresh_ten
 def limited_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack of this module's own, started with a bundle that gives two tenants low rates."""
     root = tmp_path_factory.mktemp("limited")
-    bundle = root / "bundle"
-    shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
-    data = json.loads((bundle / "data.json").read_text())
-    fair = data["config"]["limits"]["fair"]
-    fair["token_issue"]["tenants"] = {TOKEN_FLOODER: {"per_second": 0.01, "burst": 3}}
-    fair["event_ingest"]["tenants"] = {EVENT_FLOODER: {"per_second": 1, "burst": 5}}
-    fair["work"]["tenants"] = {CAPPED: {"max_in_flight": 2}}
-    (bundle / "data.json").write_text(json.dumps(data, indent=2))
+
+    def limit(data: dict[str, Any]) -> None:
+        fair = data["config"]["limits"]["fair"]
+        fair["token_issue"]["tenants"] = {TOKEN_FLOODER: {"per_second": 0.01, "burst": 3}}
+        fair["event_ingest"]["tenants"] = {EVENT_FLOODER: {"per_second": 1, "burst": 5}}
+        fair["work"]["tenants"] = {CAPPED: {"max_in_flight": 2}}
+
+    bundle = bundle_with(root, limit)
     running = start_stack(root / "fleet", env=clean_env(FLEET_POLICY_DIR=str(bundle)))
     yield running
     stop_stack(running)
