@@ -204,9 +204,12 @@ async def test_a_tenant_has_at_most_its_cap_of_runs_in_flight_over_all_workers(l
     client = await connect(stack.endpoints["nats"], "test-cap", credentials=stack_admin(stack.endpoints))
     in_flight: list[int] = []  # the tenant's runs being advanced, sampled
     try:
-        async with asyncio.timeout(240):
-            while await runs_of(stack, CAPPED, "completed") < count:
+        async with asyncio.timeout(240):  # until every run of the tenant reached a stopping point
+            while True:
                 in_flight.append(await runs_of(stack, CAPPED, "working"))
+                settled = in_flight[-1] == 0 and await queued_runs(stack, CAPPED) == 0
+                if settled and await runs_of(stack, CAPPED) == count:
+                    break
                 await asyncio.sleep(0.05)
         consumer = await client.jetstream().consumer_info(work.STREAM, f"{work.CONSUMER}-{CAPPED}")
     finally:
