@@ -50,12 +50,37 @@ TRANSIENT: tuple[type[Exception], ...] = (
 RETRY_S = 0.2
 
 
+# A server's -ERR that ends the connection because of who it is: nats-py closes the client for good on
+# these (it reconnects only after a network error).
+_AUTH_ENDED = ("authorization violation", "authentication expired", "authentication timeout")
+
+
 class FleetConnection(NATS):
-    """A NATS connection that carries the replica count of what it creates."""
+    """A NATS connection that carries the replica count of what it creates, and that reconnects
+    (with fresh credentials) when a server ends it over its authorization.
+
+    In a cluster that loses a node, every client of that node reconnects at once, the registry's
+    own among them, and the registry answers the servers' authorization callouts: a server that
+    asks while the callout is itself reconnecting times out and answers ``Authorization
+    Violation``. nats-py treats that -ERR as final and closes the client, so the service (the
+    registry itself, which then could never answer a callout again) would stay cut off while the
+    bus is healthy again a moment later. Here it is a reason to reconnect like any other; a
+    connection truly refused keeps being refused, each time logged."""
 
     def __init__(self, replicas: int) -> None:
         super().__init__()
         self.replicas = replicas
+
+    async def _process_err(self, err_msg: str) -> None:
+        if self.options.get("allow_reconnect") and self.is_connected:
+            reason = err_msg.strip().strip("'").lower()
+            if any(ended in reason for ended in _AUTH_ENDED):
+                log.warning(
+                    "%s: the bus ended the connection (%s); reconnecting", self.options.get("name"), reason
+                )
+                await self._process_op_err(nats.errors.AuthorizationError())
+                return
+        await super()._process_err(err_msg)
 
 
 BUS_AUDIENCE = "fleet-bus"  # the audience of the assertion a fleet identity connects with

@@ -6,7 +6,9 @@ holds no more connections at once than policy allows."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import json
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -67,8 +69,8 @@ class ShortLived:
         )
 
 
-async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any) -> Door:
-    key = SigningKey.generate()
+async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any, key: SigningKey | None = None) -> Door:
+    key = key or SigningKey.generate()
     record = IdentityRecord(
         id="stats", kind="specialist", keys={key.kid: key.public_jwk()}, enrolled_at=time.time()
     )
@@ -193,3 +195,59 @@ async def test_an_enrolled_identity_that_policy_refuses_stays_out(
         assert door.authority.refused >= 1 and door.authority.admitted == 0
     finally:
         await door.authority.stop()
+
+
+async def _kick_all(url: str, keys: BusKeys, whose: str) -> int:
+    """Close, from the system account, every connection of ``whose`` on the server."""
+    system = await connect(
+        url, "test-system", credentials=Credentials("registry-system", nkey_seed=keys.system.seed)
+    )
+    try:
+        reply = await system.request(
+            "$SYS.REQ.SERVER.PING.CONNZ", json.dumps({"auth": True}).encode(), timeout=2
+        )
+        body = json.loads(reply.data)
+        server = body["server"]["id"]
+        kicked = 0
+        for connection in body["data"]["connections"] or []:
+            if str(connection.get("authorized_user", "")).startswith(whose):
+                await system.request(
+                    f"$SYS.REQ.SERVER.{server}.KICK",
+                    json.dumps({"cid": connection["cid"]}).encode(),
+                    timeout=2,
+                )
+                kicked += 1
+        return kicked
+    finally:
+        await system.close()
+
+
+async def test_a_connection_refused_while_the_callout_is_away_comes_back_when_it_returns(
+    secured: tuple[str, BusKeys], tmp_path: Path
+) -> None:
+    """A connection closed while the callout is away (the registry reconnecting after a node was
+    lost) is refused on each try and is back once the callout answers again. (In a cluster the
+    refusal can also come as an -ERR after the client took itself for connected, when the
+    cluster's topology INFO arrived first: nats-py closes the client for good then, which
+    ``FleetConnection`` turns into a reconnect; tests/cluster's node-kill test meets that race.)"""
+    url, keys = secured
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=3600))
+    client = await connect(url, "stats", credentials=Credentials("stats", key=door.key), patience_s=10)
+    try:
+        await door.authority.stop()  # the callout goes away
+        assert await _kick_all(url, keys, "identity:stats:") == 1
+        await asyncio.sleep(4)  # its reconnects meet a server whose callout does not answer
+        door = await _door(tmp_path, url, keys, ShortLived(ttl_s=3600), key=door.key)
+        async with asyncio.timeout(30):  # until the server answers it again
+            while True:
+                assert not client.is_closed, "the connection was closed for good"
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await client.flush(timeout=1)
+                    break
+                await asyncio.sleep(0.1)
+        await client.publish("fleet.decisions.x", b"")
+        await client.flush()
+    finally:
+        await client.close()
+        await door.authority.stop()
+        await collect_what_nats_py_left()
