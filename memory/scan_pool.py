@@ -1,9 +1,10 @@
 """Scan threads shared fairly between tenants.
 
 Each tenant's scan jobs wait in the tenant's own queue; a free thread takes the next job of the next
-tenant in turn, ``weight`` jobs of a tenant before the next tenant's (weighted round-robin), and never
-more than ``max_threads`` of one tenant's jobs at once (by default one: with two threads, another
-tenant's scan always finds a thread free of the first's). A tenant's jobs count against its own quota
+tenant in turn, ``weight`` jobs of a tenant before the next tenant's (weighted round-robin). A tenant
+under its ``max_threads`` (by default one) goes before tenants that hold theirs: a thread that frees
+up goes to a tenant waiting with fewer, so a tenant's flood holds at most its share once another
+tenant waits, while a tenant alone uses every thread. A tenant's jobs count against its own quota
 (texts and characters queued or being scanned) until its thread is really done with them, so a tenant
 that floods the pool waits behind itself, never others behind it.
 """
@@ -121,7 +122,11 @@ class ScanPool:
             running.add_done_callback(functools.partial(self._done, loop, tenant, answer))
 
     def _next(self) -> tuple[str, Callable[[], Any], asyncio.Future[Any]] | None:
-        """The next job of the first tenant in turn that is under its ``max_threads``."""
+        """The next job of the first tenant in turn that is under its ``max_threads``; if every
+        tenant with jobs waiting is at its cap, of the first in turn (a free thread never idles
+        while jobs wait: the cap is a tenant's share while others wait, not a limit when alone)."""
+        if not self._turns:
+            return None
         for _ in range(len(self._turns)):
             tenant = self._turns[0]
             if self._running.get(tenant, 0) < self._max_threads.get(tenant, 1):
@@ -129,7 +134,7 @@ class ScanPool:
             self._turns.rotate(-1)  # at its cap: the next tenant's turn
             self._served = 0
         else:
-            return None
+            tenant = self._turns[0]
         queue = self._queues[tenant]
         job, answer = queue.popleft()
         self._served += 1

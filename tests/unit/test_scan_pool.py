@@ -18,11 +18,13 @@ class Jobs:
         self._lock = threading.Lock()
         self.running: dict[str, int] = {}
         self.most: dict[str, int] = {}
+        self.order: list[str] = []  # the tenants of the jobs in the order they started
 
     def job(self, tenant: str) -> Callable[[], str]:
         def run() -> str:
             with self._lock:
                 self.running[tenant] = self.running.get(tenant, 0) + 1
+                self.order.append(tenant)
                 self.most[tenant] = max(self.most.get(tenant, 0), self.running[tenant])
             self.release.wait(10)
             with self._lock:
@@ -32,39 +34,42 @@ class Jobs:
         return run
 
 
-async def started(jobs: Jobs, tenant: str) -> None:
+async def started(jobs: Jobs, tenant: str, count: int = 1) -> None:
     async with asyncio.timeout(5):
-        while not jobs.running.get(tenant):  # noqa: ASYNC110  # set by a scan thread: no event
+        while jobs.running.get(tenant, 0) < count:  # noqa: ASYNC110  # set by scan threads: no event
             await asyncio.sleep(0.01)
 
 
-async def test_a_tenant_holds_at_most_one_thread_by_default_and_another_gets_the_free_one() -> None:
+async def test_a_tenant_alone_scans_on_every_thread() -> None:
     pool, jobs = ScanPool(threads=2), Jobs()
     try:
-        pool.reserve("flooder", ["x"] * 4, ScanQuota())
-        pool.reserve("victim", ["x"], ScanQuota())
-        flood = [pool.submit("flooder", jobs.job("flooder")) for _ in range(4)]
-        await started(jobs, "flooder")
-        victim = pool.submit("victim", jobs.job("victim"))
-        await started(jobs, "victim")  # a thread was free although the flooder has three queued
-        assert jobs.running == {"flooder": 1, "victim": 1}
+        pool.reserve("big", ["x"] * 3, ScanQuota())
+        answers = [pool.submit("big", jobs.job("big")) for _ in range(3)]
+        await started(jobs, "big", 2)  # no other tenant waits: its share is no limit
         jobs.release.set()
-        assert await asyncio.gather(victim, *flood) == ["victim"] + ["flooder"] * 4
-        assert jobs.most == {"flooder": 1, "victim": 1}
+        await asyncio.gather(*answers)
+        assert jobs.most == {"big": 2}
     finally:
         pool.shutdown()
 
 
-async def test_a_tenant_given_more_threads_uses_them_when_it_is_alone() -> None:
-    pool, jobs = ScanPool(threads=2), Jobs()
+async def test_once_another_tenant_waits_a_flooder_holds_no_more_than_its_share() -> None:
+    pool, flood_jobs, victim_jobs = ScanPool(threads=2), Jobs(), Jobs()
+    victim_jobs.order = flood_jobs.order  # one record of the order jobs started in
     try:
-        pool.reserve("big", ["x"] * 3, ScanQuota(max_threads=2))
-        answers = [pool.submit("big", jobs.job("big")) for _ in range(3)]
-        async with asyncio.timeout(5):
-            while jobs.running.get("big", 0) < 2:  # noqa: ASYNC110  # set by scan threads
-                await asyncio.sleep(0.01)
-        jobs.release.set()
-        await asyncio.gather(*answers)
-        assert jobs.most == {"big": 2}
+        pool.reserve("flooder", ["x"] * 6, ScanQuota())
+        pool.reserve("victim", ["x"] * 2, ScanQuota())
+        flood = [pool.submit("flooder", flood_jobs.job("flooder")) for _ in range(6)]
+        await started(flood_jobs, "flooder", 2)  # alone: both threads
+        victim = [pool.submit("victim", victim_jobs.job("victim")) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        assert not victim_jobs.running  # no thread is free yet
+        flood_jobs.release.set()  # the flooder's jobs end as soon as they start from now on
+        assert await asyncio.gather(*flood) == ["flooder"] * 6
+        victim_jobs.release.set()
+        assert await asyncio.gather(*victim) == ["victim"] * 2
+        # The first thread that freed up went to the victim (under its share), the next ones to the
+        # flooder (the victim at its share while the flooder waited) until the flooder had no more.
+        assert flood_jobs.order == ["flooder"] * 2 + ["victim"] + ["flooder"] * 4 + ["victim"]
     finally:
         pool.shutdown()

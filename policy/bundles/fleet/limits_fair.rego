@@ -3,7 +3,8 @@
 #   memory_scan  the memory servers' scan threads: weight (scan jobs taken from the tenant's queue in a
 #                row when its turn comes), max_queued_texts and max_queued_chars (texts, and their
 #                characters, queued or being scanned for the tenant on one server), max_call_chars
-#                (characters of one call's texts), max_threads (scan threads its jobs hold at once)
+#                (characters of one call's texts), max_threads (its share of the scan threads
+#                while another tenant waits)
 #   token_issue  tokens the token service issues for the tenant (each registry replica counts its
 #                own): per_second, burst
 #   event_ingest events of the tenant the trigger ingest takes (each coordinator counts its own):
