@@ -600,7 +600,11 @@ def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
 async def max_in_flight(engine: PolicyEngine, tenant: str) -> int:
     """How many of ``tenant``'s runs the fleet advances at once (``fleet.limits.fair.work``); a
     policy that cannot answer keeps the default."""
-    decision = await engine.decide("fleet.limits.fair.work", {"tenant": tenant})
+    try:
+        decision = await engine.decide("fleet.limits.fair.work", {"tenant": tenant})
+    except PolicyError as exc:  # a pull must go on: the tenant keeps the default meanwhile
+        log.warning("fleet.limits.fair.work for %s: %s", tenant, exc)
+        return DEFAULT_MAX_IN_FLIGHT
     result = decision.result if decision.allow and isinstance(decision.result, dict) else {}
     value = result.get("max_in_flight")
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
