@@ -12,7 +12,8 @@ specialists and MCP servers, the shipped policy bundle):
   (from the moment its streams are open). Every request has a deadline; a request that fails (an
   error, a run not completed, its deadline passed) is a failure, and counts in the percentiles at the
   time it took (a timeout at its deadline).
-* hostile tenant (``globex``), all at once, until the victim's last request ends (then cut; bounded by
+* hostile tenant (``globex``), from a process of its own (the victim's client shares no event loop
+  with the attacker's 10 MB bodies and hundreds of streams), all at once, until the victim's last request ends (then cut; bounded by
   the window and the victim's deadlines):
   - streams: ``streams`` ``GET /v1/runs/{id}/events`` and ``streams`` A2A ``SubscribeToTask`` on a run
     of its own waiting at the approval gate, held open;
@@ -94,6 +95,8 @@ WINDOW_CLOSED = "no answer when the window closed"
 TRIGGERED = "fleet.events.invoices.closed"  # the shipped rule invoices-closed starts a run per event
 REFUSED_CONNECTION = re.compile(r"too many clients|remaining connection slots|connection slots are reserved")
 TARGET_P99_RATIO, TARGET_FAILURES, TARGET_REFUSALS = 2.0, 0, 0
+SAYS = "abuse: "  # what the hostile process says to the bench, on its stdout
+HOSTILE_READY_S = 90.0  # its waiting run, at the approval gate
 A2A_PATH = "/a2a/jsonrpc"
 A2A_HEADERS = {"A2A-Version": "1.0"}
 # A refund over the shipped threshold: the run waits at the approval gate until someone answers.
@@ -191,13 +194,19 @@ def _ms(seconds: float) -> float:
 
 def _code_of(body: Any) -> str:
     """The error codes in a JSON body, wherever the service put them (``code``, ``error``,
-    ``error.code``, ``error.data.code``: a JSON-RPC code and the fleet's own), or ''."""
+    ``error.code``, ``error.data.code``, or the ``metadata.code`` of each ``google.rpc.ErrorInfo`` in
+    ``error.data``, as the A2A SDK carries it: a JSON-RPC code and the fleet's own), or ''."""
     if not isinstance(body, dict):
         return ""
     error = body.get("error")
     inner = error if isinstance(error, dict) else {}
-    data = inner.get("data") if isinstance(inner.get("data"), dict) else {}
-    found = [body.get("code"), error, inner.get("code"), data.get("code") if data else None]
+    data = inner.get("data")
+    details = data if isinstance(data, list) else [data]
+    found = [body.get("code"), error, inner.get("code")]
+    for detail in details:
+        if isinstance(detail, dict):
+            metadata = detail.get("metadata")
+            found.append((metadata if isinstance(metadata, dict) else detail).get("code"))
     codes = [str(v) for v in found if isinstance(v, (str, int)) and not isinstance(v, bool)]
     return " ".join(dict.fromkeys(codes))
 
@@ -622,34 +631,163 @@ class PostgresWatch:
             await asyncio.sleep(1)
 
 
-async def _attack_phase(
-    fleet: Fleet, hostile: Hostile, watch: PostgresWatch, form: Form, run_id: str
-) -> Victim:
-    until = time.monotonic() + form.attack_s
-    # The attacks go on while the victim's last requests finish, which their deadlines bound.
-    window = Window(until + form.run_deadline_s + READ_DEADLINE_S)
-    watch.mark()
-    attacks = {
-        "streams": hostile.streams,
-        "large bodies": hostile.large_bodies,
-        "SQL": hostile.sql,
-        "memory": hostile.memory,
-        "events": hostile.events,
-    }
-    victim = Victim()
-    async with asyncio.TaskGroup() as group:
-        for name in form.attacks:
-            group.create_task(_bounded(name, attacks[name](), window, hostile))
-        group.create_task(window.within(watch.probe()))
-        try:  # the streams first: the victim is measured with them held
-            async with asyncio.timeout(STREAM_SETUP_S + form.streams * 0.05):
-                if "streams" in form.attacks:
-                    await hostile.streams_open.wait()
+def hostile_process(spec_file: Path) -> None:
+    """The hostile tenant, in a process of its own (``python -m bench.abuse --hostile SPEC``): its
+    waiting run, then ``ready``; on ``go`` (a line on stdin) every attack of the form, ``streams open``
+    once its streams are held, until ``stop`` (or stdin's end) or the window's hard end; then the
+    outcomes, as JSON, to the spec's ``out`` file. What it says is on stdout, lines prefixed
+    :data:`SAYS`."""
+    spec = json.loads(spec_file.read_text())
+    outcomes: dict[str, Counter[str]] = {}
+    try:
+        asyncio.run(_hostile(spec, outcomes))
+    finally:
+        counted = {name: dict(counts.most_common()) for name, counts in sorted(outcomes.items())}
+        Path(spec["out"]).write_text(json.dumps(counted))
+
+
+async def _hostile(spec: dict[str, Any], outcomes: dict[str, Counter[str]]) -> None:
+    form = Form(**(spec["form"] | {"attacks": tuple(spec["form"]["attacks"])}))
+    layout = StackLayout.at(Path(spec["home"]))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+    def say(what: str) -> None:
+        print(SAYS + what, flush=True)
+
+    async def line() -> str:
+        return str(await asyncio.to_thread(sys.stdin.readline)).strip()
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=120.0), limits=limits) as http:
+        hostile = Hostile(Fleet(layout, spec["endpoints"], http), Path(spec["tmp"]), form)
+        hostile.outcomes = outcomes
+        try:
+            await hostile.prepare()
+            say("ready")
+            if await line() != "go":
+                return
+            loop = asyncio.get_running_loop()
+            window = Window(loop.time() + form.attack_s + form.run_deadline_s + READ_DEADLINE_S)
+            attacks = {
+                "streams": hostile.streams,
+                "large bodies": hostile.large_bodies,
+                "SQL": hostile.sql,
+                "memory": hostile.memory,
+                "events": hostile.events,
+            }
+
+            async def announce_streams() -> None:
+                await hostile.streams_open.wait()
+                say("streams open")
+
+            async def until_stopped() -> None:
+                await line()  # "stop", or the end of stdin
+                window.close()
+
+            async with asyncio.TaskGroup() as group:
+                for name in form.attacks:
+                    group.create_task(_bounded(name, attacks[name](), window, hostile))
+                group.create_task(window.within(announce_streams()))
+                group.create_task(until_stopped())
+            await hostile.sql_run_states()
+        finally:
+            await hostile.http.aclose()
+
+
+class HostileProcess:
+    """The parent's end of :func:`hostile_process`: the victim's client and the attacker's do not
+    share an event loop (or a process), as they would not in the field: an attacker's own client work
+    (10 MB bodies, hundreds of streams) is not counted in the victim's latency."""
+
+    def __init__(self, layout: StackLayout, endpoints: Mapping[str, Any], form: Form, tmp: Path) -> None:
+        self.spec = tmp / "hostile.json"
+        self.out, self.log = tmp / "hostile-outcomes.json", tmp / "hostile.log"
+        spec = {
+            "home": str(layout.home),
+            "endpoints": dict(endpoints),
+            "form": dataclasses.asdict(form),
+            "tmp": str(tmp),
+            "out": str(self.out),
+        }
+        self.spec.write_text(json.dumps(spec))
+        self.said: dict[str, asyncio.Event] = {"ready": asyncio.Event(), "streams open": asyncio.Event()}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.listening: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """The process, once its waiting run waits at the approval gate."""
+        with self.log.open("wb") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bench.abuse", "--hostile", str(self.spec),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
+            )  # fmt: skip
+        self.listening = asyncio.create_task(self._listen())
+        try:
+            async with asyncio.timeout(HOSTILE_READY_S):
+                await self.said["ready"].wait()
         except TimeoutError:
-            pass
+            raise RuntimeError(f"the hostile process was not ready: {self._log_tail()}") from None
+
+    async def _listen(self) -> None:
+        assert self.proc and self.proc.stdout
+        async for raw in self.proc.stdout:
+            text = raw.decode(errors="replace").strip()
+            if text.startswith(SAYS) and text.removeprefix(SAYS) in self.said:
+                self.said[text.removeprefix(SAYS)].set()
+
+    async def send(self, line: str) -> None:
+        assert self.proc and self.proc.stdin
+        with contextlib.suppress(ConnectionError):  # (it ended already: its log says why)
+            self.proc.stdin.write(line.encode() + b"\n")
+            await self.proc.stdin.drain()
+
+    async def outcomes(self) -> dict[str, dict[str, int]]:
+        """Stop the attacks; what they got back once the process has ended."""
+        assert self.proc and self.proc.stdin
+        await self.send("stop")
+        self.proc.stdin.close()
+        try:
+            async with asyncio.timeout(ATTACK_CALL_DEADLINE_S + 60):
+                await self.proc.wait()
+        except TimeoutError:
+            self.proc.kill()
+            raise RuntimeError(f"the hostile process did not stop: {self._log_tail()}") from None
+        if not self.out.exists():
+            raise RuntimeError(f"the hostile process ended {self.proc.returncode}: {self._log_tail()}")
+        return dict(json.loads(self.out.read_text()))
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+
+    async def close(self) -> None:
+        if self.proc and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+        if self.listening:
+            self.listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.listening
+
+
+async def _attack_phase(
+    fleet: Fleet, hostile: HostileProcess, watch: PostgresWatch, form: Form, run_id: str
+) -> tuple[Victim, dict[str, dict[str, int]]]:
+    """The victim under attack, and what each attack got back."""
+    until = time.monotonic() + form.attack_s
+    watch.mark()
+    await hostile.send("go")
+    victim = Victim()
+    probing = asyncio.create_task(watch.probe())
+    try:
+        if "streams" in form.attacks:  # the victim is measured with the streams held
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STREAM_SETUP_S + form.streams * 0.05):
+                    await hostile.said["streams open"].wait()
         await _victim_loop(fleet, victim, until, form.run_deadline_s, run_id)
-        window.close()
-    return victim
+    finally:
+        probing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await probing
+    return victim, await hostile.outcomes()
 
 
 def _ratios(idle: dict[str, Any], attacked: dict[str, Any], quantile: str) -> dict[str, float | None]:
@@ -673,18 +811,16 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
         idle = Victim()
         took["idle"] = time.monotonic()
         run_id = await _victim_loop(fleet, idle, time.monotonic() + form.idle_s, form.run_deadline_s, run_id)
-        hostile = Hostile(fleet, tmp, form)
+        hostile = HostileProcess(layout, endpoints, form, tmp)
         watch = PostgresWatch(layout, endpoints)
         try:
             took["waiting run"] = time.monotonic()
-            await hostile.prepare()
+            await hostile.start()
             took["attack"] = time.monotonic()
-            attacked = await _attack_phase(fleet, hostile, watch, form, run_id)
-            took["run states"] = time.monotonic()
-            await hostile.sql_run_states()
+            attacked, outcomes = await _attack_phase(fleet, hostile, watch, form, run_id)
             took["end"] = time.monotonic()
         finally:
-            await hostile.http.aclose()
+            await hostile.close()
     phases = list(took.items())
     idle_summary, attacked_summary = idle.summary(), attacked.summary()
     ratios = _ratios(idle_summary, attacked_summary, "p99_ms")
@@ -725,7 +861,7 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], form: Form, tm
             "backends_max": watch.backends_max,
             "max_connections": watch.max_connections,
         },
-        "attacks": {name: dict(counts.most_common()) for name, counts in sorted(hostile.outcomes.items())},
+        "attacks": outcomes,
         "took_s": {name: round(phases[i + 1][1] - at, 1) for i, (name, at) in enumerate(phases[:-1])},
         "target_p99_ratio": TARGET_P99_RATIO,
         "target_victim_failures": TARGET_FAILURES,
@@ -762,7 +898,10 @@ def main(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(quick="--short" in args, only=tuple(a for a in args if a != "--short"))
+    if args[:1] == ["--hostile"]:
+        hostile_process(Path(args[1]))
+    else:
+        main(quick="--short" in args, only=tuple(a for a in args if a != "--short"))
 
 
 def _verdict(ok: bool) -> str:

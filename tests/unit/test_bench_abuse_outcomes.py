@@ -4,6 +4,8 @@ first cause of a failure; codes it has never seen are counted like any other."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from mcp.types import CallToolResult, TextContent
 
@@ -24,6 +26,12 @@ def test_a_json_rpc_error_is_counted_by_its_code_and_the_fleet_code_in_its_data(
     body = '{"jsonrpc": "2.0", "id": 1, "error": {"code": -32700, "message": "x", "data": {"code": "parse"}}}'
     assert answer(200, body) == "http 200 -32700 parse"
     assert answer(200, '{"jsonrpc": "2.0", "id": 1, "result": {}}') == "http 200"
+
+
+def test_the_code_an_a2a_error_carries_as_error_info_metadata_is_counted() -> None:
+    info = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "metadata": {"code": "a_new_limit"}}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "error": {"code": -32603, "message": "x", "data": [info]}})
+    assert answer(200, body) == "http 200 -32603 a_new_limit"
 
 
 def test_an_answer_that_is_not_json_is_counted_by_its_status() -> None:
