@@ -24,6 +24,7 @@ submitted, so a worker's slice joins the submitter's trace and the queue's lag c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -54,7 +55,8 @@ SUBMIT_PATIENCE_S = 20.0  # how long a submit keeps trying while the broker fail
 PUBLISH_TIMEOUT_S = 2.0
 TURN_FETCH_S = 0.2  # how long a turn waits on a tenant whose messages may all be in flight
 AT_CAP_FETCH_S = 0.05  # how long it waits on a tenant at its cap (for a redelivery only)
-IDLE_FETCH_S = 1.0  # how long a consumer task waits for work when no tenant has any
+IDLE_FETCH_S = 1.0  # how long a consumer task waits for work when no tenant has any (and no bell)
+IDLE_WAIT_S = 5.0  # how long it waits for the bell (a ring missed while reconnecting costs this)
 CONSUMER_INACTIVE_S = 7 * 24 * 3600.0  # a tenant's consumer nobody pulled from this long is removed
 LIMITS_REFRESH_S = 30.0  # how often a pull asks policy again for its tenants' caps
 
@@ -198,34 +200,89 @@ async def subscribe(
     return await patiently("subscribing to the work queue", pull_subscribe)
 
 
+class WorkBell:
+    """Rings when work is submitted: a core NATS subscription to the work subjects (a publish that
+    JetStream stores is delivered to core subscribers too). An idle consumer task waits on it instead
+    of polling: a run submitted to an idle fleet is taken at once, not after a poll's timeout (which
+    was up to :data:`IDLE_FETCH_S`, a second, on the run's latency). One per process, for all its
+    consumer tasks; the ring says only which subject has work, the message is still pulled through the
+    tenant's consumer (its cap, its turn)."""
+
+    def __init__(self) -> None:
+        self._rung = asyncio.Event()
+        self._subject = ""
+
+    async def follow(self, client: NATS) -> None:
+        for subject in (RUN_SUBJECT, f"{RUN_SUBJECT}.*"):
+            await client.subscribe(subject, cb=self._ring)
+
+    async def _ring(self, message: Msg) -> None:
+        self._subject, rung = message.subject, self._rung
+        self._rung = asyncio.Event()
+        rung.set()
+
+    def ringing(self) -> asyncio.Event:
+        """The event the next ring sets: taken before looking for work, so that no ring is missed."""
+        return self._rung
+
+    @property
+    def subject(self) -> str:
+        """The subject of the last ring."""
+        return self._subject
+
+
 class TenantQueues:
     """One consumer task's pull on the work queue: the subjects that hold work (the stream says
     which), each through its durable consumer, taken in turn after the one it took last; a tenant
     at its ``cap`` of runs in flight gets a short turn (a redelivery only)."""
 
-    def __init__(self, client: NATS, ack_wait_s: float, cap: InFlightCap | None = None) -> None:
+    def __init__(
+        self,
+        client: NATS,
+        ack_wait_s: float,
+        cap: InFlightCap | None = None,
+        bell: WorkBell | None = None,
+        idle_wait_s: float = IDLE_WAIT_S,
+    ) -> None:
         self._client = client
         self._ack_wait_s = ack_wait_s
         self._cap = cap
+        self._bell, self._idle_wait_s = bell, idle_wait_s
         self._subscriptions: dict[str, JetStreamContext.PullSubscription] = {}
         self._caps: dict[str, int | None] = {}  # subject: the max_in_flight its consumer was given
         self._caps_at = time.monotonic()
         self._turns: deque[str] = deque()  # subjects, the one to try next first
 
     async def next(self) -> Msg | None:
-        """The next message, from the next subject in turn that has one; None if none has
-        (after waiting up to :data:`IDLE_FETCH_S`)."""
+        """The next message, from the next subject in turn that has one; None if none has (after
+        waiting for the bell, up to ``idle_wait_s``, or without one up to :data:`IDLE_FETCH_S`)."""
+        ringing = self._bell.ringing() if self._bell is not None else None
         await self._refresh()
         for _ in range(len(self._turns)):
             subject = self._turns[0]
             self._turns.rotate(-1)
-            subscription = await self._subscription(subject)
-            wait_s = await self._turn_wait_s(subject)
-            with contextlib.suppress(NatsTimeout):
-                [message] = await subscription.fetch(1, timeout=wait_s)
+            message = await self._take(subject)
+            if message is not None:
                 return message
-        with contextlib.suppress(NatsTimeout):  # no tenant has work: wait on the untenanted subject
-            [message] = await (await self._subscription(RUN_SUBJECT)).fetch(1, timeout=IDLE_FETCH_S)
+        if ringing is None or self._bell is None:  # no tenant has work: wait on the untenanted subject
+            with contextlib.suppress(NatsTimeout):
+                [message] = await (await self._subscription(RUN_SUBJECT)).fetch(1, timeout=IDLE_FETCH_S)
+                return message
+            return None
+        with contextlib.suppress(TimeoutError):  # no subject has work: until some is submitted
+            async with asyncio.timeout(self._idle_wait_s):
+                await ringing.wait()
+            # The stream may not show the message yet (the ring can come first): pull from its
+            # subject, whose fetch waits for it.
+            return await self._take(self._bell.subject)
+        return None
+
+    async def _take(self, subject: str) -> Msg | None:
+        """A message of ``subject``, through its consumer, waiting up to a turn for one."""
+        subscription = await self._subscription(subject)
+        wait_s = await self._turn_wait_s(subject)
+        with contextlib.suppress(NatsTimeout):
+            [message] = await subscription.fetch(1, timeout=wait_s)
             return message
         return None
 

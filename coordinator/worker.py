@@ -689,7 +689,11 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             worker.approvals = nc.jetstream()
             # Pull subscriptions of their own per consumer task: they must not share an inbox.
             cap = functools.partial(max_in_flight, engine)
-            queues = [work.TenantQueues(nc, settings.ack_wait_s, cap) for _ in range(settings.concurrency)]
+            bell = work.WorkBell()  # idle consumer tasks wake when work is submitted
+            await bell.follow(nc)
+            queues = [
+                work.TenantQueues(nc, settings.ack_wait_s, cap, bell) for _ in range(settings.concurrency)
+            ]
             await work.subscribe(nc, settings.ack_wait_s)  # the untenanted consumer, before work comes
             consumers = [
                 asyncio.create_task(worker.consume(queue, enrolled), name=f"consumer-{i}")

@@ -1,6 +1,6 @@
 """A tenant's runs in flight on the work queue, on a real JetStream: at most its policy's
 ``max_in_flight`` over every pull at once (its consumer's ``max_ack_pending``), and a pull passes
-over a tenant at its cap straight to the next tenant's work."""
+over a tenant at its cap straight to the next tenant's work; an idle pull wakes when work comes."""
 
 from __future__ import annotations
 
@@ -95,3 +95,19 @@ async def test_a_run_whose_worker_died_is_redelivered_although_its_tenant_is_at_
     finally:
         await dead.close()
         await alive.close()
+
+
+async def test_an_idle_pull_is_woken_by_work_submitted_not_by_its_timer(client: NATS) -> None:
+    bell = work.WorkBell()
+    await bell.follow(client)
+    queue = work.TenantQueues(client, ack_wait_s=30.0, cap=caps, bell=bell, idle_wait_s=120.0)
+    try:
+        waiting = asyncio.create_task(queue.next())
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # nothing to take: it waits
+        await work.submit_run(client, "victim-0", tenant="victim")
+        async with asyncio.timeout(30):  # far less than its idle wait
+            message = await waiting
+        assert message is not None and message.data == b"victim-0"
+    finally:
+        await queue.close()

@@ -266,6 +266,14 @@ async def test_a_specialist_cannot_read_another_identity_s_inbox(stack: Stack, p
     assert await probe.refused("_inbox.worker-1.>")
 
 
+async def test_only_a_worker_follows_the_work_subjects(stack: Stack, probe: Probe) -> None:
+    """The workers' doorbell (a core subscription to the work subjects) is theirs alone: run ids of
+    every tenant are not for the other roles."""
+    client = await connect_as(probe, stack, "stats")
+    await client.subscribe("fleet.work.run.*")
+    assert await probe.refused("fleet.work.run.*")
+
+
 async def test_a_specialist_cannot_delete_a_stream(stack: Stack, probe: Probe, admin: NATS) -> None:
     client = await connect_as(probe, stack, "stats")
     await attempt(lambda: client.jetstream().delete_stream("FLEET_WORK"))

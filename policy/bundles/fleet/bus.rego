@@ -178,16 +178,17 @@ publish := identity_pub if p.type == "identity"
 
 publish := producer_pub if p.type == "producer"
 
-subscribe := inbox_sub | {"fleet.signal_outcomes.*"} if {
-	p.type == "identity"
-	p.kind == "operator"
+# What a role follows besides its inbox: the operator, what its signals became; a worker, the work
+# queue's subjects as a doorbell (coordinator/work.py WorkBell: an idle worker wakes when a run is
+# submitted; it sees run ids, which it pulls anyway, and takes work only through its consumers).
+follows := {
+	"operator": {"fleet.signal_outcomes.*"},
+	"worker": {"fleet.work.run", "fleet.work.run.*"},
 }
 
-subscribe := inbox_sub if {
-	not p.kind == "operator"
-}
+subscribe := inbox_sub | object.get(follows, p.kind, set()) if p.type == "identity"
 
-subscribe := inbox_sub if p.type == "producer"
+subscribe := inbox_sub if p.type != "identity"
 
 deny contains msg if {
 	p.type == "identity"
