@@ -52,6 +52,10 @@ from policy.live import enforcing, live_policy
 from registry import RegistryClient
 
 VERSION = "0.1.0"
+# Postgres connections of the process (with the checkpoints' 4 and the LISTEN connection: 15, which
+# deploy/local_stack.py DATABASE_CONNECTION_LIMITS counts): callers' requests and the run record,
+# and the trigger ingest's own.
+RUN_POOL_SIZE, INGEST_POOL_SIZE = 8, 2
 
 SKILLS = [
     AgentSkill(
@@ -138,9 +142,14 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     extended = extended_card(card, settings.event_retention_s)
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
     run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn, max_size=10, open=False, kwargs={"autocommit": True}
+        settings.pg_dsn, max_size=RUN_POOL_SIZE, open=False, kwargs={"autocommit": True}
     )
     runs = PostgresRunStore(run_pool)
+    # Triggered runs are admitted on connections of their own: an event flood (a tenant's 10,000
+    # events, 16 admitted at once) queues behind these, not in front of the callers' requests.
+    ingest_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.pg_dsn, max_size=INGEST_POOL_SIZE, open=False, kwargs={"autocommit": True}
+    )
     # The process's one LISTEN connection: every stream, cancel and the push dispatcher share it.
     notifier = RunNotifier(settings.pg_dsn)
     streams = Streams(notifier, StreamSlots(engine), settings.stream_keepalive_s)
@@ -193,7 +202,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     readiness = Readiness(settings.service_id, "coordinator")
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(notifier)]
-    jobs.append(lambda: TriggerIngest(submitter.client, runs, engine).run())
+    jobs.append(lambda: TriggerIngest(submitter.client, PostgresRunStore(ingest_pool), engine).run())
     grants = registry.verifier(grant=SIGNAL_GRANT)
     jobs.append(lambda: SignalIngest(submitter.client, desk, grants).run())
     if settings.event_retention_s is not None:
@@ -210,6 +219,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             stack.push_async_callback(registry.aclose)
             await stack.enter_async_context(push_http)
             await stack.enter_async_context(run_pool)
+            await stack.enter_async_context(ingest_pool)
             await stack.enter_async_context(pool_for_checkpoints)
             await stack.enter_async_context(notifier)
             await runs.setup()

@@ -161,7 +161,7 @@ DATABASES: dict[str, bool] = {"fleet": False, "fleet_data": True}
 # services create carry their own limits (mcp_servers._pg, mcp-sql's tenant roles).
 PG_MAX_CONNECTIONS = 200
 DATABASE_CONNECTION_LIMITS: dict[str, int] = {
-    "fleet": 80,  # the coordinator (10 + 4 + 1 LISTEN) and the workers (12 each at concurrency 4)
+    "fleet": 80,  # the coordinator (8 + 2 ingest + 4 + 1 LISTEN) and the workers (12 each at concurrency 4)
     "fleet_data": 100,  # mcp-sql tenant pools (16 x 4), mcp-cases and mcp-outbox (10 each), owners
 }
 OWNER_CONNECTION_LIMITS: dict[str, int] = {"fleet": 80, "fleet_data": 10}
