@@ -148,7 +148,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     # Triggered runs are admitted on connections of their own: an event flood (a tenant's 10,000
     # events, 16 admitted at once) queues behind these, not in front of the callers' requests.
     ingest_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn, max_size=INGEST_POOL_SIZE, open=False, kwargs={"autocommit": True}
+        settings.pg_dsn, min_size=1, max_size=INGEST_POOL_SIZE, open=False, kwargs={"autocommit": True}
     )
     # The process's one LISTEN connection: every stream, cancel and the push dispatcher share it.
     notifier = RunNotifier(settings.pg_dsn)
