@@ -2,9 +2,10 @@
 ``fleet down`` afterwards (even when the benchmark fails).
 
 The benchmarks of capacity (runs per second, pauses, delegation, ...) send one tenant's work, and the
-shipped policy lets one tenant have only 4 runs in flight (``config.limits.fair.work``: a share
-between tenants, not a capacity limit). Their stack runs the shipped bundle with that cap raised to
-:data:`CAPACITY_MAX_IN_FLIGHT`, as an operator sizes it for a fleet that serves one tenant; the
+shipped policy lets one tenant have only 4 runs in flight, 1 while another tenant has work
+(``config.limits.fair.work``: a share between tenants, not a capacity limit). Their stack runs the
+shipped bundle with those caps raised to :data:`CAPACITY_MAX_IN_FLIGHT`, as an operator sizes them
+for a fleet that serves one tenant; the
 abuse benchmark, which measures the share, keeps the shipped policy (``shipped_policy=True``)."""
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ CAPACITY_MAX_IN_FLIGHT = 64
 
 
 def capacity_bundle(bundle: Path, source: Path = DEFAULT_BUNDLE_DIR) -> Path:
-    """A copy of the bundle at ``source`` in ``bundle`` (a new directory) whose per-tenant cap of
-    runs in flight is :data:`CAPACITY_MAX_IN_FLIGHT`."""
+    """A copy of the bundle at ``source`` in ``bundle`` (a new directory) whose per-tenant caps of
+    runs in flight (alone and shared) are :data:`CAPACITY_MAX_IN_FLIGHT`."""
     shutil.copytree(source, bundle)
     data = json.loads((bundle / "data.json").read_text())
-    data["config"]["limits"]["fair"]["work"]["default"]["max_in_flight"] = CAPACITY_MAX_IN_FLIGHT
+    work = data["config"]["limits"]["fair"]["work"]["default"]
+    work["max_in_flight"] = work["shared_in_flight"] = CAPACITY_MAX_IN_FLIGHT
     (bundle / "data.json").write_text(json.dumps(data, indent=2))
     return bundle
 

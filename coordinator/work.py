@@ -31,6 +31,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from typing import NamedTuple
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -59,9 +60,41 @@ IDLE_FETCH_S = 1.0  # how long a consumer task waits for work when no tenant has
 IDLE_WAIT_S = 5.0  # how long it waits for the bell (a ring missed while reconnecting costs this)
 CONSUMER_INACTIVE_S = 7 * 24 * 3600.0  # a tenant's consumer nobody pulled from this long is removed
 LIMITS_REFRESH_S = 30.0  # how often a pull asks policy again for its tenants' caps
+CONTENDING_S = 10.0  # a tenant that had work this recently contends for the fleet with the others
 
-# A tenant's cap on runs in flight: the tenant token of its work subject -> max_in_flight (>= 1).
-InFlightCap = Callable[[str], Awaitable[int]]
+
+class InFlight(NamedTuple):
+    """A tenant's runs in flight over the whole fleet (>= 1 each): ``alone``, while no other tenant
+    has work; ``shared``, while another has (its share: one tenant's backlog cannot hold the
+    fleet's CPU while another tenant's run waits on it)."""
+
+    alone: int
+    shared: int
+
+
+# A tenant's caps on runs in flight: the tenant token of its work subject -> its caps.
+InFlightCap = Callable[[str], Awaitable[InFlight]]
+
+
+class WorkShares:
+    """What a worker process's pulls know together: which tenants had work lately (the stream's
+    subjects, as each pull reads them) and the cap each tenant's consumer was last given, so that a
+    change of contention updates a consumer once per process, not once per pull."""
+
+    def __init__(self, contending_s: float = CONTENDING_S) -> None:
+        self._contending_s = contending_s
+        self._seen: dict[str, float] = {}  # a tenant's subject: when it last held work
+        self.given: dict[str, int | None] = {}  # a subject: the max_ack_pending of its consumer
+
+    def saw(self, holding: set[str]) -> None:
+        now = time.monotonic()
+        for subject in holding - {RUN_SUBJECT}:
+            self._seen[subject] = now
+
+    def contended(self, subject: str) -> bool:
+        """Whether a tenant other than ``subject``'s had work within the last ``contending_s``."""
+        now = time.monotonic()
+        return any(s != subject and now - at < self._contending_s for s, at in self._seen.items())
 
 
 def run_subject(tenant: str) -> str:
@@ -243,13 +276,15 @@ class TenantQueues:
         cap: InFlightCap | None = None,
         bell: WorkBell | None = None,
         idle_wait_s: float = IDLE_WAIT_S,
+        shares: WorkShares | None = None,
     ) -> None:
         self._client = client
         self._ack_wait_s = ack_wait_s
         self._cap = cap
         self._bell, self._idle_wait_s = bell, idle_wait_s
+        self._shares = shares if shares is not None else WorkShares()
         self._subscriptions: dict[str, JetStreamContext.PullSubscription] = {}
-        self._caps: dict[str, int | None] = {}  # subject: the max_in_flight its consumer was given
+        self._caps: dict[str, InFlight | None] = {}  # subject: its tenant's caps, as policy said
         self._caps_at = time.monotonic()
         self._turns: deque[str] = deque()  # subjects, the one to try next first
 
@@ -287,22 +322,35 @@ class TenantQueues:
         return None
 
     async def _refresh(self) -> None:
-        """Add the subjects that hold messages to the turns; drop those that hold none. Every
-        :data:`LIMITS_REFRESH_S`, bring the consumers of the tenants it pulls from to the caps
-        policy names now."""
+        """Add the subjects that hold messages to the turns; drop those that hold none. Bring the
+        consumers of the tenants it pulls from to their share (``shared`` while another tenant has
+        had work lately, else ``alone``), asking policy again for the caps every
+        :data:`LIMITS_REFRESH_S`."""
         info = await self._client.jetstream().stream_info(STREAM, subjects_filter="fleet.work.>")
         holding = {s for s, n in (info.state.subjects or {}).items() if n > 0}
         self._turns = deque(s for s in self._turns if s in holding)
         self._turns.extend(sorted(holding - set(self._turns)))
-        if self._cap is not None and time.monotonic() - self._caps_at >= LIMITS_REFRESH_S:
+        self._shares.saw(holding)
+        if self._cap is None:
+            return
+        if time.monotonic() - self._caps_at >= LIMITS_REFRESH_S:
             self._caps_at = time.monotonic()
-            for subject, given in list(self._caps.items()):
-                cap = await self._cap_of(subject)
-                if cap != given:
-                    log.info("%s: runs in flight at most %s (was %s)", consumer_of(subject), cap, given)
-                    config = _consumer_config(self._ack_wait_s, subject, cap)
-                    await self._client.jetstream().add_consumer(STREAM, config)
-                    self._caps[subject] = cap
+            for subject in list(self._caps):
+                self._caps[subject] = await self._caps_of(subject)
+        for subject in list(self._caps):
+            want, given = self._share(subject), self._shares.given.get(subject)
+            if want != given:
+                log.info("%s: runs in flight at most %s (was %s)", consumer_of(subject), want, given)
+                config = _consumer_config(self._ack_wait_s, subject, want)
+                await self._client.jetstream().add_consumer(STREAM, config)
+                self._shares.given[subject] = want
+
+    def _share(self, subject: str) -> int | None:
+        """The runs in flight ``subject``'s tenant may have now (None: no cap)."""
+        caps = self._caps.get(subject)
+        if caps is None:
+            return None
+        return caps.shared if self._shares.contended(subject) else caps.alone
 
     async def _turn_wait_s(self, subject: str) -> float:
         """How long a turn's fetch on ``subject`` waits for a message. A capped tenant with its cap
@@ -316,10 +364,11 @@ class TenantQueues:
         at_cap = limit > 0 and (consumer.num_ack_pending or 0) >= limit
         return AT_CAP_FETCH_S if at_cap else TURN_FETCH_S
 
-    async def _cap_of(self, subject: str) -> int | None:
+    async def _caps_of(self, subject: str) -> InFlight | None:
         if self._cap is None or subject == RUN_SUBJECT:
             return None
-        return max(1, await self._cap(subject.rsplit(".", 1)[1]))
+        caps = await self._cap(subject.rsplit(".", 1)[1])
+        return InFlight(max(1, caps.alone), max(1, min(caps.shared, caps.alone)))
 
     async def close(self) -> None:
         """Unsubscribe from every consumer this pull used (before the connection drains, which
@@ -331,9 +380,10 @@ class TenantQueues:
 
     async def _subscription(self, subject: str) -> JetStreamContext.PullSubscription:
         if subject not in self._subscriptions:
-            cap = await self._cap_of(subject)
+            self._caps[subject] = await self._caps_of(subject)
+            cap = self._share(subject)
             self._subscriptions[subject] = await subscribe(
                 self._client, self._ack_wait_s, subject, max_in_flight=cap
             )
-            self._caps[subject] = cap
+            self._shares.given[subject] = cap
         return self._subscriptions[subject]

@@ -79,6 +79,7 @@ FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the
 # fails (with the lease's delay between deliveries: about ten minutes at the default 15 s lease).
 MAX_UNAVAILABLE_DELIVERIES = 40
 DEFAULT_MAX_IN_FLIGHT = 4  # a tenant's runs advanced at once when policy names no cap
+DEFAULT_SHARED_IN_FLIGHT = 1  # ... while another tenant has work, when policy names no share
 
 
 def _deliveries(message: Msg) -> int:
@@ -597,22 +598,24 @@ def _initial_state(run: Run, limits: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def max_in_flight(engine: PolicyEngine, tenant: str) -> int:
-    """How many of ``tenant``'s runs the fleet advances at once (``fleet.limits.fair.work``); a
-    policy that cannot answer keeps the default."""
+async def max_in_flight(engine: PolicyEngine, tenant: str) -> work.InFlight:
+    """How many of ``tenant``'s runs the fleet advances at once (``fleet.limits.fair.work``:
+    ``max_in_flight`` alone, ``shared_in_flight`` while another tenant has work); a policy that
+    cannot answer keeps the defaults."""
+    defaults = work.InFlight(DEFAULT_MAX_IN_FLIGHT, DEFAULT_SHARED_IN_FLIGHT)
     try:
         decision = await engine.decide("fleet.limits.fair.work", {"tenant": tenant})
-    except PolicyError as exc:  # a pull must go on: the tenant keeps the default meanwhile
+    except PolicyError as exc:  # a pull must go on: the tenant keeps the defaults meanwhile
         log.warning("fleet.limits.fair.work for %s: %s", tenant, exc)
-        return DEFAULT_MAX_IN_FLIGHT
+        return defaults
     result = decision.result if decision.allow and isinstance(decision.result, dict) else {}
-    value = result.get("max_in_flight")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    found = [result.get("max_in_flight"), result.get("shared_in_flight", result.get("max_in_flight"))]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in found):
         log.warning(
-            "fleet.limits.fair.work gave no max_in_flight for %s; %d it is", tenant, DEFAULT_MAX_IN_FLIGHT
+            "fleet.limits.fair.work gave no valid caps for %s (%s); %s it is", tenant, found, defaults
         )
-        return DEFAULT_MAX_IN_FLIGHT
-    return value
+        return defaults
+    return work.InFlight(int(found[0]), int(found[1]))  # type: ignore[arg-type]
 
 
 async def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
@@ -691,8 +694,10 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             cap = functools.partial(max_in_flight, engine)
             bell = work.WorkBell()  # idle consumer tasks wake when work is submitted
             await bell.follow(nc)
+            shares = work.WorkShares()  # the tenants with work, as all of this process's pulls see them
             queues = [
-                work.TenantQueues(nc, settings.ack_wait_s, cap, bell) for _ in range(settings.concurrency)
+                work.TenantQueues(nc, settings.ack_wait_s, cap, bell, shares=shares)
+                for _ in range(settings.concurrency)
             ]
             await work.subscribe(nc, settings.ack_wait_s)  # the untenanted consumer, before work comes
             consumers = [

@@ -1,6 +1,7 @@
 """A tenant's runs in flight on the work queue, on a real JetStream: at most its policy's
 ``max_in_flight`` over every pull at once (its consumer's ``max_ack_pending``), and a pull passes
-over a tenant at its cap straight to the next tenant's work; an idle pull wakes when work comes."""
+over a tenant at its cap straight to the next tenant's work; while another tenant has work, a
+tenant's cap is its share; an idle pull wakes when work comes."""
 
 from __future__ import annotations
 
@@ -29,8 +30,18 @@ async def client(nats_url: str) -> AsyncIterator[NATS]:
     await nc.drain()
 
 
-async def caps(tenant: str) -> int:
-    return {"flooder": 2}.get(tenant, 4)
+async def caps(tenant: str) -> work.InFlight:
+    cap = {"flooder": 2}.get(tenant, 4)
+    return work.InFlight(alone=cap, shared=cap)
+
+
+async def shared_caps(tenant: str) -> work.InFlight:
+    return work.InFlight(alone=3, shared=1)
+
+
+async def given(client: NATS, tenant: str) -> int:
+    info = await client.jetstream().consumer_info(work.STREAM, f"{work.CONSUMER}-{tenant}")
+    return int(info.config.max_ack_pending or 0)
 
 
 async def pulled(queues: list[work.TenantQueues]) -> list[str]:
@@ -111,3 +122,24 @@ async def test_an_idle_pull_is_woken_by_work_submitted_not_by_its_timer(client: 
         assert message is not None and message.data == b"victim-0"
     finally:
         await queue.close()
+
+
+async def test_a_tenant_alone_has_its_cap_and_only_its_share_while_another_has_work(client: NATS) -> None:
+    shares = work.WorkShares(contending_s=1.0)
+    for n in range(5):
+        await work.submit_run(client, f"flood-{n}", tenant="flooder")
+    queues = [work.TenantQueues(client, ack_wait_s=30.0, cap=shared_caps, shares=shares) for _ in range(4)]
+    try:
+        assert await pulled(queues[:3]) == ["flooder"] * 3  # alone: its whole cap
+        assert await given(client, "flooder") == 3
+        await work.submit_run(client, "victim-0", tenant="victim")
+        victim = await queues[3].next()
+        assert victim is not None and victim.subject == work.run_subject("victim")
+        assert await given(client, "flooder") == 1  # another tenant has work: the flooder's share
+        await victim.ack()
+        await asyncio.sleep(1.5)  # the victim has had no work for longer than contending_s
+        assert await queues[3].next() is None  # the flooder has 3 in flight: its cap again, reached
+        assert await given(client, "flooder") == 3
+    finally:
+        for queue in queues:
+            await queue.close()

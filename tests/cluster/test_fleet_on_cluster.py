@@ -64,7 +64,10 @@ def fleet_on_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
         # Four workers: one tenant may have all their sixteen consumer tasks busy (the shipped
         # policy's cap is sized for the local stack's two).
         bundle = bundle_with(
-            root, lambda data: data["config"]["limits"]["fair"]["work"]["default"].update(max_in_flight=16)
+            root,
+            lambda data: data["config"]["limits"]["fair"]["work"]["default"].update(
+                max_in_flight=16, shared_in_flight=16
+            ),
         )
         env = clean_env(
             **SETTINGS,

@@ -46,7 +46,8 @@ def limited_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         fair = data["config"]["limits"]["fair"]
         fair["token_issue"]["tenants"] = {TOKEN_FLOODER: {"per_second": 0.01, "burst": 3}}
         fair["event_ingest"]["tenants"] = {EVENT_FLOODER: {"per_second": 1, "burst": 5}}
-        fair["work"]["tenants"] = {CAPPED: {"max_in_flight": 2}}
+        # Its cap alone and while other tenants' tests have work (its share: tests/broker/test_work_caps.py).
+        fair["work"]["tenants"] = {CAPPED: {"max_in_flight": 2, "shared_in_flight": 2}}
 
     bundle = bundle_with(root, limit)
     running = start_stack(root / "fleet", env=clean_env(FLEET_POLICY_DIR=str(bundle)))

@@ -10,7 +10,9 @@
 #   event_ingest events of the tenant the trigger ingest takes (each coordinator counts its own):
 #                per_second, burst; the rest wait their turn in the stream
 #   work         the tenant's runs the workers advance at once, over the whole fleet: max_in_flight
-#                (its work consumer's max_ack_pending; the rest wait their turn in the queue)
+#                while no other tenant has work, shared_in_flight (its share) while another has had
+#                some in the last 10 s (its work consumer's max_ack_pending; the rest wait their
+#                turn in the queue)
 package fleet.limits.fair
 
 limits(path) := object.union(

@@ -37,3 +37,13 @@ test_a_tenant_runs_at_most_its_own_runs_in_flight if {
 	other := fair.work with input as {"tenant": "acme"} with data.config.limits.fair.work.tenants as tenants
 	other.max_in_flight == data.config.limits.fair.work.default.max_in_flight
 }
+
+test_a_tenant_has_a_share_of_runs_in_flight_while_others_have_work if {
+	tenants := {"globex": {"shared_in_flight": 2}}
+	w := fair.work with input as {"tenant": "globex"} with data.config.limits.fair.work.tenants as tenants
+	w.shared_in_flight == 2
+	w.max_in_flight == data.config.limits.fair.work.default.max_in_flight
+	other := fair.work with input as {"tenant": "acme"} with data.config.limits.fair.work.tenants as tenants
+	other.shared_in_flight == data.config.limits.fair.work.default.shared_in_flight
+	other.shared_in_flight <= other.max_in_flight
+}
