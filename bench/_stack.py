@@ -2,7 +2,7 @@
 ``fleet down`` afterwards (even when the benchmark fails).
 
 The benchmarks of capacity (runs per second, pauses, delegation, ...) send one tenant's work, and the
-shipped policy lets one tenant have only 4 runs in flight, 1 while another tenant has work
+shipped policy lets one tenant have only 4 runs in flight, 2 while another tenant has work
 (``config.limits.fair.work``: a share between tenants, not a capacity limit). Their stack runs the
 shipped bundle with those caps raised to :data:`CAPACITY_MAX_IN_FLIGHT`, as an operator sizes them
 for a fleet that serves one tenant; the

@@ -79,7 +79,7 @@ FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the
 # fails (with the lease's delay between deliveries: about ten minutes at the default 15 s lease).
 MAX_UNAVAILABLE_DELIVERIES = 40
 DEFAULT_MAX_IN_FLIGHT = 4  # a tenant's runs advanced at once when policy names no cap
-DEFAULT_SHARED_IN_FLIGHT = 1  # ... while another tenant has work, when policy names no share
+DEFAULT_SHARED_IN_FLIGHT = 2  # ... while another tenant has work, when policy names no share
 
 
 def _deliveries(message: Msg) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,8 @@ from policy import PolicyEngine
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005  # how long a scan thread may hold the GIL while the event loop waits (see main)
 
 TOOLS = {
     "remember": ["memory:write"],
@@ -498,4 +501,8 @@ async def _housekeeping(memory: Memory, settings: MemorySettings) -> AsyncIterat
 async def main(settings: ServiceSettings) -> None:
     memory_settings = MemorySettings.from_env(settings.service_id)
     configure_logging(memory_settings.service_id, memory_settings.log_level)
+    # The scan threads run pure-Python pattern matching for seconds at a time; at CPython's default
+    # switch interval (5 ms) the event loop waits up to that for the GIL at every wake-up, so under a
+    # tenant's scan flood every other caller's request (a run's consolidation, a recall) crawled.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     await serve_mcp(build_app_for(memory_settings), memory_settings)
