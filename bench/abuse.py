@@ -940,6 +940,46 @@ def _attack_rows(result: Mapping[str, Any]) -> str:
     )
 
 
+# What earlier code measured, kept on the page beside the current numbers (they are not re-measured).
+EARLIER = """
+Earlier measurements, same machine. The short form (10 s idle as the baseline in the same run, then
+20 s of attack with 40 streams of each kind, 2 bodies per target, 1 SQL statement of each kind per
+path, 100 memory facts, 300 events; the hostile tenant's client then shared the victim's process):
+
+| victim request | before the limits (90178d2): idle p99 → attacked p99, ratio | with the limits (dd51c13) | with per-tenant caps on runs in flight and shares of scan threads (12e6465) |
+|---|---|---|---|
+| run (send to completion) | 671 → 15,009 ms (cut at the deadline), 22x | 1,663 → 10,920 ms, 6.6x | 1,145 → 2,359 ms, 2.1x (p50 145 → 398 ms, 2.7x) |
+| `GET /v1/runs` | 27 → 4,944 ms, 184x | 44 → 2,384 ms, 54x | 12 → 104 ms, 8.4x |
+| `GET /v1/runs/{id}` | 21 → 214 ms, 10x | 66 → 391 ms, 5.9x | 9.5 → 36 ms, 3.8x |
+| `GET /v1/runs/{id}/events` | 96 → 2,267 ms, 24x | 117 → 916 ms, 7.8x | 100 → 190 ms, 1.9x |
+| victim failures under attack | 2 | 0 | 0 |
+| Postgres connections refused (most backends) | 0 (137) | 0 (51) | 0 (52) |
+
+The short form's 2.1x for the run was flattered by its baseline: about one idle run in ten waited
+about a second for a worker's poll (idle p99 1.1 s for a p50 of 145 ms); workers now wake on a
+doorbell (c6cf344) and the idle p99 is about 200 ms. The full form (60 s idle, 300 s of attack, 500
+streams of each kind, 20 bodies per target, 5 statements of each kind per path, 2,000 memory facts,
+10,000 events; the hostile tenant in a process of its own), before this page's run:
+
+| code | run p50 ratio | run p99: idle → attacked, ratio | reads' p99 ratios |
+|---|---|---|---|
+| the ingest on a pool of its own, the doorbell (92863a7) | 3.48x | 193 → 1,206 ms, 6.2x | 3.7x, 3.2x, 4.6x |
+| a tenant's share of runs in flight 1 while another has work (36b28ad) | 3.35x | 247 → 1,675 ms, 6.8x | 0.35x, 2.1x, 3.0x |
+
+Where the CPU went in the attack's first minute (36b28ad, per service process tree, of the 2 cores'
+200%): mcp-memory 57% (the memory flood's scans), coordinator 34% (25% idle: the event ingest and the
+held streams), workers 39% (55% idle), NATS 14% (7% idle); the victim alone keeps the stack at about
+127% before its client and Postgres.
+
+Why the target is missed: every refusal holds (bodies, streams, SQL bytes, connections), no victim
+request fails and Postgres refuses nobody, but the hostile tenant's admitted work (its scans, its
+share of runs in flight, its ingest) still takes most of two cores that every service shares, and the
+victim's run crosses about fifteen process hops, each waiting for a core. The shares bound what a
+tenant holds (threads, slots, connections), not the CPU it burns inside them; meeting 2x on a shared
+2-core host needs a CPU share per tenant in the services that burn it (memory scans first).
+"""
+
+
 def section(result: Mapping[str, Any]) -> str:
     """The page's section on one tenant at full tilt against another."""
     load, probe = result["load"], result["postgres_probe"]
@@ -980,4 +1020,5 @@ def section(result: Mapping[str, Any]) -> str:
         + (f"Victim failures (first of them):\n\n{samples}\n" if samples else "")
         + "What each attack got back (outcome: count):\n\n| attack | outcomes |\n|---|---|\n"
         + _attack_rows(result)
+        + EARLIER
     )
