@@ -3,13 +3,20 @@
 A body declared larger than the cap (``Content-Length``) is refused before the app runs. A body
 without a declared length (chunked) is counted as the app reads it; at the first byte over the cap
 the app's read fails with :class:`BodyTooLarge`, whatever the app answers is dropped, and the caller
-gets the 413 instead. No more than the cap is ever handed to the app; the server reads and discards
-the rest of the body. Refusals carry the code ``body_too_large``: a fleet error body on HTTP APIs, a
-JSON-RPC error on the paths that speak JSON-RPC (A2A, MCP).
+gets the 413 instead. No more than the cap is ever handed to the app. Refusals carry the code
+``body_too_large``: a fleet error body on HTTP APIs, a JSON-RPC error on the paths that speak JSON-RPC
+(A2A, MCP).
+
+After the refusal the rest of the body is read and discarded, so that a client that sends its whole
+body before it reads gets the 413 rather than a broken pipe; but only :data:`DRAIN_BYTES` of it, for
+at most :data:`DRAIN_S`, and then the connection is closed (the refusal says ``Connection: close``).
+Left to itself the HTTP server would go on reading a body whose length is declared in petabytes, or
+a chunked one that never ends, for as long as the caller sends it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -24,6 +31,8 @@ from fleet.errors import ErrorCode, FleetError
 log = logging.getLogger(__name__)
 
 JSONRPC_INVALID_REQUEST = -32600
+DRAIN_BYTES = 16 * 1024 * 1024  # of a refused body, read and discarded before the connection closes
+DRAIN_S = 10.0  # and for at most this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +72,7 @@ class BodySizeLimit:
         limit = self.limit_for(scope["path"])
         declared = _content_length(scope)
         if declared is not None and declared > limit.max_bytes:
-            await _refuse(scope, send, limit, declared)
+            await _refuse(scope, receive, send, limit, declared)
             return
         await _Capped(self._app, limit).run(scope, receive, send)
 
@@ -97,7 +106,7 @@ class _Capped:
         with contextlib.suppress(BodyTooLarge):  # raised by our receive, not handled by the app
             await self._app(scope, capped_receive, guarded_send)
         if self._over and not self._started:
-            await _refuse(scope, send, self._limit, self._received)
+            await _refuse(scope, receive, send, self._limit, self._received)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -110,7 +119,10 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _refuse(scope: Scope, send: Send, limit: BodyLimit, seen: int) -> None:
+async def _refuse(scope: Scope, receive: Receive, send: Send, limit: BodyLimit, seen: int) -> None:
+    """Answer 413, then read and drop what comes of the body, within the drain's bounds, before the
+    answer ends and the server closes the connection. The answer's bytes are all sent first: a
+    caller that reads while it sends has it at once."""
     error = FleetError(ErrorCode.BODY_TOO_LARGE, f"the request body exceeds {limit.max_bytes} bytes")
     log.warning(
         "%s %s refused (%s): %d bytes or more, the cap is %d; client=%s principal=%s",
@@ -132,9 +144,27 @@ async def _refuse(scope: Scope, send: Send, limit: BodyLimit, seen: int) -> None
     else:
         body = {"error": details}
     payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        (b"connection", b"close"),
+    ]
     await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+    await send({"type": "http.response.body", "body": payload, "more_body": True})
+    await _drain(receive)
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the body until it ends, DRAIN_BYTES have come, or DRAIN_S have passed."""
+    drained = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            while drained < DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                drained += len(message.get("body", b""))
 
 
 def _client(scope: Scope) -> str:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from fleet.a2a_support import RPC_PATH
+from fleet.bodylimit import DRAIN_BYTES
 from tests.e2e.conftest import Stack
 from tests.e2e.stack_helpers import logged
 
@@ -119,6 +120,8 @@ async def _post_endless_chunked(
                 writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 await writer.drain()
                 sent += len(chunk)
+                # drain() does not yield while the kernel takes the bytes: let the answer be read.
+                await asyncio.sleep(0)
             async with asyncio.timeout(10):  # no answer by now: the server waits for the end
                 status, body = await answer
     finally:
@@ -147,6 +150,49 @@ async def test_a_chunked_body_without_a_length_is_cut_at_the_cap(stack: Stack, s
     who = "principal=-" if service == "registry" else "principal=acme/operator"
     await logged(stack, service, "body_too_large", who)
     assert "BodyTooLarge" not in _log_since(stack, service, offset)  # no stack trace of the cut
+
+
+async def _send_until_closed(url: str, headers: dict[str, str], give_up_after: int) -> int:
+    """Send a body without reading any answer until the server stops taking it (it closed the
+    connection) or ``give_up_after`` bytes are sent: how many bytes the server took."""
+    target = httpx.URL(url)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    head = [f"POST {target.raw_path.decode()} HTTP/1.1", f"Host: {target.host}:{target.port}"]
+    head += [f"{name}: {value}" for name, value in headers.items()]
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+    chunked = "Transfer-Encoding" in headers
+    piece = b"x" * 65536
+    data = b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece
+    sent = 0
+    try:
+        async with asyncio.timeout(60):
+            while sent < give_up_after:
+                writer.write(data)
+                await writer.drain()
+                sent += len(piece)
+                await asyncio.sleep(0)
+    except (ConnectionError, OSError):
+        pass  # closed by the server
+    finally:
+        writer.close()
+    return sent
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [{"Transfer-Encoding": "chunked"}, {"Content-Length": str(10**15)}],
+    ids=["chunked-without-end", "declared-petabyte"],
+)
+async def test_a_refused_body_is_not_read_past_the_drain_before_the_connection_closes(
+    stack: Stack, framing: dict[str, str]
+) -> None:
+    """After the 413 the server reads what comes of the body only up to its drain (16 MiB); it
+    does not go on parsing and discarding a body that never ends, at whatever rate the caller sends."""
+    url, cap, _ = _surface(stack, "coordinator-a2a")
+    headers = {**_bearer(stack.token("coordinator")), "Content-Type": "application/json", **framing}
+    taken = await _send_until_closed(url, headers, give_up_after=256 * MIB)
+    # What the server took: the cap, the drain, and what the two kernels' socket buffers hold.
+    assert taken < cap + DRAIN_BYTES + 32 * MIB, taken
 
 
 async def test_a_10_mb_a2a_body_is_refused_413_while_the_coordinator_keeps_answering_others(
