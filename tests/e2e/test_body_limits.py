@@ -156,7 +156,7 @@ async def _send_until_closed(url: str, headers: dict[str, str], give_up_after: i
     """Send a body without reading any answer until the server stops taking it (it closed the
     connection) or ``give_up_after`` bytes are sent: how many bytes the server took."""
     target = httpx.URL(url)
-    reader, writer = await asyncio.open_connection(target.host, target.port)
+    _reader, writer = await asyncio.open_connection(target.host, target.port)
     head = [f"POST {target.raw_path.decode()} HTTP/1.1", f"Host: {target.host}:{target.port}"]
     head += [f"{name}: {value}" for name, value in headers.items()]
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
