@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fleet.infra import nats_command
+from deploy.infra import nats_command
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psycopg
 
-from fleet.infra import as_user, prepare_postgres
+from deploy.infra import as_user, prepare_postgres
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleet.layout import StackLayout
+from fleetctl.layout import StackLayout
 from policy import DEFAULT_BUNDLE_DIR
 
 CAPACITY_MAX_IN_FLIGHT = 64
@@ -39,7 +39,7 @@ def capacity_bundle(bundle: Path, source: Path = DEFAULT_BUNDLE_DIR) -> Path:
 
 def _fleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fleet", *args],
+        [sys.executable, "-m", "fleetctl", *args],
         capture_output=True,
         text=True,
         timeout=300,

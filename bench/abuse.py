@@ -70,10 +70,10 @@ from google.protobuf.json_format import MessageToDict
 
 from bench._stack import running_shipped_stack
 from bench.throughput import Fleet
-from fleet import producers_cli
 from fleet.events import event_message
-from fleet.layout import StackLayout
 from fleet.natsconn import Credentials, connect
+from fleetctl import producers_cli
+from fleetctl.layout import StackLayout
 from tests.e2e.conftest import TWO_STEPS, Stack
 from tests.e2e.stack_helpers import call
 

@@ -32,7 +32,7 @@ import psycopg
 
 from bench._stack import running_stack
 from bench.throughput import Fleet
-from fleet.layout import StackLayout
+from fleetctl.layout import StackLayout
 
 ITEMS = 10_000
 CALL_SIZE = 50

@@ -40,8 +40,8 @@ from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.dispatch import RunScope, StepDispatcher
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore
-from fleet.layout import StackLayout
 from fleet.settings import ServiceSettings
+from fleetctl.layout import StackLayout
 from registry import RegistryClient
 
 CALLS = 60

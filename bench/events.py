@@ -28,10 +28,10 @@ from typing import Any
 import psycopg
 
 from bench._stack import running_stack
-from coordinator.runs import NOTIFY_CHANNEL
-from fleet.buskeys import stack_admin
+from coordinator.notifier import NOTIFY_CHANNEL
 from fleet.events import EVENTS_STREAM, EventMessage, ensure_event_streams, event_message
 from fleet.natsconn import connect
+from fleetctl.layout import stack_admin
 
 INGEST_EVENTS = 6000
 CONCURRENCY = 64

@@ -85,7 +85,7 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
 def _decision_point() -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "fleet", "policy", "serve", "--port", str(port)],
+        [sys.executable, "-m", "fleetctl", "policy", "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

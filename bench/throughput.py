@@ -34,8 +34,8 @@ from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from google.protobuf.json_format import ParseDict
 
 from bench._stack import running_stack
-from fleet.layout import StackLayout
-from fleet.operator_cli import operator_token_client
+from fleetctl.cli_common import operator_token_client
+from fleetctl.layout import StackLayout
 
 RUNS = 40
 LEASE_TTL_S, ACK_WAIT_S = 3, 6

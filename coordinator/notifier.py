@@ -16,10 +16,11 @@ from types import TracebackType
 
 import psycopg
 
-from coordinator.runs import NOTIFY_CHANNEL
 from fleet.retry import backoff_s
 
 log = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "fleet_run_events"  # the run store notifies it (the run id) after each event it commits
 
 HEALTH_CHECK_S = 30.0  # a quiet connection is probed this often, so a dead one is noticed
 FIRST_CONNECT_S = 10.0

@@ -13,20 +13,17 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.notifier import NOTIFY_CHANNEL, RunNotifier
 from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact, redact_async
 
-if TYPE_CHECKING:
-    from coordinator.notifier import RunNotifier
-
-NOTIFY_CHANNEL = "fleet_run_events"
 WAIT_SUMMARY = (
     "type",
     "awaited",

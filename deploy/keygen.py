@@ -55,6 +55,7 @@ from pathlib import Path
 import httpx
 
 from deploy._bus import NATS_CERT, NATS_KEY, auth_conf, cluster_conf, nats_cert_names, service_cert_names
+from deploy.enrollment import enrollment_token
 from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
 from fleet.buscatalog import provision
 from fleet.buskeys import REGISTRY_KEYS, BusKeys, admin_credentials
@@ -63,7 +64,6 @@ from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.natsconn import TRANSIENT, connect
 from fleet.settings import DEFAULT_ISSUER
-from fleet.supervisor import enrollment_token
 from fleet.tenant_keys import MasterSecret
 from fleet.tlsca import CertificateAuthority, write_trust
 

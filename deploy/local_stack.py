@@ -145,7 +145,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec(
         "console",
         "console",
-        "fleet.console:main",
+        "fleetctl.console:main",
         scopes=("agent:invoke", "runs:approve", "runs:resolve", "registry:read", "runs:admin"),
     ),
 )

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy.infra import nats_server_binary
 from fleet.buskeys import BusKeys, stack_config
-from fleet.infra import nats_server_binary
 
 CLUSTER_NAME = "fleet-cluster"
 START_TIMEOUT_S = 60.0

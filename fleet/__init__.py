@@ -1,7 +1,9 @@
-"""The thin shared kernel of agent-fleet: settings, errors, identity primitives, service runner, CLI.
+"""The shared kernel of agent-fleet: settings, errors, keys and tokens, NATS and Postgres
+connections, telemetry, the service runner and the pieces every service shares.
 
-Every service package may import ``fleet``; ``fleet`` imports no service package statically (the CLI
-resolves service entry points by name at run time).
+Every package of the project may import ``fleet``; ``fleet`` imports no other package of the
+project (``tests/test_import_boundaries.py`` checks it). The operator's application (the CLI, the
+supervisor, the demo, the console) is ``fleetctl``.
 """
 
 from fleet.errors import ErrorCode, FleetError

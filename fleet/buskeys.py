@@ -19,12 +19,9 @@ key is in this configuration.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from fleet.layout import StackLayout
 from fleet.natsconn import Credentials
 from fleet.natsjwt import PREFIX_ACCOUNT, PREFIX_USER, KeyPair
 
@@ -146,10 +143,3 @@ def admin_credentials(keys_dir: Path, tls_ca: Path | None = None) -> Credentials
     and tests of what a compromised admin could do use them."""
     seed = (keys_dir / "admin.nk").read_text().strip()
     return Credentials("fleet-admin", nkey_seed=seed, tls_ca=tls_ca)
-
-
-def stack_admin(endpoints: Mapping[str, Any]) -> Credentials:
-    """:func:`admin_credentials` of a local stack, from its ``endpoints.json``."""
-    layout = StackLayout.at(Path(str(endpoints["data_dir"])))
-    ca = endpoints.get("tls_ca")
-    return admin_credentials(layout.bus_keys_dir, Path(ca) if isinstance(ca, str) else None)

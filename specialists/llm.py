@@ -30,7 +30,7 @@ from fleet.llm import ChatModel, ChatReply, ToolCall, from_settings, json_object
 from fleet.redact import redact
 from fleet.settings import ServiceSettings
 from registry import McpServerRecord
-from specialists.kit import MEMORY_SERVER, Skill, SkillContext, SkillError
+from specialists.skill import MEMORY_SERVER, Skill, SkillContext, SkillError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from fleet.infra import as_user, prepare_postgres
+from deploy.infra import as_user, prepare_postgres
 
 
 def _free_port() -> int:

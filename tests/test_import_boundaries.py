@@ -1,32 +1,45 @@
-"""The package boundaries of the architecture, enforced on every import statement in the tree."""
+"""The package boundaries of the architecture, enforced on every import statement in the tree.
+
+The packages stand in floors: each may import only packages below it, and none of its own floor
+(a service never imports another service). The graph is drawn from every import statement,
+function-level ones included, so a lazy import cannot hide an arrow that runs back up; and within
+each package no two modules import each other, however far round.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVICES = ("coordinator", "specialists", "mcp_servers")
-LIBRARIES = ("registry", "policy", "memory")
-FORBIDDEN: dict[str, set[str]] = {
-    **{pkg: {other for other in SERVICES if other != pkg} for pkg in SERVICES},
-    **{pkg: set(SERVICES) for pkg in LIBRARIES},
-    # The kernel and the stack definition name services by string only, never by import.
-    "fleet": set(SERVICES) | {"memory"},
-    "deploy": set(SERVICES) | set(LIBRARIES),
+# Each package, and the project packages it may import. Floor 0 is the kernel.
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "fleet": frozenset(),
+    "policy": frozenset({"fleet"}),
+    "deploy": frozenset({"fleet"}),
+    "registry": frozenset({"fleet", "policy"}),
+    "memory": frozenset({"fleet", "policy"}),
+    "coordinator": frozenset({"fleet", "policy", "registry"}),
+    "specialists": frozenset({"fleet", "policy", "registry"}),
+    "mcp_servers": frozenset({"fleet", "policy", "registry", "memory"}),
+    "fleetctl": frozenset({"fleet", "policy", "deploy", "registry", "memory"}),
 }
+PROJECT = frozenset(MAY_IMPORT) | {"bench", "tests"}
 
 
-def imported_top_levels(path: Path) -> set[str]:
+def imported_modules(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, at any depth of its code (a lazy import is an arrow too):
+    for ``from a import b``, both ``a`` and ``a.b`` (``b`` may be a module or a name)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
         elif (
             isinstance(node, ast.Call)
             and getattr(node.func, "attr", "") == "import_module"
@@ -34,21 +47,112 @@ def imported_top_levels(path: Path) -> set[str]:
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
         ):
-            found.add(node.args[0].value.split(".")[0])
-    return found
+            yield node.args[0].value
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_package_never_imports_what_its_boundary_forbids(package: str) -> None:
+def imported_top_levels(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in imported_modules(path)}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_a_package_imports_only_the_packages_below_it(package: str) -> None:
+    allowed = MAY_IMPORT[package] | {package}
     violations = [
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in sorted((ROOT / package).rglob("*.py"))
-        for name in sorted(imported_top_levels(path) & FORBIDDEN[package])
+        for path in sources(package)
+        for name in sorted((imported_top_levels(path) & PROJECT) - allowed)
     ]
     assert violations == []
 
 
-def test_boundary_checker_sees_a_violation(tmp_path: Path) -> None:
+def test_the_floors_have_no_cycle() -> None:
+    """The allowed arrows themselves only run down: no package may, through others, import itself."""
+
+    def below(package: str, seen: frozenset[str]) -> None:
+        for other in MAY_IMPORT[package]:
+            assert other not in seen, f"{' -> '.join(seen)} -> {other}"
+            below(other, seen | {other})
+
+    for package in MAY_IMPORT:
+        below(package, frozenset({package}))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _arrows(path: Path, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports: ``from a import b`` is an arrow to ``a.b`` when that is
+    a module, else to ``a`` (a package's ``__init__``, whose name ``b`` it takes)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            module = node.module
+            names = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in known)
+    return found
+
+
+def module_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Each module of ``packages`` to the modules of the project it imports."""
+    paths = [path for package in packages for path in sources(package)]
+    known = {module_name(path) for path in paths}
+    return {module_name(path): _arrows(path, known) - {module_name(path)} for path in paths}
+
+
+def test_no_two_modules_import_each_other_even_lazily() -> None:
+    assert _cycles(module_graph(tuple(MAY_IMPORT))) == []
+
+
+def test_the_checks_see_a_violation_and_a_cycle(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\nfrom coordinator.graph import build_graph\nimport specialists.kit\n")
+    bad.write_text(
+        "import os\ndef f():\n    from coordinator.graph import build_graph\nimport specialists.kit\n"
+    )
     assert imported_top_levels(bad) == {"os", "coordinator", "specialists"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -5,28 +5,24 @@
 - ``cgroups``: a cgroup per call (:mod:`.cgroups`) with memory, pids and CPU limits.
 
 A layer the host cannot give is fatal if it is ``required``, else a loud warning at every start;
-never silently skipped. :func:`preflight` runs one canary call at server start and checks from
+never silently skipped. :func:`~mcp_servers.sandbox.runner.preflight` runs one canary call at server start and checks from
 inside that the layers are in force; what every sandbox has without them (no capabilities,
 NoNewPrivs, a non-root uid, a clean environment) is always required.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import subprocess
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleet.errors import ErrorCode, FleetError
 from mcp_servers.sandbox.cgroups import CgroupTree
 from mcp_servers.sandbox.syscall_filter import build_filter
-
-if TYPE_CHECKING:
-    from mcp_servers.sandbox.runner import Limits, Sandbox
 
 log = logging.getLogger(__name__)
 LAYERS = ("seccomp", "userns", "cgroups")
@@ -129,24 +125,3 @@ def check_canary(report: dict[str, Any]) -> list[tuple[str, str]]:
         if extra:
             wrong.append(("base", f"{name} holds {sorted(extra)}"))
     return wrong
-
-
-async def preflight(sandbox: Sandbox, limits: Limits, *, required: Collection[str]) -> dict[str, Any]:
-    """One canary call: the call's cgroup is created and its limits read back (in ``Sandbox``), and
-    the code checks from inside that the layers are in force. Raises ``dependency_unavailable`` if
-    the sandbox does not work at all, if a ``required`` layer or the base is not in force."""
-    outcome = await sandbox.run(CANARY, b"", limits)
-    try:
-        report: dict[str, Any] = json.loads(outcome.stdout)
-    except ValueError:
-        detail = outcome.stderr.decode(errors="replace")[-500:]
-        raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"the sandbox does not work here: {detail}"
-        ) from None
-    wrong = check_canary(report)
-    fatal = [problem for layer, problem in wrong if layer == "base" or layer in required]
-    if fatal:
-        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, "sandbox canary: " + "; ".join(fatal))
-    for _, problem in wrong:
-        log.warning("SANDBOX CANARY: %s", problem)
-    return report

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import shutil
 import stat
@@ -28,16 +30,17 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fleet.errors import ErrorCode, FleetError
 from mcp_servers.sandbox.cgroups import CallCaps, CallCgroup, CallStats
-from mcp_servers.sandbox.confinement import Confinement
+from mcp_servers.sandbox.confinement import CANARY, Confinement, check_canary
 from mcp_servers.sandbox.launcher import READY, REASONS, REQUEST, RESULT, TAKEN
 
+log = logging.getLogger(__name__)
 LAUNCHER = Path(__file__).with_name("launcher.py")
 SANDBOX_DIR = "/sandbox"
 _COMPILE = "import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True)"
@@ -555,3 +558,24 @@ def _parse(raw: bytes, err: bytes, elapsed: float) -> Outcome:
         workspace=workspace,
         info={"restore_error": restore_error, "max_rss_kb": max_rss},
     )
+
+
+async def preflight(sandbox: Sandbox, limits: Limits, *, required: Collection[str]) -> dict[str, Any]:
+    """One canary call: the call's cgroup is created and its limits read back (in ``Sandbox``), and
+    the code checks from inside that the layers are in force. Raises ``dependency_unavailable`` if
+    the sandbox does not work at all, if a ``required`` layer or the base is not in force."""
+    outcome = await sandbox.run(CANARY, b"", limits)
+    try:
+        report: dict[str, Any] = json.loads(outcome.stdout)
+    except ValueError:
+        detail = outcome.stderr.decode(errors="replace")[-500:]
+        raise FleetError(
+            ErrorCode.DEPENDENCY_UNAVAILABLE, f"the sandbox does not work here: {detail}"
+        ) from None
+    wrong = check_canary(report)
+    fatal = [problem for layer, problem in wrong if layer == "base" or layer in required]
+    if fatal:
+        raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, "sandbox canary: " + "; ".join(fatal))
+    for _, problem in wrong:
+        log.warning("SANDBOX CANARY: %s", problem)
+    return report

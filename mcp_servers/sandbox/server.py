@@ -58,8 +58,16 @@ from mcp_servers._base import (
     tool_server_app,
 )
 from mcp_servers.sandbox.cgroups import CallCaps
-from mcp_servers.sandbox.confinement import LAYERS, Confinement, preflight
-from mcp_servers.sandbox.runner import Limits, Outcome, Sandbox, find_bwrap, find_python, prepare_runtime
+from mcp_servers.sandbox.confinement import LAYERS, Confinement
+from mcp_servers.sandbox.runner import (
+    Limits,
+    Outcome,
+    Sandbox,
+    find_bwrap,
+    find_python,
+    preflight,
+    prepare_runtime,
+)
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)

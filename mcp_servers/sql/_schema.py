@@ -334,7 +334,7 @@ DEMO_INVOICES: dict[str, list[tuple[str, float, int, str]]] = {
 
 # (invoice number, amount, days ago): what the bank received for the invoices that the demo's billing
 # events report settled. acme: one short payment, one paid twice, one never paid; globex: one short by
-# a little (see fleet.demo's events).
+# a little (see fleetctl.demo's events).
 DEMO_PAYMENTS: dict[str, list[tuple[str, float, int]]] = {
     "acme": [
         ("INV-A-1001", 1180.00, 1),

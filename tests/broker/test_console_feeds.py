@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from fleet.console import _feeds
 from fleet.events import ensure_stream
 from fleet.natsconn import connect
+from fleetctl.console import _feeds
 
 
 async def test_memory_audit_reads_a_window_of_the_newest_messages(nats_url: str) -> None:

@@ -19,7 +19,7 @@ from deploy.local_stack import (
     OWNER_CONNECTION_LIMITS,
     PG_MAX_CONNECTIONS,
 )
-from fleet.supervisor import ensure_database, ensure_owner_role
+from fleetctl.supervisor import ensure_database, ensure_owner_role
 from mcp_servers._pg import WRITER_CONNECTION_LIMIT, enable_login
 
 INIT_SH = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "postgres" / "init.sh"

@@ -26,10 +26,10 @@ import pytest
 from deploy import keygen
 from deploy._bus import NATS_AUTH_DIR, NATS_CONFIG_DIR
 from deploy._k8s_infra import nats_config as k8s_nats_config
+from deploy.infra import nats_server_binary
 from fleet.buscatalog import BUCKETS, STREAMS
 from fleet.buskeys import admin_credentials
 from fleet.errors import ErrorCode, FleetError
-from fleet.infra import nats_server_binary
 from fleet.natsconn import Credentials, connect
 from fleet.natsjwt import KeyPair
 from tests.deploy._files import compose

@@ -17,8 +17,8 @@ from pydantic import AliasChoices
 from deploy import keygen
 from deploy.local_stack import SERVICES, ServiceSpec, service
 from fleet.buskeys import REGISTRY_KEYS, BusKeys
-from fleet.cli import _parser as fleet_parser
 from fleet.settings import ServiceSettings
+from fleetctl.cli import _parser as fleet_parser
 from tests.deploy._files import (
     ONE_SHOTS,
     Container,

@@ -24,7 +24,7 @@ from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from google.protobuf.json_format import ParseDict
 
 from fleet.keys import SigningKey
-from fleet.layout import StackLayout
+from fleetctl.layout import StackLayout
 
 if TYPE_CHECKING:
     from tests.e2e.identities import Impostor, PartnerIdp
@@ -61,7 +61,7 @@ def fleet(
 ) -> subprocess.CompletedProcess[str]:
     """Run the ``fleet`` CLI as a user would (a new process)."""
     return subprocess.run(
-        [sys.executable, "-m", "fleet", *args],
+        [sys.executable, "-m", "fleetctl", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from deploy.enrollment import enrollment_token
 from deploy.local_stack import ServiceKind, ServiceSpec
 from fleet.a2a_support import build_card, sign_card
 from fleet.keys import SigningKey
 from fleet.service import Readiness
 from fleet.settings import ServiceSettings
-from fleet.supervisor import enrollment_token
 from fleet.tokens import client_assertion
 from mcp_servers._base import (
     MCP_PATH,

@@ -29,15 +29,14 @@ import httpx
 import psycopg
 
 from coordinator.signals import publish_signal
+from deploy.enrollment import enrollment_token
 from deploy.local_stack import OPERATOR_ID, service
-from fleet.buskeys import stack_admin
 from fleet.events import event_message
 from fleet.keys import SigningKey
-from fleet.layout import StackLayout
 from fleet.natsconn import connect
-from fleet.operator_cli import operator_token_client
-from fleet.supervisor import enrollment_token
 from fleet.tokens import TokenClient
+from fleetctl.cli_common import operator_token_client
+from fleetctl.layout import StackLayout, stack_admin
 from policy import DEFAULT_BUNDLE_DIR
 
 SUBJECT = "fleet.events.refunds.requested"
@@ -145,7 +144,7 @@ def start_workers(
         with (layout.home / "logs" / f"{name}-restarted.log").open("ab") as log:  # the child keeps its copy
             started.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "fleet", "serve", name],
+                    [sys.executable, "-m", "fleetctl", "serve", name],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

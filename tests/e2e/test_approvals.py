@@ -23,10 +23,10 @@ from a2a.types import Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import InvalidParamsError
 
 from coordinator.signals import GRANT_HEADER, OUTCOMES_PREFIX, SIGNALS_PREFIX, publish_signal
-from fleet.buskeys import stack_admin
 from fleet.natsconn import connect
-from fleet.operator_cli import operator_token_client
 from fleet.tokens import TokenClient
+from fleetctl.cli_common import operator_token_client
+from fleetctl.layout import stack_admin
 from policy import DEFAULT_BUNDLE_DIR
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant
 from tests.e2e.conftest import (

@@ -33,11 +33,11 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from nats.aio.client import Client as NATS
 
-from fleet.buskeys import stack_admin
 from fleet.keys import SigningKey
 from fleet.natsconn import BUS_AUDIENCE, Credentials, connect, inbox_prefix
 from fleet.natsjwt import PREFIX_USER, KeyPair
 from fleet.tokens import client_assertion
+from fleetctl.layout import stack_admin
 from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
 from tests.e2e.identities import Impostor
 

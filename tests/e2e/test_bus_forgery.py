@@ -18,11 +18,11 @@ import jwt
 import pytest
 from nats.js.kv import KeyValue
 
-from fleet.buskeys import stack_admin
 from fleet.issuer_certs import certify_issuer_key, with_cert
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.tokens import client_assertion
+from fleetctl.layout import stack_admin
 from tests.e2e.conftest import Stack, token_claims
 from tests.e2e.stack_helpers import logged
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fleet.progress import CLEAR_LINE
+from fleetctl.progress import CLEAR_LINE
 from tests.e2e.a2a_helpers import SLOW_STEPS, start
 from tests.e2e.conftest import TWO_STEPS, Stack, clean_env, first_event, fleet, send, user_message
 
@@ -240,7 +240,7 @@ def on_a_terminal(*args: str) -> tuple[int, str]:
     """Run the CLI with its stdout on a pseudo-terminal: its exit code and what it drew."""
     primary, secondary = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "fleet", *args], stdout=secondary, stderr=subprocess.PIPE, env=clean_env()
+        [sys.executable, "-m", "fleetctl", *args], stdout=secondary, stderr=subprocess.PIPE, env=clean_env()
     )
     os.close(secondary)
     drawn = bytearray()

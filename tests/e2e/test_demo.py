@@ -15,13 +15,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from fleet.layout import StackLayout
+from fleetctl.layout import StackLayout
 from tests.e2e.conftest import Stack, clean_env, fleet
 
 pytestmark = pytest.mark.e2e
 
 DEMO_TIMEOUT_S = 300
-# Personal data in the night's billing events (fleet/demo.py NIGHT), which memory must not keep.
+# Personal data in the night's billing events (fleetctl/demo.py NIGHT), which memory must not keep.
 CONTACTS = ("ravi.patel@fabrikam.example", "+44 20 7946 0958", "billing@contoso.example", "415 555 0134")
 
 
@@ -115,7 +115,7 @@ async def test_without_auto_approve_the_demo_says_how_to_approve_and_resumes_whe
 ) -> None:
     data_dir = tmp_path / "fleet"
     demo = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fleet", "demo", "--data-dir", str(data_dir),
+        sys.executable, "-m", "fleetctl", "demo", "--data-dir", str(data_dir),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=clean_env(),
     )  # fmt: skip
     assert demo.stdout is not None

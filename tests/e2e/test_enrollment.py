@@ -71,7 +71,7 @@ def start_console(
 ) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:  # the child keeps its copy
         process = subprocess.Popen(
-            [sys.executable, "-m", "fleet", "serve", "console"],
+            [sys.executable, "-m", "fleetctl", "serve", "console"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

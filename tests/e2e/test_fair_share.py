@@ -15,11 +15,11 @@ import pytest
 from a2a.types import TaskState
 
 from coordinator import work
-from fleet.buskeys import stack_admin
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import DEAD_LETTER_STREAM, ensure_event_streams, publish_event
 from fleet.natsconn import connect
-from fleet.operator_cli import operator_token_client
+from fleetctl.cli_common import operator_token_client
+from fleetctl.layout import stack_admin
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.conftest import (
     TWO_STEPS,

@@ -27,13 +27,13 @@ from cryptography.hazmat.primitives import serialization
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from fleet.buskeys import stack_admin
 from fleet.errors import FleetError
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
-from fleet.operator_cli import operator_token_client
 from fleet.tokens import RUN_GRANT_TYPE, SESSION_GRANT_TYPE, TokenClient, client_assertion
+from fleetctl.cli_common import operator_token_client
+from fleetctl.layout import stack_admin
 from mcp_servers._base import read_audit
 from tests.e2e.conftest import (
     Stack,

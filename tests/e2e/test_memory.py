@@ -12,9 +12,9 @@ import httpx2
 from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from fleet.buskeys import stack_admin
 from fleet.eventlog import read_records
 from fleet.natsconn import connect
+from fleetctl.layout import stack_admin
 from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
 from tests.e2e.identities import PartnerIdp
 

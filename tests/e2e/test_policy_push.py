@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from fleet.buskeys import stack_admin
 from fleet.keys import SigningKey
 from fleet.natsconn import connect, key_value
+from fleetctl.layout import stack_admin
 from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicySigner, certify_author
 from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET, bundle_message, push, pushed, statuses
 from tests.e2e.conftest import Stack, fleet

@@ -27,12 +27,12 @@ from coordinator.signals import (
     publish_signal,
     sign_signal,
 )
-from fleet.buskeys import stack_admin
 from fleet.errors import AuthError
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
-from fleet.operator_cli import operator_token_client
 from fleet.tokens import SignalBinding, TokenClient, TokenVerifier, peek
+from fleetctl.cli_common import operator_token_client
+from fleetctl.layout import stack_admin
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.conftest import Stack, all_events, send, token_claims, user_message
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from deploy.infra import as_user, nats_command, prepare_postgres
 from deploy.local_stack import SERVICES
 from fleet.buskeys import BusKeys, stack_config
-from fleet.infra import as_user, nats_command, prepare_postgres
-from fleet.layout import StackLayout
+from fleetctl.layout import StackLayout
 from tests.e2e.conftest import (
     Stack,
     clean_env,
@@ -142,7 +142,7 @@ async def test_second_up_on_the_same_dir_keeps_the_durable_state(tmp_path: Path)
 def test_ctrl_c_in_the_foreground_stops_the_stack_cleanly(tmp_path: Path) -> None:
     layout = StackLayout.at(tmp_path / "fleet")
     process = subprocess.Popen(
-        [sys.executable, "-m", "fleet", "up", "--data-dir", str(layout.home)],
+        [sys.executable, "-m", "fleetctl", "up", "--data-dir", str(layout.home)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

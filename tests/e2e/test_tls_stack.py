@@ -15,9 +15,8 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
-from fleet.buskeys import stack_admin
-from fleet.layout import StackLayout
 from fleet.natsconn import connect
+from fleetctl.layout import StackLayout, stack_admin
 from tests.e2e.conftest import Stack, clean_env, fleet, stop_stack
 
 pytestmark = pytest.mark.e2e

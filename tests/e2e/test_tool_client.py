@@ -27,12 +27,12 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from starlette.applications import Starlette
 
+from deploy.enrollment import enrollment_token
 from deploy.local_stack import ServiceKind, ServiceSpec
 from fleet.errors import ErrorCode
 from fleet.keys import SigningKey
 from fleet.service import Readiness
 from fleet.settings import ServiceSettings
-from fleet.supervisor import enrollment_token
 from mcp_servers._base import MCP_PATH, RegistryTokenVerifier, auth_settings, build_app, declared_tools
 from registry import RegistryClient
 from specialists.kit import OutcomeUnknown, SkillError, Toolbox, mcp_http_client

@@ -20,7 +20,6 @@ import pytest
 from nats.js.errors import ServerError
 
 from coordinator.triggers import CONSUMER, batch_owner, batch_run_id
-from fleet.buskeys import stack_admin
 from fleet.events import (
     DEAD_LETTER_STREAM,
     EVENTS_DUPLICATE_WINDOW_S,
@@ -34,6 +33,7 @@ from fleet.events import (
     publish_raw,
 )
 from fleet.natsconn import connect
+from fleetctl.layout import stack_admin
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.conftest import Stack, all_events, fleet
 

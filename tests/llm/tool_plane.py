@@ -27,13 +27,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deploy.enrollment import enrollment_token
 from deploy.local_stack import ServiceSpec
 from fleet.a2a_support import build_card, sign_card
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.service import Readiness
 from fleet.settings import DEFAULT_ISSUER, ServiceSettings
-from fleet.supervisor import enrollment_token
 from mcp_servers._base import MCP_PATH, READ_ONLY, build_app, declared_tools, fleet_mcp_server
 from registry import RegistryClient
 from registry.server import build_app as registry_app

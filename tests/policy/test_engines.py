@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from fleet.errors import ErrorCode
-from fleet.policy_cli import SERVE_MAX_BODY_BYTES
 from fleet.settings import ServiceSettings
+from fleetctl.policy_cli import SERVE_MAX_BODY_BYTES
 from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicyError, RegorusEngine
 from policy.live import LivePolicy, live_policy
 from policy.opa_rest import OpaRestEngine
@@ -56,7 +56,7 @@ def opa_process() -> Iterator[subprocess.Popen[bytes]]:
     """``fleet policy serve`` in a process of its own, empty (each test loads its bundle)."""
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "fleet", "policy", "serve", "--port", str(port)],
+        [sys.executable, "-m", "fleetctl", "policy", "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env={**os.environ, "FLEET_OPA_TOKEN": TOKEN},

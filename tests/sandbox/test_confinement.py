@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from fleet.errors import ErrorCode, FleetError
 from mcp_servers.sandbox.cgroups import CallCaps
-from mcp_servers.sandbox.confinement import ALLOWED_ENV, LAYERS, Confinement, preflight
-from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime
+from mcp_servers.sandbox.confinement import ALLOWED_ENV, LAYERS, Confinement
+from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, preflight, prepare_runtime
 from mcp_servers.sandbox.server import SandboxSettings
 
 UID_BASE = 62120  # apart from the other sandbox tests' and a running stack's sandbox uids

@@ -1,5 +1,5 @@
 """The commands' failures reach the user as one line with a stable code and the exit code of the one
-table (``fleet.cli_common``), never as a traceback."""
+table (``fleetctl.cli_common``), never as a traceback."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import httpx
 import pytest
 
 from deploy.local_stack import OPERATOR_ID
-from fleet.cli_common import EXIT_FAILED, exit_code, report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
-from fleet.layout import StackLayout
-from fleet.operator_cli import operator_token_client
-from fleet.policy_cli import push_bundle
+from fleetctl.cli_common import EXIT_FAILED, exit_code, operator_token_client, report_error
+from fleetctl.layout import StackLayout
+from fleetctl.policy_cli import push_bundle
 
 
 async def closed_port() -> int:

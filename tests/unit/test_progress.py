@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from fleet import progress
-from fleet.progress import CLEAR_LINE, ProgressBar, render
+from fleetctl import progress
+from fleetctl.progress import CLEAR_LINE, ProgressBar, render
 
 
 class Terminal(io.StringIO):

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from fleet import runs_cli
-from fleet.cli_common import OperatorAuth, ServiceClient
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
-from fleet.runs_cli import events_of
 from fleet.tokens import TokenClient
+from fleetctl import runs_cli
+from fleetctl.cli_common import OperatorAuth, ServiceClient
+from fleetctl.runs_cli import events_of
 
 TYPES = ("run.submitted", "run.working", "step.started", "step.failed", "run.failed")
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from fleet import stacklock
+from fleetctl import stacklock
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from fleet import stacklock
+from fleetctl import stacklock
 stacklock.acquire(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(60)

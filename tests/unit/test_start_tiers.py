@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from deploy.local_stack import SERVICES, ServiceSpec, service, stack_services
-from fleet.supervisor import start_tiers
+from fleetctl.supervisor import start_tiers
 
 
 def test_every_service_starts_in_exactly_one_tier_after_what_it_depends_on() -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fleet.buskeys import admin_credentials
+from fleet.natsconn import Credentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,3 +123,10 @@ class StackLayout:
             return
         data["stopped"] = True
         self.write_endpoints(data)
+
+
+def stack_admin(endpoints: Mapping[str, Any]) -> Credentials:
+    """:func:`admin_credentials` of a local stack, from its ``endpoints.json``."""
+    layout = StackLayout.at(Path(str(endpoints["data_dir"])))
+    ca = endpoints.get("tls_ca")
+    return admin_credentials(layout.bus_keys_dir, Path(ca) if isinstance(ca, str) else None)

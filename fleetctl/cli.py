@@ -1,6 +1,6 @@
 """The ``fleet`` command: the parsers and their wiring; each command lives in its own module.
 
-Exit codes scripts can rely on are one table, :mod:`fleet.cli_common` (0 done, 1 failed, 2 bad usage,
+Exit codes scripts can rely on are one table, :mod:`fleetctl.cli_common` (0 done, 1 failed, 2 bad usage,
 3 no stack, 4 a no-op signal, 5 not found, 6 refused, 7/8/9 the run ended failed/canceled/rejected,
 130 interrupted).
 """
@@ -13,16 +13,16 @@ import importlib
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet.cli_common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
 from fleet.errors import ErrorCode, FleetError
-from fleet.layout import StackLayout
 from fleet.settings import FleetSettings
+from fleetctl.cli_common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
+from fleetctl.detached import print_endpoints, up_detached
+from fleetctl.layout import StackLayout
 
 
 def _with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def _with_tenant(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _run_read_parsers(runs_sub: Any) -> None:
-    """``fleet runs list|show|events|cancel`` (see :mod:`fleet.runs_cli`)."""
+    """``fleet runs list|show|events|cancel`` (see :mod:`fleetctl.runs_cli`)."""
     listing = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("list", help="the tenant's runs"))))
     listing.add_argument("--state", default=None, help="only runs in this state (e.g. waiting, failed)")
     listing.add_argument("--limit", type=int, default=50, help="at most this many, newest first (50; 500)")
@@ -72,7 +72,7 @@ def _run_read_parsers(runs_sub: Any) -> None:
 
 
 def _registry_parsers(sub: Any) -> None:
-    """``fleet agents list|show`` and ``fleet mcp list`` (see :mod:`fleet.registry_cli`)."""
+    """``fleet agents list|show`` and ``fleet mcp list`` (see :mod:`fleetctl.registry_cli`)."""
     agents = sub.add_parser("agents", help="the agents the registry knows")
     agents_sub = agents.add_subparsers(dest="agents_command", required=True)
     _with_json(_with_dir(agents_sub.add_parser("list", help="every registered agent")))
@@ -330,7 +330,7 @@ def _trust_stack_ca(layout: StackLayout) -> None:
 
 
 def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
-    from fleet import operator_cli
+    from fleetctl import operator_cli
 
     command: str = args.command
     if command == "up":
@@ -348,11 +348,11 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
             operator_cli.token(layout, args.audience, args.tenant, args.scope, as_json=args.json)
         )
     if command == "console":
-        from fleet.console_cli import sign_in_link
+        from fleetctl.console_cli import sign_in_link
 
         return asyncio.run(sign_in_link(layout, args.tenant, as_json=args.json))
     if command == "demo":
-        from fleet import demo
+        from fleetctl import demo
 
         return demo.run(
             layout, keep_running=args.keep_running, auto_approve=args.auto_approve, timeout_s=args.timeout
@@ -446,7 +446,7 @@ def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLa
 
 
 async def _runs(args: argparse.Namespace, layout: StackLayout) -> int:
-    from fleet import runs_cli
+    from fleetctl import runs_cli
 
     which: str = args.runs_command
     if which == "list":
@@ -461,7 +461,7 @@ async def _runs(args: argparse.Namespace, layout: StackLayout) -> int:
 
 
 async def _registry(args: argparse.Namespace, layout: StackLayout) -> int:
-    from fleet import registry_cli
+    from fleetctl import registry_cli
 
     if args.command == "mcp":
         return await registry_cli.list_mcp_servers(layout, as_json=args.json)
@@ -471,7 +471,7 @@ async def _registry(args: argparse.Namespace, layout: StackLayout) -> int:
 
 
 def _memory(args: argparse.Namespace, layout: StackLayout) -> int:
-    from fleet import memory_cli
+    from fleetctl import memory_cli
 
     which: str = args.memory_command
     if which == "search":
@@ -500,7 +500,7 @@ def _memory(args: argparse.Namespace, layout: StackLayout) -> int:
 
 
 def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
-    from fleet import policy_cli
+    from fleetctl import policy_cli
 
     which: str = args.policy_command
     if which == "test":
@@ -545,7 +545,7 @@ def serve(service_id: str) -> int:
 
 
 async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: int | None) -> int:
-    from fleet.supervisor import Supervisor
+    from fleetctl.supervisor import Supervisor
 
     supervisor = Supervisor(settings, layout)
     loop = asyncio.get_running_loop()
@@ -566,56 +566,13 @@ async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: 
     except FleetError as exc:
         _notify(ready_fd, {"ok": False, "error": f"[{exc.code}] {exc.message}"})
         raise
-    _print_endpoints(endpoints)
+    print_endpoints(endpoints)
     _notify(ready_fd, {"ok": True, "endpoints": endpoints})
     print("fleet: stack is up; Ctrl-C stops it", flush=True)
     await supervisor.wait(stop)
     print("fleet: stopping", flush=True)
     await supervisor.stop()
     print("fleet: stopped", flush=True)
-    return EXIT_OK
-
-
-def up_detached(layout: StackLayout, *, tls: bool = False) -> int:
-    """Start a supervisor in the background and return once it reports the stack healthy."""
-    layout.prepare()
-    read_fd, write_fd = os.pipe()
-    with layout.log_file("supervisor").open("a") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fleet",
-                "up",
-                "--data-dir",
-                str(layout.home),
-                "--ready-fd",
-                str(write_fd),
-                *(["--tls"] if tls else []),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            pass_fds=(write_fd,),
-            start_new_session=True,
-        )
-    os.close(write_fd)
-    with os.fdopen(read_fd) as ready:
-        line = ready.readline()
-    if not line:
-        code = process.wait()
-        print(
-            f"fleet: the supervisor exited ({code}) before the stack was up; see "
-            f"{layout.log_file('supervisor')}:\n{layout.log_tail('supervisor')}",
-            file=sys.stderr,
-        )
-        return EXIT_FAILED
-    report: dict[str, Any] = json.loads(line)
-    if not report.get("ok"):
-        print(f"fleet: error: {report.get('error')}", file=sys.stderr)
-        return EXIT_FAILED
-    _print_endpoints(report["endpoints"])
-    print(f"fleet: stack is up in the background (pid {process.pid}); `fleet down` stops it")
     return EXIT_OK
 
 
@@ -629,22 +586,8 @@ def _notify(ready_fd: int | None, report: dict[str, Any]) -> None:
         pass
 
 
-def _print_endpoints(endpoints: dict[str, Any]) -> None:
-    print(f"data dir     {endpoints['data_dir']}")
-    print(f"nats         {endpoints['nats']}")
-    print(f"registry     {endpoints['registry']}")
-    print(f"coordinator  {endpoints['coordinator']}")
-    if "console" in endpoints:
-        print(f"console      {endpoints['console']}  (sign in: fleet console)")
-    for name, url in endpoints["specialists"].items():
-        print(f"specialist   {name:<14} {url}")
-    for name, url in endpoints["mcp_servers"].items():
-        print(f"mcp server   {name:<14} {url}")
-    print(f"endpoints    {Path(endpoints['data_dir']) / 'endpoints.json'}", flush=True)
-
-
 def _producers(args: argparse.Namespace, layout: StackLayout) -> int:
-    from fleet import producers_cli
+    from fleetctl import producers_cli
 
     if args.producers_command == "issue":
         return asyncio.run(

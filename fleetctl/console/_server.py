@@ -2,7 +2,7 @@
 
 The console holds no state of its own and no power of its own: every call it makes to the
 coordinator or the registry is made with a token in the signed-in person's name (see
-:mod:`fleet.console._session`), so the coordinator authenticates and policy-checks an approval
+:mod:`fleetctl.console._session`), so the coordinator authenticates and policy-checks an approval
 from the console exactly as one from the CLI. The page is static (``static/``); the console serves
 it and a same-origin JSON API under ``/api/`` that forwards to the backends.
 """
@@ -30,12 +30,12 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet import transport
-from fleet.console._feeds import memory_audit, policy_view
-from fleet.console._session import Person, Sessions, SignOuts
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
+from fleetctl.console._feeds import memory_audit, policy_view
+from fleetctl.console._session import Person, Sessions, SignOuts
 from registry.client import RegistryClient
 
 STATIC = Path(__file__).parent / "static"

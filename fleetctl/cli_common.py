@@ -27,14 +27,19 @@ import json
 import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from deploy.local_stack import OPERATOR_ID
 from fleet import transport
 from fleet.errors import ErrorCode, FleetError
-from fleet.layout import StackLayout
+from fleet.keys import SigningKey
+from fleet.natsconn import Credentials
 from fleet.tokens import TokenClient
+from fleetctl import stacklock
+from fleetctl.layout import StackLayout
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -165,6 +170,44 @@ class ServiceClient:
         return body
 
 
+def stack_running(layout: StackLayout) -> bool:
+    """True while a supervisor holds the data dir's lock (asked without taking it)."""
+    return stacklock.holder(layout.lock_file) is not None
+
+
+def operator_bus_credentials(endpoints: dict[str, Any]) -> Credentials:
+    """The operator's credentials on a running stack's bus: its identity and key in the data dir."""
+    layout = StackLayout.at(Path(str(endpoints["data_dir"])))
+    ca = endpoints.get("tls_ca")
+    return Credentials(
+        OPERATOR_ID,
+        key=SigningKey.load_or_create(layout.key_file(OPERATOR_ID)),
+        tls_ca=Path(ca) if isinstance(ca, str) else None,
+    )
+
+
+def running_endpoints(layout: StackLayout) -> dict[str, Any]:
+    endpoints = layout.read_endpoints()
+    if endpoints is None or not stack_running(layout) or endpoints.get("stopped"):
+        raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"no stack is running on {layout.home} (fleet up)")
+    return endpoints
+
+
+def operator_token_client(layout: StackLayout, token_url: str, http: httpx.AsyncClient) -> TokenClient:
+    """Tokens for the operator identity of the data dir, from the token endpoint at ``token_url``
+    (an unreachable endpoint raises ``dependency_unavailable``)."""
+    key_file = layout.key_file(OPERATOR_ID)
+    if not key_file.exists():
+        raise FleetError(ErrorCode.NOT_FOUND, f"no operator key in {layout.keys_dir}")
+    return TokenClient(
+        token_url=token_url,
+        client_id=OPERATOR_ID,
+        key=SigningKey.load_or_create(key_file),
+        http=http,
+        failover_patience_s=0,  # a person at a command line is told at once
+    )
+
+
 @contextlib.asynccontextmanager
 async def operator_client(
     layout: StackLayout, service: str, tenant: str, scopes: tuple[str, ...], connect_s: float = 60.0
@@ -173,8 +216,6 @@ async def operator_client(
     short-lived operator tokens for ``tenant`` and ``scopes`` (a fresh one whenever the last nears
     its expiry). Raises ``stack_not_running``, or ``dependency_unavailable`` when the registry
     cannot be reached."""
-    from fleet.operator_cli import operator_token_client, running_endpoints
-
     endpoints = running_endpoints(layout)
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(connect_s, read=None), event_hooks=transport.hooks()

@@ -33,11 +33,11 @@ from nats.aio.client import Client as NATS
 
 from deploy.local_stack import OPERATOR_ID
 from fleet.bodylimit import BodySizeLimit
-from fleet.cli_common import report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
-from fleet.layout import StackLayout
 from fleet.natsconn import connect, stream_replicas
+from fleetctl.cli_common import report_error
+from fleetctl.layout import StackLayout
 from policy import (
     Bundle,
     PolicyError,
@@ -131,7 +131,7 @@ def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int
 @contextlib.asynccontextmanager
 async def _broker(layout: StackLayout) -> AsyncIterator[NATS | None]:
     """A connection to the NATS of the stack on ``layout``; None (and why, on stderr) if none runs."""
-    from fleet.operator_cli import operator_bus_credentials, running_endpoints
+    from fleetctl.cli_common import operator_bus_credentials, running_endpoints
 
     try:
         endpoints = running_endpoints(layout)

@@ -6,7 +6,7 @@ it keeps streaming until the run ends, reconnecting with ``Last-Event-ID`` (the 
 when the connection drops (or the coordinator is restarting), so no event is lost or printed twice;
 every request and reconnect carries an operator token valid then, so a follow outlasts any token. A
 command that saw the run end exits with the code of its end state (see
-:data:`fleet.cli_common.EXIT_BY_END_STATE`).
+:data:`fleetctl.cli_common.EXIT_BY_END_STATE`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from typing import Any
 
 import httpx
 
-from fleet.cli_common import (
+from fleet.errors import ErrorCode, FleetError
+from fleet.retry import backoff_s
+from fleetctl.cli_common import (
     EXIT_BY_END_STATE,
     EXIT_NO_OP,
     EXIT_OK,
@@ -30,10 +32,8 @@ from fleet.cli_common import (
     error_of,
     operator_client,
 )
-from fleet.errors import ErrorCode, FleetError
-from fleet.layout import StackLayout
-from fleet.progress import ProgressBar
-from fleet.retry import backoff_s
+from fleetctl.layout import StackLayout
+from fleetctl.progress import ProgressBar
 
 # The operator reaches every run of the tenant (runs:admin), not only those it started.
 READ_SCOPES = ("agent:invoke", "runs:admin")

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fleet.cli_common import EXIT_OK, emit, operator_client
-from fleet.layout import StackLayout
 from fleet.natsconn import inbox_prefix
 from fleet.natsjwt import PREFIX_USER, KeyPair
+from fleetctl.cli_common import EXIT_OK, emit, operator_client
+from fleetctl.layout import StackLayout
 
 ADMIN = ("registry:admin", "registry:read")
 

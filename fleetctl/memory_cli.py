@@ -12,7 +12,7 @@ and audit trail as any agent:
 
 Exit codes: 0 done, 1 refused or failed (the reason on stderr), 3 no stack runs on the data dir,
 5 ``show``: an id that is not the tenant's, 6 the operator's token was refused (see
-:mod:`fleet.cli_common`).
+:mod:`fleetctl.cli_common`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from fleet import transport
-from fleet.cli_common import exit_code, report_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import read_records
-from fleet.layout import StackLayout
 from fleet.natsconn import connect, stream_replicas
+from fleetctl.cli_common import exit_code, report_error
+from fleetctl.layout import StackLayout
 
 EXIT_OK, EXIT_FAILED = 0, 1
 SERVER = "mcp-memory"
@@ -46,7 +46,7 @@ SCOPES = {
 
 async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str, Any]) -> tuple[int, Any]:
     """Call ``tool`` of the memory server for ``tenant``: (exit code, structured result or None)."""
-    from fleet.operator_cli import operator_token_client, running_endpoints
+    from fleetctl.cli_common import operator_token_client, running_endpoints
 
     try:
         endpoints = running_endpoints(layout)
@@ -147,7 +147,7 @@ async def approve(layout: StackLayout, tenant: str, entry_id: str, *, as_json: b
 
 
 async def audit(layout: StackLayout, tenant: str | None, last: int, *, as_json: bool) -> int:
-    from fleet.operator_cli import operator_bus_credentials, running_endpoints
+    from fleetctl.cli_common import operator_bus_credentials, running_endpoints
 
     try:
         endpoints = running_endpoints(layout)

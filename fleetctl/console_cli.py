@@ -9,11 +9,10 @@ from __future__ import annotations
 import httpx
 
 from fleet import transport
-from fleet.cli_common import EXIT_OK, emit, report_error
-from fleet.console import SIGN_IN_SCOPES
 from fleet.errors import ErrorCode, FleetError
-from fleet.layout import StackLayout
-from fleet.operator_cli import operator_token_client, running_endpoints
+from fleetctl.cli_common import EXIT_OK, emit, operator_token_client, report_error, running_endpoints
+from fleetctl.console import SIGN_IN_SCOPES
+from fleetctl.layout import StackLayout
 
 
 async def sign_in_link(layout: StackLayout, tenant: str, *, as_json: bool) -> int:

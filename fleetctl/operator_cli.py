@@ -15,43 +15,28 @@ from typing import Any, cast
 import httpx
 
 from deploy.local_stack import OPERATOR_ID
-from fleet import stacklock, transport
-from fleet.cli_common import EXIT_FAILED as EXIT_FAILED  # re-exported: other commands use them
-from fleet.cli_common import EXIT_NO_OP, ServiceClient, emit, operator_client
-from fleet.cli_common import EXIT_NOT_RUNNING as EXIT_NOT_RUNNING
-from fleet.cli_common import EXIT_OK as EXIT_OK
-from fleet.cli_common import EXIT_USAGE as EXIT_USAGE
+from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
-from fleet.layout import StackLayout
-from fleet.natsconn import Credentials
-from fleet.tokens import TokenClient
+from fleetctl import stacklock
+from fleetctl.cli_common import EXIT_FAILED as EXIT_FAILED  # re-exported: other commands use them
+from fleetctl.cli_common import (
+    EXIT_NO_OP,
+    ServiceClient,
+    emit,
+    operator_bus_credentials,
+    operator_client,
+    operator_token_client,
+    running_endpoints,
+    stack_running,
+)
+from fleetctl.cli_common import EXIT_NOT_RUNNING as EXIT_NOT_RUNNING
+from fleetctl.cli_common import EXIT_OK as EXIT_OK
+from fleetctl.cli_common import EXIT_USAGE as EXIT_USAGE
+from fleetctl.layout import StackLayout
 
 DOWN_TIMEOUT_S = 60.0
-
-
-def stack_running(layout: StackLayout) -> bool:
-    """True while a supervisor holds the data dir's lock (asked without taking it)."""
-    return stacklock.holder(layout.lock_file) is not None
-
-
-def operator_bus_credentials(endpoints: dict[str, Any]) -> Credentials:
-    """The operator's credentials on a running stack's bus: its identity and key in the data dir."""
-    layout = StackLayout.at(Path(str(endpoints["data_dir"])))
-    ca = endpoints.get("tls_ca")
-    return Credentials(
-        OPERATOR_ID,
-        key=SigningKey.load_or_create(layout.key_file(OPERATOR_ID)),
-        tls_ca=Path(ca) if isinstance(ca, str) else None,
-    )
-
-
-def running_endpoints(layout: StackLayout) -> dict[str, Any]:
-    endpoints = layout.read_endpoints()
-    if endpoints is None or not stack_running(layout) or endpoints.get("stopped"):
-        raise FleetError(ErrorCode.STACK_NOT_RUNNING, f"no stack is running on {layout.home} (fleet up)")
-    return endpoints
 
 
 def down(layout: StackLayout, *, as_json: bool = False) -> int:
@@ -75,21 +60,6 @@ def down(layout: StackLayout, *, as_json: bool = False) -> int:
     return EXIT_OK
 
 
-def operator_token_client(layout: StackLayout, token_url: str, http: httpx.AsyncClient) -> TokenClient:
-    """Tokens for the operator identity of the data dir, from the token endpoint at ``token_url``
-    (an unreachable endpoint raises ``dependency_unavailable``)."""
-    key_file = layout.key_file(OPERATOR_ID)
-    if not key_file.exists():
-        raise FleetError(ErrorCode.NOT_FOUND, f"no operator key in {layout.keys_dir}")
-    return TokenClient(
-        token_url=token_url,
-        client_id=OPERATOR_ID,
-        key=SigningKey.load_or_create(key_file),
-        http=http,
-        failover_patience_s=0,  # a person at a command line is told at once
-    )
-
-
 def print_enrollment_token(
     layout: StackLayout,
     identity: str,
@@ -104,8 +74,8 @@ def print_enrollment_token(
     """Print a one-time enrollment token for ``identity``, signed with the operator key of the data
     dir: whoever holds it may enroll one key under that id, with those scopes and tenants, and
     serve a card offering those ``skills`` (none: its card may offer none)."""
+    from deploy.enrollment import enrollment_token
     from deploy.local_stack import ServiceKind, ServiceSpec
-    from fleet.supervisor import enrollment_token
 
     key_file = layout.key_file(OPERATOR_ID)
     if not key_file.exists():

@@ -1,5 +1,5 @@
 import sys
 
-from fleet.cli import main
+from fleetctl.cli import main
 
 sys.exit(main())

@@ -47,10 +47,11 @@ from a2a.utils.signing import SignatureVerificationError, create_signature_verif
 from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM
-from fleet.layout import StackLayout
 from fleet.natsconn import stream_replicas
-from fleet.operator_cli import operator_token_client, running_endpoints, stack_running
 from fleet.tokens import TokenClient
+from fleetctl.cli_common import operator_token_client, running_endpoints, stack_running
+from fleetctl.detached import up_detached
+from fleetctl.layout import StackLayout
 
 RULE = "invoice-reconciliation"  # the batch trigger of policy/bundles/fleet/data.json
 SETTLED = "fleet.events.billing.invoice_settled"
@@ -89,8 +90,6 @@ QUESTION = "What did the invoice reconciliation find?"
 def run(
     layout: StackLayout, *, keep_running: bool, auto_approve: bool = False, timeout_s: float | None = None
 ) -> int:
-    from fleet.cli import up_detached
-
     started_here = False
     if not stack_running(layout):
         print(f"demo: starting the stack in {layout.home} ...", flush=True)
@@ -112,7 +111,7 @@ def run(
         return 130
     finally:
         if started_here and not keep_running:
-            from fleet.operator_cli import down
+            from fleetctl.operator_cli import down
 
             down(layout)
 
@@ -232,7 +231,7 @@ async def _next_night(api: RunApi) -> dt.datetime:
 async def _publish_night(endpoints: dict[str, Any], night_of: dt.datetime) -> None:
     from fleet.events import publish_event
     from fleet.natsconn import connect
-    from fleet.operator_cli import operator_bus_credentials
+    from fleetctl.cli_common import operator_bus_credentials
 
     client = await connect(
         str(endpoints["nats"]),

@@ -16,7 +16,6 @@ import ctypes
 import json
 import logging
 import os
-import secrets
 import signal
 import socket
 import ssl
@@ -33,6 +32,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from deploy.enrollment import enrollment_token
+from deploy.infra import as_user, nats_command, prepare_postgres
 from deploy.local_stack import (
     DATABASE_CONNECTION_LIMITS,
     DATABASES,
@@ -42,17 +43,16 @@ from deploy.local_stack import (
     service,
     stack_services,
 )
-from fleet import stacklock
 from fleet.buscatalog import provision
 from fleet.buskeys import BusKeys, ServerTls, stack_config
 from fleet.errors import ErrorCode, FleetError
-from fleet.infra import as_user, nats_command, prepare_postgres
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
-from fleet.layout import StackLayout
 from fleet.natsconn import Credentials, connect
 from fleet.settings import DEFAULT_ISSUER, FleetSettings
 from fleet.tlsca import LocalTls, local_tls
+from fleetctl import stacklock
+from fleetctl.layout import StackLayout
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ T = TypeVar("T")
 START_TIMEOUT_S = 60.0
 PORT_ATTEMPTS = 3
 STOP_TIMEOUT_S = 10.0
-ENROLLMENT_TTL_S = 600
 INFRASTRUCTURE = ("nats", "postgres")
 _PR_SET_PDEATHSIG = 1
 # Looked up once, here: loading a library between fork and exec is not safe.
@@ -430,7 +429,7 @@ class Supervisor:
             "FLEET_PUBLIC_URL": url,
             "FLEET_ENROLLMENT_TOKEN": enrollment_token(operator, spec),
         }
-        argv = [sys.executable, "-m", "fleet", "serve", spec.id]
+        argv = [sys.executable, "-m", "fleetctl", "serve", spec.id]
         try:
             child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
         finally:
@@ -450,29 +449,6 @@ async def _provision_bus(url: str, keys: BusKeys, replicas: int, tls: LocalTls |
         await client.close()
     if made:
         log.info("created on the bus: %s", ", ".join(made))
-
-
-def enrollment_token(operator: SigningKey, spec: ServiceSpec, *, external: bool = False) -> str:
-    """A one-time enrollment token: the operator vouches that ``spec.id`` may enroll a key, and
-    that its card may offer ``spec.skills`` (``external``: an agent another organisation runs; see
-    ``IdentityRecord.external``)."""
-    now = int(time.time())
-    return operator.sign(
-        {
-            "iss": OPERATOR_ID,
-            "sub": spec.id,
-            "aud": "fleet-enrollment",
-            "iat": now,
-            "exp": now + ENROLLMENT_TTL_S,
-            "jti": secrets.token_hex(16),
-            "kind": spec.kind,
-            "scopes": list(spec.scopes),
-            "tenants": list(spec.tenants),
-            "skills": list(spec.skills),
-            "external": external,
-        },
-        typ="enrollment+jwt",
-    )
 
 
 def _port_of(url: object) -> int | None:

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from fleet.cli_common import EXIT_OK, emit, operator_client
-from fleet.layout import StackLayout
+from fleetctl.cli_common import EXIT_OK, emit, operator_client
+from fleetctl.layout import StackLayout
 
 READ_SCOPES = ("registry:read",)
 
@@ -64,7 +64,7 @@ async def show_agent(layout: StackLayout, agent_id: str, *, as_json: bool) -> in
 
 async def list_mcp_servers(layout: StackLayout, *, as_json: bool) -> int:
     """``fleet mcp list``: every registered MCP server, its tools and whether it answers now."""
-    from fleet.operator_cli import running_endpoints
+    from fleetctl.cli_common import running_endpoints
 
     health_urls: dict[str, str] = running_endpoints(layout).get("services", {})
     async with operator_client(layout, "registry", "default", READ_SCOPES) as registry:
