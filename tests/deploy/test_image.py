@@ -56,7 +56,9 @@ def test_the_image_is_python_311_slim_and_installs_the_project_with_the_pinned_c
 
 def test_every_package_the_project_ships_is_copied_into_the_image() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = [p.rstrip("*").removesuffix(".") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    packages = [
+        p.rstrip("*").removesuffix(".") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
     copied = {args.split()[0].rstrip("/") for word, args in STEPS if word == "COPY" and "--from" not in args}
     assert set(packages) <= copied
     ignored = (ROOT / ".dockerignore").read_text().split()
