@@ -23,6 +23,7 @@ from coordinator.explain import explain
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore, Run, RunEvent
 from fleet.redact import redact
+from fleet.vocabulary import EventType
 
 PACKAGES = (
     "agent-fleet",
@@ -74,9 +75,9 @@ def tool_calls(run: Run, events: list[RunEvent]) -> str:
     writer.writerow(TOOL_CALL_COLUMNS)
     for event in events:
         step = str(event.payload.get("step", ""))
-        if event.type == "step.started":
+        if event.type == EventType.STEP_STARTED:
             started[step] = event
-        elif event.type in ("step.completed", "step.failed") and step in started:
+        elif event.type in (EventType.STEP_COMPLETED, EventType.STEP_FAILED) and step in started:
             begin = started.pop(step)
             digest = hashlib.sha256(json.dumps(inputs.get(step, {}), sort_keys=True).encode()).hexdigest()
             writer.writerow(
@@ -85,8 +86,8 @@ def tool_calls(run: Run, events: list[RunEvent]) -> str:
                     f"{begin.payload.get('agent')}/{begin.payload.get('skill')}",
                     digest[:16],
                     round((event.ts - begin.ts).total_seconds() * 1000, 1),
-                    "ok" if event.type == "step.completed" else "failed",
-                    event.payload.get("message", "") if event.type == "step.failed" else "",
+                    "ok" if event.type == EventType.STEP_COMPLETED else "failed",
+                    event.payload.get("message", "") if event.type == EventType.STEP_FAILED else "",
                 )
             )
     for step, begin in started.items():  # started but never finished: the run stopped there

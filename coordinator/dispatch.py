@@ -35,6 +35,7 @@ from coordinator.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, args_hash
+from fleet.vocabulary import EventType
 from registry import AgentRecord
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class NeedsHuman(FleetError):
         self.why = why
 
 
-def _emit(event: str, payload: dict[str, Any], text: str) -> None:
+def _emit(event: EventType, payload: dict[str, Any], text: str) -> None:
     """Record an event in the run's log (through the graph's stream, like every step event)."""
     get_stream_writer()({"event": event, "payload": payload, "text": text})
 
@@ -182,12 +183,12 @@ class StepDispatcher:
         if not self._announce:
             return []
         # (its text, "step <id>: <skill> -> <agent>", is made where it is shown: task_events)
-        return [("step.started", {"step": self._step_id, "skill": self._skill, "agent": agent.id})]
+        return [(EventType.STEP_STARTED, {"step": self._step_id, "skill": self._skill, "agent": agent.id})]
 
     def _closing(self, result: dict[str, Any]) -> list[Event]:
         if not self._announce or (self._completes is not None and not self._completes(result)):
             return []
-        return [("step.completed", {"step": self._step_id, "agent": self.agent_id})]
+        return [(EventType.STEP_COMPLETED, {"step": self._step_id, "agent": self.agent_id})]
 
     async def run(self, prefer: AgentRecord | None = None) -> dict[str, Any]:
         """The step's result, sending it at most as often as the rules above allow: to ``prefer``
@@ -334,7 +335,7 @@ class StepDispatcher:
                 renewals += 1
                 touched()
                 _emit(
-                    "step.renewed",
+                    EventType.STEP_RENEWED,
                     {
                         "op_id": op.op_id,
                         "step": self._step_id,
@@ -369,7 +370,7 @@ class StepDispatcher:
 
     async def _escalate(self, op: Operation, agent: AgentRecord, why: str) -> None:
         _emit(
-            "run.escalated",
+            EventType.RUN_ESCALATED,
             {"op_id": op.op_id, "step": self._step_id, "agent": agent.id, "why": why},
             f"escalated: {why}",
         )

@@ -18,6 +18,7 @@ from typing import Any
 
 from coordinator.runs import Run, RunEvent
 from fleet.redact import redact
+from fleet.vocabulary import EventType
 
 LAST_EVENTS = 12
 _CODE_IN_MESSAGE = re.compile(r"\[([a-z][a-z_]+)\]")
@@ -72,14 +73,14 @@ def failed_step(events: list[RunEvent]) -> FailedStep | None:
     failed: FailedStep | None = None
     for event in events:
         payload, step = event.payload, str(event.payload.get("step", ""))
-        if event.type == "step.started" and payload.get("agent"):
+        if event.type == EventType.STEP_STARTED and payload.get("agent"):
             agents[step] = str(payload["agent"])
-        elif event.type == "step.rerouted":
+        elif event.type == EventType.STEP_REROUTED:
             agents[step] = str(payload.get("to", ""))
             reroutes.setdefault(step, []).append(
                 f"{payload.get('from')} -> {payload.get('to')} ({payload.get('why', '')})"
             )
-        elif event.type in ("step.failed", "step.blocked"):
+        elif event.type in (EventType.STEP_FAILED, EventType.STEP_BLOCKED):
             failed = FailedStep(
                 step=step,
                 skill=str(payload.get("skill", "")),
@@ -102,7 +103,7 @@ def refusals(events: list[RunEvent], operations: list[dict[str, Any]]) -> list[s
     """Every refusal by policy or scope the log and the ledger record, one line each."""
     found = []
     for event in events:
-        if event.type == "run.failed":
+        if event.type == EventType.RUN_FAILED:
             continue  # it repeats its step's failure
         message = str(event.payload.get("message") or "; ".join(event.payload.get("reasons", [])))
         codes = {str(event.payload.get("code", "")), *_CODE_IN_MESSAGE.findall(message)}

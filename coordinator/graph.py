@@ -28,6 +28,7 @@ from coordinator.runs import CancelRequested, StaleLease
 from fleet.approvals import POLICY_APPROVER, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import args_hash
+from fleet.vocabulary import EventType
 from registry import AgentRecord
 
 
@@ -69,7 +70,7 @@ class StepTask(TypedDict):
     facts: dict[str, Any]  # what the run computed that a gate may go by (see computed_facts)
 
 
-def _emit(event: str, payload: dict[str, Any], text: str = "") -> None:
+def _emit(event: EventType, payload: dict[str, Any], text: str = "") -> None:
     """Report progress to whoever runs the graph: it records the event and shows the text."""
     get_stream_writer()({"event": event, "payload": payload, "text": text})
 
@@ -122,7 +123,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         return _spent(state, budget, spent, now)
     if sum(step.get("wait") is None for step in ready) > convergence["max_calls_per_turn"]:
         why = f"{len(ready)} calls in one turn (more than {convergence['max_calls_per_turn']})"
-        _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
+        _emit(EventType.RUN_DEGRADED, {"reason": "non_converging", "why": why}, f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     results = state.get("results", {})
     batches = state.get("batches", {})
@@ -132,7 +133,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
     repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
     if repeated:
         why = f"the same call {convergence['repeat_limit']} times"
-        _emit("run.degraded", {"reason": "non_converging", "why": why}, f"not converging: {why}")
+        _emit(EventType.RUN_DEGRADED, {"reason": "non_converging", "why": why}, f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     return {"calls": new}
 
@@ -145,7 +146,7 @@ def _spent(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.
     if action == "tranche":
         if tranche["number"] < budget["max_tranches"]:
             _emit(
-                "budget.tranche",
+                EventType.BUDGET_TRANCHE,
                 {"tranche": tranche["number"] + 1, "spent": spent},
                 f"new budget tranche ({why})",
             )
@@ -153,7 +154,7 @@ def _spent(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.
         action = budget.get("after_tranches", "summarize")
     if action == "ask":
         return _ask(state, budget, spent, now)
-    _emit("budget.exhausted", {"spent": spent}, f"budget exhausted: {why}")
+    _emit(EventType.BUDGET_EXHAUSTED, {"spent": spent}, f"budget exhausted: {why}")
     return {"stop": {"reason": "budget_exhausted", "why": why}}
 
 
@@ -195,7 +196,7 @@ def _ask(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.da
         overrides = {k: v for k, v in (answer.get("limits") or {}).items() if k in TRANCHE_LIMITS}
         limits = {**state["limits"], "limits": {**budget, **overrides}}
         _emit(
-            "budget.tranche",
+            EventType.BUDGET_TRANCHE,
             {"tranche": number + 1, "spent": spent, "by": by, "limits": overrides},
             f"new budget tranche, granted by {by}",
         )
@@ -203,10 +204,10 @@ def _ask(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.da
     if decision == "expired" and ask["on_expired"] == "expire":
         deadline_was = answer.get("deadline", request["deadline"])  # as recorded when it was asked
         text = f"nobody decided on the spent budget ({why}) by {deadline_was}"
-        _emit("budget.expired", {"spent": spent, "deadline": deadline_was}, text)
+        _emit(EventType.BUDGET_EXPIRED, {"spent": spent, "deadline": deadline_was}, text)
         return {"stop": {"reason": "approval_expired", "why": text}}
     closed = "nobody answered in time" if decision == "expired" else f"closed by {by}"
-    _emit("budget.exhausted", {"spent": spent, "by": by}, f"budget exhausted: {why} ({closed})")
+    _emit(EventType.BUDGET_EXHAUSTED, {"spent": spent, "by": by}, f"budget exhausted: {why} ({closed})")
     return {"stop": {"reason": "budget_exhausted", "why": f"{why} ({closed})"}}
 
 
@@ -223,7 +224,7 @@ async def _run_or_wait(
             return await dispatcher.run(prefer)
         except NeedsHuman as exc:
             blocked = {"step": step_id, "agent": dispatcher.agent_id, "op_id": exc.op_id, "why": exc.why}
-            _emit("step.blocked", blocked, f"step {step_id} needs a person: {exc.message}")
+            _emit(EventType.STEP_BLOCKED, blocked, f"step {step_id} needs a person: {exc.message}")
             # Parks the run (the checkpoint is durable, no process waits). When a person has given
             # the operation's outcome, the run resumes here and reads it from the ledger.
             interrupt({"type": "needs_human", "awaited": exc.op_id, "step": step_id, "why": exc.why})
@@ -255,12 +256,12 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
             raise FleetError(ErrorCode.INVALID_REQUEST, f"step {step['id']}: for_each is not a list")
         shared = resolve_input(step["input"], task["results"])
     except FleetError as exc:
-        _emit("step.failed", _failure(step, exc))
+        _emit(EventType.STEP_FAILED, _failure(step, exc))
         return {"failure": _failure(step, exc)}
     offset, total = task["offset"], len(items)
     stop_at = min(total, offset + every)
     if offset == 0:
-        _emit("step.started", {"step": step["id"], "skill": step["skill"], "items": total})
+        _emit(EventType.STEP_STARTED, {"step": step["id"], "skill": step["skill"], "items": total})
     agent: AgentRecord | None = None  # every call of the batch goes to the agent of its first
     calls = 0
     try:
@@ -268,7 +269,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
             chunk = items[offset : min(offset + call_size, stop_at)]
 
             async def progress(text: str) -> None:
-                _emit("step.progress", {"step": step["id"], "text": text}, text)
+                _emit(EventType.STEP_PROGRESS, {"step": step["id"], "text": text}, text)
 
             dispatcher = StepDispatcher(
                 delegator,
@@ -287,14 +288,14 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
             offset += len(chunk)
             calls += 1
             _emit(
-                "batch.progress",
+                EventType.BATCH_PROGRESS,
                 {"step": step["id"], "done": offset, "total": total},
                 f"{step['id']}: {offset}/{total}",
             )
     except (StaleLease, CancelRequested, DependencyUnavailable):
         raise  # not the step's failure: this worker must stop writing
     except FleetError as exc:
-        _emit("step.failed", {**_failure(step, exc), "done": offset})
+        _emit(EventType.STEP_FAILED, {**_failure(step, exc), "done": offset})
         return {"failure": {**_failure(step, exc), "done": offset}}
     outcome = {"step": step["id"], "agent": agent.id if agent else "", "status": "completed", "calls": calls}
     if offset < total:
@@ -305,7 +306,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
         key=lambda op: int(op.step_id.removeprefix(prefix)),
     )
     result = {**merge_chunks([op.result or {} for op in chunks]), "items": total, "calls": len(chunks)}
-    _emit("step.completed", {"step": step["id"], "items": total, "calls": len(chunks)})
+    _emit(EventType.STEP_COMPLETED, {"step": step["id"], "items": total, "calls": len(chunks)})
     return {"batches": {step["id"]: offset}, "results": {step["id"]: result}, "outcomes": [outcome]}
 
 
@@ -332,7 +333,9 @@ def wait_for_timer(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
                 break
         due = dt.datetime.fromisoformat(str(answer.get("deadline", due.isoformat())))
     fired = dt.datetime.now(dt.UTC)
-    _emit("timer.fired", {"step": step["id"], "due": due.isoformat()}, f"step {step['id']}: timer fired")
+    _emit(
+        EventType.TIMER_FIRED, {"step": step["id"], "due": due.isoformat()}, f"step {step['id']}: timer fired"
+    )
     result = {"due": due.isoformat(), "fired_at": fired.isoformat()}
     return {
         "results": {step["id"]: result},
@@ -365,7 +368,7 @@ async def collect_batch(step: dict[str, Any], scope: RunScope, now: dt.datetime)
         raise FleetError(ErrorCode.INTERNAL, "a batch collection needs the run store")
     items = await scope.runs.close_batch(scope.lease.run_id)
     _emit(
-        "batch.closed",
+        EventType.BATCH_CLOSED,
         {"step": step["id"], "items": len(items), "closed_by": closed_by},
         f"batch {wait['batch']}: {len(items)} items (closed by {closed_by})",
     )
@@ -396,12 +399,14 @@ def wait_for_event(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
             break
     if answer["decision"] == "expired":
         _emit(
-            "event.timed_out", {"step": step["id"]}, f"step {step['id']}: no event on {wait['event']} in time"
+            EventType.EVENT_TIMED_OUT,
+            {"step": step["id"]},
+            f"step {step['id']}: no event on {wait['event']} in time",
         )
         result: dict[str, Any] = {"event": None, "expired": True}
     else:
         _emit(
-            "event.received",
+            EventType.EVENT_RECEIVED,
             {"step": step["id"]},
             f"step {step['id']}: event {answer['event']['id']} arrived",
         )
@@ -552,7 +557,7 @@ async def policy_approval(
     why = "; ".join(decision.reasons)
     awaited = f"approval:{task['step']['id']}:{number}"
     _emit(
-        "approval.granted",
+        EventType.APPROVAL_GRANTED,
         {"awaited": awaited, "by": POLICY_APPROVER, "decision_id": decision.decision_id, "facts": facts},
         f"policy approved {awaited}: {why} (decision {decision.decision_id})",
     )
@@ -591,7 +596,7 @@ def _gate_closed(step: dict[str, Any], answer: dict[str, Any], agent_id: str) ->
             "code": str(ErrorCode.APPROVAL_EXPIRED),
             "message": f"nobody answered by {answer.get('deadline')}",
         }
-    _emit("step.failed", {**failure, "agent": agent_id}, f"step {step['id']}: {failure['message']}")
+    _emit(EventType.STEP_FAILED, {**failure, "agent": agent_id}, f"step {step['id']}: {failure['message']}")
     return {"failure": failure, "outcomes": [{"step": step["id"], "agent": agent_id, "status": "failed"}]}
 
 
@@ -659,7 +664,7 @@ def build_graph(
             return wait_for_timer(step, dt.datetime.now(dt.UTC))
 
         async def progress(text: str) -> None:
-            _emit("step.progress", {"step": step["id"], "text": text}, text)
+            _emit(EventType.STEP_PROGRESS, {"step": step["id"], "text": text}, text)
 
         try:
             payload = resolve_input(step["input"], task["results"])
@@ -669,7 +674,7 @@ def build_graph(
                     f"input.{RESERVED_INPUT} is reserved for approvals the fleet records",
                 )
         except FleetError as exc:
-            _emit("step.failed", _failure(step, exc))
+            _emit(EventType.STEP_FAILED, _failure(step, exc))
             return {"failure": _failure(step, exc)}
         dispatcher = StepDispatcher(
             delegator,
@@ -716,9 +721,9 @@ def build_graph(
             raise  # not the step's failure: this worker must stop writing
         except FleetError as exc:
             if not dispatcher.agent_id:  # it never got to an agent (none offers the skill)
-                _emit("step.failed", _failure(step, exc))
+                _emit(EventType.STEP_FAILED, _failure(step, exc))
                 return {"failure": _failure(step, exc)}
-            _emit("step.failed", {**_failure(step, exc), "agent": dispatcher.agent_id})
+            _emit(EventType.STEP_FAILED, {**_failure(step, exc), "agent": dispatcher.agent_id})
             return {
                 "failure": _failure(step, exc),
                 "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "failed"}],

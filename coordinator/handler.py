@@ -51,6 +51,7 @@ from coordinator.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
 from coordinator.task_store import PostgresTaskStore
 from fleet.a2a_support import claims_of
 from fleet.errors import ErrorCode, FleetError
+from fleet.vocabulary import SignalAction
 
 CANCEL_TIMEOUT_S = 60.0
 CURSOR_HEADER = "last-event-id"
@@ -136,7 +137,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
         if fold is None:
             raise TaskNotFoundError
         if fold.state not in TERMINAL:
-            signal = Signal(params.id, "cancel", f"a2a-cancel-{uuid.uuid4().hex}", "a2a")
+            signal = Signal(params.id, SignalAction.CANCEL, f"a2a-cancel-{uuid.uuid4().hex}", "a2a")
             try:
                 await self._desk.apply(signal, claims_of(context))
             except FleetError as exc:

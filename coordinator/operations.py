@@ -31,6 +31,7 @@ from coordinator.notifier import NOTIFY_CHANNEL
 from coordinator.runs import Lease, StaleLease, fenced_append, hand_back, logged
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
+from fleet.vocabulary import EventType
 
 _NAMESPACE = uuid.UUID("0b5c7a52-4d8e-4c8e-9a55-3f1f6f0e2a10")
 
@@ -126,7 +127,7 @@ op AS (
 SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged LIMIT 1) AS notified FROM op
 """
 
-Event = tuple[str, dict[str, Any]]  # (type, payload) of an event written with a ledger change
+Event = tuple[EventType, dict[str, Any]]  # (type, payload) of an event written with a ledger change
 
 
 def _events(own: Event, before: Sequence[Event] = (), after: Sequence[Event] = ()) -> Jsonb:
@@ -242,7 +243,7 @@ class Ledger:
                     "target": target,
                     "args_hash": digest,
                     "args": Jsonb(args),
-                    "events": _events(("operation.intent", payload), before),
+                    "events": _events((EventType.OPERATION_INTENT, payload), before),
                     "actor": actor,
                     "relaxed_commit": None,
                     "channel": NOTIFY_CHANNEL,
@@ -298,7 +299,7 @@ class Ledger:
                     "status": status.value,
                     "result": Jsonb(result) if result is not None else None,
                     "error": Jsonb(error) if error is not None else None,
-                    "events": _events((f"operation.{status.value}", payload), after=after),
+                    "events": _events((EventType.of_operation(status), payload), after=after),
                     "actor": actor,
                     "relaxed_commit": "off" if relaxed else None,
                     "channel": NOTIFY_CHANNEL,
@@ -322,7 +323,7 @@ class Ledger:
             if row is None:
                 raise FleetError(ErrorCode.CONFLICT, f"operation {op_id} is not pending")
             await fenced_append(
-                conn, lease, "operation.redispatch", actor, {"op_id": op_id, "attempt": row[0]}
+                conn, lease, EventType.OPERATION_REDISPATCH, actor, {"op_id": op_id, "attempt": row[0]}
             )
 
     async def reroute(self, lease: Lease, actor: str, op_id: str, target: str, why: str) -> None:
@@ -341,7 +342,7 @@ class Ledger:
             if row is None:
                 raise FleetError(ErrorCode.CONFLICT, f"operation {op_id} is not pending")
             payload = {"op_id": op_id, "step": row[1], "from": row[0], "to": target, "why": why}
-            await fenced_append(conn, lease, "step.rerouted", actor, payload)
+            await fenced_append(conn, lease, EventType.STEP_REROUTED, actor, payload)
 
     async def resolve(
         self,
@@ -391,5 +392,5 @@ class Ledger:
                 "state": "submitted",
                 "text": f"{actor} resolved operation {op_id}: {verdict}",
             }
-            await hand_back(conn, run_id, seq, "operation.resolved", actor, resolved)
+            await hand_back(conn, run_id, seq, EventType.OPERATION_RESOLVED, actor, resolved)
         return _operation(row), seq

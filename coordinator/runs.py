@@ -23,6 +23,7 @@ from psycopg_pool import AsyncConnectionPool
 from coordinator.notifier import NOTIFY_CHANNEL, RunNotifier
 from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact, redact_async
+from fleet.vocabulary import EventType
 
 WAIT_SUMMARY = (
     "type",
@@ -213,7 +214,7 @@ _RUN_COLUMNS = (
 async def fenced_append(
     conn: psycopg.AsyncConnection[Any],
     lease: Lease,
-    type_: str,
+    type_: EventType,
     actor: str,
     payload: Mapping[str, Any],
     state: RunState | None = None,
@@ -266,7 +267,7 @@ async def _create(
     if plan is not None:
         # The first event shows the plan's shape; its inputs are in the run's record, once.
         submitted["steps"] = [_outline(step) for step in plan]
-    events: list[tuple[str, dict[str, Any]]] = [("run.submitted", submitted)]
+    events: list[tuple[str, dict[str, Any]]] = [(EventType.RUN_SUBMITTED, submitted)]
     cursor = conn.cursor(row_factory=dict_row)
     await cursor.execute(
         "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, plan, last_seq)"
@@ -298,7 +299,7 @@ async def hand_back(
     conn: psycopg.AsyncConnection[Any],
     run_id: str,
     seq: int,
-    type_: str,
+    type_: EventType,
     actor: str,
     payload: Mapping[str, Any],
     *,
@@ -609,7 +610,7 @@ class PostgresRunStore:
     ) -> None:
         """With a worker on the run, flag it (the worker stops and records the end); with none, end
         the run here, bumping the epoch so that a worker arriving late cannot write."""
-        events: list[tuple[str, dict[str, Any]]] = [("run.cancel_requested", {})]
+        events: list[tuple[str, dict[str, Any]]] = [(EventType.RUN_CANCEL_REQUESTED, {})]
         if leased:
             await conn.execute(
                 "UPDATE fleet_runs.runs SET cancel_requested = true, last_seq = %s, updated_at = now()"
@@ -618,7 +619,10 @@ class PostgresRunStore:
             )
         else:
             events.append(
-                ("run.canceled", {"state": "canceled", "reason": "canceled", "text": "canceled on request"})
+                (
+                    EventType.RUN_CANCELED,
+                    {"state": "canceled", "reason": "canceled", "text": "canceled on request"},
+                )
             )
             await conn.execute(
                 "UPDATE fleet_runs.runs SET cancel_requested = true, last_seq = %s, updated_at = now(),"
@@ -641,7 +645,7 @@ class PostgresRunStore:
         answer: Mapping[str, Any],
         actor: str,
         *,
-        event: str = "wait.answered",
+        event: EventType = EventType.WAIT_ANSWERED,
         text: str = "",
         awaited: str | None = None,
         only_if_due: bool = False,
@@ -706,7 +710,7 @@ class PostgresRunStore:
             }
             await conn.execute(
                 "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
-                (run_id, seq, "wait.extended", actor, Jsonb(logged(payload))),
+                (run_id, seq, EventType.WAIT_EXTENDED, actor, Jsonb(logged(payload))),
             )
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return seq
@@ -766,7 +770,7 @@ class PostgresRunStore:
             }
             await conn.execute(
                 "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, %s, %s, %s, %s)",
-                (run_id, seq, "wait.deadline_near", actor, Jsonb(logged(payload))),
+                (run_id, seq, EventType.WAIT_DEADLINE_NEAR, actor, Jsonb(logged(payload))),
             )
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return seq
@@ -782,7 +786,7 @@ class PostgresRunStore:
     async def append(
         self,
         lease: Lease,
-        type_: str,
+        type_: EventType,
         actor: str,
         payload: Mapping[str, Any],
         *,
@@ -821,7 +825,7 @@ class PostgresRunStore:
         }
         async with self._pool.connection() as conn:
             seq, _ = await fenced_append(
-                conn, lease, f"run.{state.value}", actor, event, state, reason, wait=wait
+                conn, lease, EventType.of_state(state), actor, event, state, reason, wait=wait
             )
         return seq
 

@@ -70,13 +70,17 @@ from fleet.tokens import (
     TokenClient,
     TokenVerifier,
 )
+from fleet.vocabulary import EventType, SignalAction
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("approve", "reject", "input", "extend", "cancel")
+ACTIONS = tuple(SignalAction)
 GATE_TYPES = ("approval", "input")
-GATE_CHOICES = {"approval": ["approve", "reject"], "input": ["input", "reject"]}  # what may answer a gate
+GATE_CHOICES = {  # what may answer a gate
+    "approval": [SignalAction.APPROVE, SignalAction.REJECT],
+    "input": [SignalAction.INPUT, SignalAction.REJECT],
+}
 APPROVALS_STREAM = "FLEET_APPROVALS"
 APPROVALS_SUBJECTS = "fleet.approvals.>"
 SIGNALS_STREAM = "FLEET_SIGNALS"
@@ -98,7 +102,11 @@ _SIGNAL_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,200}$")
 GrantIssuer = Callable[[ApprovalBinding, str, str, str], Awaitable[str]]
 
 # What an applied answer is recorded as in the run's event log.
-ANSWER_EVENTS = {"approve": "approval.granted", "input": "input.provided", "reject": "approval.rejected"}
+ANSWER_EVENTS = {
+    SignalAction.APPROVE: EventType.APPROVAL_GRANTED,
+    SignalAction.INPUT: EventType.INPUT_PROVIDED,
+    SignalAction.REJECT: EventType.APPROVAL_REJECTED,
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS fleet_runs.signals (
@@ -122,7 +130,7 @@ CREATE INDEX IF NOT EXISTS signals_by_run ON fleet_runs.signals (run_id, receive
 @dataclass(frozen=True, slots=True)
 class Signal:
     run_id: str
-    action: str
+    action: SignalAction
     signal_id: str
     via: str
     awaited: str | None = None
@@ -135,9 +143,10 @@ def parse_signal(run_id: str, body: Any, via: str, signal_id: str | None = None)
     """A signal from a request body, or ``invalid_request`` saying what is wrong with it."""
     if not isinstance(body, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "a signal is a JSON object")
-    action = body.get("action")
-    if action not in ACTIONS:
+    asked = body.get("action")
+    if not isinstance(asked, str) or asked not in ACTIONS:
         raise FleetError(ErrorCode.INVALID_REQUEST, f"action must be one of {', '.join(ACTIONS)}")
+    action = SignalAction(asked)
     awaited, note, given = body.get("awaited"), body.get("note", ""), body.get("input")
     if awaited is not None and (not isinstance(awaited, str) or not awaited):
         raise FleetError(ErrorCode.INVALID_REQUEST, "awaited must be the id of what the run waits for")
@@ -145,12 +154,12 @@ def parse_signal(run_id: str, body: Any, via: str, signal_id: str | None = None)
         raise FleetError(ErrorCode.INVALID_REQUEST, f"note must be a string of at most {MAX_NOTE} characters")
     if given is not None and not isinstance(given, dict):
         raise FleetError(ErrorCode.INVALID_REQUEST, "input must be a JSON object")
-    if action == "input" and given is None:
+    if action == SignalAction.INPUT and given is None:
         raise FleetError(ErrorCode.INVALID_REQUEST, "an input signal needs input")
-    if given is not None and action not in ("approve", "input"):
+    if given is not None and action not in (SignalAction.APPROVE, SignalAction.INPUT):
         raise FleetError(ErrorCode.INVALID_REQUEST, "input goes with approve or input")
     extend_s = body.get("extend_s")
-    if action == "extend":
+    if action == SignalAction.EXTEND:
         if (
             isinstance(extend_s, bool)
             or not isinstance(extend_s, int | float)
@@ -172,7 +181,7 @@ def parse_signal(run_id: str, body: Any, via: str, signal_id: str | None = None)
         awaited=awaited,
         input=given,
         note=note,
-        extend_s=float(extend_s) if action == "extend" and extend_s is not None else None,
+        extend_s=float(extend_s) if action == SignalAction.EXTEND and extend_s is not None else None,
     )
 
 
@@ -278,7 +287,7 @@ class SignalDesk:
                 signal, claims, "finished", signal.awaited, [f"the run has {run.state}"]
             )
         gate = gate_waiting(run, signal.awaited)
-        if gate is None and signal.action != "cancel":
+        if gate is None and signal.action != SignalAction.CANCEL:
             outcome = _no_op(run, signal)
             why = (
                 "that wait was answered already"
@@ -289,8 +298,8 @@ class SignalDesk:
         awaited = gate.get("awaited") if gate is not None else None
         # Input for an approval gate approves it: policy decides it as an approval.
         action = (
-            "approve"
-            if signal.action == "input" and gate and gate.get("type") == "approval"
+            SignalAction.APPROVE
+            if signal.action == SignalAction.INPUT and gate and gate.get("type") == "approval"
             else signal.action
         )
         decision = await self._engine.decide(
@@ -350,7 +359,12 @@ class SignalDesk:
         signal, or a gate whose step named no tool call): the registry's, bound to the run, the
         operation that asked, the tool and the hash of the arguments the approver was shown, in the
         name of the signer of ``claims`` (the registry takes it from their token, not from here)."""
-        if action != "approve" or gate is None or gate.get("type") != "approval" or self._grants is None:
+        if (
+            action != SignalAction.APPROVE
+            or gate is None
+            or gate.get("type") != "approval"
+            or self._grants is None
+        ):
             return None
         asked = gate.get("asked")
         request = ApprovalRequest.of(asked.get("approval_request") if isinstance(asked, dict) else None)
@@ -374,11 +388,11 @@ class SignalDesk:
     async def _deliver(
         self, signal: Signal, claims: Claims, run: Run, awaited: str | None, grant: str | None = None
     ) -> int:
-        if signal.action == "cancel":
+        if signal.action == SignalAction.CANCEL:
             cancelled = await self._runs.request_cancel(run.run_id, run.tenant, claims.sub)
             return cancelled.last_seq
         assert awaited is not None
-        if signal.action == "extend":
+        if signal.action == SignalAction.EXTEND:
             assert signal.extend_s is not None
             return await self._runs.extend_wait(
                 run.run_id, claims.tenant, awaited, signal.extend_s, claims.sub
@@ -388,7 +402,11 @@ class SignalDesk:
             answer["grant"] = grant  # for the step's next call; never in the event log
         if signal.input is not None:
             answer["input"] = signal.input
-        verb = {"approve": "approved", "input": "answered", "reject": "rejected"}[signal.action]
+        verb = {
+            SignalAction.APPROVE: "approved",
+            SignalAction.INPUT: "answered",
+            SignalAction.REJECT: "rejected",
+        }[signal.action]
         seq = await self._runs.answer_wait(
             run.run_id,
             claims.tenant,

@@ -31,6 +31,7 @@ from a2a.types import (
 from google.protobuf.struct_pb2 import Struct
 
 from coordinator.runs import RunEvent, RunState
+from fleet.vocabulary import EventType
 
 RESUME_EXTENSION = "https://agent-fleet.dev/ext/resume/v1"
 
@@ -130,7 +131,7 @@ class TaskFold:
         self.task.metadata.update({RESUME_EXTENSION: {"eventId": self.seq}})
 
     def _update_for(self, event: RunEvent) -> TaskUpdate | None:
-        if event.type == "artifact":
+        if event.type == EventType.ARTIFACT:
             return self._artifact(event)
         run_state = _run_state_of(event)
         state = A2A_STATE[run_state] if run_state is not None else self.state
@@ -193,23 +194,23 @@ def _run_state_of(event: RunEvent) -> RunState | None:
 def _said(event: RunEvent) -> str:
     """The text of an event that the log keeps without one (it would only repeat the payload)."""
     payload = event.payload
-    if event.type == "step.started" and payload.get("agent"):
+    if event.type == EventType.STEP_STARTED and payload.get("agent"):
         return f"step {payload.get('step')}: {payload.get('skill')} -> {payload['agent']}"
-    if event.type == "step.rerouted":
+    if event.type == EventType.STEP_REROUTED:
         return f"step {payload.get('step')}: rerouted {payload.get('from')} -> {payload.get('to')} ({payload.get('why')})"
     return ""
 
 
 def _message_parts(event: RunEvent) -> list[Part]:
     """What a person should read about this event: its text, and a failure's details."""
-    if event.type in ("run.submitted", "plan") and event.payload.get("steps"):  # the run's plan
+    if event.type in (EventType.RUN_SUBMITTED, "plan") and event.payload.get("steps"):  # the run's plan
         skills = " -> ".join(str(step.get("skill")) for step in event.payload.get("steps", []))
         return [new_text_part(f"plan: {skills}")] if skills else []
     text = event.payload.get("text") or _said(event)
     if not text:
         return []
     parts = [new_text_part(str(text))]
-    if event.type == "run.failed" and "failure" in event.payload:
+    if event.type == EventType.RUN_FAILED and "failure" in event.payload:
         parts.append(new_data_part({"failure": event.payload["failure"]}))
     return parts
 

@@ -55,6 +55,7 @@ from fleet.events import (
 )
 from fleet.rates import RateLimits
 from fleet.retry import backoff_s, retrying
+from fleet.vocabulary import EventType
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ class TriggerIngest:
                 "batch",
                 {"decision": "closed", "event": event.id},
                 f"event:{event.source}",
-                event="batch.close_requested",
+                event=EventType.BATCH_CLOSE_REQUESTED,
                 text=f"event {event.id} closes the batch of {rule}",
                 awaited=f"batch:{COLLECT_STEP}",
             )
@@ -339,7 +340,7 @@ class TriggerIngest:
                     "event",
                     {"decision": "event", "event": event.envelope()},
                     f"event:{event.source}",
-                    event="event.delivered",
+                    event=EventType.EVENT_DELIVERED,
                     text=f"event {event.id} on {event.subject} answers {awaited}",
                     awaited=awaited,
                 )

@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import httpx
 import psycopg
@@ -60,6 +60,7 @@ from fleet.outbound import guarded_client
 from fleet.retry import backoff_s
 from fleet.service import Readiness, configure_logging, serve_app, start_in_background
 from fleet.settings import ServiceSettings
+from fleet.vocabulary import EventType
 from policy import PolicyEngine, PolicyError
 from policy.live import enforcing, live_policy
 from registry import RegistryClient
@@ -73,7 +74,7 @@ T = TypeVar("T")
 # durable before anything is sent, the result before the run goes on; a durable commit also flushes
 # every earlier one). A crash of Postgres itself can lose the last of these, never a transition, an
 # operation or a gap.
-RELAXED_EVENTS = frozenset({"step.progress", "step.started", "step.completed"})
+RELAXED_EVENTS = frozenset({EventType.STEP_PROGRESS, EventType.STEP_STARTED, EventType.STEP_COMPLETED})
 FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the next
 # A run whose work message comes back this often and still finds the control plane unavailable
 # fails (with the lease's delay between deliveries: about ten minutes at the default 15 s lease).
@@ -154,27 +155,35 @@ async def supervise_waits(
 SUPERVISOR = "supervisor"
 
 
-def _expiry_event(wait: dict[str, Any]) -> dict[str, str]:
+class _Expiry(TypedDict):
+    event: EventType
+    text: str
+
+
+def _expiry_event(wait: dict[str, Any]) -> _Expiry:
     """How the supervisor records a wait it answers at its deadline: a timer fires; anything else
     expires (never a denial)."""
     if wait.get("type") == "timer":
-        return {"event": "timer.due", "text": f"{wait.get('awaited')} is due ({wait['deadline']})"}
+        return {"event": EventType.TIMER_DUE, "text": f"{wait.get('awaited')} is due ({wait['deadline']})"}
     if (wait.get("detail") or {}).get("on_expired") == "escalate":
         return {
-            "event": "approval.escalated",
+            "event": EventType.APPROVAL_ESCALATED,
             "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}: escalated",
         }
     if wait.get("type") == "batch":
         return {
-            "event": "batch.due",
+            "event": EventType.BATCH_DUE,
             "text": f"the batch window of {wait.get('awaited')} closed ({wait['deadline']})",
         }
     if wait.get("type") == "event":
         return {
-            "event": "wait.expired",
+            "event": EventType.WAIT_EXPIRED,
             "text": f"no event came for {wait.get('awaited')} by {wait['deadline']}",
         }
-    return {"event": "wait.expired", "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}"}
+    return {
+        "event": EventType.WAIT_EXPIRED,
+        "text": f"nobody answered {wait.get('awaited')} by {wait['deadline']}",
+    }
 
 
 def slice_trace(
@@ -388,16 +397,16 @@ class RunWorker:
             graph_input = Command(
                 resume={i.id: _answer_for(i.value, run.answers, self._id) for i in snapshot.interrupts}
             )
-            await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
+            await self._store.append(lease, EventType.RUN_RESUMED, self._id, {"at": list(snapshot.next)})
         elif snapshot.next:
             # resume from the checkpoint: finished nodes are not redone
-            await self._store.append(lease, "run.resumed", self._id, {"at": list(snapshot.next)})
+            await self._store.append(lease, EventType.RUN_RESUMED, self._id, {"at": list(snapshot.next)})
         elif snapshot.values and not snapshot.values.get("finished"):
             # A checkpoint whose fan-out was lost (its pending sends are saved after it, in the
             # background, and the worker died in between): schedule again from what is done. The
             # state's reducers keep the results; the ledger keeps every effect once.
             graph_input = {"run_id": run.run_id}
-            await self._store.append(lease, "run.resumed", self._id, {"at": ["schedule"]})
+            await self._store.append(lease, EventType.RUN_RESUMED, self._id, {"at": ["schedule"]})
         elif not snapshot.values:
             try:
                 limits = await run_limits(self._engine, run.tenant)
@@ -411,7 +420,7 @@ class RunWorker:
             if run.state != RunState.SUBMITTED:
                 # Taken over before the first checkpoint was saved (LangGraph saves them in the
                 # background while the next node runs): start over; the ledger keeps effects once.
-                await self._store.append(lease, "run.resumed", self._id, {"at": ["start"]})
+                await self._store.append(lease, EventType.RUN_RESUMED, self._id, {"at": ["start"]})
         if run.state == RunState.SUBMITTED:
             await self._store.transition(lease, RunState.WORKING, self._id, {})
         started = graph_input.get("limits") if isinstance(graph_input, dict) else None
@@ -539,7 +548,7 @@ class RunWorker:
             skipped = [s["id"] for s in final.get("steps", []) if s["id"] not in results]
             text = f"stopped early ({stop['reason']}: {stop['why']}); {text}; not run: {', '.join(skipped)}"
         await self._store.append(
-            lease, "artifact", self._id, {"name": "result", "text": text, "steps": results}
+            lease, EventType.ARTIFACT, self._id, {"name": "result", "text": text, "steps": results}
         )
         reason = stop["reason"] if stop else None
         if stop and reason == ErrorCode.APPROVAL_EXPIRED:  # nobody decided in time: not a denial

@@ -49,6 +49,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM
 from fleet.natsconn import stream_replicas
 from fleet.tokens import TokenClient
+from fleet.vocabulary import ENDING, EventType
 from fleetctl.cli_common import operator_token_client, running_endpoints, stack_running
 from fleetctl.detached import up_detached
 from fleetctl.layout import StackLayout
@@ -83,7 +84,7 @@ NIGHT: dict[str, list[dict[str, Any]]] = {
         {"invoice": "INV-G-2003", "customer": "Vandelay", "amount": 505.00},
     ],
 }
-ENDED = {"run.completed", "run.failed", "run.canceled", "run.expired"}
+ENDED = ENDING  # a rejected run ends too (this once named run.expired, which no run records)
 QUESTION = "What did the invoice reconciliation find?"
 
 
@@ -153,7 +154,7 @@ async def _demo(layout: StackLayout, auto_approve: bool, timeout_s: float | None
             await asyncio.gather(*(_follow(api, night, auto_approve) for night in nights))
         for night in nights:
             _print_night(night)
-        failed = [n.tenant for n in nights if n.state != "run.completed"]
+        failed = [n.tenant for n in nights if n.state != EventType.RUN_COMPLETED]
         if failed:
             print(f"demo: FAILED: the runs of {', '.join(failed)} did not complete", file=sys.stderr)
             return 1
@@ -276,9 +277,9 @@ async def _follow(api: RunApi, night: Night, auto_approve: bool) -> None:
         text = _line(event["type"], payload)
         if text:
             print(f"demo: {night.tenant:<7}| {time.monotonic() - started:6.2f}s {text}", flush=True)
-        if event["type"] == "artifact" and isinstance(payload.get("steps"), dict):
+        if event["type"] == EventType.ARTIFACT and isinstance(payload.get("steps"), dict):
             night.result = payload["steps"]
-        if event["type"] == "run.waiting" and (payload.get("wait") or {}).get("type") == "approval":
+        if event["type"] == EventType.RUN_WAITING and (payload.get("wait") or {}).get("type") == "approval":
             await _approval(api, night, payload, auto_approve)
         if event["type"] in ENDED:
             night.state = event["type"]
@@ -300,9 +301,15 @@ async def _approval(api: RunApi, night: Night, payload: dict[str, Any], auto_app
 
 def _line(type_: str, payload: dict[str, Any]) -> str:
     """What the demo shows of an event (the run's log keeps more)."""
-    if type_ == "step.started" and payload.get("agent"):
+    if type_ == EventType.STEP_STARTED and payload.get("agent"):
         return f"{payload['step']}: {payload['skill']} -> {payload['agent']}"
-    if type_ in ("step.progress", "batch.closed", "step.failed", "step.rerouted", "run.waiting"):
+    if type_ in (
+        EventType.STEP_PROGRESS,
+        EventType.BATCH_CLOSED,
+        EventType.STEP_FAILED,
+        EventType.STEP_REROUTED,
+        EventType.RUN_WAITING,
+    ):
         return str(payload.get("text") or payload.get("message") or "")
     if type_ in ENDED:
         return type_.removeprefix("run.")

@@ -22,6 +22,7 @@ import httpx
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.retry import backoff_s
+from fleet.vocabulary import EventType
 from fleetctl.cli_common import (
     EXIT_BY_END_STATE,
     EXIT_NO_OP,
@@ -139,7 +140,7 @@ async def _print_events(
         seen.append(event)
         if as_json and follow:
             emit_line(event)
-        elif event["type"] == "batch.progress" and bar.enabled:
+        elif event["type"] == EventType.BATCH_PROGRESS and bar.enabled:
             bar.update(str(event["payload"].get("step", "")), *_done_total(event))
         elif not as_json:
             bar.clear()
@@ -178,7 +179,7 @@ def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for event in events:
         payload = event.get("payload", {})
         kind = event["type"]
-        if not kind.startswith(("step.", "batch.progress")) or "step" not in payload:
+        if not kind.startswith(("step.", EventType.BATCH_PROGRESS)) or "step" not in payload:
             continue
         step = steps.setdefault(str(payload["step"]), {"step": payload["step"], "status": "started"})
         _fold_step(step, kind, payload)
@@ -189,14 +190,14 @@ def _fold_step(step: dict[str, Any], kind: str, payload: dict[str, Any]) -> None
     for key in ("skill", "agent"):
         if payload.get(key):
             step[key] = payload[key]
-    if kind == "step.rerouted":
+    if kind == EventType.STEP_REROUTED:
         step["agent"] = payload.get("to", step.get("agent"))
         step["reroutes"] = step.get("reroutes", 0) + 1
-    elif kind == "batch.progress":
+    elif kind == EventType.BATCH_PROGRESS:
         step["done"], step["total"] = payload.get("done"), payload.get("total")
-    elif kind in ("step.completed", "step.failed", "step.blocked"):
+    elif kind in (EventType.STEP_COMPLETED, EventType.STEP_FAILED, EventType.STEP_BLOCKED):
         step["status"] = kind.removeprefix("step.")
-        if kind == "step.failed":
+        if kind == EventType.STEP_FAILED:
             step["error"] = {"code": payload.get("code"), "message": payload.get("message")}
 
 
@@ -204,7 +205,9 @@ def last_error(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The last failure the log records (a failed step, or the run's own failure)."""
     for event in reversed(events):
         payload = event.get("payload", {})
-        if event["type"] == "step.failed" or (event["type"] == "run.failed" and payload.get("message")):
+        if event["type"] == EventType.STEP_FAILED or (
+            event["type"] == EventType.RUN_FAILED and payload.get("message")
+        ):
             return {
                 "seq": event["seq"],
                 "step": payload.get("step"),
@@ -222,7 +225,7 @@ async def _run_view(api: ServiceClient, run_id: str) -> dict[str, Any]:
         **run,
         "steps": steps_of(log),
         "operations": operations,
-        "artifacts": [e["payload"] for e in log if e["type"] == "artifact"],
+        "artifacts": [e["payload"] for e in log if e["type"] == EventType.ARTIFACT],
         "last_error": last_error(log),
     }
 
@@ -272,7 +275,7 @@ async def _watch(api: ServiceClient, run_id: str, after: int, as_json: bool) -> 
     """Until the run ends: a bar for batch progress, a line for each change of the run's state."""
     bar = ProgressBar.for_stream(sys.stdout, as_json=as_json)
     async for event in events_of(api, run_id, after, follow=True, last_seq=after):
-        if event["type"] == "batch.progress":
+        if event["type"] == EventType.BATCH_PROGRESS:
             bar.update(str(event["payload"].get("step", "")), *_done_total(event))
         elif event["type"].startswith("run.") and not as_json:
             bar.clear()

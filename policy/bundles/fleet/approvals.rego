@@ -29,7 +29,9 @@ package fleet.approvals
 
 APPROVE_SCOPE := "runs:approve"
 
-actions := {"approve", "reject", "input", "extend", "cancel"}
+# The actions a signal may ask: generated from the code (fleet.vocabulary.SignalAction) into
+# vocabulary/data.json by `python -m policy.vocabulary`.
+actions := {action | some action in data.vocabulary.signal_actions}
 
 any_or(list, value) if "*" in list
 
