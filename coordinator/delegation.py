@@ -694,9 +694,14 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
             parts = event.status_update.status.message.parts
             text = " ".join(get_text_parts(parts))
             asked = get_data_parts(parts)
-            for data in asked:
-                if isinstance(data, dict) and isinstance(data.get("error"), dict):
-                    error = data["error"]
+            error = next(
+                (
+                    d["error"]
+                    for d in reversed(asked)
+                    if isinstance(d, dict) and isinstance(d.get("error"), dict)
+                ),
+                error,
+            )
             if text:
                 last_text = text
                 if state == TaskState.TASK_STATE_WORKING:
@@ -705,6 +710,18 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
             for data in get_data_parts(event.artifact_update.artifact.parts):
                 if isinstance(data, dict):
                     result.update(data)
+    return _ended(state, agent_id, result, last_text, error, asked)
+
+
+def _ended(
+    state: TaskState,
+    agent_id: str,
+    result: dict[str, Any],
+    last_text: str,
+    error: dict[str, Any],
+    asked: list[Any],
+) -> dict[str, Any]:
+    """What the step gets from a stream that ended in ``state``: the result, a gate, or an error."""
     if state in FAILED_STATES:
         if error.get("code") == ErrorCode.OUTCOME_UNKNOWN:
             raise FleetError(ErrorCode.OUTCOME_UNKNOWN, f"{agent_id}: {error.get('message', last_text)}")

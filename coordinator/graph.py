@@ -618,34 +618,43 @@ def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
     )
 
 
-def build_graph(
-    delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
-) -> CompiledStateGraph[Any, Any, Any, Any]:
-    async def schedule(state: GraphState) -> dict[str, Any]:
-        return check_budget(state, dt.datetime.now(dt.UTC))
+async def schedule(state: GraphState) -> dict[str, Any]:
+    return check_budget(state, dt.datetime.now(dt.UTC))
 
-    def fan_out(state: GraphState) -> list[Send | str] | str:
-        if state.get("failure") or state.get("stop"):
-            return "finish"
-        ready = ready_steps(state)
-        if not ready:
-            return "finish"
-        # Plain steps go to their own delegate task with what they need (the Send is checkpointed);
-        # batch steps are advanced by the batch node, which reads the state instead, so that the
-        # items are not written into every checkpoint.
-        targets: list[Send | str] = [
-            Send("delegate", step_task(state, step)) for step in ready if step.get("for_each") is None
-        ]
-        if any(step.get("for_each") is not None for step in ready):
-            targets.append("batch")
-        return targets
 
-    async def batch(state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
+def fan_out(state: GraphState) -> list[Send | str] | str:
+    if state.get("failure") or state.get("stop"):
+        return "finish"
+    ready = ready_steps(state)
+    if not ready:
+        return "finish"
+    # Plain steps go to their own delegate task with what they need (the Send is checkpointed);
+    # batch steps are advanced by the batch node, which reads the state instead, so that the
+    # items are not written into every checkpoint.
+    targets: list[Send | str] = [
+        Send("delegate", step_task(state, step)) for step in ready if step.get("for_each") is None
+    ]
+    if any(step.get("for_each") is not None for step in ready):
+        targets.append("batch")
+    return targets
+
+
+async def finish(state: GraphState) -> dict[str, Any]:
+    return {"finished": True}
+
+
+class _Nodes:
+    """The graph's nodes that call out (to specialists, through the delegator)."""
+
+    def __init__(self, delegator: Delegator) -> None:
+        self.delegator = delegator
+
+    async def batch(self, state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
         update: dict[str, Any] = {"batches": {}, "results": {}, "outcomes": []}
         for step in ready_steps(state):
             if step.get("for_each") is None:
                 continue
-            advanced = await run_batch(delegator, step_task(state, step), runtime.context)
+            advanced = await run_batch(self.delegator, step_task(state, step), runtime.context)
             update["batches"].update(advanced.get("batches", {}))
             update["results"].update(advanced.get("results", {}))
             update["outcomes"].extend(advanced.get("outcomes", []))
@@ -654,7 +663,7 @@ def build_graph(
                 break
         return update
 
-    async def delegate(task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
+    async def delegate(self, task: StepTask, runtime: Runtime[RunScope]) -> dict[str, Any]:
         step = task["step"]
         if step.get("wait") is not None:
             if "event" in step["wait"]:
@@ -677,7 +686,7 @@ def build_graph(
             _emit(EventType.STEP_FAILED, _failure(step, exc))
             return {"failure": _failure(step, exc)}
         dispatcher = StepDispatcher(
-            delegator,
+            self.delegator,
             runtime.context,
             step_id=step["id"],
             skill=step["skill"],
@@ -696,7 +705,7 @@ def build_graph(
                 # The step asks first (approval, or input): policy, on what the run computed, or a
                 # person. The answer goes into the step's next call, a new operation (its own id,
                 # so the ledger sends it once).
-                answer = await policy_approval(delegator, task, gate, dispatcher.op_id, number)
+                answer = await policy_approval(self.delegator, task, gate, dispatcher.op_id, number)
                 if answer is None:
                     answer = await_gate(step, gate, number, dispatcher, task["approval"])
                 if answer["decision"] in ("reject", "expired"):
@@ -705,7 +714,7 @@ def build_graph(
                 payload = answered(payload, answer, asked_op)
                 asked = dispatcher.agent if dispatcher.agent and dispatcher.agent.url else None  # still there
                 dispatcher = StepDispatcher(
-                    delegator,
+                    self.delegator,
                     runtime.context,
                     step_id=f"{step['id']}~{number}",
                     skill=step["skill"],
@@ -733,13 +742,17 @@ def build_graph(
             "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "completed"}],
         }
 
-    async def finish(state: GraphState) -> dict[str, Any]:
-        return {"finished": True}
 
+def build_graph(
+    delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
+) -> CompiledStateGraph[Any, Any, Any, Any]:
+    """The coordinator's graph: schedule the ready steps, delegate each (or advance a batch), and
+    finish when nothing is left to do or the run stopped."""
+    nodes = _Nodes(delegator)
     builder: StateGraph[GraphState, RunScope, Any, Any] = StateGraph(GraphState, context_schema=RunScope)
     builder.add_node("schedule", schedule)
-    builder.add_node("delegate", delegate)  # type: ignore[arg-type]  # its input is a StepTask (Send)
-    builder.add_node("batch", batch)
+    builder.add_node("delegate", nodes.delegate)  # type: ignore[arg-type]  # its input is a StepTask (Send)
+    builder.add_node("batch", nodes.batch)
     builder.add_node("finish", finish)
     builder.add_edge(START, "schedule")
     builder.add_conditional_edges("schedule", fan_out, ["delegate", "batch", "finish"])

@@ -76,6 +76,178 @@ def _listing(request: Request) -> tuple[int, RunState | None]:
         raise FleetError(ErrorCode.INVALID_REQUEST, f"state must be one of {states}") from exc
 
 
+class RunApi:
+    """The run API's handlers (see :func:`run_routes`)."""
+
+    def __init__(
+        self,
+        store: PostgresRunStore,
+        ledger: Ledger,
+        submit: Callable[[str, str, str], Awaitable[None]],
+        streams: Streams,
+        saver: BaseCheckpointSaver[Any],
+        policy: PolicyEngine,
+        desk: SignalDesk,
+        agent_records: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+    ) -> None:
+        self.store, self.ledger, self.submit, self.streams = store, ledger, submit, streams
+        self.saver, self.policy, self.desk, self.agent_records = saver, policy, desk, agent_records
+        self.access = RunAccess(policy)
+
+    async def reach(self, request: Request, action: RunAction = RunAction.READ) -> Reach:
+        return await self.access.reach(request_claims(request), action)
+
+    async def reached_run(self, request: Request, action: RunAction = RunAction.READ) -> Run:
+        """The run of the path, if the caller reaches it for ``action``; ``not_found`` if not."""
+        within = await self.reach(request, action)
+        return await self.store.get_run(request.path_params["run_id"], within.tenant, owner=within.owner)
+
+    async def agents_now(self) -> dict[str, dict[str, Any]]:
+        if self.agent_records is None:
+            return {}
+        try:
+            return {str(a["id"]): a for a in await self.agent_records()}
+        except Exception:
+            # The bundle explains the run from its own records; the registry only adds versions.
+            log.warning("could not list the registry's agents for a debug bundle", exc_info=True)
+            return {}
+
+    async def resubmit(self, run_id: str, attempt: str, tenant: str) -> None:
+        """Hand an answered run back to the workers; it is durable as submitted, so if the broker
+        cannot take it now, the workers' sweep for stranded runs will."""
+        try:
+            await self.submit(run_id, attempt, tenant)
+        except Exception:
+            log.warning("could not submit run %s (%s); the sweep will", run_id, attempt, exc_info=True)
+
+    async def list_runs(self, request: Request) -> Response:
+        """The tenant's newest runs: ``?limit=`` (50, at most 500), ``?state=`` (one run state)."""
+        try:
+            limit, state = _listing(request)
+            within = await self.reach(request)
+        except FleetError as exc:
+            return _error(exc)
+        runs = await self.store.list_runs(within.tenant, limit, state, owner=within.owner)
+        return JSONResponse({"runs": [_run_json(r) for r in runs]})
+
+    async def get_run(self, request: Request) -> Response:
+        try:
+            run = await self.reached_run(request)
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse(_run_json(run))
+
+    async def events(self, request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        try:
+            after = _cursor(request)
+            within = await self.reach(request)
+            await self.store.get_run(run_id, within.tenant, owner=within.owner)
+            slot = await self.streams.slots.take(request_claims(request), "run events")
+        except StreamLimitReached as exc:
+            return exc.response()
+        except FleetError as exc:
+            return _error(exc)
+
+        async def stream() -> AsyncGenerator[str]:
+            events = self.store.follow(
+                run_id, within.tenant, after, self.streams.notifier, owner=within.owner
+            )
+            async for event in events:
+                yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
+
+        return HeldStream(
+            with_keepalives(stream(), self.streams.keepalive_s),
+            slot,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def debug_bundle(self, request: Request) -> Response:
+        try:
+            run = await self.reached_run(request)
+        except FleetError as exc:
+            return _error(exc)
+        files = await bundle(
+            self.store, self.ledger, self.saver, run, self.policy.revision, await self.agents_now()
+        )
+        return JSONResponse({"run": _run_json(run), "files": files})
+
+    async def operations(self, request: Request) -> Response:
+        try:
+            run = await self.reached_run(request)
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse({"operations": [op.to_json() for op in await self.ledger.for_run(run.run_id)]})
+
+    async def resolve(self, request: Request) -> Response:
+        """A person's answer for an operation whose outcome nobody could establish; the run
+        then goes back to the workers."""
+        claims = request_claims(request)
+        try:
+            if RESOLVE_SCOPE not in claims.scopes:
+                raise FleetError(ErrorCode.FORBIDDEN, f"resolving an operation needs scope {RESOLVE_SCOPE}")
+            await self.reached_run(request, RunAction.RESOLVE)
+            body = await _json_body(request)
+            verdict = body.get("verdict")
+            if verdict not in ("succeeded", "failed", "retry"):
+                raise FleetError(
+                    ErrorCode.INVALID_REQUEST, 'verdict must be "succeeded", "failed" or "retry"'
+                )
+            result = body.get("result", {})
+            note = body.get("note", "")
+            if not isinstance(result, dict) or not isinstance(note, str):
+                raise FleetError(ErrorCode.INVALID_REQUEST, "result must be an object and note a string")
+            run_id = request.path_params["run_id"]
+            op, seq = await self.ledger.resolve(
+                run_id,
+                claims.tenant,
+                request.path_params["op_id"],
+                verdict,
+                claims.sub,
+                result=result,
+                note=note,
+            )
+        except FleetError as exc:
+            return _error(exc)
+        await self.resubmit(run_id, f"resume-{seq}", claims.tenant)
+        return JSONResponse({"operation": op.to_json()})
+
+    async def decide(self, request: Request) -> Response:
+        """A person's decision on what a waiting run asks (today: a spent budget, ``tranche`` or
+        ``close``); the run then goes back to the workers. Only the first decision counts."""
+        claims = request_claims(request)
+        run_id = request.path_params["run_id"]
+        try:
+            if RESOLVE_SCOPE not in claims.scopes:
+                raise FleetError(ErrorCode.FORBIDDEN, f"deciding for a run needs scope {RESOLVE_SCOPE}")
+            await self.reached_run(request, RunAction.RESOLVE)
+            answer = budget_decision(await _json_body(request))
+            seq = await self.store.answer_wait(run_id, claims.tenant, "budget", answer, claims.sub)
+        except FleetError as exc:
+            return _error(exc)
+        await self.resubmit(run_id, f"decided-{seq}", claims.tenant)
+        return JSONResponse({"run": _run_json(await self.store.get_run(run_id, claims.tenant)), "seq": seq})
+
+    async def signal(self, request: Request) -> Response:
+        """A signal for a run (approve, reject, input, extend, cancel; see
+        :mod:`coordinator.signals`): what came of it, a no-op included. Policy decides who may."""
+        claims = request_claims(request)
+        try:
+            given = parse_signal(request.path_params["run_id"], await _json_body(request), "api")
+            outcome = await self.desk.apply(given, claims)
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse(outcome.to_json())
+
+    async def signals(self, request: Request) -> Response:
+        try:
+            run = await self.reached_run(request)
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse({"signals": await self.desk.for_run(run.run_id, run.tenant)})
+
+
 def run_routes(
     store: PostgresRunStore,
     ledger: Ledger,
@@ -88,167 +260,17 @@ def run_routes(
 ) -> list[Route]:
     """The run API's routes; ``agent_records`` lists the registry's agents (for the debug bundle:
     the versions of the agents a run used)."""
-    access = RunAccess(policy)
-
-    async def reach(request: Request, action: RunAction = RunAction.READ) -> Reach:
-        return await access.reach(request_claims(request), action)
-
-    async def reached_run(request: Request, action: RunAction = RunAction.READ) -> Run:
-        """The run of the path, if the caller reaches it for ``action``; ``not_found`` if not."""
-        within = await reach(request, action)
-        return await store.get_run(request.path_params["run_id"], within.tenant, owner=within.owner)
-
-    async def agents_now() -> dict[str, dict[str, Any]]:
-        if agent_records is None:
-            return {}
-        try:
-            return {str(a["id"]): a for a in await agent_records()}
-        except Exception:
-            # The bundle explains the run from its own records; the registry only adds versions.
-            log.warning("could not list the registry's agents for a debug bundle", exc_info=True)
-            return {}
-
-    async def resubmit(run_id: str, attempt: str, tenant: str) -> None:
-        """Hand an answered run back to the workers; it is durable as submitted, so if the broker
-        cannot take it now, the workers' sweep for stranded runs will."""
-        try:
-            await submit(run_id, attempt, tenant)
-        except Exception:
-            log.warning("could not submit run %s (%s); the sweep will", run_id, attempt, exc_info=True)
-
-    async def list_runs(request: Request) -> Response:
-        """The tenant's newest runs: ``?limit=`` (50, at most 500), ``?state=`` (one run state)."""
-        try:
-            limit, state = _listing(request)
-            within = await reach(request)
-        except FleetError as exc:
-            return _error(exc)
-        runs = await store.list_runs(within.tenant, limit, state, owner=within.owner)
-        return JSONResponse({"runs": [_run_json(r) for r in runs]})
-
-    async def get_run(request: Request) -> Response:
-        try:
-            run = await reached_run(request)
-        except FleetError as exc:
-            return _error(exc)
-        return JSONResponse(_run_json(run))
-
-    async def events(request: Request) -> Response:
-        run_id = request.path_params["run_id"]
-        try:
-            after = _cursor(request)
-            within = await reach(request)
-            await store.get_run(run_id, within.tenant, owner=within.owner)
-            slot = await streams.slots.take(request_claims(request), "run events")
-        except StreamLimitReached as exc:
-            return exc.response()
-        except FleetError as exc:
-            return _error(exc)
-
-        async def stream() -> AsyncGenerator[str]:
-            events = store.follow(run_id, within.tenant, after, streams.notifier, owner=within.owner)
-            async for event in events:
-                yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
-
-        return HeldStream(
-            with_keepalives(stream(), streams.keepalive_s),
-            slot,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store"},
-        )
-
-    async def debug_bundle(request: Request) -> Response:
-        try:
-            run = await reached_run(request)
-        except FleetError as exc:
-            return _error(exc)
-        files = await bundle(store, ledger, saver, run, policy.revision, await agents_now())
-        return JSONResponse({"run": _run_json(run), "files": files})
-
-    async def operations(request: Request) -> Response:
-        try:
-            run = await reached_run(request)
-        except FleetError as exc:
-            return _error(exc)
-        return JSONResponse({"operations": [op.to_json() for op in await ledger.for_run(run.run_id)]})
-
-    async def resolve(request: Request) -> Response:
-        """A person's answer for an operation whose outcome nobody could establish; the run
-        then goes back to the workers."""
-        claims = request_claims(request)
-        try:
-            if RESOLVE_SCOPE not in claims.scopes:
-                raise FleetError(ErrorCode.FORBIDDEN, f"resolving an operation needs scope {RESOLVE_SCOPE}")
-            await reached_run(request, RunAction.RESOLVE)
-            body = await _json_body(request)
-            verdict = body.get("verdict")
-            if verdict not in ("succeeded", "failed", "retry"):
-                raise FleetError(
-                    ErrorCode.INVALID_REQUEST, 'verdict must be "succeeded", "failed" or "retry"'
-                )
-            result = body.get("result", {})
-            note = body.get("note", "")
-            if not isinstance(result, dict) or not isinstance(note, str):
-                raise FleetError(ErrorCode.INVALID_REQUEST, "result must be an object and note a string")
-            run_id = request.path_params["run_id"]
-            op, seq = await ledger.resolve(
-                run_id,
-                claims.tenant,
-                request.path_params["op_id"],
-                verdict,
-                claims.sub,
-                result=result,
-                note=note,
-            )
-        except FleetError as exc:
-            return _error(exc)
-        await resubmit(run_id, f"resume-{seq}", claims.tenant)
-        return JSONResponse({"operation": op.to_json()})
-
-    async def decide(request: Request) -> Response:
-        """A person's decision on what a waiting run asks (today: a spent budget, ``tranche`` or
-        ``close``); the run then goes back to the workers. Only the first decision counts."""
-        claims = request_claims(request)
-        run_id = request.path_params["run_id"]
-        try:
-            if RESOLVE_SCOPE not in claims.scopes:
-                raise FleetError(ErrorCode.FORBIDDEN, f"deciding for a run needs scope {RESOLVE_SCOPE}")
-            await reached_run(request, RunAction.RESOLVE)
-            answer = budget_decision(await _json_body(request))
-            seq = await store.answer_wait(run_id, claims.tenant, "budget", answer, claims.sub)
-        except FleetError as exc:
-            return _error(exc)
-        await resubmit(run_id, f"decided-{seq}", claims.tenant)
-        return JSONResponse({"run": _run_json(await store.get_run(run_id, claims.tenant)), "seq": seq})
-
-    async def signal(request: Request) -> Response:
-        """A signal for a run (approve, reject, input, extend, cancel; see
-        :mod:`coordinator.signals`): what came of it, a no-op included. Policy decides who may."""
-        claims = request_claims(request)
-        try:
-            given = parse_signal(request.path_params["run_id"], await _json_body(request), "api")
-            outcome = await desk.apply(given, claims)
-        except FleetError as exc:
-            return _error(exc)
-        return JSONResponse(outcome.to_json())
-
-    async def signals(request: Request) -> Response:
-        try:
-            run = await reached_run(request)
-        except FleetError as exc:
-            return _error(exc)
-        return JSONResponse({"signals": await desk.for_run(run.run_id, run.tenant)})
-
+    api = RunApi(store, ledger, submit, streams, saver, policy, desk, agent_records)
     return [
-        Route("/v1/runs", list_runs),
-        Route("/v1/runs/{run_id}/signals", signal, methods=["POST"]),
-        Route("/v1/runs/{run_id}/signals", signals, methods=["GET"]),
-        Route("/v1/runs/{run_id}/decision", decide, methods=["POST"]),
-        Route("/v1/runs/{run_id}/debug-bundle", debug_bundle),
-        Route("/v1/runs/{run_id}", get_run),
-        Route("/v1/runs/{run_id}/events", events),
-        Route("/v1/runs/{run_id}/operations", operations),
-        Route("/v1/runs/{run_id}/operations/{op_id}/resolve", resolve, methods=["POST"]),
+        Route("/v1/runs", api.list_runs),
+        Route("/v1/runs/{run_id}/signals", api.signal, methods=["POST"]),
+        Route("/v1/runs/{run_id}/signals", api.signals, methods=["GET"]),
+        Route("/v1/runs/{run_id}/decision", api.decide, methods=["POST"]),
+        Route("/v1/runs/{run_id}/debug-bundle", api.debug_bundle),
+        Route("/v1/runs/{run_id}", api.get_run),
+        Route("/v1/runs/{run_id}/events", api.events),
+        Route("/v1/runs/{run_id}/operations", api.operations),
+        Route("/v1/runs/{run_id}/operations/{op_id}/resolve", api.resolve, methods=["POST"]),
     ]
 
 

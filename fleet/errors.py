@@ -141,9 +141,11 @@ class FleetError(Exception):
 
     @property
     def http_status(self) -> int:
+        """The HTTP status this error is answered with on an HTTP API (500 for a code without one)."""
         return HTTP_STATUS.get(self.code, 500)
 
     def to_dict(self) -> dict[str, object]:
+        """The error as data: ``code``, ``message``, ``retryable`` and ``retry_after_s`` if any."""
         out: dict[str, object] = {
             "code": str(self.code),
             "message": self.message,

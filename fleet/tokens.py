@@ -416,6 +416,30 @@ def decode_es256(
     ``cryptography``: PyJWT checks each segment's alphabet in Python, a character at a time, which
     costs more than the signature. ``tests/unit/test_tokens.py`` holds the two to the same answers.
     ``header``: the token's header, if the caller has read it already (it is signed over as sent)."""
+    claims = _verified_claims(token, key, header)
+    for claim in required:
+        if claims.get(claim) is None:
+            raise AuthError(f"token lacks the {claim} claim")
+    times = _times(claims)
+    now = time.time()
+    if times.get("iat", 0) > now + leeway or times.get("nbf", 0) > now + leeway:
+        raise AuthError("token not valid yet")
+    if "exp" in times and times["exp"] <= now - leeway:
+        raise AuthError("token expired")
+    if claims.get("iss") != issuer:
+        raise AuthError("token from another issuer")
+    _check_audience(claims.get("aud"), audience)
+    if "sub" in claims and not isinstance(claims["sub"], str):
+        raise AuthError("invalid token: InvalidSubjectError")
+    if "jti" in claims and not isinstance(claims["jti"], str):
+        raise AuthError("invalid token: InvalidJTIError")
+    return claims
+
+
+def _verified_claims(
+    token: str, key: ec.EllipticCurvePublicKey, header: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The claims of ``token`` once its ES256 signature by ``key`` verifies (no claim is checked yet)."""
     parts = token.split(".")
     if len(parts) != 3:
         raise AuthError("malformed token")
@@ -433,11 +457,12 @@ def decode_es256(
         key.verify(der, f"{header_part}.{claims_part}".encode("ascii"), _SIGNATURE_HASH)
     except InvalidSignature as exc:
         raise AuthError("token signature does not verify") from exc
-    for claim in required:
-        if claims.get(claim) is None:
-            raise AuthError(f"token lacks the {claim} claim")
-    now = time.time()
-    times = {}
+    return claims
+
+
+def _times(claims: dict[str, Any]) -> dict[str, int]:
+    """``iat``, ``nbf`` and ``exp`` of ``claims``, those it has, as integers (PyJWT's checks)."""
+    times: dict[str, int] = {}
     for claim in ("iat", "nbf", "exp"):
         if claim in claims:
             value = claims[claim]
@@ -447,23 +472,15 @@ def decode_es256(
                 times[claim] = int(value)  # JSON's Infinity and NaN do not convert
             except (ValueError, OverflowError) as exc:
                 raise AuthError(f"invalid token: the {claim} claim is not a number") from exc
-    if times.get("iat", 0) > now + leeway or times.get("nbf", 0) > now + leeway:
-        raise AuthError("token not valid yet")
-    if "exp" in times and times["exp"] <= now - leeway:
-        raise AuthError("token expired")
-    if claims.get("iss") != issuer:
-        raise AuthError("token from another issuer")
-    named = claims.get("aud")
+    return times
+
+
+def _check_audience(named: Any, audience: str) -> None:
     audiences = [named] if isinstance(named, str) else named
     if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences) or not audiences:
         raise AuthError("token lacks the aud claim" if not named else "token is not meant for this service")
     if audience not in audiences:
         raise AuthError("token is not meant for this service")
-    if "sub" in claims and not isinstance(claims["sub"], str):
-        raise AuthError("invalid token: InvalidSubjectError")
-    if "jti" in claims and not isinstance(claims["jti"], str):
-        raise AuthError("invalid token: InvalidJTIError")
-    return claims
 
 
 def _decode(

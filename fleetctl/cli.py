@@ -14,12 +14,13 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fleet.errors import ErrorCode, FleetError
 from fleet.settings import FleetSettings
+from fleet.vocabulary import SignalAction
 from fleetctl.cli_common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
 from fleetctl.detached import print_endpoints, up_detached
 from fleetctl.layout import StackLayout
@@ -329,120 +330,169 @@ def _trust_stack_ca(layout: StackLayout) -> None:
         os.environ["SSL_CERT_FILE"] = trust  # the stack's CA and the public roots
 
 
+# A command's handler: the parsed arguments, the settings, the data dir; its exit code.
+Handler = Callable[[argparse.Namespace, FleetSettings, StackLayout], int]
+
+
 def _dispatch(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    """Run the command ``args`` names (``runs`` and ``keys`` by their subcommand)."""
+    command: str = args.command
+    if command == "runs":
+        handler = _RUNS.get(args.runs_command, _usage)
+    elif command == "keys":
+        handler = _keys_token if args.keys_command == "enrollment-token" else _keys
+    else:
+        handler = _COMMANDS.get(command, _usage)
+    return handler(args, settings, layout)
+
+
+def _usage(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    return EXIT_USAGE
+
+
+def _up(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    if args.tls:
+        settings = settings.model_copy(update={"tls": True})
+    if args.detach:
+        return up_detached(layout, tls=settings.tls)
+    return asyncio.run(up_foreground(settings, layout, args.ready_fd))
+
+
+def _down(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
     from fleetctl import operator_cli
 
-    command: str = args.command
-    if command == "up":
-        if args.tls:
-            settings = settings.model_copy(update={"tls": True})
-        if args.detach:
-            return up_detached(layout, tls=settings.tls)
-        return asyncio.run(up_foreground(settings, layout, args.ready_fd))
-    if command == "down":
-        return operator_cli.down(layout, as_json=args.json)
-    if command == "status":
-        return asyncio.run(operator_cli.status(layout, as_json=args.json))
-    if command == "token":
-        return asyncio.run(
-            operator_cli.token(layout, args.audience, args.tenant, args.scope, as_json=args.json)
-        )
-    if command == "console":
-        from fleetctl.console_cli import sign_in_link
+    return operator_cli.down(layout, as_json=args.json)
 
-        return asyncio.run(sign_in_link(layout, args.tenant, as_json=args.json))
-    if command == "demo":
-        from fleetctl import demo
 
-        return demo.run(
-            layout, keep_running=args.keep_running, auto_approve=args.auto_approve, timeout_s=args.timeout
-        )
-    if command == "runs" and args.runs_command in ("list", "show", "events", "cancel"):
-        return asyncio.run(_runs(args, layout))
-    if command in ("agents", "mcp"):
-        return asyncio.run(_registry(args, layout))
-    if command == "runs" and args.runs_command == "resolve":
-        return asyncio.run(
-            operator_cli.resolve_operation(
-                layout,
-                args.run_id,
-                args.op_id,
-                args.verdict,
-                args.result,
-                args.note,
-                args.tenant,
-                as_json=args.json,
-            )
-        )
-    if command == "runs" and args.runs_command == "decide":
-        limits = {
-            key: value
-            for key in ("max_steps", "max_operations", "max_seconds")
-            if (value := getattr(args, key)) is not None
-        }
-        return asyncio.run(
-            operator_cli.decide(
-                layout, args.run_id, args.decision, limits, args.note, args.tenant, as_json=args.json
-            )
-        )
-    if command in ("approve", "reject"):
-        body: dict[str, Any] = {"action": command, "note": args.note}
-        if getattr(args, "input", None) is not None:
-            try:
-                body["input"] = json.loads(args.input)
-            except json.JSONDecodeError as exc:
-                raise FleetError(ErrorCode.INVALID_REQUEST, "--input must be JSON") from exc
-        body.update({k: v for k in ("awaited", "id") if (v := getattr(args, k)) is not None})
-        return asyncio.run(
-            operator_cli.send_signal(layout, args.run_id, body, args.tenant, as_json=args.json)
-        )
-    if command == "runs" and args.runs_command == "extend":
-        body = {"action": "extend", "extend_s": args.seconds}
-        if args.awaited is not None:
-            body["awaited"] = args.awaited
-        return asyncio.run(
-            operator_cli.send_signal(layout, args.run_id, body, args.tenant, as_json=args.json)
-        )
-    if command == "runs":
-        out_dir = args.out_dir or Path(f"run-{args.run_id}")
-        return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant, as_json=args.json)
-    if command == "events":
-        type_ = args.type or args.subject.removeprefix("fleet.events.")
-        return asyncio.run(
-            operator_cli.publish_event(
-                layout, args.subject, args.data, args.id, args.tenant, type_, args.source, as_json=args.json
-            )
-        )
-    if command == "producers":
-        return _producers(args, layout)
-    if command == "keys" and args.keys_command == "enrollment-token":
-        return operator_cli.print_enrollment_token(
+def _status(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    return asyncio.run(operator_cli.status(layout, as_json=args.json))
+
+
+def _token(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    return asyncio.run(operator_cli.token(layout, args.audience, args.tenant, args.scope, as_json=args.json))
+
+
+def _console(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl.console_cli import sign_in_link
+
+    return asyncio.run(sign_in_link(layout, args.tenant, as_json=args.json))
+
+
+def _demo(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import demo
+
+    return demo.run(
+        layout, keep_running=args.keep_running, auto_approve=args.auto_approve, timeout_s=args.timeout
+    )
+
+
+def _runs_read(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    return asyncio.run(_runs(args, layout))
+
+
+def _runs_resolve(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    return asyncio.run(
+        operator_cli.resolve_operation(
             layout,
-            args.identity,
-            args.kind,
-            args.scope,
+            args.run_id,
+            args.op_id,
+            args.verdict,
+            args.result,
+            args.note,
             args.tenant,
-            skills=args.skill,
-            external=args.external,
             as_json=args.json,
         )
-    if command == "keys":
-        return asyncio.run(
-            operator_cli.keys(
-                layout,
-                args.keys_command,
-                getattr(args, "kid", ""),
-                getattr(args, "reason", ""),
-                as_json=args.json,
-            )
+    )
+
+
+def _runs_decide(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    limits = {
+        key: value
+        for key in ("max_steps", "max_operations", "max_seconds")
+        if (value := getattr(args, key)) is not None
+    }
+    return asyncio.run(
+        operator_cli.decide(
+            layout, args.run_id, args.decision, limits, args.note, args.tenant, as_json=args.json
         )
-    if command == "policy":
-        return _policy(args, layout)
-    if command == "memory":
-        return _memory(args, layout)
-    if command == "serve":
-        return serve(args.service_id)
-    return EXIT_USAGE
+    )
+
+
+def _runs_extend(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    body: dict[str, Any] = {"action": SignalAction.EXTEND, "extend_s": args.seconds}
+    if args.awaited is not None:
+        body["awaited"] = args.awaited
+    return _send_signal(args, layout, body)
+
+
+def _runs_export(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    out_dir = args.out_dir or Path(f"run-{args.run_id}")
+    return operator_cli.export_run(layout, args.run_id, out_dir, args.tenant, as_json=args.json)
+
+
+def _answer(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    """``fleet approve`` and ``fleet reject``."""
+    body: dict[str, Any] = {"action": SignalAction(args.command), "note": args.note}
+    if getattr(args, "input", None) is not None:
+        try:
+            body["input"] = json.loads(args.input)
+        except json.JSONDecodeError as exc:
+            raise FleetError(ErrorCode.INVALID_REQUEST, "--input must be JSON") from exc
+    body.update({k: v for k in ("awaited", "id") if (v := getattr(args, k)) is not None})
+    return _send_signal(args, layout, body)
+
+
+def _send_signal(args: argparse.Namespace, layout: StackLayout, body: dict[str, Any]) -> int:
+    from fleetctl import operator_cli
+
+    return asyncio.run(operator_cli.send_signal(layout, args.run_id, body, args.tenant, as_json=args.json))
+
+
+def _events(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    type_ = args.type or args.subject.removeprefix("fleet.events.")
+    return asyncio.run(
+        operator_cli.publish_event(
+            layout, args.subject, args.data, args.id, args.tenant, type_, args.source, as_json=args.json
+        )
+    )
+
+
+def _keys_token(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    return operator_cli.print_enrollment_token(
+        layout,
+        args.identity,
+        args.kind,
+        args.scope,
+        args.tenant,
+        skills=args.skill,
+        external=args.external,
+        as_json=args.json,
+    )
+
+
+def _keys(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    from fleetctl import operator_cli
+
+    kid, reason = getattr(args, "kid", ""), getattr(args, "reason", "")
+    return asyncio.run(operator_cli.keys(layout, args.keys_command, kid, reason, as_json=args.json))
+
+
+def _registry_read(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
+    return asyncio.run(_registry(args, layout))
 
 
 async def _runs(args: argparse.Namespace, layout: StackLayout) -> int:
@@ -604,3 +654,32 @@ def _producers(args: argparse.Namespace, layout: StackLayout) -> int:
     if args.producers_command == "revoke":
         return asyncio.run(producers_cli.revoke(layout, args.producer, args.reason, as_json=args.json))
     return asyncio.run(producers_cli.listing(layout, as_json=args.json))
+
+
+_RUNS: dict[str, Handler] = {
+    "list": _runs_read,
+    "show": _runs_read,
+    "events": _runs_read,
+    "cancel": _runs_read,
+    "resolve": _runs_resolve,
+    "decide": _runs_decide,
+    "extend": _runs_extend,
+    "export": _runs_export,
+}
+_COMMANDS: dict[str, Handler] = {
+    "up": _up,
+    "down": _down,
+    "status": _status,
+    "token": _token,
+    "console": _console,
+    "demo": _demo,
+    "agents": _registry_read,
+    "mcp": _registry_read,
+    "approve": _answer,
+    "reject": _answer,
+    "events": _events,
+    "producers": lambda args, settings, layout: _producers(args, layout),
+    "policy": lambda args, settings, layout: _policy(args, layout),
+    "memory": lambda args, settings, layout: _memory(args, layout),
+    "serve": lambda args, settings, layout: serve(args.service_id),
+}

@@ -154,32 +154,22 @@ def _path(request: Request) -> list[str]:
     return [segment for segment in str(request.path_params.get("path", "")).split("/") if segment]
 
 
-def build_app(point: DecisionPoint, token: str | None = None) -> Starlette:
-    """The decision point's app; with ``token``, every ``/v1`` request must carry it as a bearer
-    (401 ``unauthorized`` otherwise): writes change every decision the point makes."""
+class _Api:
+    """The OPA REST API's handlers over one decision point."""
 
-    async def health(request: Request) -> Response:
+    def __init__(self, point: DecisionPoint) -> None:
+        self.point = point
+
+    async def health(self, request: Request) -> Response:
         return JSONResponse({})
 
-    async def decide(request: Request) -> Response:
-        input_document: Any = None
-        if request.method == "POST":
-            raw = await request.body()
-            if raw.strip():
-                try:
-                    body = json.loads(raw)
-                except ValueError as exc:
-                    return _error(400, "invalid_parameter", f"body contains malformed input document: {exc}")
-                if not isinstance(body, dict):
-                    return _error(400, "invalid_parameter", "the body must be an object")
-                input_document = body.get("input")
-        elif "input" in request.query_params:
-            try:
-                input_document = json.loads(request.query_params["input"])
-            except ValueError as exc:
-                return _error(400, "invalid_parameter", f"malformed input: {exc}")
+    async def decide(self, request: Request) -> Response:
+        input_document = await _input_of(request)
+        if isinstance(input_document, Response):
+            return input_document
         try:
-            defined, value = point.query(_path(request), input_document if input_document is not None else {})
+            given = input_document if input_document is not None else {}
+            defined, value = self.point.query(_path(request), given)
         except PolicyError as exc:
             return _error(500, "internal_error", f"error(s) occurred while evaluating query: {exc.message}")
         answer: dict[str, Any] = {"decision_id": uuid.uuid4().hex}
@@ -192,74 +182,104 @@ def build_app(point: DecisionPoint, token: str | None = None) -> Starlette:
             }
         return JSONResponse(answer)
 
-    async def put_data(request: Request) -> Response:
+    async def put_data(self, request: Request) -> Response:
         try:
-            point.put_data(_path(request), json.loads(await request.body() or b"null"))
+            self.point.put_data(_path(request), json.loads(await request.body() or b"null"))
         except ValueError as exc:
             return _error(400, "invalid_parameter", f"malformed document: {exc}")
         except PolicyError as exc:
             return _error(400, "invalid_parameter", exc.message)
         return Response(status_code=204)
 
-    async def delete_data(request: Request) -> Response:
-        if not point.delete_data(_path(request)):
+    async def delete_data(self, request: Request) -> Response:
+        if not self.point.delete_data(_path(request)):
             return _error(404, "resource_not_found", "storage_not_found_error: document missing")
         return Response(status_code=204)
 
-    async def list_policies(request: Request) -> Response:
-        return JSONResponse(
-            {"result": [{"id": k, "raw": v, "ast": {}} for k, v in sorted(point.modules.items())]}
-        )
+    async def list_policies(self, request: Request) -> Response:
+        modules = self.point.modules
+        return JSONResponse({"result": [{"id": k, "raw": v, "ast": {}} for k, v in sorted(modules.items())]})
 
-    async def get_policy(request: Request) -> Response:
+    async def get_policy(self, request: Request) -> Response:
         module_id = request.path_params["id"]
-        if module_id not in point.modules:
+        if module_id not in self.point.modules:
             return _error(404, "resource_not_found", f"storage_policy_not_found_err: {module_id}")
-        return JSONResponse({"result": {"id": module_id, "raw": point.modules[module_id], "ast": {}}})
+        return JSONResponse({"result": {"id": module_id, "raw": self.point.modules[module_id], "ast": {}}})
 
-    async def put_policy(request: Request) -> Response:
+    async def put_policy(self, request: Request) -> Response:
         source = (await request.body()).decode("utf-8", errors="replace")
         if not source.strip():
             return _error(400, "invalid_parameter", "empty module")
         try:
-            point.put_policy(request.path_params["id"], source)
+            self.point.put_policy(request.path_params["id"], source)
         except PolicyError as exc:
             return _error(
                 400, "invalid_parameter", f"error(s) occurred while compiling module(s): {exc.message}"
             )
         return JSONResponse({})
 
-    async def delete_policy(request: Request) -> Response:
-        if not point.delete_policy(request.path_params["id"]):
+    async def delete_policy(self, request: Request) -> Response:
+        if not self.point.delete_policy(request.path_params["id"]):
             return _error(
                 404, "resource_not_found", f"storage_policy_not_found_err: {request.path_params['id']}"
             )
         return JSONResponse({})
 
-    class BearerOnly:
-        def __init__(self, app: ASGIApp) -> None:
-            self.app = app
 
-        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-            if token and scope["type"] == "http" and scope["path"].startswith("/v1"):
-                sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                if not hmac.compare_digest(sent, f"Bearer {token}"):
-                    await _error(401, "unauthorized", "a bearer token is required")(scope, receive, send)
-                    return
-            await self.app(scope, receive, send)
+async def _input_of(request: Request) -> Any:
+    """The input document of a query (None when the request names none), or the 400 answer to a
+    request whose input is malformed."""
+    if request.method == "POST":
+        raw = await request.body()
+        if not raw.strip():
+            return None
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return _error(400, "invalid_parameter", f"body contains malformed input document: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "invalid_parameter", "the body must be an object")
+        return body.get("input")
+    if "input" in request.query_params:
+        try:
+            return json.loads(request.query_params["input"])
+        except ValueError as exc:
+            return _error(400, "invalid_parameter", f"malformed input: {exc}")
+    return None
 
+
+class _BearerOnly:
+    """With a token, every ``/v1`` request must carry it as a bearer (401 ``unauthorized``)."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.token and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(sent, f"Bearer {self.token}"):
+                await _error(401, "unauthorized", "a bearer token is required")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(point: DecisionPoint, token: str | None = None) -> Starlette:
+    """The decision point's app; with ``token``, every ``/v1`` request must carry it as a bearer
+    (401 ``unauthorized`` otherwise): writes change every decision the point makes."""
+    api = _Api(point)
     return Starlette(
-        middleware=[Middleware(BearerOnly)],
+        middleware=[Middleware(_BearerOnly, token=token)],
         routes=[
-            Route("/health", health),
-            Route("/v1/data", decide, methods=["GET", "POST"]),
-            Route("/v1/data/{path:path}", decide, methods=["GET", "POST"]),
-            Route("/v1/data/{path:path}", put_data, methods=["PUT"]),
-            Route("/v1/data/{path:path}", delete_data, methods=["DELETE"]),
-            Route("/v1/policies", list_policies),
-            Route("/v1/policies/", list_policies),
-            Route("/v1/policies/{id:path}", get_policy, methods=["GET"]),
-            Route("/v1/policies/{id:path}", put_policy, methods=["PUT"]),
-            Route("/v1/policies/{id:path}", delete_policy, methods=["DELETE"]),
+            Route("/health", api.health),
+            Route("/v1/data", api.decide, methods=["GET", "POST"]),
+            Route("/v1/data/{path:path}", api.decide, methods=["GET", "POST"]),
+            Route("/v1/data/{path:path}", api.put_data, methods=["PUT"]),
+            Route("/v1/data/{path:path}", api.delete_data, methods=["DELETE"]),
+            Route("/v1/policies", api.list_policies),
+            Route("/v1/policies/", api.list_policies),
+            Route("/v1/policies/{id:path}", api.get_policy, methods=["GET"]),
+            Route("/v1/policies/{id:path}", api.put_policy, methods=["PUT"]),
+            Route("/v1/policies/{id:path}", api.delete_policy, methods=["DELETE"]),
         ],
     )

@@ -175,6 +175,8 @@ class ToolCatalog:
         self._lock = asyncio.Lock()
 
     async def servers(self, max_age_s: float = CATALOG_TTL_S) -> dict[str, McpServerRecord]:
+        """The MCP servers this agent may use, by id, reloaded from the registry when older than
+        ``max_age_s``."""
         async with self._lock:
             if time.monotonic() - self._loaded_at >= max_age_s:
                 self._servers = {m.id: m for m in await self._registry.mcp_servers()}
@@ -446,6 +448,7 @@ class SkillExecutor(AgentExecutor):
         return skill, payload
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
+        """Run the skill an A2A message asks for (once per operation id: the journal answers a repeat)."""
         skill, payload = self._parse(context)
         claims = claims_of(context.call_context)
         assert context.message is not None
@@ -855,6 +858,9 @@ def build_specialist_app(
     version: str,
     skills: Sequence[Skill],
 ) -> Starlette:
+    """The specialist's A2A app: its signed card, bearer-JWT auth on every call, the skills' executor
+    over a journal of operations, and the routes the coordinator asks about operations; enrolls
+    and registers the agent as it starts (:func:`serve_specialist` serves it)."""
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), event_hooks=transport.hooks())
     mcp_http = mcp_http_client()
     registry = RegistryClient(settings, http)
@@ -915,6 +921,7 @@ def build_specialist_app(
 async def serve_specialist(
     settings: ServiceSettings, *, name: str, description: str, version: str, skills: Sequence[Skill]
 ) -> None:
+    """Serve a specialist with ``skills`` until the process is stopped (a specialist module's ``main``)."""
     configure_logging(settings.service_id, settings.log_level)
     app = build_specialist_app(settings, name=name, description=description, version=version, skills=skills)
     await serve_app(app, settings, [a2a_body_limit(settings)])

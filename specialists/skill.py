@@ -94,6 +94,7 @@ class BudgetMeter:
         self.out_of_time = False  # set by the executor's watchdog when max_seconds passed
 
     def spend_tool_call(self, what: str) -> None:
+        """Count one tool call (``what``); raises ``budget_exhausted`` instead if the cap is spent."""
         cap = self.budget.max_tool_calls
         if cap is not None and self.tool_calls >= cap:
             raise SkillError(
@@ -113,6 +114,7 @@ class BudgetMeter:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        """What the task has spent so far."""
         return {"tool_calls": self.tool_calls, "llm_tokens": self.llm_tokens}
 
 
@@ -183,10 +185,12 @@ class SkillContext:
 
     @property
     def tenant(self) -> str:
+        """The tenant the skill works for (its caller's, from the verified token)."""
         return self.claims.tenant
 
     @property
     def memory(self) -> MemoryTools:
+        """Long-term memory for the skill's caller (:class:`MemoryTools`)."""
         return MemoryTools(self.tools, self.tenant)
 
     @property
@@ -205,6 +209,9 @@ SkillFunction = Callable[[SkillContext, dict[str, Any]], Awaitable[dict[str, Any
 
 @dataclass(frozen=True, slots=True)
 class Skill:
+    """One thing an agent can do: its id, name and description (on the card), the function that
+    does it, and what it promises (``idempotent``, ``output_schema``) and may spend (``budget``)."""
+
     id: str
     name: str
     description: str
@@ -223,6 +230,7 @@ class Skill:
     instructions: str = ""
 
     def card_skill(self) -> AgentSkill:
+        """The skill as the agent's card lists it."""
         # A2A requires tags: a skill that names none is tagged with its id.
         tags = list(self.tags) or [self.id]
         return AgentSkill(id=self.id, name=self.name, description=self.description, tags=tags)
@@ -232,7 +240,9 @@ class Brain(Protocol):
     """What runs a skill that has ``instructions`` when an LLM is configured (see
     :mod:`specialists.llm`); skills without instructions always run their own function."""
 
-    async def run(self, skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]: ...
+    async def run(self, skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+        """Run ``skill`` on ``payload`` for ``ctx``'s caller; the skill's result."""
+        ...
 
 
 __all__ = [

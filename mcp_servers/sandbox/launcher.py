@@ -188,6 +188,20 @@ def wait_for_job() -> tuple[dict[str, Any], bytes, bytes] | None:
     return header, code, workspace
 
 
+class _Ran:
+    """What came of the child: its wait status and resource use, what it wrote, why it was cut.
+    (A plain class: ``dataclasses`` costs milliseconds to import.)"""
+
+    __slots__ = ("reason", "status", "streams", "truncated", "usage")
+
+    def __init__(self, out_r: int, err_r: int) -> None:
+        self.status = 0
+        self.usage: Any = None
+        self.streams = {out_r: bytearray(), err_r: bytearray()}
+        self.truncated = {out_r: False, err_r: False}
+        self.reason: str | None = None
+
+
 def main() -> None:
     job = wait_for_job()
     if job is None:
@@ -207,12 +221,22 @@ def main() -> None:
         child(header, code, out_w, err_w)
     os.close(out_w)
     os.close(err_w)
+    ran = _supervise(pid, header, started, out_r, err_r)
+    try:  # noqa: SIM105
+        os.kill(-1, SIGKILL)  # every process left in the sandbox but this one and init
+    except OSError:
+        pass
+    _report(ran, header, time.monotonic() - started, restore_error, out_r, err_r)
+
+
+def _supervise(pid: int, header: dict[str, Any], started: float, out_r: int, err_r: int) -> _Ran:
+    """Collect the child's output (up to the cap) until it ends and its pipes are drained, killing
+    its process group at the wall-clock deadline or when it writes past the cap."""
     cap, deadline = header["output_bytes"], started + header["wall_s"]
-    streams = {out_r: bytearray(), err_r: bytearray()}
-    truncated = {out_r: False, err_r: False}
-    reason, status, usage = None, None, None
+    ran = _Ran(out_r, err_r)
+    status: int | None = None
     poller = select.poll()
-    for fd in streams:
+    for fd in ran.streams:
         poller.register(fd, select.POLLIN | select.POLLHUP)
     exited = -1  # a pidfd: readable once the child has ended, so no wait is a sleep
     if hasattr(os, "pidfd_open"):
@@ -221,13 +245,13 @@ def main() -> None:
             poller.register(exited, select.POLLIN)
         except OSError:
             exited = -1
-    open_fds = set(streams)
+    open_fds = set(ran.streams)
     drain_until = 0.0
     while True:
         if status is None:
             done, raw, used = os.wait4(pid, os.WNOHANG)
             if done:
-                status, usage = raw, used
+                status, ran.usage = raw, used
                 drain_until = time.monotonic() + 0.2  # what the child wrote just before it ended
                 if exited >= 0:
                     poller.unregister(exited)
@@ -235,34 +259,42 @@ def main() -> None:
                     exited = -1
         now = time.monotonic()
         if status is None and now >= deadline:
-            reason = reason or "timeout"
+            ran.reason = ran.reason or "timeout"
             kill_group(pid)
         if status is not None and (not open_fds or now >= drain_until):
-            break  # done; a process the child left may hold the pipes open: it is killed below
+            break  # done; a process the child left may hold the pipes open: it is killed after
         if not open_fds and exited < 0:
             time.sleep(0.005)
             continue
         wait_ms = max(1, min(int((deadline - now) * 1000) + 1, 20)) if status is None else 20
         for fd, _ in poller.poll(wait_ms):
-            if fd == exited:
-                continue  # wait4 above collects it
-            chunk = os.read(fd, 65536)
-            if not chunk:
+            if fd != exited and not _take(fd, ran, cap, pid):
                 poller.unregister(fd)
                 open_fds.discard(fd)
-                continue
-            room = cap - len(streams[fd])
-            streams[fd] += chunk[: max(room, 0)]
-            if len(chunk) > room and not truncated[fd]:
-                truncated[fd] = True
-                reason = reason or "output_limit"
-                kill_group(pid)
-    try:  # noqa: SIM105
-        os.kill(-1, SIGKILL)  # every process left in the sandbox but this one and init
-    except OSError:
-        pass
-    elapsed = time.monotonic() - started
-    assert status is not None
+    ran.status = status
+    return ran
+
+
+def _take(fd: int, ran: _Ran, cap: int, pid: int) -> bool:
+    """Read what ``fd`` has, keeping up to ``cap`` bytes of it (past the cap, the child's group is
+    killed); False at the end of the pipe."""
+    chunk = os.read(fd, 65536)
+    if not chunk:
+        return False
+    room = cap - len(ran.streams[fd])
+    ran.streams[fd] += chunk[: max(room, 0)]
+    if len(chunk) > room and not ran.truncated[fd]:
+        ran.truncated[fd] = True
+        ran.reason = ran.reason or "output_limit"
+        kill_group(pid)
+    return True
+
+
+def _report(
+    ran: _Ran, header: dict[str, Any], elapsed: float, restore_error: str, out_r: int, err_r: int
+) -> None:
+    """Write the result record, then the error text, both outputs and the workspace, to stdout."""
+    status, usage, reason = ran.status, ran.usage, ran.reason
     signaled = os.WIFSIGNALED(status)
     term = os.WTERMSIG(status) if signaled else None
     cpu = (usage.ru_utime + usage.ru_stime) if usage is not None else 0.0
@@ -276,21 +308,21 @@ def main() -> None:
         os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1,
         -1 if term is None else term,
         REASONS.index(reason),
-        truncated[out_r],
-        truncated[err_r],
+        ran.truncated[out_r],
+        ran.truncated[err_r],
         elapsed,
         cpu,
         usage.ru_maxrss if usage is not None else 0,
         len(error),
-        len(streams[out_r]),
-        len(streams[err_r]),
+        len(ran.streams[out_r]),
+        len(ran.streams[err_r]),
         -1 if workspace is None else len(workspace),
     )
     out = os.fdopen(1, "wb", closefd=False)
     out.write(result)
     out.write(error)
-    out.write(bytes(streams[out_r]))
-    out.write(bytes(streams[err_r]))
+    out.write(bytes(ran.streams[out_r]))
+    out.write(bytes(ran.streams[err_r]))
     out.write(workspace or b"")
     out.flush()
 
