@@ -8,6 +8,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -15,6 +16,17 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from deploy.infra import as_user, prepare_postgres
+
+# The folders whose tests start a whole stack (or a cluster of them): marked e2e, so that
+# ``-m "not e2e"`` (``scripts/dev fast``) runs the rest, which start at most NATS or Postgres.
+STACK_FOLDERS = ("e2e", "cluster")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).parent
+    for item in items:
+        if item.path.relative_to(tests_dir).parts[0] in STACK_FOLDERS:
+            item.add_marker(pytest.mark.e2e)
 
 
 def _free_port() -> int:
