@@ -83,6 +83,12 @@ class Claims:
         return scope in self.scopes
 
     @property
+    def run_id(self) -> str:
+        """The coordinator run the token was issued for (its ``run_id`` claim), "" for a token
+        outside a run."""
+        return str(self.raw.get("run_id") or "")
+
+    @property
     def actors(self) -> tuple[str, ...]:
         """Who acts for ``sub``, the current actor first (RFC 8693 ``act``); empty for a token in the
         client's own name."""

@@ -565,7 +565,7 @@ class TracedMCPServer(MCPServer):
             name,
             kind=SpanKind.SERVER,
             server=self.server_id,
-            run_id=str(claims.raw.get("run_id") or "") if claims else "",
+            run_id=claims.run_id if claims else "",
             tenant=claims.tenant if claims else "",
             parent=None if _in_a_span() else _headers_of(context),
         )

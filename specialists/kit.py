@@ -241,7 +241,7 @@ class Toolbox:
 
     def _run_id(self) -> str:
         caller = self._caller
-        return str(caller.raw.get("run_id") or "") if caller is not None else ""
+        return caller.run_id if caller is not None else ""
 
     async def _token(self, audience: str, tenant: str, scopes: Sequence[str]) -> str:
         caller = self._caller
@@ -459,7 +459,7 @@ class SkillExecutor(AgentExecutor):
             kind=SpanKind.SERVER,
             agent_id=self._agent_id,
             skill=skill.id,
-            run_id=str(claims.raw.get("run_id") or ""),
+            run_id=claims.run_id,
             operation_id=op_id,
             tenant=claims.tenant,
             parent=headers if isinstance(headers, dict) else None,

@@ -196,7 +196,7 @@ class SkillContext:
     @property
     def run_id(self) -> str:
         """The coordinator run this call is part of ("" for a call from outside a run)."""
-        return str(self.claims.raw.get("run_id") or "")
+        return self.claims.run_id
 
     def idempotency_key(self, name: str) -> str:
         """A key for one effect of this operation: the same on every execution of the same

@@ -445,9 +445,7 @@ def build_server(
             _, decision = await gate.authorize("issue_refund", {"amount_cents": amount_cents, **totals})
             return bool(decision.result.get("approval_required")), decision.decision_id
 
-        refunded = await tools.refund(
-            claims.tenant, str(claims.raw.get("run_id") or ""), key, name, amount_cents, approval, decide
-        )
+        refunded = await tools.refund(claims.tenant, claims.run_id, key, name, amount_cents, approval, decide)
         if refunded["status"] == "pending_approval":
             request = ApprovalRequest(settings.service_id, "issue_refund", arguments)
             return {**refunded, "approval_request": request.to_json()}

@@ -217,7 +217,7 @@ async def writer_of(engine: PolicyEngine, claims: Claims) -> Writer:
     result = decision.result if isinstance(decision.result, dict) else {}
     principal = result.get("principal")
     return Writer(
-        run_id=str(claims.raw.get("run_id") or ""),
+        run_id=claims.run_id,
         assert_trust=result.get("assert_trust") is True,
         approve=result.get("approve") is True,
         principal=principal if isinstance(principal, str) else "",
@@ -282,7 +282,7 @@ def build_server(
 
     async def caller(tool: str, arguments: dict[str, Any]) -> tuple[Caller, str]:
         who, claims = await verified(tool, arguments)
-        return who, str(claims.raw.get("run_id") or "")
+        return who, claims.run_id
 
     async def writing(tool: str, arguments: dict[str, Any]) -> tuple[Caller, Writer]:
         who, claims = await verified(tool, arguments)

@@ -408,7 +408,7 @@ def build_server(
             raise ToolError(f"[invalid_request] code is at most {MAX_CODE_CHARS} characters")
         try:
             key = await keys.for_caller(claims)
-            result = await tools.run(key, str(claims.raw.get("run_id") or ""), code, timeout_s)
+            result = await tools.run(key, claims.run_id, code, timeout_s)
         except FleetError as exc:
             if exc.code == ErrorCode.SANDBOX_OOM:
                 log.warning("sandbox call of %s/%s refused: %s", claims.tenant, claims.sub, exc.code)
@@ -433,7 +433,7 @@ def build_server(
         """The files in your run's workspace."""
         claims = await gate.allow("workspace_files", {})
         try:
-            return await tools.files(await keys.for_caller(claims), str(claims.raw.get("run_id") or ""))
+            return await tools.files(await keys.for_caller(claims), claims.run_id)
         except FleetError as exc:
             raise _fail(exc) from exc
 

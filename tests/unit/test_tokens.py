@@ -17,6 +17,7 @@ from fleet.errors import AuthError, ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.settings import ExternalIssuer
 from fleet.tokens import (
+    Claims,
     ExternalTokenVerifier,
     FederatedVerifier,
     MemoryReplayGuard,
@@ -317,3 +318,12 @@ async def test_a_signal_grant_is_no_access_token_and_a_grant_verifier_takes_noth
     forged_use = key.sign(claims(token_use="access"), typ="signal-grant+jwt")
     with pytest.raises(AuthError, match="not a signal grant"):
         await signals.verify(forged_use)
+
+
+def test_claims_name_their_run_or_none() -> None:
+    def claims(raw: dict[str, object]) -> Claims:
+        return Claims("agent", "acme", "mcp-sql", frozenset(), "j", 0, raw)
+
+    assert claims({"run_id": "r-1"}).run_id == "r-1"
+    assert claims({}).run_id == ""
+    assert claims({"run_id": None}).run_id == ""
