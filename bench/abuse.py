@@ -68,14 +68,14 @@ from a2a.helpers import new_data_part, new_text_part
 from a2a.types import Message, Role, SendMessageConfiguration, SendMessageRequest
 from google.protobuf.json_format import MessageToDict
 
-from bench._stack import running_shipped_stack
 from bench.throughput import Fleet
 from fleet.events import event_message
 from fleet.natsconn import Credentials, connect
 from fleetctl import producers_cli
 from fleetctl.layout import StackLayout
-from tests.e2e.conftest import TWO_STEPS, Stack
-from tests.e2e.stack_helpers import call
+from fleetctl.testing.e2e import TWO_STEPS, Stack
+from fleetctl.testing.mcp import call
+from fleetctl.testing.stack import running_shipped_stack
 
 VICTIM, HOSTILE = "acme", "globex"
 MB = 1024 * 1024

@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import psycopg
 
-from bench._stack import running_stack
 from bench.throughput import Fleet
 from fleetctl.layout import StackLayout
+from fleetctl.testing.stack import running_stack
 
 ITEMS = 10_000
 CALL_SIZE = 50

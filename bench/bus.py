@@ -43,7 +43,6 @@ from typing import Any
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
-from bench._nats import embedded_nats
 from fleet.buscatalog import provision
 from fleet.buskeys import BusKeys, ServerTls, admin_credentials, stack_config
 from fleet.issuer_certs import IssuerTrust
@@ -52,6 +51,7 @@ from fleet.natsconn import Credentials, connect
 from fleet.natsjwt import PREFIX_USER, KeyPair
 from fleet.revocations import Revocations
 from fleet.tlsca import local_tls
+from fleetctl.testing.nats import embedded_nats
 from policy._bundle import Bundle
 from policy.regorus_engine import RegorusEngine
 from registry._callout import BusAuthority

@@ -35,12 +35,12 @@ from langgraph.types import Send
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from bench._postgres import embedded_postgres
 from coordinator.checkpoints import CompactCheckpointer
 from coordinator.graph import build_graph, checkpoint_pool
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore
 from coordinator.worker import RunWorker
+from fleetctl.testing.postgres import embedded_postgres
 from policy import RegorusEngine
 from registry import AgentRecord
 

@@ -35,13 +35,13 @@ from a2a.types import AgentCard, Message, Role, SendMessageRequest
 from google.protobuf.json_format import ParseDict
 from psycopg_pool import AsyncConnectionPool
 
-from bench._stack import running_stack
 from coordinator.delegation import INVOKE_SCOPE, Delegator
 from coordinator.dispatch import RunScope, StepDispatcher
 from coordinator.operations import Ledger
 from coordinator.runs import PostgresRunStore
 from fleet.settings import ServiceSettings
 from fleetctl.layout import StackLayout
+from fleetctl.testing.stack import running_stack
 from registry import RegistryClient
 
 CALLS = 60

@@ -27,11 +27,11 @@ from typing import Any
 
 import psycopg
 
-from bench._stack import running_stack
 from coordinator.notifier import NOTIFY_CHANNEL
 from fleet.events import EVENTS_STREAM, EventMessage, ensure_event_streams, event_message
 from fleet.natsconn import connect
 from fleetctl.layout import stack_admin
+from fleetctl.testing.stack import running_stack
 
 INGEST_EVENTS = 6000
 CONCURRENCY = 64

@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench._nats import embedded_nats
 from fleet.eventlog import EventLog
 from fleet.natsconn import connect
+from fleetctl.testing.nats import embedded_nats
 from mcp_servers._base import AUDIT_MAX_AGE_S, AUDIT_MAX_PENDING, AUDIT_STREAM
 from memory.embeddings import LocalMiniLM
 from memory.gate import Caller, Memory, Write

@@ -32,13 +32,13 @@ from typing import Any
 import httpx
 import psycopg
 
-from bench._stack import running_stack
 from bench.events import delivery_latency
 from coordinator.notifier import NOTIFY_CHANNEL
 from coordinator.signals import SIGNALS_PREFIX, sign_signal
 from fleet.events import Event, publish_event
 from fleet.natsconn import connect
 from fleetctl.layout import StackLayout, stack_admin
+from fleetctl.testing.stack import running_stack
 from tests.e2e.pause_harness import SUBJECT, TENANT, dsn, operator_signer, pause_and_resume, refund_policy
 
 RUNS = 10_000

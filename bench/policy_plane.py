@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-from bench._nats import embedded_nats, free_port
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
+from fleetctl.testing.nats import embedded_nats, free_port
 from policy import Bundle, PolicySigner, RegorusEngine
 from policy.live import LivePolicy, push, statuses
 from policy.opa_rest import OpaRestEngine

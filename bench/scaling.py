@@ -48,10 +48,10 @@ from typing import Any
 import httpx
 
 from bench._cpu import cpu_by_tree, machine_busy_s
-from bench._stack import running_stack
 from bench.throughput import Fleet
 from deploy.nats_cluster import NatsCluster
 from fleetctl.layout import StackLayout
+from fleetctl.testing.stack import running_stack
 
 WORKERS = (1, 2, 4, 8)
 BASELINE_WORKERS, TARGET_WORKERS = 2, 4

@@ -33,9 +33,9 @@ from a2a.helpers import new_data_part
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from google.protobuf.json_format import ParseDict
 
-from bench._stack import running_stack
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import StackLayout
+from fleetctl.testing.stack import running_stack
 
 RUNS = 40
 LEASE_TTL_S, ACK_WAIT_S = 3, 6

@@ -34,8 +34,6 @@ import httpx
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from bench._nats import embedded_nats
-from bench._stack import running_stack
 from deploy.enrollment import enrollment_token
 from deploy.local_stack import ServiceSpec
 from fleet.issuer_certs import CertifiedKey, IssuerTrust, certify_issuer_key
@@ -45,6 +43,8 @@ from fleet.revocations import Revocation, Revocations, record_revocation
 from fleet.tokens import CLIENT_ASSERTION_TYPE, TokenVerifier, client_assertion
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import StackLayout
+from fleetctl.testing.nats import embedded_nats
+from fleetctl.testing.stack import running_stack
 from policy import RegorusEngine
 from registry._records import IdentityRecord
 from registry._seal import RecordSeal

@@ -36,11 +36,11 @@ from mcp.server.mcpserver import MCPServer
 from pydantic import AnyHttpUrl
 
 from bench._mcp import serving
-from bench._nats import embedded_nats
-from bench._postgres import embedded_postgres
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.tokens import TokenVerifier, any_public_key
+from fleetctl.testing.nats import embedded_nats
+from fleetctl.testing.postgres import embedded_postgres
 from mcp_servers._base import AUDIT_STREAM, READ_ONLY, AuditTrail, FleetTokenVerifier, ToolGate
 from mcp_servers.sandbox.confinement import Confinement
 from mcp_servers.sandbox.runner import Limits, Sandbox, find_bwrap, find_python, prepare_runtime

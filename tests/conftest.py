@@ -78,8 +78,8 @@ def pg_dsn(pg_server: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def nats_url() -> Iterator[str]:
-    """A real NATS server with JetStream, started for the session (``bench/_nats.py``)."""
-    from bench._nats import embedded_nats
+    """A real NATS server with JetStream, started for the session (``fleetctl/testing/nats.py``)."""
+    from fleetctl.testing.nats import embedded_nats
 
     with embedded_nats() as url:
         yield url

@@ -20,13 +20,13 @@ import nats
 import nats.errors
 import pytest
 
-from bench._nats import embedded_nats
 from fleet.buscatalog import provision
 from fleet.buskeys import BusKeys, admin_credentials, stack_config
 from fleet.issuer_certs import IssuerTrust
 from fleet.keys import SigningKey
 from fleet.natsconn import Credentials, connect
 from fleet.revocations import Revocations
+from fleetctl.testing.nats import embedded_nats
 from policy._bundle import Bundle
 from policy.engine import Decision
 from policy.regorus_engine import RegorusEngine

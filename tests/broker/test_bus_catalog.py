@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from bench._nats import embedded_nats
 from coordinator import work
 from coordinator.signals import ensure_signal_streams
 from fleet.artifacts import NatsArtifactStore
@@ -20,6 +19,7 @@ from fleet.events import ensure_event_streams, ensure_stream
 from fleet.natsconn import connect, key_value
 from fleet.revocations import REVOCATIONS_BUCKET
 from fleetctl.console._session import SIGNED_OUT_BUCKET, SIGNED_OUT_KEPT_S
+from fleetctl.testing.nats import embedded_nats
 from mcp_servers._base import AUDIT_MAX_AGE_S, RUN_CALLS_BUCKET, RUN_CALLS_TTL_S
 from mcp_servers.sandbox.server import WORKSPACES_BUCKET
 from policy.live import (

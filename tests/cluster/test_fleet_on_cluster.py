@@ -26,7 +26,7 @@ from deploy.nats_cluster import NatsCluster
 from fleet.buskeys import admin_credentials
 from fleet.events import Event, publish_event
 from fleet.natsconn import Credentials, connect
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     FAST_FAILOVER,
     Stack,
     bundle_with,

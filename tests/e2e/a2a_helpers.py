@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from coordinator.task_events import RESUME_EXTENSION, event_id_of
-from tests.e2e.conftest import Stack, fetch_card
+from fleetctl.testing.e2e import Stack, fetch_card
 
 TIMEOUT = httpx.Timeout(10.0, read=120.0)
 TERMINAL = {

@@ -34,6 +34,7 @@ from fleet.keys import SigningKey
 from fleet.service import Readiness
 from fleet.settings import ServiceSettings
 from fleet.tokens import client_assertion
+from fleetctl.testing.e2e import Stack
 from mcp_servers._base import (
     MCP_PATH,
     ToolGate,
@@ -43,7 +44,6 @@ from mcp_servers._base import (
 )
 from policy import RegorusEngine
 from registry import RegistryClient
-from tests.e2e.conftest import Stack
 
 IMPOSTOR_SKILL = "impersonate"  # the skill a served card offers unless the test says otherwise
 

@@ -16,8 +16,8 @@ import httpx
 import uvicorn
 
 from fleet.settings import ServiceSettings
+from fleetctl.testing.e2e import Stack, fleet
 from specialists.kit import Skill, build_specialist_app
-from tests.e2e.conftest import Stack, fleet
 
 
 @contextlib.asynccontextmanager

@@ -36,7 +36,7 @@ from fleet.errors import AuthError
 from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.service import Readiness
 from fleet.tokens import Claims, client_assertion
-from tests.e2e.conftest import Stack, fleet
+from fleetctl.testing.e2e import Stack, fleet
 
 SKILL = "fraud-score"
 SCOPE = "partner:score"

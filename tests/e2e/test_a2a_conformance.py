@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack, clean_env
+from fleetctl.testing.e2e import Stack, clean_env
 
 pytestmark = pytest.mark.e2e
 

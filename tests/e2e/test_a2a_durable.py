@@ -35,6 +35,7 @@ from a2a.utils.errors import (
 )
 
 from coordinator.task_events import event_id_of
+from fleetctl.testing.e2e import Stack, fetch_card, send, user_message
 from tests.e2e.a2a_helpers import (
     INLINE_OUTLIERS,
     SLOW_STEPS,
@@ -50,7 +51,6 @@ from tests.e2e.a2a_helpers import (
     state_of,
     subscribe,
 )
-from tests.e2e.conftest import Stack, fetch_card, send, user_message
 
 pytestmark = pytest.mark.e2e
 

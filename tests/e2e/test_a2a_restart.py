@@ -21,6 +21,7 @@ from a2a.types import (
     TaskState,
 )
 
+from fleetctl.testing.e2e import TEST_PUSH_HOSTS, clean_env, send, start_stack, stop_stack, user_message
 from tests.e2e.a2a_helpers import (
     INLINE_OUTLIERS,
     a2a_client,
@@ -34,7 +35,6 @@ from tests.e2e.a2a_helpers import (
     state_of,
     subscribe,
 )
-from tests.e2e.conftest import TEST_PUSH_HOSTS, clean_env, send, start_stack, stop_stack, user_message
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from a2a.client import A2AClientError
 from a2a.types import GetTaskRequest, TaskState
 from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 
-from tests.e2e.conftest import TWO_STEPS, Stack, fetch_card, send, user_message
+from fleetctl.testing.e2e import TWO_STEPS, Stack, fetch_card, send, user_message
 
 pytestmark = pytest.mark.e2e
 

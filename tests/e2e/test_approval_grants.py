@@ -23,9 +23,9 @@ from fleet.approvals import APPROVAL_GRANT_TYP, ApprovalBinding, args_sha256
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.tokens import ACCESS_TOKEN_TYPE, TokenClient
+from fleetctl.testing.e2e import Stack, send, user_message
+from fleetctl.testing.mcp import call, ok
 from tests.e2e.a2a_helpers import fresh_tenant
-from tests.e2e.conftest import Stack, send, user_message
-from tests.e2e.stack_helpers import call, ok
 
 pytestmark = pytest.mark.e2e
 

@@ -27,9 +27,7 @@ from fleet.natsconn import connect
 from fleet.tokens import TokenClient
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import stack_admin
-from policy import DEFAULT_BUNDLE_DIR
-from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     FAST_FAILOVER,
     Stack,
     all_events,
@@ -40,6 +38,8 @@ from tests.e2e.conftest import (
     stop_stack,
     user_message,
 )
+from policy import DEFAULT_BUNDLE_DIR
+from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant
 from tests.e2e.test_operations import count_rows, events_so_far, operations, running, victim_pid
 
 pytestmark = pytest.mark.e2e

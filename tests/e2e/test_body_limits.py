@@ -15,8 +15,8 @@ import pytest
 
 from fleet.a2a_support import RPC_PATH
 from fleet.bodylimit import DRAIN_BYTES
-from tests.e2e.conftest import Stack
-from tests.e2e.stack_helpers import logged
+from fleetctl.testing.e2e import Stack
+from fleetctl.testing.mcp import logged
 
 pytestmark = pytest.mark.e2e
 

@@ -19,8 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from policy import DEFAULT_BUNDLE_DIR
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     TWO_STEPS,
     Stack,
     all_events,
@@ -31,6 +30,7 @@ from tests.e2e.conftest import (
     stop_stack,
     user_message,
 )
+from policy import DEFAULT_BUNDLE_DIR
 from tests.e2e.test_operations import count_rows, events_so_far, operations, table_locked
 
 pytestmark = pytest.mark.e2e

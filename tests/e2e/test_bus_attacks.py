@@ -38,7 +38,7 @@ from fleet.natsconn import BUS_AUDIENCE, Credentials, connect, inbox_prefix
 from fleet.natsjwt import PREFIX_USER, KeyPair
 from fleet.tokens import client_assertion
 from fleetctl.layout import stack_admin
-from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
 from tests.e2e.identities import Impostor
 
 pytestmark = pytest.mark.e2e

@@ -23,8 +23,8 @@ from fleet.keys import SigningKey
 from fleet.natsconn import connect
 from fleet.tokens import client_assertion
 from fleetctl.layout import stack_admin
-from tests.e2e.conftest import Stack, token_claims
-from tests.e2e.stack_helpers import logged
+from fleetctl.testing.e2e import Stack, token_claims
+from fleetctl.testing.mcp import logged
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from fleetctl.progress import CLEAR_LINE
+from fleetctl.testing.e2e import TWO_STEPS, Stack, clean_env, first_event, fleet, send, user_message
 from tests.e2e.a2a_helpers import SLOW_STEPS, start
-from tests.e2e.conftest import TWO_STEPS, Stack, clean_env, first_event, fleet, send, user_message
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from fleetctl.layout import StackLayout
-from tests.e2e.conftest import Stack, clean_env, fleet
+from fleetctl.testing.e2e import Stack, clean_env, fleet
 
 pytestmark = pytest.mark.e2e
 

@@ -22,8 +22,8 @@ from deploy.local_stack import OPERATOR_ID
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.settings import ServiceSettings
+from fleetctl.testing.e2e import Stack
 from registry.client import RegistryClient
-from tests.e2e.conftest import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -20,8 +20,7 @@ from fleet.events import DEAD_LETTER_STREAM, ensure_event_streams, publish_event
 from fleet.natsconn import connect
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import stack_admin
-from tests.e2e.a2a_helpers import fresh_tenant
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     TWO_STEPS,
     Stack,
     bundle_with,
@@ -31,7 +30,8 @@ from tests.e2e.conftest import (
     stop_stack,
     user_message,
 )
-from tests.e2e.stack_helpers import call, ok
+from fleetctl.testing.mcp import call, ok
+from tests.e2e.a2a_helpers import fresh_tenant
 
 MEMORY = ("memory:read", "memory:write")
 TOKEN_FLOODER, EVENT_FLOODER, CAPPED = fresh_tenant(), fresh_tenant(), fresh_tenant()

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from specialists.kit import Skill, SkillContext
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     Stack,
     all_events,
     clean_env,
@@ -25,6 +24,7 @@ from tests.e2e.conftest import (
     stop_stack,
     user_message,
 )
+from specialists.kit import Skill, SkillContext
 from tests.e2e.kit_agent import kit_agent
 
 pytestmark = pytest.mark.e2e

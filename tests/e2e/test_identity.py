@@ -34,8 +34,7 @@ from fleet.natsconn import connect
 from fleet.tokens import RUN_GRANT_TYPE, SESSION_GRANT_TYPE, TokenClient, client_assertion
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import stack_admin
-from mcp_servers._base import read_audit
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     Stack,
     all_events,
     fleet,
@@ -45,8 +44,9 @@ from tests.e2e.conftest import (
     token_claims,
     user_message,
 )
+from fleetctl.testing.mcp import logged
+from mcp_servers._base import read_audit
 from tests.e2e.identities import Impostor, PartnerIdp, card_server, serve_card, team_mcp_server
-from tests.e2e.stack_helpers import logged
 from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from fleetctl.testing.e2e import Stack, fetch_card, send, user_message
 from specialists.kit import InputRequired, Skill, SkillContext, TaskBudget
 from tests.e2e.a2a_helpers import run_events, start
-from tests.e2e.conftest import Stack, fetch_card, send, user_message
 from tests.e2e.kit_agent import kit_agent
 
 pytestmark = pytest.mark.e2e

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from fleetctl.testing.e2e import Stack, user_message
 from tests.e2e.a2a_helpers import INLINE_OUTLIERS, fresh_tenant, start
-from tests.e2e.conftest import Stack, user_message
 
 pytestmark = pytest.mark.e2e
 

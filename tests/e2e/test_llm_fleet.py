@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import clean_env, send, start_stack, stop_stack, user_message
+from fleetctl.testing.e2e import clean_env, send, start_stack, stop_stack, user_message
 from tests.llm_script import call, say, scripted_model
 
 pytestmark = pytest.mark.e2e

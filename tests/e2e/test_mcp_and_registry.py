@@ -14,7 +14,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from fleet.keys import SigningKey
 from fleet.tokens import client_assertion
-from tests.e2e.conftest import Stack
+from fleetctl.testing.e2e import Stack
 from tests.e2e.identities import Impostor, serve_card
 
 pytestmark = pytest.mark.e2e

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack
+from fleetctl.testing.e2e import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from mcp.client.streamable_http import streamable_http_client
 from fleet.eventlog import read_records
 from fleet.natsconn import connect
 from fleetctl.layout import stack_admin
-from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
 from tests.e2e.identities import PartnerIdp
 
 MEMORY = ("memory:read", "memory:write")

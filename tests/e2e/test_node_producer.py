@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from fleet.events import Event
-from tests.e2e.conftest import Stack, fleet
+from fleetctl.testing.e2e import Stack, fleet
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.runs import RunState
-from tests.e2e.conftest import Stack, clean_env, send, start_stack, stop_stack, user_message
+from fleetctl.testing.e2e import Stack, clean_env, send, start_stack, stop_stack, user_message
 from tests.e2e.otlp import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,7 @@ import httpx
 import psycopg
 import pytest
 
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     FAST_FAILOVER,
     TWO_STEPS,
     Stack,
@@ -383,7 +383,7 @@ async def test_cancel_while_an_effect_is_in_flight_records_what_the_tool_did(tmp
     from a2a.client import ClientCallContext, ClientConfig, ClientFactory
     from a2a.types import CancelTaskRequest, TaskState
 
-    from tests.e2e.conftest import fetch_card
+    from fleetctl.testing.e2e import fetch_card
 
     with running(tmp_path / "fleet", clean_env(**FAST_FAILOVER)) as stack:
         token = stack.token("coordinator")
@@ -608,7 +608,7 @@ async def test_a_run_canceled_before_its_step_calls_a_tool_stops_the_skill_and_m
     from a2a.client import ClientCallContext, ClientConfig, ClientFactory
     from a2a.types import CancelTaskRequest, TaskState
 
-    from tests.e2e.conftest import fetch_card
+    from fleetctl.testing.e2e import fetch_card
 
     stack, markers = held_stack
     token = stack.token("coordinator")
@@ -646,7 +646,7 @@ async def test_a2a_cancel_of_a_specialists_task_stops_its_skill_before_its_first
     from a2a.helpers import get_data_parts
     from a2a.types import CancelTaskRequest, SendMessageRequest, TaskState
 
-    from tests.e2e.conftest import fetch_card
+    from fleetctl.testing.e2e import fetch_card
 
     stack, markers = held_stack
     channel, op_id = f"ops-{uuid.uuid4().hex[:8]}", f"op-test-{uuid.uuid4().hex}"

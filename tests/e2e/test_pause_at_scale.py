@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack, clean_env, start_stack, stop_stack
+from fleetctl.testing.e2e import Stack, clean_env, start_stack, stop_stack
 from tests.e2e.pause_harness import pause_and_resume, refund_policy
 
 pytestmark = pytest.mark.e2e

@@ -18,9 +18,9 @@ import pytest
 from fleet.keys import SigningKey
 from fleet.natsconn import connect, key_value
 from fleetctl.layout import stack_admin
+from fleetctl.testing.e2e import Stack, fleet
 from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicySigner, certify_author
 from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET, bundle_message, push, pushed, statuses
-from tests.e2e.conftest import Stack, fleet
 from tests.e2e.test_mcp_and_registry import call_query
 from tests.e2e.test_memory import call as call_memory
 

@@ -34,8 +34,8 @@ from a2a.types import (
 )
 from a2a.utils.errors import A2AError, InvalidParamsError, TaskNotCancelableError
 
+from fleetctl.testing.e2e import Stack, fleet, send, user_message
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, free_port, fresh_tenant, start, subscribe
-from tests.e2e.conftest import Stack, fleet, send, user_message
 from tests.e2e.identities import PartnerIdp
 
 pytestmark = pytest.mark.e2e

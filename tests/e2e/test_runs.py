@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
 
 pytestmark = pytest.mark.e2e
 

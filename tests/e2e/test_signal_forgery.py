@@ -33,8 +33,8 @@ from fleet.natsconn import connect
 from fleet.tokens import SignalBinding, TokenClient, TokenVerifier, peek
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import stack_admin
+from fleetctl.testing.e2e import Stack, all_events, send, token_claims, user_message
 from tests.e2e.a2a_helpers import fresh_tenant
-from tests.e2e.conftest import Stack, all_events, send, token_claims, user_message
 
 pytestmark = pytest.mark.e2e
 

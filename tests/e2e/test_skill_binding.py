@@ -24,9 +24,7 @@ import httpx
 import pytest
 from a2a.utils.errors import InvalidParamsError
 
-from policy import DEFAULT_BUNDLE_DIR
-from specialists.kit import Skill, SkillContext
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     Stack,
     all_events,
     clean_env,
@@ -35,11 +33,13 @@ from tests.e2e.conftest import (
     stop_stack,
     user_message,
 )
+from fleetctl.testing.mcp import logged, logged_in
+from policy import DEFAULT_BUNDLE_DIR
+from specialists.kit import Skill, SkillContext
 from tests.e2e.identities import IMPOSTOR_SKILL, Impostor, card_server
 from tests.e2e.kit_agent import kit_agent
 from tests.e2e.partner import SKILL as SCORE
 from tests.e2e.partner import partner_agent
-from tests.e2e.stack_helpers import logged, logged_in
 
 pytestmark = pytest.mark.e2e
 

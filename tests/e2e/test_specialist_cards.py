@@ -51,7 +51,7 @@ from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 from google.protobuf.message import Message
 
 from fleet.keys import ALGORITHM
-from tests.e2e.conftest import Stack, clean_env
+from fleetctl.testing.e2e import Stack, clean_env
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from deploy.infra import as_user, nats_command, prepare_postgres
 from deploy.local_stack import SERVICES
 from fleet.buskeys import BusKeys, stack_config
 from fleetctl.layout import StackLayout
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     Stack,
     clean_env,
     fleet,

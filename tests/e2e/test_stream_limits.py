@@ -17,8 +17,8 @@ import pytest
 from a2a.types import SubscribeToTaskRequest
 from a2a.utils.errors import A2AError
 
+from fleetctl.testing.e2e import Stack, user_message
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant, start
-from tests.e2e.conftest import Stack, user_message
 
 pytestmark = pytest.mark.e2e
 

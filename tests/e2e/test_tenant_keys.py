@@ -18,7 +18,7 @@ import pytest
 from fleet.keys import SigningKey
 from fleet.tenant_keys import TenantKey
 from fleet.tokens import client_assertion
-from tests.e2e.conftest import Stack
+from fleetctl.testing.e2e import Stack
 from tests.e2e.identities import Impostor
 
 pytestmark = pytest.mark.e2e

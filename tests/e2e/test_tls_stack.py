@@ -17,7 +17,7 @@ from nats.errors import NoServersError
 
 from fleet.natsconn import connect
 from fleetctl.layout import StackLayout, stack_admin
-from tests.e2e.conftest import Stack, clean_env, fleet, stop_stack
+from fleetctl.testing.e2e import Stack, clean_env, fleet, stop_stack
 
 pytestmark = pytest.mark.e2e
 

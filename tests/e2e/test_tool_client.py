@@ -33,10 +33,10 @@ from fleet.errors import ErrorCode
 from fleet.keys import SigningKey
 from fleet.service import Readiness
 from fleet.settings import ServiceSettings
+from fleetctl.testing.e2e import Stack
 from mcp_servers._base import MCP_PATH, RegistryTokenVerifier, auth_settings, build_app, declared_tools
 from registry import RegistryClient
 from specialists.kit import OutcomeUnknown, SkillError, Toolbox, mcp_http_client
-from tests.e2e.conftest import Stack
 
 pytestmark = pytest.mark.e2e
 

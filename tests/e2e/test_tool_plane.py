@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack, start_stack, stop_stack
-from tests.e2e.stack_helpers import call, logged, ok
+from fleetctl.testing.e2e import Stack, start_stack, stop_stack
+from fleetctl.testing.mcp import call, logged, ok
 from tests.e2e.webhooks import SECRET, WebhookReceiver
 from tests.memwatch import PeakGrowth
 

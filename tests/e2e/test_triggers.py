@@ -34,8 +34,8 @@ from fleet.events import (
 )
 from fleet.natsconn import connect
 from fleetctl.layout import stack_admin
+from fleetctl.testing.e2e import Stack, all_events, fleet
 from tests.e2e.a2a_helpers import fresh_tenant
-from tests.e2e.conftest import Stack, all_events, fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -283,7 +283,7 @@ async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start
 
 
 async def test_a_run_waits_for_an_event_of_its_tenant_and_source_and_goes_on_with_it(stack: Stack) -> None:
-    from tests.e2e.conftest import send, user_message
+    from fleetctl.testing.e2e import send, user_message
 
     name = f"approvals.po{uuid.uuid4().hex[:8]}"
     subject = f"fleet.events.{name}"

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import (
+from fleetctl.testing.e2e import (
     FAST_FAILOVER,
     Stack,
     all_events,
@@ -80,7 +80,7 @@ async def test_cancel_while_a_step_is_in_flight_ends_the_run_canceled_once(failo
     from a2a.client import ClientCallContext, ClientConfig, ClientFactory
     from a2a.types import CancelTaskRequest, GetTaskRequest, TaskState
 
-    from tests.e2e.conftest import fetch_card
+    from fleetctl.testing.e2e import fetch_card
 
     stack = failover_stack
     token = stack.token("coordinator")

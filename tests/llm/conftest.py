@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from bench._nats import embedded_nats
+from fleetctl.testing.nats import embedded_nats
 
 
 @pytest.fixture(scope="package")

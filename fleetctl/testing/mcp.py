@@ -13,7 +13,7 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from tests.e2e.conftest import Stack
+from fleetctl.testing.e2e import Stack
 
 
 async def call(
