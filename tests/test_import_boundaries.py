@@ -156,3 +156,32 @@ def test_the_checks_see_a_violation_and_a_cycle(tmp_path: Path) -> None:
     assert imported_top_levels(bad) == {"os", "coordinator", "specialists"}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_test_imports_another_test_or_a_conftest() -> None:
+    """Tests and benchmarks share helpers through ``fleetctl.testing`` (and helper modules of
+    their own folder), never by importing a test module or a ``conftest``."""
+    violations = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for folder in ("tests", "bench")
+        for path in sources(folder)
+        for name in sorted(set(imported_modules(path)))
+        if name.split(".")[0] == "tests"
+        and any(part.startswith("test_") or part == "conftest" for part in name.split(".")[1:])
+    ]
+    assert violations == []
+
+
+# The one arrow from the benchmarks into the tests left: the pause harness signs signals with the
+# coordinator's code, which the testing package (on the operator's floor) may not import.
+BENCH_USES_FROM_TESTS = {"tests.e2e.pause_harness"}
+
+
+def test_the_benchmarks_import_from_the_tests_only_the_pause_harness() -> None:
+    used = {
+        name
+        for path in sources("bench")
+        for name in imported_modules(path)
+        if name.split(".")[0] == "tests" and name.count(".") <= 2
+    }
+    assert used <= BENCH_USES_FROM_TESTS, used

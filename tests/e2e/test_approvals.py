@@ -40,7 +40,17 @@ from fleetctl.testing.e2e import (
 )
 from policy import DEFAULT_BUNDLE_DIR
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant
-from tests.e2e.test_operations import count_rows, events_so_far, operations, running, victim_pid
+from tests.e2e.run_helpers import (
+    count_rows,
+    events_so_far,
+    get_run,
+    operations,
+    paused_at_gate,
+    refund,
+    run_when,
+    running,
+    victim_pid,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -65,14 +75,6 @@ QUICK = {
 }
 
 
-def refund(subject: str = "Contoso", cents: int = 25_000) -> dict[str, Any]:
-    return {
-        "steps": [
-            {"id": "refund", "skill": "issue-refund", "input": {"subject": subject, "amount_cents": cents}}
-        ]
-    }
-
-
 def approval_policy(root: Path) -> Path:
     bundle = root / "fleet"
     shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
@@ -90,27 +92,6 @@ def gate_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("stack"), env=env)
     yield stack
     stop_stack(stack)
-
-
-async def get_run(stack: Stack, run_id: str, token: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=30) as http:
-        response = await http.get(
-            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {token}"}
-        )
-    response.raise_for_status()
-    run: dict[str, Any] = response.json()
-    return run
-
-
-async def run_when(
-    stack: Stack, run_id: str, token: str, *states: str, timeout_s: float = 90
-) -> dict[str, Any]:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            run = await get_run(stack, run_id, token)
-            if run["state"] in states:
-                return run
-            await asyncio.sleep(0.2)
 
 
 async def post_signal(stack: Stack, run_id: str, token: str, body: dict[str, Any]) -> httpx.Response:
@@ -157,15 +138,6 @@ async def used_grants(stack: Stack, tenant: str) -> list[str]:
             "SELECT jti FROM tenant_data.approval_grants WHERE tenant_id = %s ORDER BY used_at", (tenant,)
         )
         return [str(row[0]) for row in await cursor.fetchall()]
-
-
-async def paused_at_gate(stack: Stack, tenant: str, token: str, plan: dict[str, Any] | None = None) -> str:
-    """Start a refund run and return its id once it waits at the gate (the caller saw input-required)."""
-    async with asyncio.timeout(120):
-        outcome = await send(stack, user_message(data=plan or refund()), token=token)
-    assert outcome.state_name == "TASK_STATE_INPUT_REQUIRED", outcome.final_text
-    assert "needs approval" in outcome.final_text
-    return outcome.task_id
 
 
 async def test_a_refund_over_the_threshold_waits_for_one_approval_however_often_it_is_sent(

@@ -31,7 +31,7 @@ from fleetctl.testing.e2e import (
     user_message,
 )
 from policy import DEFAULT_BUNDLE_DIR
-from tests.e2e.test_operations import count_rows, events_so_far, operations, table_locked
+from tests.e2e.run_helpers import count_rows, events_so_far, operations, table_locked
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from fleetctl.testing.e2e import Stack, fleet
 from tests.e2e.a2a_helpers import fresh_tenant
-from tests.e2e.test_approvals import paused_at_gate, run_when
+from tests.e2e.run_helpers import paused_at_gate, run_when
 
 pytestmark = pytest.mark.e2e
 

@@ -44,10 +44,10 @@ from fleetctl.testing.e2e import (
     token_claims,
     user_message,
 )
+from fleetctl.testing.mcp import call as call_mcp
 from fleetctl.testing.mcp import logged
 from mcp_servers._base import read_audit
 from tests.e2e.identities import Impostor, PartnerIdp, card_server, serve_card, team_mcp_server
-from tests.e2e.test_mcp_and_registry import call_query
 
 pytestmark = pytest.mark.e2e
 
@@ -524,7 +524,7 @@ async def test_a_token_passed_down_the_chain_keeps_the_caller_and_names_every_ho
         assert (tool["sub"], tool["tenant"], tool["aud"]) == ("operator", "acme", "mcp-sql")
         assert tool["act"] == {"sub": "sql-analyst", "act": {"sub": "coordinator"}}
         assert (await mcp_call(stack, "mcp-sql", for_tool)).status_code == 200
-        called = await call_query(stack, for_tool, "SELECT 1")
+        called = await call_mcp(stack, "mcp-sql", for_tool, "query", {"sql": "SELECT 1"})
         assert not called.is_error, called.content
     # The tool server's audit event names the caller and the chain that brought its token.
     await audited(

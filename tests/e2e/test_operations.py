@@ -8,13 +8,12 @@ and an outcome nobody can establish ends in ``needs_human``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +31,9 @@ from fleetctl.testing.e2e import (
     fleet,
     run_id_of_first_run,
     send,
-    start_stack,
-    stop_stack,
     user_message,
 )
+from tests.e2e.run_helpers import count_rows, events_so_far, operations, running, table_locked, victim_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -66,46 +64,6 @@ NOTE: dict[str, Any] = {
 
 def crash_env(tmp_path: Path, point: str, **extra: str) -> dict[str, str]:
     return clean_env(**FAST_FAILOVER, FLEET_CRASH_POINTS=f"{point}@{tmp_path / 'crashed'}", **extra)
-
-
-@contextlib.contextmanager
-def running(path: Path, env: dict[str, str]) -> Iterator[Stack]:
-    stack = start_stack(path, env=env)
-    try:
-        yield stack
-    finally:
-        stop_stack(stack)
-
-
-async def operations(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=30) as http:
-        response = await http.get(
-            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/operations",
-            headers={"Authorization": f"Bearer {token}"},
-        )
-    response.raise_for_status()
-    ops: list[dict[str, Any]] = response.json()["operations"]
-    return ops
-
-
-async def count_rows(stack: Stack, table: str, where: str = "true", *params: Any) -> int:
-    async with await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn:
-        cursor = await conn.execute(f"SELECT count(*) FROM tenant_data.{table} WHERE {where}", params)
-        row = await cursor.fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-@contextlib.asynccontextmanager
-async def table_locked(stack: Stack, table: str) -> AsyncIterator[None]:
-    """Hold a lock that makes every write to ``table`` wait, as a stuck downstream system would."""
-    # The lock goes with the transaction; the blocked writes then proceed.
-    async with (
-        await psycopg.AsyncConnection.connect(stack.pg_dsn("fleet_data")) as conn,
-        conn.transaction(),
-    ):
-        await conn.execute(f"LOCK TABLE tenant_data.{table} IN EXCLUSIVE MODE")
-        yield
 
 
 async def blocked_on(stack: Stack, table: str) -> None:
@@ -149,29 +107,10 @@ async def intent_of_step(stack: Stack, run_id: str, token: str, step: str) -> di
             await asyncio.sleep(0.2)
 
 
-async def events_so_far(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:
-    """The run's events up to now (a read with a short deadline, not a follow to the end)."""
-    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
-    found: list[dict[str, Any]] = []
-    with contextlib.suppress(httpx.ReadTimeout):
-        async with (
-            httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.5)) as http,
-            http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
-        ):
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    found.append(json.loads(line.removeprefix("data: ")))
-    return found
-
-
 def assert_gap_free_and_one_end(events: list[dict[str, Any]]) -> None:
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     ends = [e["type"] for e in events if e["type"] in ("run.completed", "run.failed", "run.canceled")]
     assert len(ends) == 1, ends
-
-
-def victim_pid(tmp_path: Path) -> int:
-    return int((tmp_path / "crashed").read_text())
 
 
 async def finish_review(stack: Stack, token: str) -> tuple[str, dict[str, Any]]:

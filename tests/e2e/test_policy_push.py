@@ -19,10 +19,9 @@ from fleet.keys import SigningKey
 from fleet.natsconn import connect, key_value
 from fleetctl.layout import stack_admin
 from fleetctl.testing.e2e import Stack, fleet
+from fleetctl.testing.mcp import call as call_mcp
 from policy import DEFAULT_BUNDLE_DIR, Bundle, PolicySigner, certify_author
 from policy.live import BUNDLE_KEY, HISTORY, POLICY_BUCKET, bundle_message, push, pushed, statuses
-from tests.e2e.test_mcp_and_registry import call_query
-from tests.e2e.test_memory import call as call_memory
 
 ENFORCED_WITHIN_S = 2.0
 LONG_SQL = "SELECT 1 AS one, 2 AS two"
@@ -83,10 +82,12 @@ async def test_a_pushed_rule_is_enforced_by_every_process_within_two_seconds(
         tmp_path, tighten, {'"arguments": {"sql_length": 40}': '"arguments": {"sql_length": 12}'}
     )
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
-    assert not (await call_query(stack, token, LONG_SQL)).is_error
+    assert not (await call_mcp(stack, "mcp-sql", token, "query", {"sql": LONG_SQL})).is_error
     memory = stack.token("mcp-memory", tenant="acme", scopes=("memory:write",))
     note = {"text": "Invoices for Q3 go to ap-team@example.com from now on.", "tier": "semantic"}
-    assert (await call_memory(stack, memory, "remember", note)).structured_content["status"] == "stored"
+    assert (await call_mcp(stack, "mcp-memory", memory, "remember", note)).structured_content[
+        "status"
+    ] == "stored"
 
     tested = fleet("policy", "test", str(bundle_dir), timeout=120)
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -112,10 +113,10 @@ async def test_a_pushed_rule_is_enforced_by_every_process_within_two_seconds(
     assert all(0 <= lag <= ENFORCED_WITHIN_S for lag in lags.values()), lags
 
     # ... and acts on it: the SQL server refuses the longer statement; the registry, the token.
-    refused = await call_query(stack, token, LONG_SQL)
+    refused = await call_mcp(stack, "mcp-sql", token, "query", {"sql": LONG_SQL})
     assert refused.is_error and "SQL is longer than 20 characters" in refused.content[0].text
-    assert not (await call_query(stack, token, "SELECT 1")).is_error
-    kept_out = (await call_memory(stack, memory, "remember", note)).structured_content
+    assert not (await call_mcp(stack, "mcp-sql", token, "query", {"sql": "SELECT 1"})).is_error
+    kept_out = (await call_mcp(stack, "mcp-memory", memory, "remember", note)).structured_content
     assert kept_out["status"] == "denied" and kept_out["revision"] == revision
     assert kept_out["reasons"] == ["tenant acme keeps personal data out of semantic memory (EMAIL_ADDRESS)"]
     denied = fleet(
@@ -168,7 +169,7 @@ async def test_a_bundle_that_does_not_compile_or_pass_its_tests_is_refused(
     assert {n: r["revision"] for n, r in reports.items() if n in before} == before  # the old ones serve
     assert all("does not compile" in r["error"] for r in refusals.values() if r)
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
-    assert not (await call_query(stack, token, LONG_SQL)).is_error
+    assert not (await call_mcp(stack, "mcp-sql", token, "query", {"sql": LONG_SQL})).is_error
 
 
 async def _statuses(stack: Stack) -> list[dict[str, Any]]:
@@ -205,7 +206,7 @@ async def test_a_push_is_rolled_back_and_every_decision_is_in_the_log(
     assert {p["revision"] for p in status["processes"]} == {installed.revision}
 
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
-    assert not (await call_query(stack, token, "SELECT 42 AS answer")).is_error
+    assert not (await call_mcp(stack, "mcp-sql", token, "query", {"sql": "SELECT 42 AS answer"})).is_error
     deadline = time.monotonic() + 10
     while True:  # the decision log is published in batches, within about 50 ms
         logged = fleet("policy", "log", "--data-dir", stack.data_dir, "--json", "--last", "200", timeout=60)
@@ -255,7 +256,10 @@ async def test_an_allow_all_bundle_written_into_the_bucket_is_enforced_by_no_pro
 ) -> None:
     too_long = "SELECT " + ", ".join(f"{i} AS c{i}" for i in range(600))  # beyond the 4000 the rule allows
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
-    assert "SQL is longer than 4000 characters" in (await call_query(stack, token, too_long)).content[0].text
+    assert (
+        "SQL is longer than 4000 characters"
+        in (await call_mcp(stack, "mcp-sql", token, "query", {"sql": too_long})).content[0].text
+    )
     forged = allow_all()
     # A bootstrap identity gone bad (the registry: the key the fleet trusts most after the operator's)
     # certifies itself and signs; then a plain attacker writes the bundle unsigned.
@@ -282,7 +286,9 @@ async def test_an_allow_all_bundle_written_into_the_bucket_is_enforced_by_no_pro
             }
     finally:
         await client.close()
-    refused = await call_query(stack, token, too_long)  # what the allow-all bundle would run
+    refused = await call_mcp(
+        stack, "mcp-sql", token, "query", {"sql": too_long}
+    )  # what the allow-all bundle would run
     assert refused.is_error and "SQL is longer than 4000 characters" in refused.content[0].text
 
     status = fleet("policy", "status", "--data-dir", stack.data_dir, timeout=60)
