@@ -31,7 +31,7 @@ from fleetctl.testing.e2e import (
     user_message,
 )
 from policy import DEFAULT_BUNDLE_DIR
-from tests.e2e.run_helpers import count_rows, events_so_far, operations, table_locked
+from tests.e2e.run_helpers import count_rows, events_so_far, get_run, operations, table_locked
 
 pytestmark = pytest.mark.e2e
 
@@ -130,16 +130,6 @@ async def test_within_its_limits_a_run_is_not_stopped(budget_stack: Stack) -> No
     result, events = await run(budget_stack, "acme", TWO_STEPS)
     assert set(result["steps"]) == {"totals", "outliers"}
     assert "reason" not in events[-1]["payload"]
-
-
-async def get_run(stack: Stack, run_id: str, token: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=30) as http:
-        response = await http.get(
-            f"{stack.endpoints['coordinator']}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {token}"}
-        )
-    response.raise_for_status()
-    run: dict[str, Any] = response.json()
-    return run
 
 
 async def until_waiting(stack: Stack, run_id: str, token: str, times: int) -> dict[str, Any]:
