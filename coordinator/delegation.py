@@ -723,9 +723,11 @@ def _ended(
 ) -> dict[str, Any]:
     """What the step gets from a stream that ended in ``state``: the result, a gate, or an error."""
     if state in FAILED_STATES:
-        if error.get("code") == ErrorCode.OUTCOME_UNKNOWN:
-            raise FleetError(ErrorCode.OUTCOME_UNKNOWN, f"{agent_id}: {error.get('message', last_text)}")
-        raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent_id}: {last_text or 'failed'}")
+        cause = FleetError.from_dict(error, fallback=ErrorCode.SPECIALIST_FAILED) if error else None
+        if cause is not None and cause.code == ErrorCode.OUTCOME_UNKNOWN:
+            raise FleetError(ErrorCode.OUTCOME_UNKNOWN, f"{agent_id}: {cause.message}", cause=cause.cause)
+        said = cause.message if cause is not None else last_text or "failed"
+        raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent_id} failed the step: {said}", cause=cause)
     if state in UNFINISHED_STATES:
         raise CallInterrupted(agent_id)  # the stream ended, the task did not: ask the agent
     if state in ASKING_STATES:

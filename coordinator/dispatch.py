@@ -112,10 +112,6 @@ def _departed(agent_id: str) -> AgentRecord:
     )
 
 
-def _error_of(exc: FleetError) -> dict[str, Any]:
-    return {"code": str(exc.code), "message": exc.message}
-
-
 class StepDispatcher:
     """Runs one step of one run through the ledger."""
 
@@ -237,9 +233,7 @@ class StepDispatcher:
             self.settled_at = op.updated_at
             return result
         if op.status == OpStatus.FAILED:
-            error = op.error or {}
-            code = ErrorCode(error.get("code", ErrorCode.SPECIALIST_FAILED))
-            raise FleetError(code, str(error.get("message", "the operation failed")))
+            raise FleetError.from_dict(op.error or {}, fallback=ErrorCode.SPECIALIST_FAILED)
         if op.status == OpStatus.NEEDS_HUMAN:
             raise NeedsHuman(op.op_id, str((op.error or {}).get("message", "its outcome is unknown")))
         # Pending: a worker died between sending it and recording what came of it. Only the agent
@@ -289,7 +283,7 @@ class StepDispatcher:
             other = await self._reroutable(agent, exc)
             if other is not None:
                 return await self._reroute(op, agent, other, exc.message)
-            await self._record(op, OpStatus.FAILED, error=_error_of(exc))
+            await self._record(op, OpStatus.FAILED, error=exc.to_dict())
             raise
         crash_point("worker.before_result", self._skill)
         crash_point("worker.before_result", self._step_id)  # one call of a step (e.g. after a gate)
@@ -449,9 +443,13 @@ class StepDispatcher:
                     self.settled_at = dt.datetime.now(dt.UTC)
                     return dict(result)
                 case "failed" | "canceled":
-                    error = status.get("error") or {"code": ErrorCode.SPECIALIST_FAILED, "message": "failed"}
-                    await self._record(op, OpStatus.FAILED, error=error)
-                    raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id}: {error.get('message')}")
+                    error = FleetError.from_dict(status.get("error"), fallback=ErrorCode.SPECIALIST_FAILED)
+                    await self._record(op, OpStatus.FAILED, error=error.to_dict())
+                    raise FleetError(
+                        ErrorCode.SPECIALIST_FAILED,
+                        f"{agent.id} failed the step: {error.message}",
+                        cause=error,
+                    )
                 case "unknown" | "interrupted":
                     # Never received, or cut short: send it again under the same id (the agent
                     # decides whether a repeat is safe, and says "uncertain" if it is not).
@@ -461,10 +459,11 @@ class StepDispatcher:
                     await self._ledger.retry(self._lease, self._actor, op.op_id)
                     return await self._dispatch(op, agent)
                 case _:
-                    error = status.get("error") or {}
-                    await self._needs_human(
-                        op, str(error.get("message", "the agent cannot tell what happened"))
+                    said = status.get("error")
+                    why = (
+                        FleetError.from_dict(said).message if said else "the agent cannot tell what happened"
                     )
+                    await self._needs_human(op, why)
 
     async def _record(
         self,
@@ -480,7 +479,7 @@ class StepDispatcher:
         )
 
     async def _needs_human(self, op: Operation, why: str) -> None:
-        error = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why}
+        error = FleetError(ErrorCode.OUTCOME_UNKNOWN, why).to_dict()
         await self._record(op, OpStatus.NEEDS_HUMAN, error=error)
         raise NeedsHuman(op.op_id, why)
 
@@ -525,7 +524,7 @@ async def _cancel_at_agent(delegator: Delegator, op: Operation, tenant: str) -> 
             # cancel's wait: wait a while longer for its end.
             answer = await delegator.operation_status(agent, op.op_id, tenant=tenant, wait_s=MAX_WAIT_S)
     except FleetError as exc:
-        return {"status": "uncertain", "error": _error_of(exc)}
+        return {"status": "uncertain", "error": exc.to_dict()}
     return answer or {"status": "uncertain", "error": {"message": "it cannot report on operations"}}
 
 
@@ -540,11 +539,11 @@ def _settled(target: str, answer: dict[str, Any]) -> _Settled:
     if state == "succeeded":
         return OpStatus.SUCCEEDED, dict(answer.get("result") or {}), None
     if state == "failed":
-        return OpStatus.FAILED, None, error or {"code": str(ErrorCode.SPECIALIST_FAILED), "message": "failed"}
+        return OpStatus.FAILED, None, error or FleetError(ErrorCode.SPECIALIST_FAILED, "failed").to_dict()
     if state == "canceled":
         message = error.get("message", "canceled when the run was canceled")
         return OpStatus.FAILED, None, {**error, "code": str(ErrorCode.CANCELED), "message": message}
     why = f"{state} at {target} when the run was canceled"
     if error.get("message"):
         why += f": {error['message']}"
-    return OpStatus.NEEDS_HUMAN, None, {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": why}
+    return OpStatus.NEEDS_HUMAN, None, FleetError(ErrorCode.OUTCOME_UNKNOWN, why).to_dict()

@@ -24,7 +24,7 @@ from coordinator.streams import Streams, a2a_slot
 from coordinator.task_events import TaskFold, event_id_of, initial_task
 from coordinator.task_store import PostgresTaskStore
 from fleet import telemetry
-from fleet.a2a_support import claims_of
+from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.tokens import Claims
 from policy import PolicyEngine
@@ -116,13 +116,9 @@ class CoordinatorExecutor(AgentExecutor):
                 if step.wait is None:
                     await self._delegator.assign(step.skill, tenant=tenant, named=step.agent)
         except DependencyUnavailable as exc:  # the control plane failed over for too long: send it again
-            raise InternalError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code), "retryable": True}
-            ) from exc
+            raise a2a_error(exc, InternalError) from exc
         except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-            ) from exc
+            raise a2a_error(exc, InvalidParamsError) from exc
         return steps
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
@@ -156,17 +152,14 @@ class CoordinatorExecutor(AgentExecutor):
         try:  # the context is the caller's own, or new: never another principal's or tenant's
             await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
         except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-            ) from exc
+            raise a2a_error(exc, InvalidParamsError) from exc
         try:  # the caller's authority, for the run's life (see coordinator.delegation)
             grant = await self._delegator.run_grant(claims, task.id)
         except FleetError as exc:
             log.warning("no run grant for %s's request: %s", claims.sub, exc)
-            raise InternalError(
-                message=f"[{exc.code}] the run could not be given its caller's authority: {exc.message}",
-                data={"code": str(exc.code), "retryable": exc.retryable},
-            ) from exc
+            why = f"the run could not be given its caller's authority: {exc.message}"
+            error = FleetError(exc.code, why, retryable=exc.retryable, retry_after_s=exc.retry_after_s)
+            raise a2a_error(error, InternalError) from exc
         await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan, grant)
         if context.call_context is not None:  # its context id, before the task is shown to anyone
             await self._tasks.save(task, context.call_context)
@@ -189,9 +182,7 @@ class CoordinatorExecutor(AgentExecutor):
             signal = signal_of_message(task.id, get_text_parts(parts), get_data_parts(parts), message_id)
             outcome = await self._desk.apply(signal, claims)
         except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-            ) from exc
+            raise a2a_error(exc, InvalidParamsError) from exc
         log.info("follow-up on task %s: %s %s", task.id, signal.action, outcome.outcome)
         current = Task()  # on a copy: the SDK owns `task`
         current.CopyFrom(task)

@@ -11,17 +11,16 @@ once more, so no secret reaches the bundle through it.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.runs import Run, RunEvent
+from fleet.errors import MAX_CAUSE_DEPTH
 from fleet.redact import redact
 from fleet.vocabulary import EventType
 
 LAST_EVENTS = 12
-_CODE_IN_MESSAGE = re.compile(r"\[([a-z][a-z_]+)\]")
 REFUSAL_CODES = frozenset({"policy_denied", "policy_unavailable", "forbidden", "unauthenticated"})
 
 # What a person can do about each kind of failure; the codes are fleet.errors.ErrorCode values.
@@ -64,6 +63,7 @@ class FailedStep:
     code: str
     message: str
     reroutes: tuple[str, ...]
+    cause: Mapping[str, Any] | None = None  # the error of the layer below, as recorded (an envelope)
 
 
 def failed_step(events: list[RunEvent]) -> FailedStep | None:
@@ -88,14 +88,24 @@ def failed_step(events: list[RunEvent]) -> FailedStep | None:
                 code=str(payload.get("code", "")),
                 message=str(payload.get("message", "")),
                 reroutes=tuple(reroutes.get(step, [])),
+                cause=payload.get("cause") if isinstance(payload.get("cause"), Mapping) else None,
             )
     return failed
 
 
+def codes_of(envelope: object) -> list[str]:
+    """The codes of an error envelope and of the causes it wraps, outermost first."""
+    codes: list[str] = []
+    while isinstance(envelope, Mapping) and len(codes) <= MAX_CAUSE_DEPTH:
+        codes.append(str(envelope.get("code", "")))
+        envelope = envelope.get("cause")
+    return codes
+
+
 def cause_chain(failed: FailedStep) -> list[str]:
-    """The step's code, then the codes its message carries from the layers below (an agent's
-    ``[tool_failed]`` around a tool's ``[invalid_request]``), without repeats."""
-    chain = [failed.code, *_CODE_IN_MESSAGE.findall(failed.message)]
+    """The step's code, then the codes of the errors it wraps from the layers below (an agent's
+    ``tool_failed`` around a tool's ``invalid_request``), without repeats."""
+    chain = [failed.code, *codes_of(failed.cause)]
     return list(dict.fromkeys(code for code in chain if code))
 
 
@@ -105,15 +115,23 @@ def refusals(events: list[RunEvent], operations: list[dict[str, Any]]) -> list[s
     for event in events:
         if event.type == EventType.RUN_FAILED:
             continue  # it repeats its step's failure
-        message = str(event.payload.get("message") or "; ".join(event.payload.get("reasons", [])))
-        codes = {str(event.payload.get("code", "")), *_CODE_IN_MESSAGE.findall(message)}
-        if codes & REFUSAL_CODES or event.payload.get("outcome") == "forbidden":
+        payload = event.payload
+        message = str(payload.get("message") or "; ".join(payload.get("reasons", [])))
+        codes = {
+            str(payload.get("code", "")),
+            *codes_of(payload.get("cause")),
+            *codes_of(payload.get("error")),
+        }
+        if codes & REFUSAL_CODES or payload.get("outcome") == "forbidden":
             code = next(iter(sorted(codes & REFUSAL_CODES)), "forbidden")
-            found.append(f"seq {event.seq} `{event.type}` [{code}] {message}")
+            found.append(f"seq {event.seq} `{event.type}` refused by `{code}`: {message}")
     for op in operations:
-        error = op.get("error") or {}
-        if str(error.get("code", "")) in REFUSAL_CODES:
-            found.append(f"operation `{op['op_id']}` [{error.get('code')}] {error.get('message', '')}")
+        codes = set(codes_of(op.get("error")))
+        if codes & REFUSAL_CODES:
+            code = sorted(codes & REFUSAL_CODES)[0]
+            found.append(
+                f"operation `{op['op_id']}` refused by `{code}`: {(op.get('error') or {}).get('message', '')}"
+            )
     return found
 
 
@@ -194,13 +212,15 @@ def _operations(operations: list[dict[str, Any]]) -> list[str]:
     lines = ["## Operations", ""]
     if not operations:
         return [*lines, "The run made no operation.", ""]
-    lines += ["| operation | step | target | status | attempts | error |", "|---|---|---|---|---|---|"]
+    lines += [
+        "| operation | step | target | status | attempts | error code | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for op in operations:
         error = op.get("error") or {}
-        message = f"[{error.get('code', '')}] {error.get('message', '')}" if error else ""
         lines.append(
             f"| `{op['op_id']}` | {_cell(op['step_id'])} | {_cell(op['target'])} | {op['status']} | "
-            f"{op['attempts']} | {_cell(message)} |"
+            f"{op['attempts']} | {_cell(error.get('code', ''))} | {_cell(error.get('message', ''))} |"
         )
     return [*lines, "", "The full ledger is in `operations.jsonl`.", ""]
 

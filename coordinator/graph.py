@@ -76,7 +76,12 @@ def _emit(event: EventType, payload: dict[str, Any], text: str = "") -> None:
 
 
 def _failure(step: dict[str, Any], exc: FleetError) -> dict[str, Any]:
-    return {"step": step["id"], "skill": step["skill"], "code": str(exc.code), "message": exc.message}
+    """A failed step, as its event and the run's state keep it: the step, its skill, the error's code
+    and message, and the error it wraps from the layer below (an envelope), if any."""
+    failure = {"step": step["id"], "skill": step["skill"], "code": str(exc.code), "message": exc.message}
+    if exc.cause is not None:
+        failure["cause"] = exc.cause.to_dict()
+    return failure
 
 
 def checkpoint_pool(dsn: str, max_size: int) -> AsyncConnectionPool[Any]:

@@ -49,7 +49,7 @@ from coordinator.signals import Signal, SignalDesk
 from coordinator.streams import Streams, a2a_slot
 from coordinator.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
 from coordinator.task_store import PostgresTaskStore
-from fleet.a2a_support import claims_of
+from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import ErrorCode, FleetError
 from fleet.vocabulary import SignalAction
 
@@ -64,10 +64,8 @@ def resume_cursor(context: ServerCallContext) -> int | None:
     if raw is None:
         return None
     if not (raw.isascii() and raw.isdigit()):
-        raise InvalidParamsError(
-            message=f"[{ErrorCode.INVALID_REQUEST}] Last-Event-ID must be an event id (a whole number)",
-            data={"code": str(ErrorCode.INVALID_REQUEST)},
-        )
+        error = FleetError(ErrorCode.INVALID_REQUEST, "Last-Event-ID must be an event id (a whole number)")
+        raise a2a_error(error, InvalidParamsError)
     return int(raw)
 
 
@@ -143,9 +141,7 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
             except FleetError as exc:
                 if exc.code == ErrorCode.NOT_FOUND:
                     raise TaskNotFoundError from exc
-                raise TaskNotCancelableError(
-                    message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-                ) from exc
+                raise a2a_error(exc, TaskNotCancelableError) from exc
             fold = await self._until_ended(fold, reach)
         if fold.state in TERMINAL and fold.state != TaskState.TASK_STATE_CANCELED:
             raise TaskNotCancelableError(
@@ -204,10 +200,8 @@ class CoordinatorRequestHandler(DefaultRequestHandler):
                 fold, f"event {cursor} is older than retention (events up to {fold.base} were pruned)"
             )
         elif fold.seq < cursor:
-            raise InvalidParamsError(
-                message=f"[{ErrorCode.INVALID_REQUEST}] Last-Event-ID {cursor} is beyond the task's last event {fold.seq}",
-                data={"code": str(ErrorCode.INVALID_REQUEST)},
-            )
+            beyond = f"Last-Event-ID {cursor} is beyond the task's last event {fold.seq}"
+            raise a2a_error(FleetError(ErrorCode.INVALID_REQUEST, beyond), InvalidParamsError)
         else:
             yield fold.snapshot()
         if fold.state in TERMINAL:

@@ -18,6 +18,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from fleet import transport
 from fleet.errors import FleetError
+from fleet.mcp_errors import error_of
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,9 @@ class RunMemory:
         except Exception as exc:  # a memory server that is down must not touch the run
             log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
             return None
-        if result.is_error:
-            text = getattr(result.content[0], "text", "") if result.content else ""
-            log.warning("run %s: memory not consolidated: %s", run_id, text[:300])
+        error = error_of(result)
+        if error is not None:
+            log.warning("run %s: memory not consolidated (%s): %s", run_id, error.code, error.message[:300])
             return None
         outcomes = (result.structured_content or {}).get("result", [])
         counts: dict[str, Any] = {}

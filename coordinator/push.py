@@ -52,7 +52,7 @@ from coordinator.notifier import RunNotifier
 from coordinator.runs import PostgresRunStore
 from coordinator.task_events import TaskUpdate
 from coordinator.task_store import PostgresTaskStore
-from fleet.a2a_support import claims_of
+from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey
 from fleet.retry import backoff_s
@@ -180,9 +180,7 @@ class PostgresPushConfigStore(PushNotificationConfigStore):
         try:
             return await self._access.reach(claims, RunAction.PUSH), claims.sub
         except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-            ) from exc
+            raise a2a_error(exc, InvalidParamsError) from exc
 
     async def setup(self) -> None:
         async with self._pool.connection() as conn, conn.transaction():
@@ -195,9 +193,7 @@ class PostgresPushConfigStore(PushNotificationConfigStore):
         try:
             await self._policy.check(notification_config.url)
         except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-            ) from exc
+            raise a2a_error(exc, InvalidParamsError) from exc
         reach, principal = await self._reach(context)
         config = normalize_push_notification_config(task_id, notification_config)
         auth = config.authentication
@@ -368,7 +364,7 @@ class PushDispatcher:
                     await self._post(target, event.seq, update)
                 delivered = event.seq
         except _DeliveryFailed as exc:
-            await self._record(target, delivered, failure=str(exc), attempts=attempts + 1)
+            await self._record(target, delivered, failure=exc.error, attempts=attempts + 1)
             return
         await self._record(target, delivered)
 
@@ -388,27 +384,33 @@ class PushDispatcher:
                 target.url, content=body, headers=headers, timeout=DELIVERY_TIMEOUT_S
             )
         except FleetError as exc:  # refused, too large, too slow (see fleet.outbound)
-            raise _DeliveryFailed(f"[{exc.code}] {exc.message}") from exc
+            raise _DeliveryFailed(exc) from exc
         except httpx.HTTPError as exc:
-            raise _DeliveryFailed(f"{type(exc).__name__} reaching the webhook") from exc
+            unreached = f"{type(exc).__name__} reaching the webhook"
+            raise _DeliveryFailed(
+                FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, unreached, retryable=True)
+            ) from exc
         if not response.is_success:
-            raise _DeliveryFailed(f"the webhook answered {response.status_code}")
+            refused = f"the webhook answered {response.status_code}"
+            raise _DeliveryFailed(FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, refused, retryable=True))
 
     async def _record(
-        self, target: _Target, delivered: int, failure: str | None = None, attempts: int = 0
+        self, target: _Target, delivered: int, failure: FleetError | None = None, attempts: int = 0
     ) -> None:
-        """Move the cursor and release the claim; on a failure, schedule the retry or give up."""
+        """Move the cursor and release the claim; on a failure, schedule the retry or give up (the
+        failure is kept in ``last_error`` as its envelope, JSON)."""
         gave_up = failure is not None and attempts >= self._max_attempts
         backoff = backoff_s(attempts, base_s=2.0, cap_s=MAX_BACKOFF_S)
         if failure is not None:
             host = urllib.parse.urlsplit(target.url).hostname
             log.warning(
-                "push to %s for task %s failed (attempt %d%s): %s",
+                "push to %s for task %s failed (attempt %d%s): %s %s",
                 host,
                 target.task_id,
                 attempts,
                 ", giving up" if gave_up else "",
-                failure,
+                failure.code,
+                failure.message,
             )
         async with self._pool.connection() as conn:
             await conn.execute(
@@ -419,7 +421,7 @@ class PushDispatcher:
                 (
                     delivered,
                     attempts,
-                    failure,
+                    json.dumps(failure.to_dict()) if failure is not None else None,
                     gave_up,
                     backoff if failure is not None else 0,
                     target.task_id,
@@ -430,7 +432,11 @@ class PushDispatcher:
 
 
 class _DeliveryFailed(Exception):
-    """One delivery did not get a 2xx answer (or was refused before it was sent)."""
+    """One delivery did not get a 2xx answer (or was refused before it was sent): ``error`` says why."""
+
+    def __init__(self, error: FleetError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 __all__ = ["SIGNATURE_HEADER", "PostgresPushConfigStore", "PushDispatcher", "PushSigner", "PushUrlPolicy"]

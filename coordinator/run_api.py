@@ -31,6 +31,7 @@ from coordinator.signals import SignalDesk, parse_signal
 from coordinator.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
+from fleet.service import problem_response
 from policy import PolicyEngine
 
 RUNS_PREFIX = "/v1/"
@@ -55,7 +56,7 @@ def _run_json(run: Run) -> dict[str, Any]:
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
+    return problem_response(exc)
 
 
 def _cursor(request: Request) -> int:

@@ -609,10 +609,11 @@ class SignalIngest:
                 with contextlib.suppress(Exception):
                     await message.nak(delay=RETRY_DELAY_S * delivered)
                 raise
-            reason = f"failed {delivered} times; last: {exc}"
+            error = FleetError(ErrorCode.INTERNAL, f"failed {delivered} times; last: {exc}")
             body = {
                 "subject": message.subject,
-                "reason": reason,
+                "reason": error.message,
+                "error": error.to_dict(),
                 "payload": message.data.decode(errors="replace"),
             }
             await self._client.jetstream().publish(
@@ -620,7 +621,7 @@ class SignalIngest:
                 json.dumps(body).encode(),
                 headers={"Nats-Msg-Id": f"dead-signal-{message.metadata.sequence.stream}"},
             )
-            outcome = {"run_id": run_id, "outcome": "dead", "applied": False, "error": {"message": reason}}
+            outcome = {"run_id": run_id, "outcome": "dead", "applied": False, "error": error.to_dict()}
         if _bearer_header(headers):
             await self._erase(message)
         with contextlib.suppress(Exception):

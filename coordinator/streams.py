@@ -24,7 +24,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from coordinator.notifier import RunNotifier
+from fleet.a2a_support import a2a_error
 from fleet.errors import ErrorCode, FleetError
+from fleet.service import problem_response
 from fleet.tokens import Claims
 from policy import PolicyEngine
 from policy.errors import PolicyError
@@ -40,23 +42,18 @@ class StreamLimitReached(FleetError):
     """A new stream would pass one of the caps; the same request may succeed once a stream ends."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(ErrorCode.STREAM_LIMIT, message, retryable=True)
-        self.retry_after_s = retry_after_s
+        super().__init__(ErrorCode.STREAM_LIMIT, message, retryable=True, retry_after_s=retry_after_s)
+        self.retry_after_s: int = retry_after_s
 
     def response(self) -> JSONResponse:
         """The run API's answer: 429 with ``Retry-After``."""
-        return JSONResponse(
-            {"error": self.to_dict()},
-            status_code=self.http_status,
-            headers={"Retry-After": str(self.retry_after_s)},
-        )
+        return problem_response(self, headers={"Retry-After": str(self.retry_after_s)})
 
     def a2a_error(self) -> InternalError:
-        """The A2A answer: a JSON-RPC error whose data carries the stable code."""
-        return InternalError(
-            message=f"[{self.code}] {self.message}",
-            data={"code": str(self.code), "retryable": True, "retry_after_s": self.retry_after_s},
-        )
+        """The A2A answer: a JSON-RPC error whose data is the error's envelope."""
+        error = a2a_error(self, InternalError)
+        assert isinstance(error, InternalError)
+        return error
 
 
 class StreamSlot:

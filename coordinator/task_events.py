@@ -212,6 +212,8 @@ def _message_parts(event: RunEvent) -> list[Part]:
     parts = [new_text_part(str(text))]
     if event.type == EventType.RUN_FAILED and "failure" in event.payload:
         parts.append(new_data_part({"failure": event.payload["failure"]}))
+    if isinstance(event.payload.get("error"), dict):  # a run ended by an error: the error as data
+        parts.append(new_data_part({"error": event.payload["error"]}))
     return parts
 
 

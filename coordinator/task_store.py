@@ -40,7 +40,7 @@ from psycopg_pool import AsyncConnectionPool
 from coordinator.access import Reach, RunAccess, RunAction
 from coordinator.runs import TERMINAL_STATES, PostgresRunStore, RunEvent
 from coordinator.task_events import A2A_STATE, TaskFold, initial_task
-from fleet.a2a_support import claims_of
+from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import ErrorCode, FleetError
 
 log = logging.getLogger(__name__)
@@ -128,9 +128,7 @@ class PostgresTaskStore(TaskStore):
         try:
             return await self._access.reach(claims_of(context), action)
         except FleetError as exc:
-            raise InvalidParamsError(
-                message=f"[{exc.code}] {exc.message}", data={"code": str(exc.code)}
-            ) from exc
+            raise a2a_error(exc, InvalidParamsError) from exc
 
     async def claim_context(self, context_id: str, tenant: str, owner: str) -> None:
         """Make ``context_id`` the principal's (``tenant``, ``owner``) if nobody has it yet; raise
@@ -265,9 +263,8 @@ class PostgresTaskStore(TaskStore):
             return [], []
         cursor = decode_list_tasks_cursor(token)
         if cursor is None or cursor.timestamp_ns is None:
-            raise InvalidParamsError(
-                message=f"[{ErrorCode.INVALID_REQUEST}] page_token is not a token this agent issued"
-            )
+            unknown = FleetError(ErrorCode.INVALID_REQUEST, "page_token is not a token this agent issued")
+            raise a2a_error(unknown, InvalidParamsError)
         after = _EPOCH + dt.timedelta(microseconds=cursor.timestamp_ns // 1000)
         return ["(r.updated_at, r.run_id) < (%s, %s)"], [after, cursor.task_id]
 

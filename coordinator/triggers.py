@@ -172,12 +172,14 @@ class TriggerIngest:
                 return await self._put_back(message, event.tenant, wait_s)
             outcome = await self._start(event)
         except EventError as exc:
-            await self._dead_letter(message, exc.message)
+            await self._dead_letter(message, exc)
             return "dead"
         except Exception as exc:  # infrastructure trouble: the event is kept
             delivered = message.metadata.num_delivered
             if delivered >= MAX_DELIVER:
-                await self._dead_letter(message, f"failed {delivered} times; last: {exc}")
+                why = FleetError.from_dict(exc.to_dict()) if isinstance(exc, FleetError) else None
+                failed = f"failed {delivered} times; last: {exc if why is None else why.message}"
+                await self._dead_letter(message, FleetError(ErrorCode.INTERNAL, failed, cause=why))
                 return "dead"
             log.warning(
                 "event on %s failed (delivery %d); retrying", message.subject, delivered, exc_info=True
@@ -200,11 +202,13 @@ class TriggerIngest:
         once it has been put back ``MAX_DELIVER`` times."""
         delivered = message.metadata.num_delivered
         if delivered >= MAX_DELIVER:
-            await self._dead_letter(
-                message,
-                f"[{ErrorCode.RATE_LIMITED}] tenant {tenant} sent events faster than policy allows"
-                f" (fleet.limits.fair.event_ingest); retry in {max(1, math.ceil(wait_s))} s",
+            retry_s = max(1, math.ceil(wait_s))
+            too_often = (
+                f"tenant {tenant} sent events faster than policy allows (fleet.limits.fair.event_ingest);"
+                f" retry in {retry_s} s"
             )
+            error = FleetError(ErrorCode.RATE_LIMITED, too_often, retryable=True, retry_after_s=retry_s)
+            await self._dead_letter(message, error)
             return "dead"
         delay_s = max(wait_s, backoff_s(delivered, base_s=RETRY_DELAY_S, cap_s=60.0))
         log.info("event of tenant %s over its rate: delivered again in %.1f s", tenant, delay_s)
@@ -348,11 +352,14 @@ class TriggerIngest:
                 continue
             await work.submit_run(self._client, run_id, f"event-{seq}", event.tenant)
 
-    async def _dead_letter(self, message: Msg, reason: str) -> None:
-        log.warning("event on %s dead-lettered: %s", message.subject, reason)
+    async def _dead_letter(self, message: Msg, error: FleetError) -> None:
+        """Publish ``message`` to the dead letters with why (``reason``, the message; ``error``, the
+        error as data), then ack it."""
+        log.warning("event on %s dead-lettered (%s): %s", message.subject, error.code, error.message)
         envelope = {
             "subject": message.subject,
-            "reason": reason,
+            "reason": error.message,
+            "error": error.to_dict(),
             "deliveries": message.metadata.num_delivered,
             "payload": message.data.decode("utf-8", errors="replace"),
             "headers": dict(message.headers or {}),  # a binary-mode event's attributes

@@ -203,8 +203,16 @@ def slice_trace(
     return parent, {k: str(v) for k, v in origin.items()}
 
 
-def failure_text(failure: dict[str, Any]) -> str:
-    return f"[{failure['code']}] step {failure['step']} ({failure['skill']}) failed: {failure['message']}"
+def failure_error(failure: dict[str, Any]) -> FleetError:
+    """The error a run that ``failure`` (a failed step, as the graph keeps it) ended is failed with."""
+    message = f"step {failure['step']} ({failure['skill']}) failed: {failure['message']}"
+    return FleetError.from_dict({"code": failure["code"], "message": message, "cause": failure.get("cause")})
+
+
+def ended_by(error: FleetError, **payload: Any) -> dict[str, Any]:
+    """The payload of a run's last transition when ``error`` ended it: the text a person reads
+    (the message, never the code) and the error as data."""
+    return {**payload, "text": error.message, "error": error.to_dict()}
 
 
 class RunWorker:
@@ -292,9 +300,7 @@ class RunWorker:
             # in the Errors lane with the reason) rather than a run retried forever.
             if _deliveries(message) < MAX_UNAVAILABLE_DELIVERIES:
                 raise
-            await self._store.transition(
-                lease, RunState.FAILED, self._id, {"text": f"[{exc.code}] {exc.message}"}, reason=exc.code
-            )
+            await self._store.transition(lease, RunState.FAILED, self._id, ended_by(exc), reason=exc.code)
         finally:
             await self._store.release_lease(lease)
         await self.prune(run_id)
@@ -411,10 +417,7 @@ class RunWorker:
             try:
                 limits = await run_limits(self._engine, run.tenant)
             except PolicyError as exc:  # fail closed, with the reason, rather than retry forever
-                text = f"[{exc.code}] {exc.message}"
-                await self._store.transition(
-                    lease, RunState.FAILED, self._id, {"text": text}, reason=exc.code
-                )
+                await self._store.transition(lease, RunState.FAILED, self._id, ended_by(exc), reason=exc.code)
                 return
             graph_input = _initial_state(run, limits)
             if run.state != RunState.SUBMITTED:
@@ -452,7 +455,7 @@ class RunWorker:
                 lease,
                 RunState.FAILED,
                 self._id,
-                {"text": f"[{ErrorCode.INTERNAL}] the run crashed"},
+                ended_by(FleetError(ErrorCode.INTERNAL, "the run crashed")),
                 reason=ErrorCode.INTERNAL,
             )
             return
@@ -534,7 +537,7 @@ class RunWorker:
     async def _record_outcome(self, final: dict[str, Any], lease: Lease) -> None:
         failure = final.get("failure")
         if failure:
-            payload = {"failure": failure, "text": failure_text(failure)}
+            payload = ended_by(failure_error(failure), failure=failure)
             # A person said no: the run is rejected (an expiry, nobody saying anything, is a failure).
             ended = RunState.REJECTED if failure["code"] == ErrorCode.APPROVAL_REJECTED else RunState.FAILED
             await self._store.transition(lease, ended, self._id, payload, reason=failure["code"])
@@ -552,7 +555,7 @@ class RunWorker:
         )
         reason = stop["reason"] if stop else None
         if stop and reason == ErrorCode.APPROVAL_EXPIRED:  # nobody decided in time: not a denial
-            payload = {"summary": summary, "text": f"[{reason}] {stop['why']}"}
+            payload = ended_by(FleetError(ErrorCode.APPROVAL_EXPIRED, str(stop["why"])), summary=summary)
             await self._store.transition(lease, RunState.FAILED, self._id, payload, reason=reason)
             return
         await self._store.transition(lease, RunState.COMPLETED, self._id, {"summary": summary}, reason=reason)

@@ -32,6 +32,7 @@ from a2a.types import (
     SecurityScheme,
     StringList,
 )
+from a2a.utils.errors import A2AError, InternalError, InvalidParamsError
 from a2a.utils.signing import create_agent_card_signer
 from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm
@@ -42,7 +43,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet.bodylimit import BodyLimit
-from fleet.errors import FleetError
+from fleet.errors import PROBLEM_MEDIA_TYPE, ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey
 from fleet.service import Readiness
 from fleet.settings import ServiceSettings
@@ -51,6 +52,25 @@ from fleet.tokens import BearerVerifier, Claims, bearer_token
 RPC_PATH = "/a2a/jsonrpc"
 
 log = logging.getLogger(__name__)
+
+
+def a2a_error(exc: FleetError, kind: type[A2AError] | None = None) -> A2AError:
+    """``exc`` as an A2A error: its message as the message and its envelope as the data (which the
+    SDK sends as a ``google.rpc.ErrorInfo``'s metadata, and its client hands back as the error's
+    ``data``). ``kind`` is the A2A error type; by default a caller's fault (4xx) is invalid
+    params and anything else (a 5xx, or what may work later) an internal error."""
+    if kind is None:
+        kind = InternalError if exc.http_status >= 500 or exc.retryable else InvalidParamsError
+    return kind(message=exc.message, data=exc.to_dict())
+
+
+def error_of_a2a(exc: A2AError, fallback: ErrorCode = ErrorCode.SPECIALIST_FAILED) -> FleetError:
+    """The FleetError an A2A error carries (its data is a fleet envelope when a fleet agent sent it);
+    ``fallback`` with the error's message when it carries none (an agent that is not the fleet's)."""
+    data = exc.data
+    if isinstance(data, dict) and "code" in data:
+        return FleetError.from_dict(data, fallback=fallback)
+    return FleetError(fallback, str(getattr(exc, "message", "") or type(exc).__name__))
 
 
 def a2a_body_limit(settings: ServiceSettings) -> BodyLimit:
@@ -179,7 +199,7 @@ class BearerAuthMiddleware:
 
 
 async def _deny(send: Send, exc: FleetError) -> None:
-    body = json.dumps({"error": exc.to_dict()}).encode()
+    body = json.dumps(exc.problem()).encode()
     challenge = f'Bearer error="invalid_token", error_description="{exc.message}"'
     if exc.http_status == 403:
         challenge = f'Bearer error="insufficient_scope", error_description="{exc.message}"'
@@ -188,7 +208,7 @@ async def _deny(send: Send, exc: FleetError) -> None:
             "type": "http.response.start",
             "status": exc.http_status,
             "headers": [
-                (b"content-type", b"application/json"),
+                (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
                 (b"www-authenticate", challenge.encode("latin-1")),
             ],
         }

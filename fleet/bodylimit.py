@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import PROBLEM_MEDIA_TYPE, ErrorCode, FleetError
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,11 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, limit: BodyLimit, 
     """Answer 413, then read and drop what comes of the body, within the drain's bounds, before the
     answer ends and the server closes the connection. The answer's bytes are all sent first: a
     caller that reads while it sends has it at once."""
-    error = FleetError(ErrorCode.BODY_TOO_LARGE, f"the request body exceeds {limit.max_bytes} bytes")
+    error = FleetError(
+        ErrorCode.BODY_TOO_LARGE,
+        f"the request body exceeds {limit.max_bytes} bytes",
+        details={"max_bytes": limit.max_bytes},
+    )
     log.warning(
         "%s %s refused (%s): %d bytes or more, the cap is %d; client=%s principal=%s",
         scope.get("method", "-"),
@@ -134,18 +138,17 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, limit: BodyLimit, 
         _client(scope),
         _principal(scope),
     )
-    details = {**error.to_dict(), "max_bytes": limit.max_bytes}
     if limit.jsonrpc:
-        body = {
+        body: dict[str, object] = {
             "jsonrpc": "2.0",
             "id": None,
-            "error": {"code": JSONRPC_INVALID_REQUEST, "message": error.message, "data": details},
+            "error": {"code": JSONRPC_INVALID_REQUEST, "message": error.message, "data": error.to_dict()},
         }
     else:
-        body = {"error": details}
+        body = error.problem()
     payload = json.dumps(body).encode()
     headers = [
-        (b"content-type", b"application/json"),
+        (b"content-type", b"application/json" if limit.jsonrpc else PROBLEM_MEDIA_TYPE.encode()),
         (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"),
     ]

@@ -1,11 +1,22 @@
 """One root error type with a stable code; each package subclasses it.
 
+An error crosses a process boundary as data, never as text: the envelope of :meth:`FleetError.to_dict`
+(``code``, ``message``, ``retryable``, ``retry_after_s``, ``details``, and the ``cause`` it wraps,
+itself an envelope), read back with :meth:`FleetError.from_dict`. Each wire carries the envelope in its
+own convention: an HTTP answer is RFC 9457 problem details (:meth:`FleetError.problem`, read with
+:meth:`FleetError.from_problem`), a JSON-RPC error (A2A) has it as its ``data``
+(:meth:`FleetError.from_jsonrpc`), an MCP tool's error answer as its structured content
+(:mod:`fleet.mcp_errors`). No code is ever written into a message or parsed out of one.
+
 The table :data:`HTTP_STATUS` is the single place where error codes meet HTTP status codes.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any
 
 
 class ErrorCode(StrEnum):
@@ -122,38 +133,173 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 }
 
 
+# RFC 9457: an HTTP error answer's media type, and the ``type`` URI of each code (``urn:`` + code).
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+PROBLEM_TYPE_PREFIX = "urn:agent-fleet:error:"
+# What an envelope read from elsewhere may hold: a message this long, causes this deep.
+MAX_MESSAGE_CHARS = 4000
+MAX_CAUSE_DEPTH = 4
+MAX_DETAILS_CHARS = 4096
+
+
 class FleetError(Exception):
     """Root of every error the platform raises on purpose.
 
     ``code`` is stable and safe to show a caller; ``message`` must never carry secrets or another
     tenant's data; ``retryable`` tells a caller whether the same request may succeed later, and
-    ``retry_after_s`` (if known) when (an HTTP answer's ``Retry-After``).
+    ``retry_after_s`` (if known) when (an HTTP answer's ``Retry-After``). ``details`` are facts a
+    program may act on (JSON values); ``cause`` is the error of the layer below that this one wraps
+    (a tool's refusal inside an agent's failure inside a run's), kept as data down the chain.
     """
 
     def __init__(
-        self, code: ErrorCode, message: str, *, retryable: bool = False, retry_after_s: int | None = None
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        retryable: bool = False,
+        retry_after_s: int | None = None,
+        details: Mapping[str, Any] | None = None,
+        cause: FleetError | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
         self.retry_after_s = retry_after_s
+        self.details: dict[str, Any] = dict(details or {})
+        self.cause = cause
+
+    def chain(self) -> list[FleetError]:
+        """This error, then its cause, then the cause's cause, ..."""
+        out: list[FleetError] = []
+        error: FleetError | None = self
+        while error is not None and len(out) <= MAX_CAUSE_DEPTH:
+            out.append(error)
+            error = error.cause
+        return out
 
     @property
     def http_status(self) -> int:
         """The HTTP status this error is answered with on an HTTP API (500 for a code without one)."""
         return HTTP_STATUS.get(self.code, 500)
 
-    def to_dict(self) -> dict[str, object]:
-        """The error as data: ``code``, ``message``, ``retryable`` and ``retry_after_s`` if any."""
-        out: dict[str, object] = {
+    def to_dict(self) -> dict[str, Any]:
+        """The error as data (the envelope): ``code``, ``message``, ``retryable``, and
+        ``retry_after_s``, ``details`` and ``cause`` (an envelope) when there are any."""
+        out: dict[str, Any] = {
             "code": str(self.code),
             "message": self.message,
             "retryable": self.retryable,
         }
         if self.retry_after_s is not None:
             out["retry_after_s"] = self.retry_after_s
+        if self.details:
+            out["details"] = self.details
+        if self.cause is not None:
+            out["cause"] = self.cause.to_dict()
         return out
+
+    @classmethod
+    def from_dict(
+        cls, data: object, *, fallback: ErrorCode = ErrorCode.INTERNAL, _depth: int = 0
+    ) -> FleetError:
+        """The error an envelope (from another process) describes. A code this version does not
+        know becomes ``fallback``, the code as sent kept in ``details["code"]``; a message is cut at
+        ``MAX_MESSAGE_CHARS`` and causes below ``MAX_CAUSE_DEPTH`` are dropped. Something that is no
+        envelope at all is ``fallback`` saying so. The codes with a class of their own here come
+        back as that class (``DependencyUnavailable``, ``AuthError``)."""
+        if not isinstance(data, Mapping):
+            return FleetError(fallback, "the error was not described")
+        given = data.get("details")
+        details = dict(given) if isinstance(given, Mapping) else {}
+        if len(json.dumps(details, default=str)) > MAX_DETAILS_CHARS:
+            details = {"cut": "the details sent were longer than this reader keeps"}
+        sent = data.get("code")
+        try:
+            code = ErrorCode(str(sent))
+        except ValueError:
+            code = fallback
+            details["code"] = str(sent)[:100]
+        retry_after = data.get("retry_after_s")
+        cause = data.get("cause")
+        kwargs: dict[str, Any] = {
+            "retryable": data.get("retryable") is True,
+            "retry_after_s": retry_after if isinstance(retry_after, int) and retry_after >= 0 else None,
+            "details": details,
+            "cause": (
+                cls.from_dict(cause, fallback=fallback, _depth=_depth + 1)
+                if isinstance(cause, Mapping) and _depth < MAX_CAUSE_DEPTH
+                else None
+            ),
+        }
+        message = str(data.get("message") or code)[:MAX_MESSAGE_CHARS]
+        kind = _CLASS_OF.get(code, FleetError)
+        error = kind.__new__(kind)
+        FleetError.__init__(error, code, message, **kwargs)
+        return error
+
+    def problem(self) -> dict[str, Any]:
+        """The error as an HTTP answer's body: RFC 9457 problem details (``type``, ``title``,
+        ``status``, ``detail``) with the envelope as the extension member ``error``."""
+        return {
+            "type": PROBLEM_TYPE_PREFIX + str(self.code),
+            "title": str(self.code),
+            "status": self.http_status,
+            "detail": self.message,
+            "error": self.to_dict(),
+        }
+
+    @classmethod
+    def from_problem(cls, status: int, body: object, text: str = "") -> FleetError:
+        """The error an HTTP answer with ``status`` and the parsed JSON ``body`` describes (``text``:
+        the raw body, for the message of an answer that is not the fleet's, such as a proxy's). The
+        envelope when there is one; else a code from the status alone: a gateway's 502-504 is a
+        dependency that may come back (retryable), 401 and 403 refusals, 404 not found, 429 too often."""
+        error = body.get("error") if isinstance(body, Mapping) else None
+        if isinstance(error, Mapping) and "code" in error:
+            return cls.from_dict(error)
+        code = _CODE_OF_STATUS.get(status, ErrorCode.INTERNAL if status >= 500 else ErrorCode.INVALID_REQUEST)
+        retryable = code in (ErrorCode.DEPENDENCY_UNAVAILABLE, ErrorCode.RATE_LIMITED)
+        message = f"HTTP {status}" + (f": {text[:200]}" if text else "")
+        return cls.from_dict({"code": str(code), "message": message, "retryable": retryable})
+
+    def within(self, context: str) -> FleetError:
+        """This error with ``context`` (what was being done) before its message; same class,
+        code, retryability, details and cause."""
+        kind = type(self) if type(self) in _CLASS_OF.values() else FleetError
+        error = kind.__new__(kind)
+        FleetError.__init__(
+            error,
+            self.code,
+            f"{context}: {self.message}",
+            retryable=self.retryable,
+            retry_after_s=self.retry_after_s,
+            details=self.details,
+            cause=self.cause,
+        )
+        return error
+
+    @classmethod
+    def from_response(cls, response: Any) -> FleetError:
+        """The error an HTTP answer describes (an ``httpx`` response, or anything with
+        ``status_code``, ``json()`` and ``text``): :meth:`from_problem` of its status and body."""
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        return cls.from_problem(response.status_code, body, response.text)
+
+    @classmethod
+    def from_jsonrpc(cls, error: object, *, fallback: ErrorCode = ErrorCode.INTERNAL) -> FleetError:
+        """The error a JSON-RPC error object describes: its ``data`` is the envelope when a fleet
+        service answered; otherwise ``fallback`` with the error's own message."""
+        if isinstance(error, Mapping):
+            data = error.get("data")
+            if isinstance(data, Mapping) and "code" in data:
+                return cls.from_dict(data, fallback=fallback)
+            return FleetError(fallback, str(error.get("message") or "JSON-RPC error")[:MAX_MESSAGE_CHARS])
+        return FleetError(fallback, "the JSON-RPC error was not described")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!s}: {self.message})"
@@ -173,3 +319,20 @@ class AuthError(FleetError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.UNAUTHENTICATED, message)
+
+
+_CLASS_OF: dict[ErrorCode, type[FleetError]] = {
+    ErrorCode.DEPENDENCY_UNAVAILABLE: DependencyUnavailable,
+    ErrorCode.UNAUTHENTICATED: AuthError,
+}
+_CODE_OF_STATUS: dict[int, ErrorCode] = {
+    401: ErrorCode.UNAUTHENTICATED,
+    403: ErrorCode.FORBIDDEN,
+    404: ErrorCode.NOT_FOUND,
+    409: ErrorCode.CONFLICT,
+    413: ErrorCode.BODY_TOO_LARGE,
+    429: ErrorCode.RATE_LIMITED,
+    502: ErrorCode.DEPENDENCY_UNAVAILABLE,
+    503: ErrorCode.DEPENDENCY_UNAVAILABLE,
+    504: ErrorCode.DEPENDENCY_UNAVAILABLE,
+}

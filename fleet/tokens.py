@@ -918,29 +918,31 @@ class SignalBinding:
 
 
 def _token_error(response: httpx.Response) -> FleetError:
-    failing_over = response.status_code in (502, 503, 504)
+    """The error a token request was refused with. An RFC 6749 answer (``{"error": "invalid_client",
+    "error_description": ...}``) is a refusal (``forbidden``; 429: ``rate_limited``, the tenant's
+    own rate), its OAuth code kept in ``details["oauth_error"]``. The registry's own errors (problem
+    details) read as they are: its store failing over is ``dependency_unavailable``, which is waited
+    out, while a policy that cannot be evaluated fails closed. A proxy's 502-504 is
+    ``dependency_unavailable`` too."""
+    status = response.status_code
+    retry = response.headers.get("Retry-After", "")
+    retry_after_s = int(retry) if retry.isdigit() else None
     try:
         body = response.json()
-        error = body.get("error")
-        detail = f"{error}: {body.get('error_description', '')}"
-        # Only the registry's own word that its store did not answer, not (say) a policy that
-        # cannot be evaluated, which must fail closed rather than be waited for.
-        failing_over = (
-            failing_over and isinstance(error, dict) and error.get("code") == "dependency_unavailable"
-        )
-    except (ValueError, AttributeError):
-        detail = response.text[:200]  # not the registry's answer: a proxy in front of it failing over
-    if failing_over:
-        return DependencyUnavailable(f"the token service failed ({response.status_code}) {detail}")
-    if response.status_code == 429:  # the tenant's own rate (fleet.limits.fair.token_issue)
-        retry = response.headers.get("Retry-After", "")
+    except ValueError:
+        body = None
+    oauth = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(oauth, str):
+        error = FleetError.from_response(response).within(f"token request refused ({status})")
+        if error.retry_after_s is None and retry_after_s is not None:
+            error.retry_after_s = retry_after_s
+        return error
+    assert isinstance(body, dict)
+    message = f"token request refused ({status}): {str(body.get('error_description', ''))[:300]}"
+    details = {"oauth_error": oauth[:100]}
+    if status == 429:
         return FleetError(
-            ErrorCode.RATE_LIMITED,
-            f"token request refused (429) {detail}",
-            retryable=True,
-            retry_after_s=int(retry) if retry.isdigit() else None,
+            ErrorCode.RATE_LIMITED, message, retryable=True, retry_after_s=retry_after_s, details=details
         )
-    code = (
-        ErrorCode.FORBIDDEN if response.status_code in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE
-    )
-    return FleetError(code, f"token request refused ({response.status_code}) {detail}")
+    code = ErrorCode.FORBIDDEN if status in (400, 401, 403) else ErrorCode.DEPENDENCY_UNAVAILABLE
+    return FleetError(code, message, details=details)

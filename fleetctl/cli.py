@@ -608,13 +608,14 @@ async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: 
     if not starting.done():
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
-        _notify(ready_fd, {"ok": False, "error": "interrupted while starting"})
+        interrupted = FleetError(ErrorCode.STACK_FAILED, "interrupted while starting")
+        _notify(ready_fd, {"ok": False, "error": interrupted.to_dict()})
         return EXIT_INTERRUPTED
     stopping.cancel()
     try:
         endpoints = starting.result()
     except FleetError as exc:
-        _notify(ready_fd, {"ok": False, "error": f"[{exc.code}] {exc.message}"})
+        _notify(ready_fd, {"ok": False, "error": exc.to_dict()})
         raise
     print_endpoints(endpoints)
     _notify(ready_fd, {"ok": True, "endpoints": endpoints})

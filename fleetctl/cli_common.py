@@ -102,17 +102,9 @@ def emit_line(document: Any) -> None:
 
 
 def error_of(response: httpx.Response) -> FleetError:
-    """The FleetError a service answered with (``{"error": {"code", "message"}}``)."""
-    try:
-        error = response.json().get("error", {})
-    except ValueError:
-        error = {}
-    try:
-        code = ErrorCode(error.get("code"))
-    except ValueError:
-        code = ErrorCode.NOT_FOUND if response.status_code == 404 else ErrorCode.INTERNAL
-    message = error.get("message") or f"HTTP {response.status_code} from {response.request.url.path}"
-    return FleetError(code, str(message))
+    """The FleetError a service answered with (its problem details' envelope; from the status
+    alone for an answer that is not a fleet service's)."""
+    return FleetError.from_response(response)
 
 
 @dataclass(frozen=True, slots=True)

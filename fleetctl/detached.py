@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fleetctl.cli_common import EXIT_FAILED, EXIT_OK
+from fleet.errors import ErrorCode, FleetError
+from fleetctl.cli_common import EXIT_FAILED, EXIT_OK, report_error
 from fleetctl.layout import StackLayout
 
 
@@ -49,9 +50,10 @@ def up_detached(layout: StackLayout, *, tls: bool = False) -> int:
         )
         return EXIT_FAILED
     report: dict[str, Any] = json.loads(line)
-    if not report.get("ok"):
-        print(f"fleet: error: {report.get('error')}", file=sys.stderr)
-        return EXIT_FAILED
+    if not report.get("ok"):  # the supervisor's error, as data
+        return report_error(
+            FleetError.from_dict(report.get("error"), fallback=ErrorCode.STACK_FAILED), as_json=False
+        )
     print_endpoints(report["endpoints"])
     print(f"fleet: stack is up in the background (pid {process.pid}); `fleet down` stops it")
     return EXIT_OK

@@ -30,8 +30,9 @@ from mcp.client.streamable_http import streamable_http_client
 from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import read_records
+from fleet.mcp_errors import error_of
 from fleet.natsconn import connect, stream_replicas
-from fleetctl.cli_common import exit_code, report_error
+from fleetctl.cli_common import report_error
 from fleetctl.layout import StackLayout
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -55,8 +56,7 @@ async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str,
             tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
             token = await tokens.token(SERVER, tenant, list(SCOPES[tool]))
     except FleetError as exc:  # no stack (3), or the token refused (6): the one table's codes
-        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
-        return exit_code(exc), None
+        return report_error(exc, as_json=False), None
     except KeyError:
         print(f"fleet: the stack on {layout.home} runs no memory server", file=sys.stderr)
         return EXIT_FAILED, None
@@ -67,9 +67,9 @@ async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str,
         Client(streamable_http_client(url, http_client=http2)) as client,
     ):
         result = await client.call_tool(tool, arguments)
-    if result.is_error:
-        print(f"fleet: {result.content[0].text if result.content else 'refused'}", file=sys.stderr)  # type: ignore[union-attr]
-        return EXIT_FAILED, None
+    error = error_of(result)
+    if error is not None:  # the memory server's refusal, its code read from the answer's envelope
+        return report_error(error, as_json=False), None
     structured = result.structured_content or {}
     return EXIT_OK, structured.get("result", structured)
 
@@ -152,8 +152,7 @@ async def audit(layout: StackLayout, tenant: str | None, last: int, *, as_json: 
     try:
         endpoints = running_endpoints(layout)
     except FleetError as exc:
-        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
-        return exit_code(exc)
+        return report_error(exc, as_json=False)
     client = await connect(
         str(endpoints["nats"]),
         "fleet-memory-audit",

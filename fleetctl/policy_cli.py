@@ -74,7 +74,7 @@ def test(directory: Path | None, *, verbose: bool, coverage: bool, as_json: bool
         bundle = _load(directory)
         results, covered = run_bundle_tests(bundle, coverage=coverage)
     except PolicyError as exc:
-        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
+        report_error(exc, as_json=False)
         return EXIT_FAILED
     failed = [r for r in results if r.outcome != "pass"]
     if as_json:
@@ -122,7 +122,7 @@ def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int
         engine = RegorusEngine(_load(directory))
         value = engine.evaluate(query.removeprefix("data."), document)
     except PolicyError as exc:
-        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
+        report_error(exc, as_json=False)
         return EXIT_FAILED
     print(json.dumps({"result": value, "revision": engine.revision}, indent=2))
     return EXIT_OK
@@ -420,7 +420,7 @@ def serve(directory: Path | None, host: str, port: int) -> int:
     try:
         point = DecisionPoint(_load(directory) if directory else None)
     except PolicyError as exc:
-        print(f"fleet: {exc.message} [{exc.code}]", file=sys.stderr)
+        report_error(exc, as_json=False)
         return EXIT_FAILED
     app = BodySizeLimit(build_app(point, token), SERVE_MAX_BODY_BYTES)
     uvicorn.run(app, host=host, port=port, log_level="warning")

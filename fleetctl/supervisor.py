@@ -73,8 +73,9 @@ def _die_with_parent() -> None:
 
 
 def _bind_loopback(preferred_port: int | None) -> socket.socket:
-    """A listening loopback socket, on the port used last time if it is still free."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening loopback socket, on the port used last time if it is still free (TCP named as its
+    protocol: see fleet.service.listening_socket)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("127.0.0.1", preferred_port or 0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import CallToolResult, InputRequiredResult, TextContent, ToolAnnotations
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from opentelemetry import trace
@@ -31,8 +32,9 @@ from fleet import telemetry, transport
 from fleet import tokens as fleet_tokens
 from fleet.approvals import APPROVAL_GRANT, args_sha256
 from fleet.bodylimit import BodyLimit
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
 from fleet.eventlog import EventLog, read_records
+from fleet.mcp_errors import error_result, fleet_error_in
 from fleet.natsconn import connect, key_value, service_credentials
 from fleet.rates import RateLimits
 from fleet.service import Readiness, serve_app, start_in_background
@@ -87,7 +89,7 @@ def current_claims() -> Claims:
     token = get_access_token()
     claims = token.claims.get("fleet_claims") if token is not None and token.claims else None
     if not isinstance(claims, Claims):
-        raise ToolError("no authenticated caller")
+        raise AuthError("no authenticated caller")
     return claims
 
 
@@ -144,12 +146,10 @@ class ApprovalGrants:
         self._verifier = registry.verifier(server_id, grant=APPROVAL_GRANT)
 
     async def verify(self, claims: Claims, tool: str, arguments: dict[str, Any], grant: str) -> Approval:
-        """The approval ``grant`` carries for this call, or a :class:`ToolError`
+        """The approval ``grant`` carries for this call, or a :class:`FleetError`
         (``approval_invalid``, ``approval_grant_expired``, ``approval_mismatch``)."""
         if len(grant) > MAX_GRANT_CHARS:
-            raise ToolError(
-                f"[{ErrorCode.APPROVAL_INVALID}] the approval grant is not one the registry issued"
-            )
+            raise FleetError(ErrorCode.APPROVAL_INVALID, "the approval grant is not one the registry issued")
         try:
             verified = await self._verifier.verify(grant)
         except FleetError as exc:
@@ -158,7 +158,7 @@ class ApprovalGrants:
                 if exc.message == "token expired"
                 else ErrorCode.APPROVAL_INVALID
             )
-            raise ToolError(f"[{code}] the approval grant is refused: {exc.message}") from exc
+            raise FleetError(code, f"the approval grant is refused: {exc.message}") from exc
         raw = verified.raw
         given = raw.get("approval")
         bound: dict[str, Any] = given if isinstance(given, dict) else {}
@@ -172,8 +172,8 @@ class ApprovalGrants:
         if bound.get("args_sha256") != args_sha256(arguments):
             wrong.append("arguments")
         if wrong:
-            raise ToolError(
-                f"[{ErrorCode.APPROVAL_MISMATCH}] the approval grant is for another {', '.join(wrong)}"
+            raise FleetError(
+                ErrorCode.APPROVAL_MISMATCH, f"the approval grant is for another {', '.join(wrong)}"
             )
         return Approval(
             jti=verified.jti,
@@ -243,7 +243,7 @@ async def use_grant(conn: Any, schema: str, tenant: str, tool: str, approval: Ap
         ),
     )
     if await cursor.fetchone() is None:
-        raise ToolError(f"[{ErrorCode.APPROVAL_REPLAYED}] this approval grant was used already")
+        raise FleetError(ErrorCode.APPROVAL_REPLAYED, "this approval grant was used already")
 
 
 AUDIT_STREAM = "FLEET_AUDIT"
@@ -268,12 +268,12 @@ class AuditTrail(EventLog):
         )
 
     def keep(self, event: dict[str, Any]) -> None:
-        """Record ``event``, or refuse the call it is about (a :class:`ToolError`)."""
+        """Record ``event``, or refuse the call it is about (a :class:`FleetError`)."""
         try:
             self.record(event)
         except FleetError:
-            raise ToolError(
-                "[dependency_unavailable] the audit trail cannot keep up (is NATS down?); the call was refused"
+            raise DependencyUnavailable(
+                "the audit trail cannot keep up (is NATS down?); the call was refused"
             ) from None
 
 
@@ -351,7 +351,7 @@ class ToolGate:
     async def authorize(
         self, tool: str, arguments: dict[str, Any], declared_scopes: Sequence[str] = ()
     ) -> tuple[Claims, Decision]:
-        """The current caller's claims and the decision to let it run ``tool``; a :class:`ToolError`
+        """The current caller's claims and the decision to let it run ``tool``; a :class:`FleetError`
         (``policy_denied``, ``policy_unavailable``, ``rate_limited``) if it may not.
         ``declared_scopes``: what the server declares the tool needs (policy uses it for a server
         that its data does not name, see ``fleet.tools``)."""
@@ -385,24 +385,33 @@ class ToolGate:
             )
         except FleetError as exc:
             self._audit(event, "policy_unavailable", None)
-            raise ToolError(f"[{exc.code}] policy could not be evaluated; the call was refused") from exc
+            raise FleetError(
+                exc.code, "policy could not be evaluated; the call was refused", retryable=exc.retryable
+            ) from exc
         if not decision.allow:
             self._audit(event, "denied", decision)
-            raise ToolError(
-                f"[policy_denied] {'; '.join(decision.reasons)} (decision {decision.decision_id})"
+            raise FleetError(
+                ErrorCode.POLICY_DENIED,
+                f"{'; '.join(decision.reasons)} (decision {decision.decision_id})",
+                details={"decision_id": decision.decision_id, "reasons": list(decision.reasons)},
             )
         wait_s = self.limits.take((claims.tenant, agent, tool), decision.result.get("rate_limit"))
         if wait_s:
             self._audit(event, "rate_limited", decision)
-            raise ToolError(
-                f"[rate_limited] {agent} calls {self.server_id}/{tool} more often than policy"
-                f" allows; retry in {min(wait_s, 3600):.1f} s"
+            raise FleetError(
+                ErrorCode.RATE_LIMITED,
+                f"{agent} calls {self.server_id}/{tool} more often than policy"
+                f" allows; retry in {min(wait_s, 3600):.1f} s",
+                retryable=True,
+                retry_after_s=max(1, math.ceil(min(wait_s, 3600))),
             )
         cap = decision.result.get("run_call_limit")
         if cap is not None:
             if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
                 self._audit(event, "policy_unavailable", decision)
-                raise ToolError(f"[policy_unavailable] run_call_limit must be a whole number, not {cap!r}")
+                raise FleetError(
+                    ErrorCode.POLICY_UNAVAILABLE, f"run_call_limit must be a whole number, not {cap!r}"
+                )
             await self._count_run_call(event, decision, cap)
         self._audit(event, "allowed", decision)
         return claims, decision
@@ -418,20 +427,20 @@ class ToolGate:
             made = await self.run_calls.count(event["tenant"], str(run_id))
         except FleetError as exc:
             self._audit(event, "policy_unavailable", decision)
-            raise ToolError(
-                f"[{exc.code}] the run's tool calls cannot be counted; the call was refused"
+            raise FleetError(
+                exc.code, "the run's tool calls cannot be counted; the call was refused"
             ) from exc
         except Exception as exc:
             self._audit(event, "policy_unavailable", decision)
-            raise ToolError(
-                f"[{ErrorCode.DEPENDENCY_UNAVAILABLE}] the run's tool calls cannot be counted ({exc!r});"
-                " the call was refused"
+            raise DependencyUnavailable(
+                f"the run's tool calls cannot be counted ({exc!r}); the call was refused"
             ) from exc
         if made > cap:
             self._audit(event, "run_limit", decision)
-            raise ToolError(
-                f"[policy_denied] run {run_id} has made the {cap} tool calls policy allows it"
-                f" (decision {decision.decision_id})"
+            raise FleetError(
+                ErrorCode.POLICY_DENIED,
+                f"run {run_id} has made the {cap} tool calls policy allows it"
+                f" (decision {decision.decision_id})",
             )
 
     def _audit(self, event: dict[str, Any], outcome: str, decision: Decision | None) -> None:
@@ -571,7 +580,11 @@ class TracedMCPServer(MCPServer):
         )
         try:
             with span as current:
-                result = self._capped(name, await super().call_tool(name, arguments, context), claims)
+                try:
+                    answer = await super().call_tool(name, arguments, context)
+                except ToolError as exc:
+                    answer = error_result(_failure_of(name, exc))
+                result = self._capped(name, answer, claims)
                 if isinstance(result, CallToolResult) and result.is_error:
                     current.set_attribute("error.type", "tool_error")
                     current.set_status(Status(StatusCode.ERROR))
@@ -602,11 +615,28 @@ class TracedMCPServer(MCPServer):
             size,
             self.max_result_bytes,
         )
-        text = (
-            f"[{ErrorCode.RESULT_TOO_LARGE}] the result of {name} has {size} bytes, more than the"
-            f" {self.max_result_bytes} this server answers; ask for less"
+        message = (
+            f"the result of {name} has {size} bytes, more than the {self.max_result_bytes} this server"
+            " answers; ask for less"
         )
-        return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+        details = {"bytes": size, "max_bytes": self.max_result_bytes}
+        return error_result(FleetError(ErrorCode.RESULT_TOO_LARGE, message, details=details))
+
+
+def _failure_of(tool: str, exc: ToolError) -> FleetError:
+    """What a tool call that raised ``exc`` is answered with: the FleetError the tool (or its gate)
+    raised, as it is; the SDK's own refusals (no such tool, arguments that fail the input schema) as
+    ``invalid_request`` with its text; anything else as ``internal``, logged here with its traceback
+    and not shown to the caller."""
+    error = fleet_error_in(exc)
+    if error is not None:
+        log.info("tool %s refused or failed: %s", tool, error.code)
+        return error
+    if isinstance(exc, UnexpectedToolError):
+        log.error("tool %s raised an unexpected exception", tool, exc_info=exc)
+        return FleetError(ErrorCode.INTERNAL, f"{tool} failed; the server logged why")
+    log.info("tool %s refused its call: %s", tool, exc)
+    return FleetError(ErrorCode.INVALID_REQUEST, str(exc))
 
 
 def _in_a_span() -> bool:
@@ -618,7 +648,7 @@ def _in_a_span() -> bool:
 def _claims_or_none() -> Claims | None:
     try:
         return current_claims()
-    except ToolError:
+    except AuthError:
         return None
 
 

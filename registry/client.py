@@ -39,20 +39,12 @@ T = TypeVar("T")
 
 
 def _raise_for(response: httpx.Response, what: str) -> None:
+    """The registry's error answer as the error it describes (its problem details' envelope); an
+    answer that is not the registry's (a proxy in front of it that cannot reach it: 502-504) is
+    ``dependency_unavailable``, which a caller waits out."""
     if response.status_code < 400:
         return
-    failing_over = response.status_code in (502, 503, 504)
-    try:
-        error = response.json().get("error", {})
-        code = ErrorCode(error.get("code", "internal"))
-        message = str(error.get("message", ""))
-    except (ValueError, AttributeError):
-        # Not the registry's answer: on a 502-504, a proxy in front of it that cannot reach it.
-        code = ErrorCode.DEPENDENCY_UNAVAILABLE if failing_over else ErrorCode.INTERNAL
-        message = response.text[:200]
-    if failing_over and code == ErrorCode.DEPENDENCY_UNAVAILABLE:  # the registry's store failing over
-        raise DependencyUnavailable(f"{what}: {message or response.status_code}")
-    raise FleetError(code, f"{what}: {message}", retryable=response.status_code >= 500)
+    raise FleetError.from_response(response).within(what)
 
 
 class RegistryClient:
@@ -171,7 +163,7 @@ class RegistryClient:
         try:
             await self.tokens.token("registry", "default", ["registry:read"])
         except FleetError as exc:
-            if exc.code != ErrorCode.FORBIDDEN or "invalid_client" not in exc.message:
+            if exc.code != ErrorCode.FORBIDDEN or exc.details.get("oauth_error") != "invalid_client":
                 raise
             service_id = self._settings.service_id
             raise FleetError(

@@ -31,7 +31,7 @@ from fleet.keys import SigningKey, public_key_from_jwk
 from fleet.natsconn import TRANSIENT, Credentials, connect
 from fleet.outbound import guarded_client
 from fleet.revocations import Revocations, record_revocation
-from fleet.service import always_ready, configure_logging, serve_app
+from fleet.service import always_ready, configure_logging, problem_response, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import MasterSecret
 from fleet.tokens import ACCESS_TOKEN_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
@@ -101,7 +101,7 @@ def error_response(exc: FleetError) -> JSONResponse:
     headers = {}
     if exc.code == ErrorCode.UNAUTHENTICATED:
         headers["WWW-Authenticate"] = 'Bearer error="invalid_token"'
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status, headers=headers)
+    return problem_response(exc, headers)
 
 
 Handler = Callable[[Request, RegistryState], Awaitable[Response]]

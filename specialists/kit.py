@@ -52,6 +52,7 @@ from fleet.a2a_support import (
 )
 from fleet.crashpoints import hold_point
 from fleet.errors import ErrorCode, FleetError
+from fleet.mcp_errors import error_of
 from fleet.operation_ext import (
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
@@ -61,7 +62,7 @@ from fleet.operation_ext import (
     skills_extension,
 )
 from fleet.retry import backoff_s
-from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.service import Readiness, configure_logging, problem_response, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
 from registry import McpServerRecord, RegistryClient
@@ -272,7 +273,8 @@ class Toolbox:
         gateway's 502/503/504) is made again, at most ``CALL_ATTEMPTS`` times in all, when it cannot
         have reached the tool or the tool is ``idempotent`` or ``read_only`` in the catalog; else it
         raises :class:`OutcomeUnknown` (``OUTCOME_UNKNOWN``: reconcile before calling again). A tool's
-        error answer is never repeated (``TOOL_FAILED``)."""
+        error answer is never repeated: it raises ``TOOL_FAILED`` with the
+        tool's own error (read from the answer's envelope) as its ``cause``."""
         if self._meter is not None:
             self._meter.spend_tool_call(f"{server_id}/{tool}")
         server = await self.catalog.server(server_id)
@@ -298,9 +300,15 @@ class Toolbox:
             _current_grant.reset(reset)
             if self._calls is not None:
                 self._calls.end(answered=answered)
-        if result.is_error:
-            text = " ".join(getattr(c, "text", "") for c in result.content)
-            raise SkillError(ErrorCode.TOOL_FAILED, f"{server_id}/{tool}: {text}")
+        error = error_of(result)
+        if error is not None:
+            raise SkillError(
+                ErrorCode.TOOL_FAILED,
+                f"{server_id}/{tool} answered with an error: {error.message}",
+                retryable=error.retryable,
+                retry_after_s=error.retry_after_s,
+                cause=error,
+            )
         return dict(result.structured_content or {})
 
     async def _call_with_retries(
@@ -552,13 +560,13 @@ class SkillExecutor(AgentExecutor):
             return JournalStatus.FAILED, None, entry.error or _refused(op_id)
         if entry.status != JournalStatus.UNKNOWN and entry.args_hash != digest:
             message = f"operation {op_id} was already used with other arguments"
-            return JournalStatus.FAILED, None, {"code": str(ErrorCode.CONFLICT), "message": message}
+            return JournalStatus.FAILED, None, FleetError(ErrorCode.CONFLICT, message).to_dict()
         if entry.status in _ENDED:
             log.info("operation %s answered from the journal (%s)", op_id, entry.status)
             return entry.status, entry.result, entry.error
         if entry.status == JournalStatus.INTERRUPTED and not skill.idempotent:
             message = f"{skill.id} was interrupted mid-way and is not safe to repeat"
-            unsafe = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": message}
+            unsafe = FleetError(ErrorCode.OUTCOME_UNKNOWN, message).to_dict()
             self._journal.finish(claims.tenant, op_id, JournalStatus.UNCERTAIN, error=unsafe)
             return JournalStatus.UNCERTAIN, None, unsafe
         if not self._journal.begin(claims.tenant, op_id, skill.id, digest):
@@ -667,20 +675,20 @@ async def _run(
         if cut and not skill.idempotent:
             # Cut in a tool call: its effect may or may not have been made.
             unknown = f"{message}, one of them cut in flight: its effect is unknown"
-            return JournalStatus.UNCERTAIN, None, {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": unknown}
-        return JournalStatus.FAILED, None, {"code": str(ErrorCode.BUDGET_EXHAUSTED), "message": message}
+            return JournalStatus.UNCERTAIN, None, FleetError(ErrorCode.OUTCOME_UNKNOWN, unknown).to_dict()
+        return JournalStatus.FAILED, None, FleetError(ErrorCode.BUDGET_EXHAUSTED, message).to_dict()
     except OutcomeUnknown as exc:
         log.warning("skill %s could not confirm an effect: %s", skill.id, exc)
-        return JournalStatus.UNCERTAIN, None, {"code": str(exc.code), "message": exc.message}
+        return JournalStatus.UNCERTAIN, None, exc.to_dict()
     except FleetError as exc:
-        log.info("skill %s failed: %s", skill.id, exc)
-        return JournalStatus.FAILED, None, {"code": str(exc.code), "message": exc.message}
+        log.info("skill %s failed: %r", skill.id, exc)
+        return JournalStatus.FAILED, None, exc.to_dict()
     except Exception:
         log.exception("skill %s crashed", skill.id)
         return (
             JournalStatus.FAILED,
             None,
-            {"code": str(ErrorCode.INTERNAL), "message": f"{skill.id} crashed"},
+            FleetError(ErrorCode.INTERNAL, f"{skill.id} crashed").to_dict(),
         )
     return JournalStatus.SUCCEEDED, result, None
 
@@ -734,7 +742,7 @@ def _outcome_of(skill_task: asyncio.Task[Outcome], skill: Skill, calls: ToolCall
         return JournalStatus.CANCELED, None, calls.canceled_error()
     # Stopped mid-way (shutdown, or a tool call cut or unanswered): its effects may be partial. A
     # skill that is safe to repeat is merely interrupted: sent again, it runs again.
-    stopped = {"code": str(ErrorCode.OUTCOME_UNKNOWN), "message": f"{skill.id} was stopped mid-way"}
+    stopped = FleetError(ErrorCode.OUTCOME_UNKNOWN, f"{skill.id} was stopped mid-way").to_dict()
     return (JournalStatus.INTERRUPTED if skill.idempotent else JournalStatus.UNCERTAIN), None, stopped
 
 
@@ -753,7 +761,7 @@ async def _publish(updater: TaskUpdater, skill_id: str, outcome: Outcome) -> Non
         await updater.complete()
         return
     assert error is not None
-    text = f"[{error['code']}] {error['message']}"
+    text = str(error.get("message") or error.get("code"))
     message = updater.new_agent_message([new_text_part(text), new_data_part({"error": error})])
     if status == JournalStatus.CANCELED:
         await updater.cancel(message)
@@ -763,7 +771,7 @@ async def _publish(updater: TaskUpdater, skill_id: str, outcome: Outcome) -> Non
 
 def _refused(op_id: str) -> dict[str, Any]:
     message = f"operation {op_id} was canceled before it arrived; it will not run"
-    return {"code": str(ErrorCode.CANCELED), "message": message, "tool_calls": 0}
+    return {**FleetError(ErrorCode.CANCELED, message).to_dict(), "tool_calls": 0}
 
 
 Outcome = tuple[JournalStatus, dict[str, Any] | None, dict[str, Any] | None]
@@ -824,7 +832,7 @@ def operation_routes(journal: Journal, executor: SkillExecutor) -> list[Route]:
             wait_s = min(float(request.query_params.get("wait", "0")), MAX_WAIT_S)
         except ValueError:
             error = FleetError(ErrorCode.INVALID_REQUEST, "wait must be a number of seconds")
-            return JSONResponse({"error": error.to_dict()}, status_code=error.http_status)
+            return problem_response(error)
         entry = await journal.wait(claims.tenant, op_id, max(wait_s, 0.0))
         return JSONResponse(executor.answer(entry))
 

@@ -151,12 +151,11 @@ def _opening(skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> list[d
 
 async def _call(tools: dict[str, OfferedTool], call: ToolCall, ctx: SkillContext) -> str:
     """What the model is told a tool call answered: the tool's result, or its error as
-    ``[code] message``, redacted and cut to :data:`MAX_TOOL_ANSWER` characters."""
+    ``{"error": {"code", "message", "retryable"}}`` (the tool's own, not the agent's wrapper), redacted and cut to :data:`MAX_TOOL_ANSWER` characters."""
     offered = tools.get(call.name)
     if offered is None:
-        return (
-            f"[{ErrorCode.INVALID_REQUEST}] there is no tool {call.name!r}; call one of: {', '.join(tools)}"
-        )
+        unknown = f"there is no tool {call.name!r}; call one of: {', '.join(tools)}"
+        return _error_answer(FleetError(ErrorCode.INVALID_REQUEST, unknown))
     await ctx.progress(f"calling {offered.server_id}/{offered.tool}")
     memory = offered.server_id == MEMORY_SERVER
     arguments = without_trust(call.arguments) if memory else call.arguments
@@ -169,10 +168,18 @@ async def _call(tools: dict[str, OfferedTool], call: ToolCall, ctx: SkillContext
     except FleetError as exc:  # a token refused, a tool's error: the model may try something else
         if exc.code in _FATAL:
             raise
-        text = str(redact(f"[{exc.code}] {exc.message}")[0])
+        text = _error_answer(exc)
     if len(text) > MAX_TOOL_ANSWER:
         text = text[:MAX_TOOL_ANSWER] + " [cut: the answer was longer]"
     return text
+
+
+def _error_answer(exc: FleetError) -> str:
+    """A tool call's error as the model reads it: the innermost error's envelope (the tool's own
+    code and message), without what it wraps, redacted."""
+    error = exc.chain()[-1]
+    shown = {"code": str(error.code), "message": error.message, "retryable": error.retryable}
+    return json.dumps({"error": redact(shown)[0]})
 
 
 def without_trust(arguments: dict[str, Any]) -> dict[str, Any]:

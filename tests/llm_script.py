@@ -111,7 +111,7 @@ async def scripted_model(*replies: Reply) -> AsyncIterator[ScriptedModel]:
     the server starts, so a request made at once waits in its backlog: nothing to wait for."""
     model = ScriptedModel(list(replies))
     holds = [reply.hold for reply in replies if reply.hold is not None]
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     model.port = sock.getsockname()[1]

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fleet import transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
-from fleet.service import Readiness, configure_logging, serve_app, start_in_background
+from fleet.service import Readiness, configure_logging, problem_response, serve_app, start_in_background
 from fleet.settings import ServiceSettings
 from fleetctl.console._feeds import memory_audit, policy_view
 from fleetctl.console._session import Person, Sessions, SignOuts
@@ -65,7 +65,7 @@ class _Backends:
 
 
 def _error(exc: FleetError) -> JSONResponse:
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
+    return problem_response(exc)
 
 
 class _Api:

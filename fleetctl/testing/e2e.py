@@ -24,6 +24,7 @@ from a2a.helpers import get_data_parts, get_text_parts, new_data_part, new_text_
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from google.protobuf.json_format import ParseDict
 
+from fleet.errors import FleetError
 from fleet.keys import SigningKey
 from fleetctl.layout import StackLayout
 from policy import DEFAULT_BUNDLE_DIR
@@ -155,10 +156,16 @@ class RunOutcome:
     progress: list[str]
     final_text: str
     result: dict[str, Any]
+    error: FleetError | None = None  # the error the task ended with, read from its status (data)
 
     @property
     def state_name(self) -> str:
         return TaskState.Name(self.state)
+
+    @property
+    def codes(self) -> list[str]:
+        """The codes of the error the task ended with and of what it wraps, outermost first."""
+        return [str(e.code) for e in self.error.chain()] if self.error is not None else []
 
 
 def user_message(text: str = "", data: dict[str, Any] | None = None) -> Message:
@@ -208,10 +215,14 @@ def _record(outcome: RunOutcome, event: Any) -> None:
         outcome.state = event.task.status.state
     elif kind == "status_update":
         outcome.state = event.status_update.status.state
-        text = " ".join(get_text_parts(event.status_update.status.message.parts))
+        parts = event.status_update.status.message.parts
+        text = " ".join(get_text_parts(parts))
         if text:
             outcome.final_text = text
             outcome.progress.append(text)
+        for data in get_data_parts(parts):
+            if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                outcome.error = FleetError.from_dict(data["error"])
     elif kind == "artifact_update":
         for data in get_data_parts(event.artifact_update.artifact.parts):
             if isinstance(data, dict):

@@ -13,6 +13,8 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from fleet.errors import FleetError
+from fleet.mcp_errors import error_of
 from fleetctl.testing.e2e import Stack
 
 
@@ -53,3 +55,11 @@ async def logged_in(paths: Iterable[Path] | None, what: str, *needles: str, time
 async def logged(stack: Stack, service: str, *needles: str, timeout_s: float = 15.0) -> str:
     """The line of ``service``'s log that has every one of ``needles`` (waiting for it)."""
     return await logged_in([stack.layout.log_file(service)], service, *needles, timeout_s=timeout_s)
+
+
+def error_in(result: Any) -> FleetError:
+    """The error a tool call was answered with, read from the answer's envelope (the test fails if
+    the call succeeded)."""
+    error = error_of(result)
+    assert error is not None, result.structured_content
+    return error

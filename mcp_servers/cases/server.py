@@ -28,12 +28,12 @@ from typing import Any, TypedDict
 
 import psycopg
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 from starlette.applications import Starlette
 
 from fleet.approvals import ApprovalRequest
+from fleet.errors import ErrorCode, FleetError
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -226,7 +226,7 @@ class CaseTools:
                 )
                 existing = await cursor.fetchone()
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] could not open the case: {pg_message(exc)}") from exc
+            raise FleetError(ErrorCode.TOOL_FAILED, f"could not open the case: {pg_message(exc)}") from exc
         assert existing is not None
         return CaseResult(case_id=int(existing[0]), created=False)
 
@@ -248,7 +248,7 @@ class CaseTools:
                     key: (int(case_id), bool(created)) for key, case_id, created in await cursor.fetchall()
                 }
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] could not open the cases: {pg_message(exc)}") from exc
+            raise FleetError(ErrorCode.TOOL_FAILED, f"could not open the cases: {pg_message(exc)}") from exc
         return BulkResult(
             cases=[
                 BulkCase(subject=subject, case_id=rows[key][0], created=rows[key][1])
@@ -305,7 +305,7 @@ class CaseTools:
                 )
                 row = await cursor.fetchone()
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] could not refund: {pg_message(exc)}") from exc
+            raise FleetError(ErrorCode.TOOL_FAILED, f"could not refund: {pg_message(exc)}") from exc
         assert row is not None
         return _refund("refunded", int(row[0]), True, "", approval.approver if approval else None)
 
@@ -345,7 +345,7 @@ class CaseTools:
                 )
                 row = await cursor.fetchone()
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] could not post the note: {pg_message(exc)}") from exc
+            raise FleetError(ErrorCode.TOOL_FAILED, f"could not post the note: {pg_message(exc)}") from exc
         assert row is not None
         return NoteResult(note_id=int(row[0]))
 
@@ -366,7 +366,7 @@ def _refund(
 
 def _text(value: str, name: str, limit: int) -> str:
     if not value.strip() or len(value) > limit:
-        raise ToolError(f"[invalid_request] {name} must be 1 to {limit} characters")
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"{name} must be 1 to {limit} characters")
     return value
 
 
@@ -395,10 +395,10 @@ def build_server(
         case per key, a repeat returns the same case."""
         claims = await gate.allow("open_cases", {"count": len(cases)})
         if not 0 < len(cases) <= MAX_BULK:
-            raise ToolError(f"[invalid_request] send 1 to {MAX_BULK} cases")
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"send 1 to {MAX_BULK} cases")
         keys = [_text(str(c.get("idempotency_key", "")), "idempotency_key", 300) for c in cases]
         if len(set(keys)) != len(keys):
-            raise ToolError("[invalid_request] idempotency keys must differ within one call")
+            raise FleetError(ErrorCode.INVALID_REQUEST, "idempotency keys must differ within one call")
         given = [
             (
                 key,
@@ -433,7 +433,7 @@ def build_server(
         grant for exactly this call; without, nothing happens and the answer is
         {"status": "pending_approval", "why": ..., "approval_request": ...}."""
         if not 0 < amount_cents <= 10**9:
-            raise ToolError("[invalid_request] amount_cents must be 1 to 1000000000")
+            raise FleetError(ErrorCode.INVALID_REQUEST, "amount_cents must be 1 to 1000000000")
         arguments = {"subject": subject, "amount_cents": amount_cents, "idempotency_key": idempotency_key}
         key, name = _text(idempotency_key, "idempotency_key", 300), _text(subject, "subject", 200)
         claims = current_claims()

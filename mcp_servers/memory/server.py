@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import Field
 from starlette.applications import Starlette
 from typing_extensions import TypedDict  # pydantic nests these only from typing_extensions on 3.11
 
-from fleet.errors import ErrorCode, FleetError
+from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.eventlog import EventLog
 from fleet.natsconn import connect, service_credentials
 from fleet.service import configure_logging
@@ -251,17 +250,11 @@ def _answering() -> Iterator[None]:
     model) as ``dependency_unavailable``, logged here."""
     try:
         yield
-    except ToolError:
+    except FleetError:
         raise
-    except FleetError as exc:
-        raise _fail(exc) from exc
     except Exception as exc:
         log.exception("memory failed")
-        raise ToolError(f"[dependency_unavailable] memory could not answer ({type(exc).__name__})") from exc
-
-
-def _fail(exc: FleetError) -> ToolError:
-    return ToolError(f"[{exc.code}] {exc.message}")
+        raise DependencyUnavailable(f"memory could not answer ({type(exc).__name__})") from exc
 
 
 def build_server(
@@ -344,7 +337,7 @@ def build_server(
         )
         chosen = sum((bool(ids), bool(run_id), everything))
         if chosen != 1:
-            raise ToolError("[invalid_request] give exactly one of ids, run_id or everything=true")
+            raise FleetError(ErrorCode.INVALID_REQUEST, "give exactly one of ids, run_id or everything=true")
         with _answering():
             if run_id:
                 return (await memory.forget_run(who, run_id, reason=reason))[0]

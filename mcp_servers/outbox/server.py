@@ -36,7 +36,6 @@ from typing import Any, TypedDict
 import httpx
 import psycopg
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from nats.aio.client import Client as NATS
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -47,7 +46,7 @@ from starlette.applications import Starlette
 from fleet import transport
 from fleet.approvals import ApprovalRequest
 from fleet.artifacts import NatsArtifactStore, parse_ref
-from fleet.errors import FleetError
+from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
@@ -207,7 +206,9 @@ class OutboxTools:
             row = await cursor.fetchone()
             assert row is not None
             if row["request_hash"] != digest:
-                raise ToolError("[conflict] this operation id was used for another request; use a new id")
+                raise FleetError(
+                    ErrorCode.CONFLICT, "this operation id was used for another request; use a new id"
+                )
             if approval is not None:  # used once, whatever follows: refused (and rolled back) if not
                 await use_grant(conn, "outbox", tenant, approval_request.tool, approval)
             if row["status"] in ("done", "failed"):
@@ -291,14 +292,16 @@ class OutboxTools:
         try:
             response = await self.http.post(destination["url"], content=body, headers=headers)
         except httpx.HTTPError as exc:
-            raise ToolError(
-                f"[tool_failed] the destination did not answer ({type(exc).__name__}); the operation is still"
-                " pending: call again with the same operation id"
+            raise FleetError(
+                ErrorCode.TOOL_FAILED,
+                f"the destination did not answer ({type(exc).__name__}); the operation is still"
+                " pending: call again with the same operation id",
             ) from exc
         if response.status_code >= 500 or response.status_code == 429:
-            raise ToolError(
-                f"[tool_failed] the destination answered {response.status_code}; the operation is still pending:"
-                " call again with the same operation id"
+            raise FleetError(
+                ErrorCode.TOOL_FAILED,
+                f"the destination answered {response.status_code}; the operation is still pending:"
+                " call again with the same operation id",
             )
         if response.is_success:
             return "done", {"http_status": response.status_code}, None
@@ -353,7 +356,7 @@ def _result(
 
 def _text(value: str, name: str, limit: int) -> str:
     if not value.strip() or len(value) > limit:
-        raise ToolError(f"[invalid_request] {name} must be 1 to {limit} characters")
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"{name} must be 1 to {limit} characters")
     return value
 
 
@@ -391,11 +394,8 @@ def build_server(
         """``arguments``: the call's own, exactly (what a grant is bound to), its grant aside."""
         claims, decision = await gate.authorize(tool, facts)
         approval = await grants.verify(claims, tool, arguments, grant) if grant else None
-        try:
-            # Only a publication looks at the tenant's artifacts: only it asks for the tenant's key.
-            key = await keys.for_caller(claims) if kind == "publication" else None
-        except FleetError as exc:
-            raise ToolError(f"[{exc.code}] {exc.message}") from exc
+        # Only a publication looks at the tenant's artifacts: only it asks for the tenant's key.
+        key = await keys.for_caller(claims) if kind == "publication" else None
         try:
             return await tools.perform(
                 claims.tenant,
@@ -409,7 +409,9 @@ def build_server(
                 key=key,
             )
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] the operation was not recorded: {pg_message(exc)}") from exc
+            raise FleetError(
+                ErrorCode.TOOL_FAILED, f"the operation was not recorded: {pg_message(exc)}"
+            ) from exc
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def post_webhook(
@@ -418,11 +420,12 @@ def build_server(
         """POST a JSON payload to a configured destination (by name), at most once per operation id.
         ``approval_grant``: the registry's grant for exactly this call, when policy asks for one."""
         if destination not in settings.outbox_destinations:
-            raise ToolError(
-                f"[invalid_request] no destination {destination!r}; known: {sorted(settings.outbox_destinations)}"
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST,
+                f"no destination {destination!r}; known: {sorted(settings.outbox_destinations)}",
             )
         if len(json.dumps(payload)) > MAX_PAYLOAD_BYTES:
-            raise ToolError(f"[invalid_request] the payload is at most {MAX_PAYLOAD_BYTES} bytes")
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"the payload is at most {MAX_PAYLOAD_BYTES} bytes")
         return await perform(
             "post_webhook",
             "webhook",
@@ -449,10 +452,7 @@ def build_server(
         Under a score threshold (``approval_over_score``) every publication needs an
         ``approval_grant``: a person's, or policy's on the score the fleet computed for the report
         (this server cannot know it, and takes no caller's word for it)."""
-        try:
-            digest = parse_ref(artifact)
-        except FleetError as exc:
-            raise ToolError(f"[{exc.code}] {exc.message}") from exc
+        digest = parse_ref(artifact)
         request = {"artifact": digest, "name": _text(name, "name", 200)}
         arguments = {"operation_id": operation_id, "artifact": artifact, "name": name}
         return await perform("publish_artifact", "publication", arguments, request, {}, approval_grant)

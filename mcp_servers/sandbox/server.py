@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -270,9 +269,10 @@ class Workspaces:
             else:
                 await self._heads.update(name, value, last=previous.revision)
         except KeyWrongLastSequenceError as exc:
-            raise ToolError(
-                "[conflict] another call of this run changed the workspace at the same time; nothing of"
-                " this call's workspace was kept"
+            raise FleetError(
+                ErrorCode.CONFLICT,
+                "another call of this run changed the workspace at the same time; nothing of"
+                " this call's workspace was kept",
             ) from exc
         self._remember(ref.sha256, data)
         return ref
@@ -383,10 +383,6 @@ class SandboxTools:
         return [WorkspaceFile(path=p, size=s, sha256=h) for p, (s, h) in sorted(tar_files(data).items())]
 
 
-def _fail(exc: FleetError) -> ToolError:
-    return ToolError(f"[{exc.code}] {exc.message}")
-
-
 def build_server(
     settings: SandboxSettings, registry: RegistryClient, gate: ToolGate, tools: SandboxTools
 ) -> MCPServer:
@@ -405,14 +401,14 @@ def build_server(
         Returns exit code, output (long output as an artifact) and the files it created or changed."""
         claims = await gate.allow("run_python", {"code_length": len(code), "timeout_s": timeout_s})
         if len(code) > MAX_CODE_CHARS:
-            raise ToolError(f"[invalid_request] code is at most {MAX_CODE_CHARS} characters")
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"code is at most {MAX_CODE_CHARS} characters")
         try:
             key = await keys.for_caller(claims)
             result = await tools.run(key, claims.run_id, code, timeout_s)
         except FleetError as exc:
             if exc.code == ErrorCode.SANDBOX_OOM:
                 log.warning("sandbox call of %s/%s refused: %s", claims.tenant, claims.sub, exc.code)
-            raise _fail(exc) from exc
+            raise
         if result["limit"] is not None:
             log.info("sandbox call of %s/%s met its %s", claims.tenant, claims.sub, result["limit"])
         return result
@@ -422,20 +418,14 @@ def build_server(
         """Read part of an artifact of your tenant (artifact:sha256:...), as text or base64."""
         claims = await gate.allow("read_artifact", {})
         if offset < 0 or not 0 < length <= 1024 * 1024:
-            raise ToolError("[invalid_request] offset >= 0 and 0 < length <= 1048576")
-        try:
-            return await tools.read_artifact(await keys.for_caller(claims), artifact, offset, length)
-        except FleetError as exc:
-            raise _fail(exc) from exc
+            raise FleetError(ErrorCode.INVALID_REQUEST, "offset >= 0 and 0 < length <= 1048576")
+        return await tools.read_artifact(await keys.for_caller(claims), artifact, offset, length)
 
     @mcp.tool(annotations=READ_ONLY)
     async def workspace_files() -> list[WorkspaceFile]:
         """The files in your run's workspace."""
         claims = await gate.allow("workspace_files", {})
-        try:
-            return await tools.files(await keys.for_caller(claims), claims.run_id)
-        except FleetError as exc:
-            raise _fail(exc) from exc
+        return await tools.files(await keys.for_caller(claims), claims.run_id)
 
     return mcp
 

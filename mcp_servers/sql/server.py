@@ -30,14 +30,13 @@ from typing import Any, TypedDict
 
 import psycopg
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 from starlette.applications import Starlette
 
-from fleet.errors import ErrorCode
+from fleet.errors import ErrorCode, FleetError
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -272,7 +271,7 @@ class SqlTools:
             try:
                 columns, types = await _describe(conn, statement)
                 if not columns:
-                    raise ToolError(f"[{ErrorCode.INVALID_REQUEST}] a query must return at least one column")
+                    raise FleetError(ErrorCode.INVALID_REQUEST, "a query must return at least one column")
                 # Each column as the type the description names (a domain's base type, as the protocol
                 # describes it), under a name of ours (the statement's may repeat).
                 names = [sql.Identifier(f"c{i}") for i in range(len(columns))]
@@ -319,20 +318,21 @@ class SqlTools:
             await check_statement(conn, statement)
         except StatementRefused as exc:
             log.warning("sql_refused tenant=%s caller=%s uses=%s", tenant, caller or "-", exc)
-            raise ToolError(
-                f"[{ErrorCode.SQL_REFUSED}] the statement uses {exc}, which the SQL tool does not allow;"
+            raise FleetError(
+                ErrorCode.SQL_REFUSED,
+                f"the statement uses {exc}, which the SQL tool does not allow;"
                 " it may call the built-in functions that compute on values, and read tenant_data"
-                " and information_schema"
+                " and information_schema",
             ) from exc
         except psycopg.Error as exc:
-            raise ToolError(
-                f"[{ErrorCode.INVALID_REQUEST}] the database refused the statement: {_reason(exc)}"
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST, f"the database refused the statement: {_reason(exc)}"
             ) from exc
 
-    def _refusal(self, exc: psycopg.Error, tenant: str, caller: str) -> ToolError:
+    def _refusal(self, exc: psycopg.Error, tenant: str, caller: str) -> FleetError:
         """The tool's answer to a query the database stopped."""
         if exc.sqlstate != RESULT_TOO_LARGE_SQLSTATE:
-            return ToolError(f"[invalid_request] the database refused the query: {_reason(exc)}")
+            return FleetError(ErrorCode.INVALID_REQUEST, f"the database refused the query: {_reason(exc)}")
         cap = self._settings.sql_max_result_bytes
         rows, kept, row_bytes = _result_detail(exc)
         log.warning(
@@ -344,10 +344,11 @@ class SqlTools:
             kept,
             row_bytes,
         )
-        return ToolError(
-            f"[{ErrorCode.RESULT_TOO_LARGE}] the result is larger than the {cap} bytes the SQL tool returns:"
+        return FleetError(
+            ErrorCode.RESULT_TOO_LARGE,
+            f"the result is larger than the {cap} bytes the SQL tool returns:"
             f" {rows} rows ({kept} bytes) fit, the next row has {row_bytes} bytes; select fewer rows or"
-            " columns, shorten long values, or aggregate"
+            " columns, shorten long values, or aggregate",
         )
 
     async def execute(self, tenant: str, statement: str, key: str, caller: str) -> WriteResult:
@@ -360,7 +361,7 @@ class SqlTools:
         match = _FIRST_WORD.match(statement)
         first = match.group(1).upper() if match else ""
         if first not in (*WRITE_TAGS, "WITH"):
-            raise ToolError("[invalid_request] execute runs one INSERT, UPDATE, DELETE or MERGE")
+            raise FleetError(ErrorCode.INVALID_REQUEST, "execute runs one INSERT, UPDATE, DELETE or MERGE")
         digest = statement_hash(statement)
         try:
             async with self._pools.connection(tenant) as conn, conn.transaction():
@@ -380,24 +381,27 @@ class SqlTools:
                 status, recorded_hash, recorded_rows = claim
                 if status != "new":
                     if recorded_hash != digest:
-                        raise ToolError(
-                            "[conflict] this idempotency key was used for another statement; use a new key"
+                        raise FleetError(
+                            ErrorCode.CONFLICT,
+                            "this idempotency key was used for another statement; use a new key",
                         )
                     return WriteResult(idempotency_key=key, row_count=int(recorded_rows or 0), replayed=True)
                 cursor = conn.cursor()
                 try:
                     await cursor.execute(statement, binary=True)
                 except psycopg.Error as exc:
-                    raise ToolError(
-                        f"[invalid_request] the database refused the statement: {_reason(exc)}"
+                    raise FleetError(
+                        ErrorCode.INVALID_REQUEST, f"the database refused the statement: {_reason(exc)}"
                     ) from exc
                 tag = (cursor.statusmessage or "").split(" ", 1)[0]
                 if tag not in WRITE_TAGS:
-                    raise ToolError("[invalid_request] execute runs one INSERT, UPDATE, DELETE or MERGE")
+                    raise FleetError(
+                        ErrorCode.INVALID_REQUEST, "execute runs one INSERT, UPDATE, DELETE or MERGE"
+                    )
                 rows = max(cursor.rowcount, 0)
                 await conn.execute("SELECT fleet_sql.finish_write(%s, %s)", (key, rows))
         except psycopg.Error as exc:
-            raise ToolError(f"[tool_failed] the write did not happen: {_reason(exc)}") from exc
+            raise FleetError(ErrorCode.TOOL_FAILED, f"the write did not happen: {_reason(exc)}") from exc
         return WriteResult(idempotency_key=key, row_count=rows, replayed=False)
 
     async def write_status(self, tenant: str, key: str) -> WriteStatus:
@@ -415,7 +419,7 @@ class SqlTools:
 
 def _key(value: str) -> str:
     if not value.strip() or len(value) > 300:
-        raise ToolError("[invalid_request] idempotency_key must be 1 to 300 characters")
+        raise FleetError(ErrorCode.INVALID_REQUEST, "idempotency_key must be 1 to 300 characters")
     return value
 
 

@@ -118,7 +118,7 @@ async def coordinator(
     notifier = RunNotifier(pg_dsn, backoff_s=0.05)
     slots = StreamSlots(engine)
     streams = Streams(notifier, slots, keepalive_s)
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(512)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -290,9 +290,11 @@ def assert_refused(answer: httpx.Response) -> None:
     """A JSON-RPC error (not a stream) with the stable code and when to try again."""
     assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
     error = answer.json()["error"]
-    assert error["code"] == -32603 and error["message"].startswith("[stream_limit]")
+    assert error["code"] == -32603 and error["message"].startswith("at most 1 streams")
     [info] = error["data"]  # the SDK carries the data as a google.rpc.ErrorInfo's metadata
-    assert info["metadata"] == {"code": "stream_limit", "retryable": True, "retry_after_s": 5}
+    envelope = info["metadata"]  # the error's envelope, as data
+    assert (envelope["code"], envelope["retryable"], envelope["retry_after_s"]) == ("stream_limit", True, 5)
+    assert envelope["message"] == error["message"]
 
 
 async def test_a_message_over_the_cap_is_refused_before_anything_is_planned_or_recorded(

@@ -252,7 +252,7 @@ class Receiver:
 @contextlib.asynccontextmanager
 async def receiver(stack: Stack, fail_first: int = 0) -> AsyncIterator[Receiver]:
     """A ``Receiver`` served by uvicorn on a loopback socket bound (and listening) before it starts."""
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     hook = Receiver(

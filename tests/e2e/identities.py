@@ -85,7 +85,7 @@ class CardServer:
 
 @contextlib.asynccontextmanager
 async def card_server() -> AsyncIterator[CardServer]:
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     served = CardServer(f"http://127.0.0.1:{sock.getsockname()[1]}")
@@ -168,7 +168,7 @@ async def team_mcp_server(stack: Stack, tmp: Path, scope: str) -> AsyncIterator[
     operator's consent), one tool ``whoami`` that declares ``scope`` and answers with what the
     server sees of its caller, registered with the registry. Yields its id once it is registered."""
     server_id = f"mcp-team-{uuid.uuid4().hex[:6]}"
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     operator = SigningKey.load_or_create(stack.layout.key_file("operator"))

@@ -40,7 +40,7 @@ async def kit_agent(
         *[arg for skill in skills for arg in ("--skill", skill.id)], timeout=60,
     )  # fmt: skip
     assert issued.returncode == 0, issued.stderr
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -141,7 +141,7 @@ async def partner_agent(
     with the fleet's registry; yields its id and the record of what reached it. Unless
     ``must_register``, a refused registration is only recorded (``PartnerRecord.registration``)."""
     agent_id = agent_id or f"partner-{uuid.uuid4().hex[:6]}"
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"

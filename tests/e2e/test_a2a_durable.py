@@ -35,6 +35,7 @@ from a2a.utils.errors import (
 )
 
 from coordinator.task_events import event_id_of
+from fleet.a2a_support import error_of_a2a
 from fleetctl.testing.e2e import Stack, fetch_card, send, user_message
 from tests.e2e.a2a_helpers import (
     INLINE_OUTLIERS,
@@ -323,7 +324,7 @@ async def test_a_push_url_to_an_internal_address_is_refused_with_a_clear_error(s
                 await client.create_task_push_notification_config(
                     TaskPushNotificationConfig(task_id=ended.task_id, url=url), context=as_tenant(token)
                 )
-            assert caught.value.message.startswith("[push_url_refused]"), caught.value.message
+            assert error_of_a2a(caught.value).code == "push_url_refused", caught.value
             assert reason in caught.value.message
         # Set with the message itself, the URL is refused before any run starts.
         with pytest.raises(InvalidParamsError, match=r"\[push_url_refused\]"):

@@ -55,8 +55,10 @@ async def test_a_write_through_the_sql_tool_is_refused_and_changes_nothing(stack
     steps = {"steps": [{"skill": "sql-query", "input": {"sql": "DELETE FROM tenant_data.invoices"}}]}
     outcome = await send(stack, user_message(data=steps), token=stack.token("coordinator"))
     assert outcome.state_name == "TASK_STATE_FAILED"
-    assert outcome.final_text.startswith("[specialist_failed] step step1 (sql-query) failed")
-    assert "tool_failed" in outcome.final_text
+    assert outcome.final_text.startswith("step step1 (sql-query) failed")
+    # The chain, as data: the agent failed the step because the tool refused the write.
+    assert outcome.codes[:2] == ["specialist_failed", "tool_failed"], outcome.codes
+    assert outcome.codes[2] in ("invalid_request", "sql_refused"), outcome.codes
     after = await send(stack, user_message(data=TWO_STEPS), token=stack.token("coordinator"))
     assert len(customers(after.result)) == 4
 

@@ -24,7 +24,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.tokens import ACCESS_TOKEN_TYPE, TokenClient
 from fleetctl.testing.e2e import Stack, send, user_message
-from fleetctl.testing.mcp import call, ok
+from fleetctl.testing.mcp import call, error_in, ok
 from tests.e2e.a2a_helpers import fresh_tenant
 
 pytestmark = pytest.mark.e2e
@@ -125,10 +125,10 @@ async def refunds_of(stack: Stack, tenant: str) -> list[tuple[Any, ...]]:
 
 
 def refused(result: Any, code: str) -> str:
-    assert result.is_error, result.structured_content
-    text: str = result.content[0].text
-    assert f"[{code}]" in text, text
-    return text
+    """The message of the error ``result`` was answered with, which must have ``code``."""
+    error = error_in(result)
+    assert error.code == code, error
+    return error.message
 
 
 async def test_an_invented_or_forged_approval_is_refused_and_nothing_is_refunded(stack: Stack) -> None:

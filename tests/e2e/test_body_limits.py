@@ -53,10 +53,11 @@ def _assert_refused(status: int, body: bytes, jsonrpc: bool, cap: int) -> None:
         assert answer["jsonrpc"] == "2.0" and answer["id"] is None
         error = answer["error"]["data"]
         assert answer["error"]["code"] == -32600
-    else:
+    else:  # RFC 9457 problem details, the envelope in "error"
+        assert answer["status"] == 413 and answer["type"].endswith(":body_too_large")
         error = answer["error"]
     assert error["code"] == "body_too_large"
-    assert error["max_bytes"] == cap
+    assert error["details"]["max_bytes"] == cap
 
 
 def _rpc(method: str, params: dict[str, Any]) -> dict[str, Any]:

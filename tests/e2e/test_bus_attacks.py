@@ -39,6 +39,7 @@ from fleet.natsjwt import PREFIX_USER, KeyPair
 from fleet.tokens import client_assertion
 from fleetctl.layout import stack_admin
 from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.mcp import error_in
 from tests.e2e.identities import Impostor
 
 pytestmark = pytest.mark.e2e
@@ -599,7 +600,7 @@ async def test_bus_rights_on_the_workspaces_cannot_plant_a_file_in_another_tenan
     )
     for answer in (listed, ran):
         assert "planted" not in str(answer.content)  # before tenant keys: planted.py was there
-        assert answer.is_error and "[integrity_failed]" in answer.content[0].text, answer.content
+        assert error_in(answer).code == "integrity_failed", answer.content
 
 
 async def test_a_sealed_head_copied_to_another_run_of_the_tenant_is_refused(
@@ -618,7 +619,7 @@ async def test_a_sealed_head_copied_to_another_run_of_the_tenant_is_refused(
     await bucket.put(heads[1].subject.removeprefix("$KV.fleet_sandbox_workspaces."), heads[0].data)
     listed = await call_tool(stack, "mcp-sandbox", victim_token(stack, runs[1]), "workspace_files", {})
     assert "first.txt" not in str(listed.content)  # before tenant keys: the first run's files
-    assert listed.is_error and "[integrity_failed]" in listed.content[0].text, listed.content
+    assert error_in(listed).code == "integrity_failed", listed.content
     # The first run is untouched.
     first = await call_tool(stack, "mcp-sandbox", victim_token(stack, runs[0]), "workspace_files", {})
     assert [f["path"] for f in structured(first)] == ["first.txt"]

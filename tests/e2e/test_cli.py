@@ -175,7 +175,9 @@ def test_unknown_run_and_agent_exit_with_the_not_found_code(stack: Stack) -> Non
     for args in (("agents", "show", "no-such-agent"), ("runs", "show", "no-such-run", "--tenant", "acme")):
         result = cli(stack, *args)
         assert result.returncode == 5, result.stderr
-        assert result.stderr.startswith("fleet: ") and result.stderr.strip().endswith("[not_found]")
+        assert result.stderr.startswith("fleet: ") and result.stderr.strip().endswith(
+            "[not_found]"
+        )  # for a person
         as_json = cli(stack, *args, "--json")
         assert as_json.returncode == 5
         assert as_json.stdout == ""

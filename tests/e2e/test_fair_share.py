@@ -192,7 +192,7 @@ async def test_a_tenant_over_its_event_rate_waits_its_turn_and_loses_no_event(li
             refused = [
                 d
                 for d in await dead_letters(stack)
-                if f".{EVENT_FLOODER}." in d["subject"] and d["reason"].startswith("[rate_limited]")
+                if f".{EVENT_FLOODER}." in d["subject"] and d["error"]["code"] == "rate_limited"
             ]
             if await runs_of(stack, EVENT_FLOODER) + len(refused) == 30:
                 break

@@ -53,7 +53,8 @@ async def test_the_coordinator_plans_with_the_model_and_a_specialist_runs_its_ag
     assert asked.state_name == "TASK_STATE_COMPLETED", asked.final_text
     assert asked.result["steps"]["ask"] == answer
     planner, loop, as_operator, as_agent, after_tool = model.requests
-    assert "[forbidden]" in as_operator["messages"][-1]["content"]  # the operator's source: refused
+    refusal = json.loads(as_operator["messages"][-1]["content"])["error"]
+    assert refusal["code"] == "forbidden"  # the operator's source: refused
     kept = json.loads(as_agent["messages"][-1]["content"])
     assert (kept["status"], kept["trust"]) == ("held", "untrusted")  # its trust=trusted: ignored
     assert "<untrusted-memory" in loop["messages"][0]["content"]  # the system prompt explains the block

@@ -15,6 +15,7 @@ from mcp.client.streamable_http import streamable_http_client
 from fleet.keys import SigningKey
 from fleet.tokens import client_assertion
 from fleetctl.testing.e2e import Stack
+from fleetctl.testing.mcp import error_in
 from tests.e2e.identities import Impostor, serve_card
 
 pytestmark = pytest.mark.e2e
@@ -62,10 +63,12 @@ async def test_mcp_query_cannot_escalate_to_another_role(stack: Stack) -> None:
     token = stack.token("mcp-sql", tenant="globex", scopes=("sql:query",))
     for statement in ("SELECT set_config('role', 'postgres', true)", "SET ROLE postgres"):
         result = await call_query(stack, token, statement)
-        assert result.is_error
-        assert "[sql_refused] the statement uses function set_config" in result.content[0].text or (
-            "[invalid_request] the database refused the statement" in result.content[0].text
-        )
+        error = error_in(result)
+        assert (
+            error.code == "sql_refused" and "the statement uses function set_config" in error.message
+        ) or (
+            error.code == "invalid_request" and error.message.startswith("the database refused the statement")
+        ), error
     after = await call_query(stack, token, "SELECT current_user AS u")
     assert after.structured_content["rows"] != [["postgres"]]
 
@@ -73,8 +76,9 @@ async def test_mcp_query_cannot_escalate_to_another_role(stack: Stack) -> None:
 async def test_mcp_call_without_the_tool_scope_is_denied_by_policy(stack: Stack) -> None:
     token = stack.token("mcp-sql", tenant="acme", scopes=())
     result = await call_query(stack, token, "SELECT 1")
-    assert result.is_error
-    assert "[policy_denied] the token lacks scope sql:query" in result.content[0].text
+    error = error_in(result)
+    assert error.code == "policy_denied" and "the token lacks scope sql:query" in error.message
+    assert error.details["decision_id"] and not error.retryable
 
 
 # ----------------------------------------------------------------------------- registry
@@ -164,8 +168,8 @@ async def test_access_tokens_are_short_lived_and_bound_to_one_audience_and_tenan
 async def test_mcp_query_refuses_anything_but_one_select(stack: Stack, statement: str) -> None:
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
     result = await call_query(stack, token, statement)
-    assert result.is_error
-    assert "[invalid_request] the database refused the " in result.content[0].text
+    error = error_in(result)
+    assert error.code == "invalid_request" and error.message.startswith("the database refused the ")
     after = await call_query(stack, token, "SELECT count(*) AS n FROM tenant_data.invoices")
     assert after.structured_content["rows"] == [[7]]
 
@@ -174,8 +178,8 @@ async def test_mcp_session_state_set_by_one_call_does_not_reach_the_next(stack: 
     token = stack.token("mcp-sql", tenant="acme", scopes=("sql:query",))
     for _ in range(12):  # more calls than the pool has connections
         result = await call_query(stack, token, "SELECT set_config('search_path', 'pg_catalog', false)")
-        assert result.is_error  # refused by the tool's allow-list before it runs
-        assert "[sql_refused] the statement uses function set_config" in result.content[0].text
+        error = error_in(result)  # refused by the tool's allow-list before it runs
+        assert error.code == "sql_refused" and "the statement uses function set_config" in error.message
     after = await call_query(stack, token, "SELECT current_setting('search_path') AS p")
     assert after.structured_content["rows"] == [['"$user", public']]
 

@@ -16,6 +16,7 @@ from fleet.eventlog import read_records
 from fleet.natsconn import connect
 from fleetctl.layout import stack_admin
 from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.mcp import error_in
 from tests.e2e.identities import PartnerIdp
 
 MEMORY = ("memory:read", "memory:write")
@@ -49,7 +50,7 @@ async def test_memory_through_its_mcp_server_is_governed_and_confined_to_the_ten
 
     no_scope = stack.token("mcp-memory", tenant="acme", scopes=("memory:read",))
     refused = await call(stack, no_scope, "remember", {"text": "a note"})
-    assert refused.is_error and "policy_denied" in refused.content[0].text
+    assert error_in(refused).code == "policy_denied"
 
     client = await connect(stack.endpoints["nats"], "test-memory", credentials=stack_admin(stack.endpoints))
     try:
@@ -193,11 +194,11 @@ async def test_a_callers_trust_is_ignored_and_only_a_person_in_their_own_name_vo
     operator = await call(
         stack, through, "remember", {"text": rule, "source": "operator", "tier": "procedural"}
     )
-    assert operator.is_error and "[forbidden]" in operator.content[0].text
+    assert error_in(operator).code == "forbidden"
     trusted = await call(stack, through, "remember", {"text": "A trust-desk note.", "trust": "trusted"})
     assert trusted.structured_content["trust"] == "untrusted"
     approve = await call(stack, through, "approve_memory", {"id": held.structured_content["id"]})
-    assert approve.is_error and "[forbidden]" in approve.content[0].text
+    assert error_in(approve).code == "forbidden"
     # The person in their own name approves: the rule is memory, and trusted.
     person = stack.token("mcp-memory", tenant="acme", scopes=("memory:read", "memory:approve"))
     approved = await call(stack, person, "approve_memory", {"id": held.structured_content["id"]})

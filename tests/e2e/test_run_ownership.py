@@ -34,6 +34,7 @@ from a2a.types import (
 )
 from a2a.utils.errors import A2AError, InvalidParamsError, TaskNotCancelableError
 
+from fleet.a2a_support import error_of_a2a
 from fleetctl.testing.e2e import Stack, fleet, send, user_message
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, free_port, fresh_tenant, start, subscribe
 from tests.e2e.identities import PartnerIdp
@@ -213,7 +214,8 @@ async def test_every_cancel_path_goes_through_the_approvals_policy(stack: Stack)
     async with a2a_client(stack, streaming=False) as client:
         with pytest.raises(TaskNotCancelableError) as refused:
             await client.cancel_task(CancelTaskRequest(id=first), context=as_tenant(admin))
-    assert "[forbidden]" in str(refused.value) and "auditor may not cancel" in str(refused.value)
+    error = error_of_a2a(refused.value)
+    assert error.code == "forbidden" and "auditor may not cancel" in error.message
     over_api = await api(stack, "POST", f"/v1/runs/{first}/signals", admin, {"action": "cancel"})
     assert over_api.status_code == 403 and "auditor may not cancel" in over_api.text
     signals = (await api(stack, "GET", f"/v1/runs/{first}/signals", admin)).json()["signals"]
@@ -251,7 +253,7 @@ async def test_a_new_task_cannot_join_a_context_another_principal_or_tenant_made
         message.context_id = context_id
         with pytest.raises(InvalidParamsError) as caught:
             await send(stack, message, token=intruder)
-        assert "[context_refused]" in str(caught.value), caught.value
+        assert error_of_a2a(caught.value).code == "context_refused", caught.value
     # Alice's own context goes on; a context nobody made yet becomes hers.
     again = await waiting_run(stack, alice, admin, context_id)
     async with a2a_client(stack, streaming=False) as client:

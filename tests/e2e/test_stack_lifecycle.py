@@ -180,7 +180,8 @@ async def test_a_specialist_that_is_down_fails_its_step_with_a_reason(own_stack:
     }
     outcome = await send(own_stack, user_message(data=steps), token=own_stack.token("coordinator"))
     assert outcome.state_name == "TASK_STATE_FAILED"
-    assert outcome.final_text.startswith("[specialist_unavailable] step outliers (outliers) failed")
+    assert outcome.codes[0] == "specialist_unavailable", outcome.final_text
+    assert outcome.final_text.startswith("step outliers (outliers) failed")
     assert "cannot reach stats" in outcome.final_text
     # The rest of the fleet carries on, and status names the service that is down.
     alone = await send(own_stack, user_message(data=ONE_STEP), token=own_stack.token("coordinator"))

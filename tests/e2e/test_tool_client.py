@@ -204,7 +204,7 @@ def flaky_server(
         """Reads a value (read-only)."""
         ran["lookup"] += 1
         if fail:
-            raise ToolError("[invalid_request] the lookup failed")
+            raise ToolError("the lookup failed")  # an MCP server that is not the fleet's: text only
         return {"value": 42}
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=True))
@@ -234,7 +234,7 @@ async def world(stack: Stack, tmp_path: Path) -> AsyncIterator[World]:
     URL) and a client identity enrolled for its scope, with a :class:`Toolbox`."""
     suffix = uuid.uuid4().hex[:6]
     server_id, client_id = f"mcp-flaky-{suffix}", f"flaky-client-{suffix}"
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     proxy = Proxy(sock.getsockname()[1])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl.testing.e2e import Stack, start_stack, stop_stack
-from fleetctl.testing.mcp import call, logged, ok
+from fleetctl.testing.mcp import call, error_in, logged, ok
 from tests.e2e.webhooks import SECRET, WebhookReceiver
 from tests.memwatch import PeakGrowth
 
@@ -34,7 +34,8 @@ async def test_the_sql_server_keeps_a_tenant_in_even_when_the_statement_sets_ano
     )
     refused = await call(stack, "mcp-sql", token, "query", {"sql": hostile})
     assert (
-        refused.is_error and "[sql_refused] the statement uses function set_config" in refused.content[0].text
+        error_in(refused).code == "sql_refused"
+        and "the statement uses function set_config" in error_in(refused).message
     )
     plain = "SELECT DISTINCT tenant_id FROM tenant_data.invoices"
     assert ok(await call(stack, "mcp-sql", token, "query", {"sql": plain}))["rows"] == [["acme"]]
@@ -45,7 +46,7 @@ async def test_the_sql_server_refuses_a_giant_value_before_it_reaches_its_proces
     ok(await call(stack, "mcp-sql", token, "query", {"sql": "SELECT 1"}))  # the tenant's pool is open
     with PeakGrowth(stack.endpoints["processes"]["mcp-sql"]) as growth:
         result = await call(stack, "mcp-sql", token, "query", {"sql": "SELECT repeat('x', 30000000) AS big"})
-    assert result.is_error and "[result_too_large]" in result.content[0].text, result.content
+    assert error_in(result).code == "result_too_large", result.content
     assert growth.mib < 30, f"mcp-sql grew by {growth.mib} MiB"
 
 
@@ -117,7 +118,7 @@ async def test_a_file_written_by_one_call_is_there_for_the_next_call_of_the_run_
         "read_artifact",
         {"artifact": artifact},
     )
-    assert refused.is_error and "not_found" in refused.content[0].text
+    assert error_in(refused).code == "not_found"
 
 
 async def test_long_output_comes_back_as_an_artifact(stack: Stack) -> None:
@@ -162,7 +163,9 @@ async def test_a_memory_bomb_across_processes_fails_the_call_with_sandbox_oom(st
     ok(await call(stack, "mcp-sandbox", token, "run_python", {"code": "open('before.txt', 'w').write('x')"}))
     # 5 x 300 MB: each process is under its 512 MiB address space, together over the call's 1 GiB
     bomb = await call(stack, "mcp-sandbox", token, "run_python", {"code": MEMORY_BOMB, "timeout_s": 20})
-    assert bomb.is_error and "[sandbox_oom] the call used more than" in bomb.content[0].text, bomb.content
+    assert error_in(bomb).code == "sandbox_oom" and "the call used more than" in error_in(bomb).message, (
+        bomb.content
+    )
     await logged(stack, "mcp-sandbox", "sandbox call of acme/sql-analyst refused: sandbox_oom")
     after = ok(
         await call(stack, "mcp-sandbox", token, "run_python", {"code": "import os; print(os.listdir())"})
@@ -244,7 +247,7 @@ async def test_an_operation_id_cannot_be_reused_for_another_request(stack: Stack
         "post_webhook",
         {"operation_id": op, "destination": "ops", "payload": {"v": 2}},
     )
-    assert reused.is_error and "[conflict]" in reused.content[0].text
+    assert error_in(reused).code == "conflict"
 
 
 async def test_a_destination_that_needs_approval_waits_for_a_grant_and_a_self_asserted_one_does_nothing(
@@ -268,7 +271,7 @@ async def test_a_destination_that_needs_approval_waits_for_a_grant_and_a_self_as
     )
     assert asserted.is_error or ok(asserted)["status"] == "pending_approval"
     invented = await call(stack, "mcp-outbox", token, "post_webhook", {**args, "approval_grant": "ap-1"})
-    assert invented.is_error and "[approval_invalid]" in invented.content[0].text
+    assert error_in(invented).code == "approval_invalid"
     assert [d for d in webhooks.to("/ok/customers") if d.json["operation_id"] == op] == []
     status = ok(await call(stack, "mcp-outbox", token, "operation_status", {"operation_id": op}))
     assert status["status"] == "pending_approval"

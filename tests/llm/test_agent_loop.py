@@ -129,8 +129,13 @@ async def test_a_tools_error_goes_back_to_the_model_as_its_code_and_message(
         assert await Run(plane, model, http)({"number": "INV-7"}) == {"voided": False}
     answer = model.requests[1]["messages"][-1]
     assert answer["role"] == "tool"
-    assert answer["content"].startswith("[tool_failed] ")
-    assert "invoice INV-7 is paid; it cannot be voided" in answer["content"]
+    # The model reads the tool's own error as data: its code and message, not the agent's wrapper.
+    error = json.loads(answer["content"])["error"]
+    assert error == {
+        "code": "conflict",
+        "message": "invoice INV-7 is paid; it cannot be voided",
+        "retryable": False,
+    }
 
 
 async def test_a_call_to_a_tool_not_offered_is_told_to_the_model_and_nothing_is_called(
@@ -139,9 +144,10 @@ async def test_a_call_to_a_tool_not_offered_is_told_to_the_model_and_nothing_is_
     async with scripted_model(call("drop_tables", {}), say('{"done": false}')) as model:
         run = Run(plane, model, http)
         assert await run({}) == {"done": False}
-    answer = model.requests[1]["messages"][-1]["content"]
-    assert answer.startswith("[invalid_request] there is no tool 'drop_tables'")
-    assert run.lookup in answer
+    answer = json.loads(model.requests[1]["messages"][-1]["content"])["error"]
+    assert answer["code"] == "invalid_request"
+    assert answer["message"].startswith("there is no tool 'drop_tables'")
+    assert run.lookup in answer["message"]
     assert plane.served == [] and run.progress == []
 
 

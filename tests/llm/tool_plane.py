@@ -20,7 +20,6 @@ import uvicorn
 from a2a.types import AgentSkill
 from google.protobuf.json_format import MessageToDict
 from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deploy.enrollment import enrollment_token
 from deploy.local_stack import ServiceSpec
 from fleet.a2a_support import build_card, sign_card
+from fleet.errors import ErrorCode, FleetError
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.service import Readiness
@@ -82,7 +82,7 @@ class _Started:
 
 
 def _listening() -> socket.socket:
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY on accept
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     return sock
@@ -142,7 +142,7 @@ def _invoice_server(
     async def void_invoice(number: str) -> dict[str, Any]:
         """Voids an unpaid invoice."""
         plane.served.append(("void_invoice", {"number": number}))
-        raise ToolError(f"[conflict] invoice {number} is paid; it cannot be voided")
+        raise FleetError(ErrorCode.CONFLICT, f"invoice {number} is paid; it cannot be voided")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -19,7 +19,16 @@ def event(seq: int, type_: str, **payload: Any) -> RunEvent:
     return RunEvent("r1", seq, type_, NOW, "worker-1", payload)
 
 
-def failed_after_a_reroute(message: str) -> list[RunEvent]:
+# What a step that failed on a tool refusing the agent's call records: the error and what it wraps.
+POLICY_REFUSAL = {
+    "code": "tool_failed",
+    "message": "mcp-sandbox/run_python answered with an error: no",
+    "cause": {"code": "policy_denied", "message": "no", "retryable": False},
+}
+
+
+def failed_after_a_reroute(message: str, cause: dict[str, Any] | None = None) -> list[RunEvent]:
+    caused = {"cause": cause} if cause else {}
     return [
         event(1, "run.submitted", state="submitted"),
         event(2, "step.started", step="score", skill="score-anomalies", agent="code-runner"),
@@ -27,14 +36,20 @@ def failed_after_a_reroute(message: str) -> list[RunEvent]:
             3, "step.rerouted", op_id="op-1", step="score", **{"from": "code-runner", "to": "code-runner-2"}
         ),
         event(
-            4, "step.failed", step="score", skill="score-anomalies", code="specialist_failed", message=message
+            4,
+            "step.failed",
+            step="score",
+            skill="score-anomalies",
+            code="specialist_failed",
+            message=message,
+            **caused,
         ),
         event(5, "run.failed", state="failed", reason="specialist_failed"),
     ]
 
 
 def test_it_names_the_failed_step_its_agent_version_reroutes_and_cause() -> None:
-    events = failed_after_a_reroute("code-runner-2: [tool_failed] mcp-sandbox/run_python: [policy_denied] no")
+    events = failed_after_a_reroute("code-runner-2 failed the step: no", POLICY_REFUSAL)
     operations = [
         {
             "op_id": "op-1",
@@ -52,8 +67,8 @@ def test_it_names_the_failed_step_its_agent_version_reroutes_and_cause() -> None
     assert "- agent: `code-runner-2` (version `1.0.0` as registered now, status `healthy`)" in text
     assert "code-runner -> code-runner-2" in text
     assert "`specialist_failed` -> `tool_failed` -> `policy_denied`" in text
-    assert "[policy_denied]" in text.split("## Policy")[1].split("##")[0]  # the refusal is named
-    assert "| `op-1` | score | code-runner-2 | failed | 2 |" in text
+    assert "refused by `policy_denied`" in text.split("## Policy")[1].split("##")[0]  # the refusal is named
+    assert "| `op-1` | score | code-runner-2 | failed | 2 | specialist_failed | boom |" in text
     assert "`fleet policy log`" in text.split("## What to do next")[1]  # advice for the innermost cause
 
 
@@ -70,3 +85,13 @@ def test_a_completed_run_says_nothing_failed() -> None:
     )
     assert "No step failed." in text
     assert "Nothing: the run completed." in text
+
+
+def test_a_code_in_a_message_is_text_not_a_cause() -> None:
+    """Codes are read from the recorded errors (data), never out of a message: a message that
+    happens to contain ``[policy_denied]`` (above: a tool quoting something) names no refusal."""
+    text = explain(
+        run(), failed_after_a_reroute("code-runner-2 failed: it printed [policy_denied]"), [], "r", {}
+    )
+    assert "- cause, outermost first: `specialist_failed`\n" in text
+    assert "No policy or scope refusal is recorded for this run." in text

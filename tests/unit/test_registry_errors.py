@@ -39,7 +39,7 @@ def test_the_registry_or_its_proxy_failing_over_is_waited_out(response: httpx.Re
         (answer(503, error("policy_unavailable")), ErrorCode.POLICY_UNAVAILABLE),  # fails closed
         (answer(500, error("internal")), ErrorCode.INTERNAL),
         (answer(404, error("not_found")), ErrorCode.NOT_FOUND),
-        (answer(404, text="<html>no</html>"), ErrorCode.INTERNAL),
+        (answer(404, text="<html>no</html>"), ErrorCode.NOT_FOUND),  # not its answer: read from the status
     ],
 )
 def test_any_other_refusal_keeps_its_code_and_is_not_waited_for(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from mcp.types import CallToolResult, TextContent
 
+from fleet.errors import ErrorCode
+from fleet.mcp_errors import error_of
 from mcp_servers._base import READ_ONLY, TracedMCPServer
 
 
@@ -27,8 +29,11 @@ async def test_a_tool_result_larger_than_the_cap_is_refused_with_result_too_larg
     assert isinstance(refused, CallToolResult) and refused.is_error
     [content] = refused.content
     assert isinstance(content, TextContent)
-    assert content.text.startswith("[result_too_large] the result of echo has ")
-    assert "more than the 65536 this server answers" in content.text
+    assert content.text.startswith("the result of echo has ")  # the message, for a person or a model
+    error = error_of(refused)  # the code, as data
+    assert error is not None and error.code == ErrorCode.RESULT_TOO_LARGE and not error.retryable
+    assert error.details == {"bytes": error.details["bytes"], "max_bytes": 65536}
+    assert "more than the 65536 this server answers" in error.message
     assert len(refused.model_dump_json()) < 1000
 
 
