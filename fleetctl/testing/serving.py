@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -24,7 +25,7 @@ def loopback_socket() -> tuple[socket.socket, str]:
 
 @contextlib.asynccontextmanager
 async def serving(
-    app: ASGIApp, *, lifespan: str = "on", bound: tuple[socket.socket, str] | None = None
+    app: ASGIApp, *, lifespan: Literal["on", "off"] = "on", bound: tuple[socket.socket, str] | None = None
 ) -> AsyncIterator[str]:
     """Serve ``app`` for the ``with`` block, on ``bound`` (from :func:`loopback_socket`) or a new
     loopback socket; its base URL."""
