@@ -5,7 +5,7 @@ Interleaved in one run:
 * baseline: a bare LangGraph graph of the coordinator's shape (``schedule`` fans each ready step out to
   ``delegate`` with ``Send``; the state carries the plan and the results), with nothing around it, on
   LangGraph's own Postgres checkpointer (``AsyncPostgresSaver``): what a LangGraph user starts from;
-* the same bare graph on the fleet's checkpointer (``coordinator.checkpoints``), to show what the
+* the same bare graph on the fleet's checkpointer (``coordinator.record.checkpoints``), to show what the
   checkpointer alone changes;
 * fleet: the coordinator's graph driven by the real worker (``RunWorker.advance``) on the fleet's
   checkpointer: lease, the operations ledger (a durable intent before and a durable result after each
@@ -35,11 +35,11 @@ from langgraph.types import Send
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.checkpoints import CompactCheckpointer
-from coordinator.graph import build_graph, checkpoint_pool
-from coordinator.operations import Ledger
-from coordinator.runs import PostgresRunStore
-from coordinator.worker import RunWorker
+from coordinator.engine.graph import build_graph, checkpoint_pool
+from coordinator.engine.worker import RunWorker
+from coordinator.record.checkpoints import CompactCheckpointer
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import PlanStep, PostgresRunStore
 from fleetctl.testing.postgres import embedded_postgres
 from policy import RegorusEngine
 from registry import AgentRecord
@@ -107,7 +107,7 @@ def bare_graph(saver: Any) -> Any:
     return builder.compile(checkpointer=saver)
 
 
-def _plan() -> list[dict[str, Any]]:
+def _plan() -> list[PlanStep]:
     return [
         {"id": f"s{i}", "skill": "noop", "input": {"n": i}, "after": [f"s{i - 1}"] if i else []}
         for i in range(STEPS)

@@ -35,10 +35,10 @@ from a2a.types import AgentCard, Message, Role, SendMessageRequest
 from google.protobuf.json_format import ParseDict
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.delegation import INVOKE_SCOPE, Delegator
-from coordinator.dispatch import RunScope, StepDispatcher
-from coordinator.operations import Ledger
-from coordinator.runs import PostgresRunStore
+from coordinator.engine.delegation import INVOKE_SCOPE, Delegator
+from coordinator.engine.dispatch import RunScope, StepDispatcher
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import PlanStep, PostgresRunStore
 from fleet.settings import ServiceSettings
 from fleetctl.layout import StackLayout
 from fleetctl.testing.stack import running_stack
@@ -103,7 +103,9 @@ async def measure(layout: StackLayout, endpoints: dict[str, Any], dsn: str) -> d
 
         async def fleet_round() -> float:
             run_id = f"bench-{uuid.uuid4().hex}"
-            plan = [{"id": f"s{i}", "skill": "outliers", "input": PAYLOAD} for i in range(CALLS)]
+            plan: list[PlanStep] = [
+                {"id": f"s{i}", "skill": "outliers", "input": PAYLOAD, "after": []} for i in range(CALLS)
+            ]
             await store.create_run(run_id, TENANT, "bench", {}, plan)
             lease = await store.acquire_lease(run_id, "bench", 300)
             assert lease is not None

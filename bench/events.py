@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from coordinator.notifier import NOTIFY_CHANNEL
+from coordinator.record.notifier import NOTIFY_CHANNEL
 from fleet.events import EVENTS_STREAM, EventMessage, ensure_event_streams, event_message
 from fleet.natsconn import connect
 from fleetctl.layout import stack_admin

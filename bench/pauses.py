@@ -4,7 +4,7 @@ approval gets a run going again.
 On a real local stack (NATS JetStream, Postgres, the coordinator, two worker processes, the case desk
 and its cases MCP server, the shipped bundle plus a trigger rule for refund events):
 
-* scale (the scenario of ``tests/e2e/pause_harness.py``): ``RUNS`` refund runs pause at the approval
+* scale (the scenario of ``fleetctl/testing/pauses.py``): ``RUNS`` refund runs pause at the approval
   gate; every worker process is stopped; the disk the paused runs take is measured (the run tables
   with indexes and TOAST, compacted, against before); ``RUNS`` approvals arrive over NATS with no
   worker alive (each with a signal grant, asked for as it is sent); workers start again and every run resumes; refunds are counted at the tool.
@@ -33,13 +33,13 @@ import httpx
 import psycopg
 
 from bench.events import delivery_latency
-from coordinator.notifier import NOTIFY_CHANNEL
-from coordinator.signals import SIGNALS_PREFIX, sign_signal
+from coordinator.record.notifier import NOTIFY_CHANNEL
 from fleet.events import Event, publish_event
 from fleet.natsconn import connect
+from fleet.signal_client import SIGNALS_PREFIX, sign_signal
 from fleetctl.layout import StackLayout, stack_admin
+from fleetctl.testing.pauses import SUBJECT, TENANT, dsn, operator_signer, pause_and_resume, refund_policy
 from fleetctl.testing.stack import running_stack
-from tests.e2e.pause_harness import SUBJECT, TENANT, dsn, operator_signer, pause_and_resume, refund_policy
 
 RUNS = 10_000
 LATENCY_RUNS = 60

@@ -15,25 +15,30 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from coordinator import work
-from coordinator.access import RunAccess
-from coordinator.card import JWKS_PATH, ExtendedCardForCaller, extended_card, with_fleet_capabilities
-from coordinator.checkpoints import CompactCheckpointer
-from coordinator.delegation import INVOKE_SCOPE, Delegator
-from coordinator.executor import CoordinatorExecutor
-from coordinator.graph import checkpoint_pool
-from coordinator.handler import CoordinatorRequestHandler
-from coordinator.llm_planner import llm_planner
-from coordinator.metrics import coordinator_metrics
-from coordinator.notifier import RunNotifier
-from coordinator.operations import Ledger
-from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
-from coordinator.run_api import RUNS_PREFIX, run_routes
-from coordinator.runs import PostgresRunStore
-from coordinator.signals import SIGNAL_GRANT, SignalDesk, SignalIngest
-from coordinator.streams import KEEPALIVE_S, Streams, StreamSlots, a2a_keepalives
-from coordinator.task_store import PostgresTaskStore, sweep_retention
-from coordinator.triggers import TriggerIngest
+from coordinator.a2a_surface.card import (
+    JWKS_PATH,
+    ExtendedCardForCaller,
+    extended_card,
+    with_fleet_capabilities,
+)
+from coordinator.a2a_surface.executor import CoordinatorExecutor
+from coordinator.a2a_surface.handler import CoordinatorRequestHandler
+from coordinator.a2a_surface.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
+from coordinator.a2a_surface.task_store import PostgresTaskStore, sweep_retention
+from coordinator.control.metrics import coordinator_metrics
+from coordinator.control.run_api import RUNS_PREFIX, run_routes
+from coordinator.control.signals import SIGNAL_GRANT, SignalDesk, SignalIngest
+from coordinator.control.streams import KEEPALIVE_S, Streams, StreamSlots, a2a_keepalives
+from coordinator.control.triggers import TriggerIngest
+from coordinator.engine.delegation import INVOKE_SCOPE, Delegator
+from coordinator.engine.graph import checkpoint_pool
+from coordinator.planning.llm_planner import llm_planner
+from coordinator.record import work
+from coordinator.record.access import RunAccess
+from coordinator.record.checkpoints import CompactCheckpointer
+from coordinator.record.notifier import RunNotifier
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import PostgresRunStore
 from fleet import telemetry, transport
 from fleet.a2a_support import (
     RPC_PATH,

@@ -329,7 +329,7 @@ def _one_shot_policy(name: str, target: str, port: int) -> Doc:
 
 def scaled_object() -> Doc:
     """The workers scale on the work queue's backlog: messages of ``FLEET_WORK`` not yet delivered
-    to the ``run-workers`` consumer (coordinator/work.py), about FLEET_CONCURRENCY (4) per worker."""
+    to the ``run-workers`` consumer (coordinator/record/work.py), about FLEET_CONCURRENCY (4) per worker."""
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",

@@ -38,7 +38,7 @@ def worker(n: int) -> ServiceSpec:
     return ServiceSpec(
         f"worker-{n}",
         "worker",
-        "coordinator.worker:main",
+        "coordinator.engine.worker:main",
         scopes=("registry:read", "agent:invoke", "memory:consolidate"),  # a completed run's memory
         database="fleet",
     )

@@ -17,7 +17,7 @@ from typing import Any
 class EventType(StrEnum):
     """The type of a run event (``RunEvent.type``)."""
 
-    # The run's state: one event per transition, ``run.<state>`` (``coordinator.runs.RunState``).
+    # The run's state: one event per transition, ``run.<state>`` (``coordinator.record.runs.RunState``).
     RUN_SUBMITTED = "run.submitted"
     RUN_WORKING = "run.working"
     RUN_WAITING = "run.waiting"
@@ -65,7 +65,7 @@ class EventType(StrEnum):
     OPERATION_INTENT = "operation.intent"
     OPERATION_REDISPATCH = "operation.redispatch"
     OPERATION_RESOLVED = "operation.resolved"
-    # An outcome recorded in the ledger, ``operation.<status>`` (``coordinator.operations.OpStatus``).
+    # An outcome recorded in the ledger, ``operation.<status>`` (``coordinator.record.operations.OpStatus``).
     OPERATION_SUCCEEDED = "operation.succeeded"
     OPERATION_FAILED = "operation.failed"
     OPERATION_NEEDS_HUMAN = "operation.needs_human"

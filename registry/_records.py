@@ -31,7 +31,7 @@ class IdentityRecord(BaseModel):
     skills: list[str] = Field(default_factory=list)
     enrolled_at: float
     # Run by another organisation (a partner's agent): what the fleet sends it passes the egress
-    # policy, and its card says where to get a token for it (see coordinator.delegation).
+    # policy, and its card says where to get a token for it (see coordinator.engine.delegation).
     external: bool = False
 
     def current_keys(self) -> dict[str, dict[str, Any]]:

@@ -151,11 +151,17 @@ def test_no_two_modules_import_each_other_even_lazily() -> None:
 def test_the_checks_see_a_violation_and_a_cycle(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "import os\ndef f():\n    from coordinator.graph import build_graph\nimport specialists.kit\n"
+        "import os\ndef f():\n    from coordinator.engine.graph import build_graph\nimport specialists.kit\n"
     )
     assert imported_top_levels(bad) == {"os", "coordinator", "specialists"}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert (_wing("coordinator.engine.graph"), _wing("coordinator"), _wing("fleet.errors")) == (
+        "engine",
+        None,
+        None,
+    )
+    assert "control" not in COORDINATOR_WINGS["engine"]  # the engine may not reach up to control
 
 
 def test_no_test_imports_another_test_or_a_conftest() -> None:
@@ -172,16 +178,58 @@ def test_no_test_imports_another_test_or_a_conftest() -> None:
     assert violations == []
 
 
-# The one arrow from the benchmarks into the tests left: the pause harness signs signals with the
-# coordinator's code, which the testing package (on the operator's floor) may not import.
-BENCH_USES_FROM_TESTS = {"tests.e2e.pause_harness"}
-
-
-def test_the_benchmarks_import_from_the_tests_only_the_pause_harness() -> None:
+def test_the_benchmarks_import_nothing_from_the_tests() -> None:
+    """The benchmarks take what they share with the tests (a running stack, the pause scenario)
+    from ``fleetctl.testing``, which ships with the project."""
     used = {
-        name
-        for path in sources("bench")
-        for name in imported_modules(path)
-        if name.split(".")[0] == "tests" and name.count(".") <= 2
+        name for path in sources("bench") for name in imported_modules(path) if name.split(".")[0] == "tests"
     }
-    assert used <= BENCH_USES_FROM_TESTS, used
+    assert used == set(), used
+
+
+# The coordinator's wings, in floors: each may import only the wings named here (and itself);
+# ``coordinator.server``, the composition root of both processes, may import every wing, and no
+# wing imports it.
+COORDINATOR_WINGS: dict[str, frozenset[str]] = {
+    "record": frozenset(),
+    "planning": frozenset({"record"}),
+    "engine": frozenset({"record", "planning"}),
+    "control": frozenset({"record", "planning"}),
+    "a2a_surface": frozenset({"record", "planning", "engine", "control"}),
+}
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "coordinator" else None
+
+
+def test_the_coordinator_is_wings_and_a_composition_root() -> None:
+    """Nothing of the coordinator is left beside its wings but the server and the package."""
+    flat = sorted(p.name for p in (ROOT / "coordinator").glob("*.py"))
+    wings = sorted(p.name for p in (ROOT / "coordinator").iterdir() if (p / "__init__.py").exists())
+    assert flat == ["__init__.py", "server.py"]
+    assert wings == sorted(COORDINATOR_WINGS)
+
+
+def test_a_coordinator_wing_imports_only_the_wings_below_it() -> None:
+    violations = []
+    for path in sources("coordinator"):
+        wing = _wing(module_name(path))
+        if wing not in COORDINATOR_WINGS:
+            continue  # the server and the package itself
+        for name in sorted(set(imported_modules(path))):
+            other = _wing(name)
+            if other is not None and other != wing and other not in COORDINATOR_WINGS[wing]:
+                violations.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert violations == []
+
+
+def test_the_wing_floors_have_no_cycle() -> None:
+    def below(wing: str, seen: frozenset[str]) -> None:
+        for other in COORDINATOR_WINGS[wing]:
+            assert other not in seen, f"{' -> '.join(seen)} -> {other}"
+            below(other, seen | {other})
+
+    for wing in COORDINATOR_WINGS:
+        below(wing, frozenset({wing}))

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from coordinator import work
-from coordinator.signals import ensure_signal_streams
+from coordinator.record import work
 from fleet.artifacts import NatsArtifactStore
 from fleet.buscatalog import BUCKETS, OBJECT_STORES, STREAMS, provision
 from fleet.events import ensure_event_streams, ensure_stream
 from fleet.natsconn import connect, key_value
 from fleet.revocations import REVOCATIONS_BUCKET
+from fleet.signal_client import ensure_signal_streams
 from fleetctl.console._session import SIGNED_OUT_BUCKET, SIGNED_OUT_KEPT_S
 from fleetctl.testing.nats import embedded_nats
 from mcp_servers._base import AUDIT_MAX_AGE_S, RUN_CALLS_BUCKET, RUN_CALLS_TTL_S

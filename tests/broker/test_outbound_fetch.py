@@ -22,10 +22,10 @@ from google.protobuf.json_format import MessageToDict
 from nats.js.errors import NotFoundError
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.access import RunAccess
-from coordinator.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
-from coordinator.runs import PostgresRunStore, RunState
-from coordinator.task_store import PostgresTaskStore
+from coordinator.a2a_surface.push import PostgresPushConfigStore, PushDispatcher, PushSigner, PushUrlPolicy
+from coordinator.a2a_surface.task_store import PostgresTaskStore
+from coordinator.record.access import RunAccess
+from coordinator.record.runs import PostgresRunStore, RunState
 from fleet import outbound
 from fleet.a2a_support import build_card, sign_card
 from fleet.errors import ErrorCode, FleetError

@@ -12,16 +12,15 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from mcp.server.auth.middleware.auth_context import auth_context_var
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
-from mcp.server.mcpserver.exceptions import ToolError
 
 from fleet.natsconn import connect
 from fleet.tokens import Claims
 from mcp_servers._base import AuditTrail, RateLimits, RunCalls, ToolGate, read_audit
 from policy import Bundle, RegorusEngine
+from tests.raising import raises_code
 
 
 def engine_with_rates(agents: dict[str, Any], **more: Any) -> RegorusEngine:
@@ -68,9 +67,9 @@ async def test_every_call_is_audited_on_nats_with_its_outcome(nats_url: str) -> 
         async with gate.trail.publishing(client):
             with calling_as("sql-analyst", "acme", {"sql:query"}):
                 claims = await gate.allow("query", {"sql_length": 40})
-                with pytest.raises(ToolError, match=r"\[policy_denied\] the token lacks scope sql:write"):
+                with raises_code("policy_denied", r"the token lacks scope sql:write"):
                     await gate.allow("execute", {"sql_length": 40})
-            with calling_as("sql-analyst", "globex", set()), pytest.raises(ToolError, match="policy_denied"):
+            with calling_as("sql-analyst", "globex", set()), raises_code("policy_denied"):
                 await gate.allow("query", {"sql_length": 10})
     finally:
         await client.close()
@@ -104,24 +103,23 @@ async def test_an_agent_over_its_rate_is_refused_and_others_are_not(nats_url: st
     with calling_as("sql-analyst", "acme", {"sql:query"}):
         await gate.allow("query", {"sql_length": 1})
         await gate.allow("query", {"sql_length": 1})
-        with pytest.raises(
-            ToolError, match=r"\[rate_limited\] sql-analyst calls mcp-sql/query .* retry in 1.0 s"
-        ):
+        with raises_code("rate_limited", r"sql-analyst calls mcp-sql/query .* retry in 1.0 s"):
             await gate.allow("query", {"sql_length": 1})
     with calling_as("sql-analyst", "globex", {"sql:query"}):
         await gate.allow("query", {"sql_length": 1})  # its own bucket in another tenant
     with (
         calling_as("operator", "acme", {"sql:query"}, act="sql-analyst"),
-        pytest.raises(ToolError, match="rate"),
+        raises_code("rate_limited") as refused,
     ):
         await gate.allow("query", {"sql_length": 1})  # the agent is held to its rate whoever it acts for
+    assert refused.value.retryable and refused.value.retry_after_s == 1
     with calling_as("reporter", "acme", {"sql:query"}):
         for _ in range(20):
             await gate.allow("query", {"sql_length": 1})  # the fleet's default rate for everyone else
     now[0] += 1.0  # a second refills one call at 60 a minute
     with calling_as("sql-analyst", "acme", {"sql:query"}):
         await gate.allow("query", {"sql_length": 1})
-        with pytest.raises(ToolError, match=r"\[rate_limited\]"):
+        with raises_code("rate_limited"):
             await gate.allow("query", {"sql_length": 1})
     assert gate.trail.pending == 27  # every call, refused or not, is an event
 
@@ -131,7 +129,7 @@ async def test_a_call_is_refused_when_its_audit_event_cannot_be_kept() -> None:
     with calling_as("sql-analyst", "acme", {"sql:query"}):
         await gate.allow("query", {"sql_length": 1})
         await gate.allow("query", {"sql_length": 1})  # the broker is away: nothing is being published
-        with pytest.raises(ToolError, match=r"\[dependency_unavailable\] the audit trail cannot keep up"):
+        with raises_code("dependency_unavailable", r"the audit trail cannot keep up"):
             await gate.allow("query", {"sql_length": 1})
 
 
@@ -150,7 +148,7 @@ async def test_a_run_is_held_to_its_tool_calls_across_servers(nats_url: str) -> 
         with calling_as("analyst", "acme", scopes, run_id=run):
             await asyncio.gather(sql.allow("query", {"sql_length": 1}), sandbox.allow("workspace_files", {}))
             await sql.allow("query", {"sql_length": 1})  # the run's third call, each counted once
-            with pytest.raises(ToolError, match=rf"\[policy_denied\] run {run} has made the 3 tool calls"):
+            with raises_code("policy_denied", rf"run {run} has made the 3 tool calls"):
                 await sandbox.allow("workspace_files", {})
         with calling_as("analyst", "acme", scopes, run_id=f"{run}-other"):
             await sandbox.allow("workspace_files", {})  # another run has its own count

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from coordinator import work
+from coordinator.record import work
 from fleet.natsconn import connect
 
 

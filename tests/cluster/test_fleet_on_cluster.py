@@ -21,7 +21,7 @@ import pytest
 from nats.errors import Error as NatsError
 from nats.js.errors import Error as JetStreamError
 
-from coordinator.work import STREAM as WORK_STREAM
+from coordinator.record.work import STREAM as WORK_STREAM
 from deploy.nats_cluster import NatsCluster
 from fleet.buskeys import admin_credentials
 from fleet.events import Event, publish_event

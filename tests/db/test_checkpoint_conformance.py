@@ -1,5 +1,5 @@
 """LangGraph's checkpointer conformance suite (``langgraph-checkpoint-conformance``) against the
-fleet's own checkpointer, :class:`coordinator.checkpoints.CompactCheckpointer`, on a real Postgres.
+fleet's own checkpointer, :class:`coordinator.record.checkpoints.CompactCheckpointer`, on a real Postgres.
 
 The suite detects which capabilities a saver implements (put, writes, get, list and delete are
 required; pruning, copying a thread and deleting by run are optional) and runs its own tests of each;
@@ -15,7 +15,7 @@ from langgraph.checkpoint.conformance import checkpointer_test, validate
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.checkpoints import CompactCheckpointer
+from coordinator.record.checkpoints import CompactCheckpointer
 
 REQUIRED = {"put", "put_writes", "get_tuple", "list", "delete_thread"}
 

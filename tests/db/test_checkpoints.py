@@ -15,7 +15,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.checkpoints import CompactCheckpointer, decode, encode
+from coordinator.record.checkpoints import CompactCheckpointer, decode, encode
 from fleet.errors import ErrorCode, FleetError
 
 

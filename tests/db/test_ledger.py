@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.operations import Ledger, OperationConflict, OpStatus, operation_id
-from coordinator.runs import Lease, PostgresRunStore, RunState, StaleLease
+from coordinator.record.operations import Ledger, OperationConflict, OpStatus, operation_id
+from coordinator.record.runs import Lease, PostgresRunStore, RunState, StaleLease
 from fleet.errors import FleetError
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.notifier import RunNotifier
-from coordinator.runs import PostgresRunStore, RunNotFound, RunState, StaleLease
+from coordinator.record.notifier import RunNotifier
+from coordinator.record.runs import PostgresRunStore, RunNotFound, RunState, StaleLease
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ async def test_follow_replays_then_tails_until_the_run_ends(store: PostgresRunSt
 
 
 async def test_cancel_request_is_recorded_once_and_stops_the_next_write(store: PostgresRunStore) -> None:
-    from coordinator.runs import CancelRequested
+    from coordinator.record.runs import CancelRequested
 
     await store.create_run("r1", "acme", "operator", {})
     lease = await store.acquire_lease("r1", "w", ttl_s=30)

@@ -16,11 +16,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from mcp.server.mcpserver.exceptions import ToolError
 
+from fleet.errors import FleetError
 from mcp_servers.sql._schema import DEMO_INVOICES, OWNER_SETTING, ensure_schema, seed_demo_data
 from mcp_servers.sql.server import SqlServerSettings, SqlTools, TenantPools
 from tests.memwatch import PeakGrowth
+from tests.raising import raises_code
 
 GLOBEX_MARKERS = ("globex", "Initech", "Hooli", "Vandelay", "3900", "450", "470", "510", "495")
 ACME_ROWS = len(DEMO_INVOICES["acme"])
@@ -104,7 +105,7 @@ HOSTILE_QUERIES = {
 async def test_a_hostile_query_sees_nothing_of_another_tenant(tools: SqlTools, statement: str) -> None:
     try:
         outcome: object = await tools.query("acme", statement)
-    except ToolError as exc:
+    except FleetError as exc:
         outcome = str(exc)
     assert_nothing_of_globex(outcome)
     if isinstance(outcome, dict):
@@ -117,7 +118,7 @@ async def test_a_hostile_query_sees_nothing_of_another_tenant(tools: SqlTools, s
 async def test_a_hostile_query_does_not_widen_the_next_call(tools: SqlTools) -> None:
     """Whatever a statement set inside the session, the next call of the same tenant starts clean."""
     for statement in HOSTILE_QUERIES.values():
-        with contextlib.suppress(ToolError):
+        with contextlib.suppress(FleetError):
             await tools.query("acme", statement)
     result = await tools.query("acme", "SELECT DISTINCT tenant_id FROM tenant_data.invoices")
     assert result["rows"] == [["acme"]]
@@ -162,7 +163,7 @@ async def test_a_hostile_write_cannot_touch_another_tenant(
     try:
         # The key is echoed in the answer: it must hold nothing that looks like a globex marker.
         outcome: object = await tools.execute("acme", statement, f"key-{name}", "attacker")
-    except ToolError as exc:
+    except FleetError as exc:
         outcome = str(exc)
     assert_nothing_of_globex(outcome)
     assert await globex_rows(pg_dsn) == before
@@ -176,7 +177,7 @@ async def test_the_query_tool_refuses_writes_even_with_write_grants(tools: SqlTo
         "SELECT 1; DELETE FROM tenant_data.invoices",
         "DELETE FROM tenant_data.invoices",
     ):
-        with pytest.raises(ToolError, match="invalid_request"):
+        with raises_code("invalid_request"):
             await tools.query("acme", statement)
     assert (await tools.query("acme", "SELECT count(*) FROM tenant_data.invoices"))["rows"] == [[ACME_ROWS]]
 
@@ -196,12 +197,12 @@ async def test_one_idempotency_key_writes_once_even_when_repeated_concurrently(t
     status = await tools.write_status("acme", "insert-once")
     assert (status["status"], status["row_count"]) == ("written", 1)
     assert (await tools.write_status("globex", "insert-once"))["status"] == "unknown"
-    with pytest.raises(ToolError, match="conflict"):
+    with raises_code("conflict"):
         await tools.execute("acme", statement.replace("10", "11"), "insert-once", "agent")
 
 
 async def test_a_refused_write_leaves_its_key_unused(tools: SqlTools) -> None:
-    with pytest.raises(ToolError, match="invalid_request"):
+    with raises_code("invalid_request"):
         await tools.execute("acme", "UPDATE tenant_data.invoices SET amount = -1", "bad-then-good", "agent")
     assert (await tools.write_status("acme", "bad-then-good"))["status"] == "unknown"
     result = await tools.execute(
@@ -218,7 +219,7 @@ async def test_a_table_that_is_not_writable_refuses_writes(pg_dsn: str) -> None:
     pools = TenantPools(settings)
     try:
         tools = SqlTools(pools, settings)
-        with pytest.raises(ToolError, match="permission denied"):
+        with pytest.raises(FleetError, match="permission denied"):
             await tools.execute("acme", "UPDATE tenant_data.invoices SET amount = amount", "k1", "agent")
         assert (await tools.write_status("acme", "k1"))["status"] == "unknown"
     finally:
@@ -226,14 +227,14 @@ async def test_a_table_that_is_not_writable_refuses_writes(pg_dsn: str) -> None:
 
 
 async def test_a_runaway_query_is_stopped_by_the_statement_timeout(tools: SqlTools) -> None:
-    with pytest.raises(ToolError, match="statement timeout"):
+    with pytest.raises(FleetError, match="statement timeout"):
         await tools.query("acme", "SELECT pg_sleep(30)")
-    with pytest.raises(ToolError, match="statement timeout"):
+    with pytest.raises(FleetError, match="statement timeout"):
         await tools.query(
             "acme", "SELECT count(*) FROM generate_series(1, 100000) a, generate_series(1, 100000) b"
         )
     # Turning the timeout off inside the statement is refused before it runs.
-    with pytest.raises(ToolError, match=r"\[sql_refused\].*set_config"):
+    with raises_code("sql_refused", r".*set_config"):
         await tools.query(
             "acme",
             "WITH s AS MATERIALIZED (SELECT set_config('statement_timeout', '0', true)) SELECT pg_sleep(30)",
@@ -287,9 +288,7 @@ async def test_a_statement_that_reaches_outside_its_rows_is_refused_naming_what(
     tools: SqlTools, name: str, statement: str
 ) -> None:
     target = name.split("_in_")[0].split("_quoted")[0]
-    with pytest.raises(
-        ToolError, match=rf"\[sql_refused\] the statement uses (function|relation) {target}\b"
-    ):
+    with raises_code("sql_refused", rf"the statement uses (function|relation) {target}\b"):
         await tools.query("acme", statement)
 
 
@@ -297,16 +296,16 @@ async def test_a_refused_notify_and_advisory_lock_have_no_effect(tools: SqlTools
     async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin:
         await admin.execute("LISTEN fleet_data")
         for statement in (REACHING_OUT["pg_notify"], REACHING_OUT["pg_notify_in_a_cte"]):
-            with pytest.raises(ToolError, match="sql_refused"):
+            with raises_code("sql_refused"):
                 await tools.query("acme", statement)
-        with pytest.raises(ToolError, match="sql_refused"):
+        with raises_code("sql_refused"):
             await tools.execute(
                 "acme",
                 "UPDATE tenant_data.invoices SET amount = amount WHERE pg_notify('fleet_data', 'w') IS NULL",
                 "notify-from-a-write",
                 "attacker",
             )
-        with pytest.raises(ToolError, match="sql_refused"):
+        with raises_code("sql_refused"):
             await tools.query("acme", REACHING_OUT["pg_advisory_lock"])
         locks = await (
             await admin.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
@@ -341,7 +340,7 @@ async def test_statistics_do_not_reveal_another_tenants_row_count(tools: SqlTool
         "SELECT n_distinct, most_common_freqs::text FROM pg_stats WHERE tablename = 'invoices'",
         "SELECT table_to_xml('pg_class', true, false, '')",
     ):
-        with pytest.raises(ToolError, match="sql_refused") as refused:
+        with raises_code("sql_refused") as refused:
             await tools.query("acme", statement)
         assert total not in str(refused.value) and "4321" not in str(refused.value)
     assert (await tools.query("acme", "SELECT count(*) FROM tenant_data.invoices"))["rows"] == [[ACME_ROWS]]
@@ -409,7 +408,7 @@ async def capped_tools(pg_dsn: str) -> AsyncIterator[SqlTools]:
 async def test_a_giant_value_is_refused_before_it_reaches_the_tool_process(capped_tools: SqlTools) -> None:
     """The tools run in this process: it stands for the server process (tests/e2e measures that one)."""
     await capped_tools.query("acme", "SELECT 1")  # the pool and its connection exist before measuring
-    with PeakGrowth() as growth, pytest.raises(ToolError, match=r"\[result_too_large\]") as refused:
+    with PeakGrowth() as growth, raises_code("result_too_large") as refused:
         await capped_tools.query("acme", "SELECT repeat('x', 200000000) AS big")
     assert "65536 bytes" in str(refused.value) and "0 rows" in str(refused.value)
     assert growth.mib < 50, f"the tool process grew by {growth.mib} MiB"
@@ -419,7 +418,7 @@ async def test_an_error_that_quotes_a_giant_value_does_not_reach_the_tool_proces
     capped_tools: SqlTools,
 ) -> None:
     await capped_tools.query("acme", "SELECT 1")
-    with PeakGrowth() as growth, pytest.raises(ToolError, match="invalid input syntax") as refused:
+    with PeakGrowth() as growth, pytest.raises(FleetError, match="invalid input syntax") as refused:
         await capped_tools.query("acme", "SELECT repeat('x', 50000000)::int")
     assert len(str(refused.value)) < 1000
     assert growth.mib < 50, f"the tool process grew by {growth.mib} MiB"
@@ -430,7 +429,7 @@ async def test_many_moderate_rows_are_refused_at_the_cap(capped_tools: SqlTools)
     fit = 64 * 1024 // row_bytes
     within = await capped_tools.query("acme", f"SELECT repeat('x', 1000) FROM generate_series(1, {fit})")
     assert within["row_count"] == fit and not within["truncated"]
-    with pytest.raises(ToolError, match=r"\[result_too_large\]") as refused:
+    with raises_code("result_too_large") as refused:
         await capped_tools.query("acme", "SELECT repeat('x', 1000) FROM generate_series(1, 400)")
     assert f"{fit} rows ({fit * row_bytes} bytes) fit, the next row has {row_bytes} bytes" in str(
         refused.value
@@ -441,9 +440,9 @@ async def test_many_moderate_rows_are_refused_at_the_cap(capped_tools: SqlTools)
 
 
 async def test_an_error_that_quotes_a_long_value_is_cut_in_the_answer(tools: SqlTools) -> None:
-    with pytest.raises(ToolError, match="invalid_request") as refused:
+    with raises_code("invalid_request") as refused:
         await tools.query("acme", "SELECT repeat('x', 100000)::int")
     assert len(str(refused.value)) < 1000
     # Settings that name the server's files stay Postgres's to refuse (tenant roles cannot read them).
-    with pytest.raises(ToolError, match="permission denied to examine"):
+    with pytest.raises(FleetError, match="permission denied to examine"):
         await tools.query("acme", "SELECT current_setting('data_directory')")

@@ -28,16 +28,16 @@ from psycopg_pool import AsyncConnectionPool
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 
-from coordinator.access import RunAccess
-from coordinator.executor import CoordinatorExecutor
-from coordinator.handler import CoordinatorRequestHandler
-from coordinator.notifier import RunNotifier
-from coordinator.operations import Ledger
-from coordinator.run_api import RUNS_PREFIX, run_routes
-from coordinator.runs import Lease, PostgresRunStore, RunState
-from coordinator.signals import SignalDesk
-from coordinator.streams import KEEPALIVE, Streams, StreamSlots, a2a_keepalives
-from coordinator.task_store import PostgresTaskStore
+from coordinator.a2a_surface.executor import CoordinatorExecutor
+from coordinator.a2a_surface.handler import CoordinatorRequestHandler
+from coordinator.a2a_surface.task_store import PostgresTaskStore
+from coordinator.control.run_api import RUNS_PREFIX, run_routes
+from coordinator.control.signals import SignalDesk
+from coordinator.control.streams import KEEPALIVE, Streams, StreamSlots, a2a_keepalives
+from coordinator.record.access import RunAccess
+from coordinator.record.notifier import RunNotifier
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import Lease, PostgresRunStore, RunState
 from fleet.a2a_support import RPC_PATH, a2a_app, build_card
 from fleet.keys import SigningKey
 from fleet.service import Readiness
@@ -230,7 +230,7 @@ async def test_streams_over_the_principal_cap_are_refused_with_429_and_the_slot_
         assert refused.headers["retry-after"] == "5"
         assert refused.json()["error"]["code"] == "stream_limit"
         assert "per principal" in refused.json()["error"]["message"]
-        [logged] = [r.getMessage() for r in caplog.records if r.name == "coordinator.streams"]
+        [logged] = [r.getMessage() for r in caplog.records if r.name == "coordinator.control.streams"]
         assert "principal alice of tenant acme has 3 open" in logged
         assert c.slots.open_for("acme", "alice") == 3
 

@@ -22,11 +22,11 @@ from a2a.types import (
 from a2a.utils.errors import InvalidParamsError
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.access import RunAccess
-from coordinator.push import PostgresPushConfigStore, PushUrlPolicy
-from coordinator.runs import Lease, PostgresRunStore, RunState
-from coordinator.task_events import event_id_of
-from coordinator.task_store import PostgresTaskStore
+from coordinator.a2a_surface.push import PostgresPushConfigStore, PushUrlPolicy
+from coordinator.a2a_surface.task_events import event_id_of
+from coordinator.a2a_surface.task_store import PostgresTaskStore
+from coordinator.record.access import RunAccess
+from coordinator.record.runs import Lease, PostgresRunStore, RunState
 from fleet.errors import FleetError
 from fleet.tokens import Claims
 from policy import Bundle, RegorusEngine

@@ -16,7 +16,7 @@ import kubernetes_validate  # type: ignore[import-untyped]  # ships no type info
 import pytest
 import yaml
 
-from coordinator import work
+from coordinator.record import work
 from deploy import keygen, render
 from deploy._bus import NATS_AUTH_INCLUDE, NATS_CLUSTER_INCLUDE
 from fleet.buskeys import FLEET_ACCOUNT, REGISTRY_KEYS

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from coordinator.task_events import RESUME_EXTENSION, event_id_of
+from coordinator.a2a_surface.task_events import RESUME_EXTENSION, event_id_of
 from fleetctl.testing.e2e import Stack, fetch_card
 
 TIMEOUT = httpx.Timeout(10.0, read=120.0)

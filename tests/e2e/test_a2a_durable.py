@@ -34,7 +34,7 @@ from a2a.utils.errors import (
     UnsupportedOperationError,
 )
 
-from coordinator.task_events import event_id_of
+from coordinator.a2a_surface.task_events import event_id_of
 from fleet.a2a_support import error_of_a2a
 from fleetctl.testing.e2e import Stack, fetch_card, send, user_message
 from tests.e2e.a2a_helpers import (

@@ -10,6 +10,7 @@ from a2a.client import A2AClientError
 from a2a.types import GetTaskRequest, TaskState
 from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 
+from fleet.a2a_support import error_of_a2a
 from fleetctl.testing.e2e import TWO_STEPS, Stack, fetch_card, send, user_message
 
 pytestmark = pytest.mark.e2e
@@ -76,7 +77,7 @@ async def test_skill_no_specialist_offers_is_a_clear_a2a_error_not_a_hang(stack:
     async with asyncio.timeout(20):
         with pytest.raises(InvalidParamsError) as caught:
             await send(stack, message, token=stack.token("coordinator"))
-    assert "no_specialist_for_skill" in caught.value.message
+    assert error_of_a2a(caught.value).code == "no_specialist_for_skill"
     assert "teleport" in caught.value.message
 
 

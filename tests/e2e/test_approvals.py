@@ -22,8 +22,8 @@ import pytest
 from a2a.types import Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import InvalidParamsError
 
-from coordinator.signals import GRANT_HEADER, OUTCOMES_PREFIX, SIGNALS_PREFIX, publish_signal
 from fleet.natsconn import connect
+from fleet.signal_client import GRANT_HEADER, OUTCOMES_PREFIX, SIGNALS_PREFIX, publish_signal
 from fleet.tokens import TokenClient
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import stack_admin

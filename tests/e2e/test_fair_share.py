@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from a2a.types import TaskState
 
-from coordinator import work
+from coordinator.record import work
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import DEAD_LETTER_STREAM, ensure_event_streams, publish_event
 from fleet.natsconn import connect

@@ -185,7 +185,7 @@ async def test_policy_grants_only_the_scopes_the_audience_acts_on_even_to_the_op
         assert await operator.token("mcp-sql", "acme", ["sql:query"])
         with pytest.raises(FleetError) as refused:
             await operator.token("mcp-sql", "acme", ["sql:query", "cases:write"])
-    assert "invalid_scope" in refused.value.message
+    assert refused.value.details["oauth_error"] == "invalid_scope"
     assert "cases:write is not one that mcp-sql (mcp_server) acts on" in refused.value.message
     await logged(stack, "registry", "token request refused (invalid_scope", "policy refuses", "'operator'")
 

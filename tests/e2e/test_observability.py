@@ -16,7 +16,7 @@ from mcp.client.streamable_http import streamable_http_client
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.runs import RunState
+from coordinator.record.runs import RunState
 from fleetctl.testing.e2e import Stack, clean_env, send, start_stack, stop_stack, user_message
 from tests.e2e.otlp import OtlpReceiver, ReceivedSpan
 

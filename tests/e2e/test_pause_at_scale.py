@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fleetctl.testing.e2e import Stack, clean_env, start_stack, stop_stack
-from tests.e2e.pause_harness import pause_and_resume, refund_policy
+from fleetctl.testing.pauses import pause_and_resume, refund_policy
 
 pytestmark = pytest.mark.e2e
 

@@ -121,9 +121,11 @@ async def test_a_pushed_rule_is_enforced_by_every_process_within_two_seconds(
     assert kept_out["reasons"] == ["tenant acme keeps personal data out of semantic memory (EMAIL_ADDRESS)"]
     denied = fleet(
         "token", "--data-dir", stack.data_dir, "--audience", "mcp-sql", "--tenant", "globex",
-        "--scope", "sql:query", timeout=60,
+        "--scope", "sql:query", "--json", timeout=60,
     )  # fmt: skip
-    assert denied.returncode != 0 and "invalid_scope" in denied.stderr, denied.stderr
+    assert denied.returncode != 0, denied.stderr
+    error = json.loads(denied.stderr)["error"]  # the refusal as data: ours, and the OAuth code under it
+    assert (error["code"], error["details"]["oauth_error"]) == ("forbidden", "invalid_scope"), error
 
     status = fleet("policy", "status", "--data-dir", stack.data_dir, "--json", timeout=60)
     assert status.returncode == 0, status.stderr

@@ -19,7 +19,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
-from coordinator.signals import (
+from fleet.errors import AuthError
+from fleet.keys import SigningKey
+from fleet.natsconn import connect
+from fleet.signal_client import (
     GRANT_HEADER,
     OUTCOMES_PREFIX,
     SIGNALS_PREFIX,
@@ -27,9 +30,6 @@ from coordinator.signals import (
     publish_signal,
     sign_signal,
 )
-from fleet.errors import AuthError
-from fleet.keys import SigningKey
-from fleet.natsconn import connect
 from fleet.tokens import SignalBinding, TokenClient, TokenVerifier, peek
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import stack_admin

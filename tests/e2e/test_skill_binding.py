@@ -24,6 +24,7 @@ import httpx
 import pytest
 from a2a.utils.errors import InvalidParamsError
 
+from fleet.a2a_support import error_of_a2a
 from fleetctl.testing.e2e import (
     Stack,
     all_events,
@@ -249,7 +250,7 @@ async def test_an_allowed_partner_receives_no_field_that_egress_policy_does_not_
     assert {t["sub"] for t in seen.tokens} == {assertion["sub"]}
     # The partner's answer is kept, but policy does not let the next step act on it.
     assert outcome.state_name == "TASK_STATE_FAILED", outcome
-    assert "policy_denied" in outcome.final_text and "outside the fleet" in outcome.final_text
+    assert "policy_denied" in outcome.codes and "outside the fleet" in outcome.final_text
     events = await all_events(partner_stack, outcome.task_id, token)
     assert [e["payload"]["step"] for e in events if e["type"] == "step.completed"] == ["score"]
     # The run's own log says what left, by name, with the decision's id (the timeline, the bundle).
@@ -279,7 +280,7 @@ async def test_a_step_naming_no_agent_goes_outside_only_for_a_tenant_whose_polic
                 user_message(data=plan),
                 token=partner_stack.token("coordinator", tenant="globex"),
             )
-    assert "no_specialist_for_skill" in caught.value.message
+    assert error_of_a2a(caught.value).code == "no_specialist_for_skill"
     assert "tenant globex's policy names no agent outside the fleet" in caught.value.message
     assert len(seen.inputs) == 1 and len(seen.assertions) == 1  # globex's run never reached it
 
@@ -308,7 +309,7 @@ async def test_a_tenant_whose_policy_does_not_name_the_partner_never_sends_to_it
     async with partner_agent(partner_stack, PARTNER, skills=(SCORE, REVIEW)) as (_, seen):
         outcome = await send(partner_stack, user_message(data=plan), token=globex)
     assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
-    assert "policy_denied" in outcome.final_text
+    assert "policy_denied" in outcome.codes, outcome.codes
     assert "no egress grant lets tenant globex send skill fraud-score to acme-partner" in outcome.final_text
     assert "(decision " in outcome.final_text
     assert seen.inputs == [] and seen.assertions == [] and seen.tokens == []  # not even a token request

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from nats.js.errors import ServerError
 
-from coordinator.triggers import CONSUMER, batch_owner, batch_run_id
+from coordinator.control.triggers import CONSUMER, batch_owner, batch_run_id
 from fleet.events import (
     DEAD_LETTER_STREAM,
     EVENTS_DUPLICATE_WINDOW_S,

@@ -116,7 +116,7 @@ async def test_cancel_while_a_step_is_in_flight_ends_the_run_canceled_once(failo
 async def test_a_run_whose_work_message_was_lost_is_found_and_finished(tmp_path: Path) -> None:
     from psycopg_pool import AsyncConnectionPool
 
-    from coordinator.runs import PostgresRunStore
+    from coordinator.record.runs import PostgresRunStore
 
     env = clean_env(**FAST_FAILOVER, FLEET_SWEEP_INTERVAL_S="0.5", FLEET_STRANDED_AFTER_S="1")
     stack = start_stack(tmp_path / "fleet", env=env)

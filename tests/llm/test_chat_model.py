@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from coordinator.llm_planner import llm_planner
+from coordinator.planning.llm_planner import llm_planner
 from fleet.errors import ErrorCode, FleetError
 from fleet.llm import ChatModel, ToolCall, from_settings, json_object_of
 from fleet.settings import ServiceSettings

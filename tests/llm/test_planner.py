@@ -1,4 +1,4 @@
-"""Plans by a model (``coordinator.llm_planner``) from a scripted model over real HTTP, checked as a
+"""Plans by a model (``coordinator.planning.llm_planner``) from a scripted model over real HTTP, checked as a
 caller's plan is, and used by ``plan_request`` only for text no routing rule matches (the fleet's
 own routing policy in the real Rego engine)."""
 
@@ -12,8 +12,8 @@ import httpx
 import pytest
 from a2a.types import AgentSkill
 
-from coordinator.llm_planner import LlmPlanner, offered_skills, registry_planner
-from coordinator.plan import PlanError, Step, plan_request
+from coordinator.planning.llm_planner import LlmPlanner, offered_skills, registry_planner
+from coordinator.planning.plan import PlanError, Step, plan_request
 from fleet.errors import ErrorCode, FleetError
 from fleet.llm import ChatModel
 from policy import RegorusEngine

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from coordinator.delegation import check_answer, skill_is_idempotent
+from coordinator.engine.delegation import check_answer, skill_is_idempotent
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import skill_traits, skills_extension
 from registry import AgentRecord

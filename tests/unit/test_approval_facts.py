@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.graph import GraphState, computed_facts, facts_for
-from coordinator.plan import UNTRUSTED
+from coordinator.engine.graph import GraphState, computed_facts, facts_for
+from coordinator.planning.plan import UNTRUSTED
 from fleet.approvals import ApprovalRequest, args_sha256
 
 REPORT = "artifact:sha256:" + "a" * 64

@@ -7,9 +7,9 @@ import httpx
 import pytest
 from a2a.client import A2AClientError, A2AClientTimeoutError
 
-from coordinator.delegation import _fate_open
-from coordinator.dispatch import ActivityClock
-from coordinator.run_api import budget_decision
+from coordinator.control.run_api import budget_decision
+from coordinator.engine.delegation import _fate_open
+from coordinator.engine.dispatch import ActivityClock
 from fleet.errors import FleetError
 
 

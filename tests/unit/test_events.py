@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from coordinator.plan import PlanError, parse_steps
-from coordinator.triggers import batch_item_key, fill_template
+from coordinator.control.triggers import batch_item_key, fill_template
+from coordinator.planning.plan import PlanError, parse_steps
 from fleet.events import (
     MAX_EVENT_BYTES,
     EventError,

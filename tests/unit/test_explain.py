@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from coordinator.explain import explain
-from coordinator.runs import Run, RunEvent, RunState
+from coordinator.control.explain import explain
+from coordinator.record.runs import Run, RunEvent, RunState
 
 NOW = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.UTC)
 

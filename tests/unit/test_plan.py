@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.graph import ready_steps
-from coordinator.plan import (
+from coordinator.engine.graph import ready_steps
+from coordinator.planning.plan import (
     TIMER_SKILL,
     UNTRUSTED,
     PlanError,

@@ -1,5 +1,5 @@
 """What the ledger records for an operation of a canceled run, from what its agent answered to the
-cancel (``coordinator.dispatch.settle_pending``; the end-to-end tests cover the round trip)."""
+cancel (``coordinator.engine.dispatch.settle_pending``; the end-to-end tests cover the round trip)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.dispatch import _settled
-from coordinator.operations import OpStatus
+from coordinator.engine.dispatch import _settled
+from coordinator.record.operations import OpStatus
 
 
 def canceled(n: int, message: str | None = None) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.executor import signal_of_message
-from coordinator.graph import gate_of
-from coordinator.signals import parse_signal
+from coordinator.a2a_surface.executor import signal_of_message
+from coordinator.control.signals import parse_signal
+from coordinator.engine.graph import gate_of
 from fleet.errors import ErrorCode, FleetError
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.egress import keep_paths, leaf_paths
-from coordinator.plan import PlanError, parse_steps
+from coordinator.engine.egress import keep_paths, leaf_paths
+from coordinator.planning.plan import PlanError, parse_steps
 from coordinator.server import SKILLS as COORDINATOR_SKILLS
 from deploy.local_stack import SERVICES
 from policy import DEFAULT_BUNDLE_DIR, RegorusEngine

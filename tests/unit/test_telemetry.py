@@ -22,9 +22,9 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from coordinator import work
-from coordinator.executor import _request_of
-from coordinator.worker import slice_trace
+from coordinator.a2a_surface.executor import _request_of
+from coordinator.engine.worker import slice_trace
+from coordinator.record import work
 from fleet import telemetry
 from tests.e2e.otlp import OtlpReceiver
 

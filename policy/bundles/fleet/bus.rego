@@ -80,7 +80,7 @@ coordinator_pub := ((((revocations | enforcing) | pulling("FLEET_EVENTS", "trigg
 	"$JS.API.CONSUMER.INFO.FLEET_WORK.run-workers",
 	"$JS.API.CONSUMER.LIST.FLEET_WORK", # the work queue gauges: every tenant's consumer
 	"fleet.work.run",
-	"fleet.work.run.*", # a tenant's work (coordinator/work.py)
+	"fleet.work.run.*", # a tenant's work (coordinator/record/work.py)
 	"$JS.API.STREAM.INFO.FLEET_DEAD_LETTERS",
 	"fleet.dead.events",
 	"fleet.dead.signals",
@@ -179,7 +179,7 @@ publish := identity_pub if p.type == "identity"
 publish := producer_pub if p.type == "producer"
 
 # What a role follows besides its inbox: the operator, what its signals became; a worker, the work
-# queue's subjects as a doorbell (coordinator/work.py WorkBell: an idle worker wakes when a run is
+# queue's subjects as a doorbell (coordinator/record/work.py WorkBell: an idle worker wakes when a run is
 # submitted; it sees run ids, which it pulls anyway, and takes work only through its consumers).
 follows := {
 	"operator": {"fleet.signal_outcomes.*"},

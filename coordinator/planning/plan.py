@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.record.runs import PlanStep
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import TOKEN_PATTERN
 from policy import PolicyEngine
@@ -50,18 +51,18 @@ class Step:
     # or the tenant's routing policy names it; see Delegator.assign). None: routing picks one.
     agent: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        step = {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
+    def to_dict(self) -> PlanStep:
+        step: PlanStep = {"id": self.id, "skill": self.skill, "input": self.input, "after": list(self.after)}
         if self.agent is not None:
             step["agent"] = self.agent
         if self.for_each is not None:
-            step.update(for_each=self.for_each, items_as=self.items_as, batch=self.batch or {})
+            step["for_each"], step["items_as"], step["batch"] = self.for_each, self.items_as, self.batch or {}
         if self.wait is not None:
             step["wait"] = self.wait
         return step
 
 
-def dependencies(step: dict[str, Any]) -> set[str]:
+def dependencies(step: PlanStep) -> set[str]:
     """The steps that ``step`` waits for: those it takes a result from, and those it names in
     ``after``. Steps that do not wait for each other run in parallel."""
     found = set(step.get("after", ()))
@@ -286,7 +287,7 @@ def resolve_input(value: Any, results: dict[str, Any]) -> Any:
     return value
 
 
-# Plans a request's text when no routing rule does (see coordinator.llm_planner).
+# Plans a request's text when no routing rule does (see coordinator.planning.llm_planner).
 Planner = Callable[[str], Awaitable[list[Step]]]
 
 

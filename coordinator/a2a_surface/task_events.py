@@ -30,7 +30,7 @@ from a2a.types import (
 )
 from google.protobuf.struct_pb2 import Struct
 
-from coordinator.runs import RunEvent, RunState
+from coordinator.record.runs import RunEvent, RunState
 from fleet.vocabulary import EventType
 
 RESUME_EXTENSION = "https://agent-fleet.dev/ext/resume/v1"

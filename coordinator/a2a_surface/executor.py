@@ -14,15 +14,15 @@ from a2a.types import InternalError, InvalidParamsError, Task
 from a2a.utils.errors import UnsupportedOperationError
 from opentelemetry.trace import Span, SpanKind
 
-from coordinator import work
-from coordinator.delegation import Delegator
-from coordinator.handler import follow
-from coordinator.plan import Planner, Step, plan_request
-from coordinator.runs import PostgresRunStore
-from coordinator.signals import Signal, SignalDesk, parse_signal
-from coordinator.streams import Streams, a2a_slot
-from coordinator.task_events import TaskFold, event_id_of, initial_task
-from coordinator.task_store import PostgresTaskStore
+from coordinator.a2a_surface.handler import follow
+from coordinator.a2a_surface.task_events import TaskFold, event_id_of, initial_task
+from coordinator.a2a_surface.task_store import PostgresTaskStore
+from coordinator.control.signals import Signal, SignalDesk, parse_signal
+from coordinator.control.streams import Streams, a2a_slot
+from coordinator.engine.delegation import Delegator
+from coordinator.planning.plan import Planner, Step, plan_request
+from coordinator.record import work
+from coordinator.record.runs import PostgresRunStore
 from fleet import telemetry
 from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
@@ -90,7 +90,7 @@ class CoordinatorExecutor(AgentExecutor):
         planner: Planner | None = None,
     ) -> None:
         """``planner``: plans a text no routing rule matches (an LLM's, see
-        :func:`coordinator.llm_planner.llm_planner`); without one such a text is refused."""
+        :func:`coordinator.planning.llm_planner.llm_planner`); without one such a text is refused."""
         self._delegator = delegator
         self._engine = engine
         self._runs = runs
@@ -153,7 +153,7 @@ class CoordinatorExecutor(AgentExecutor):
             await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
         except FleetError as exc:
             raise a2a_error(exc, InvalidParamsError) from exc
-        try:  # the caller's authority, for the run's life (see coordinator.delegation)
+        try:  # the caller's authority, for the run's life (see coordinator.engine.delegation)
             grant = await self._delegator.run_grant(claims, task.id)
         except FleetError as exc:
             log.warning("no run grant for %s's request: %s", claims.sub, exc)
@@ -191,6 +191,6 @@ class CoordinatorExecutor(AgentExecutor):
             await event_queue.enqueue_event(update)
 
     async def cancel(self, context: RequestContext, event_queue: EventQueue) -> None:
-        """Never called: :class:`~coordinator.handler.CoordinatorRequestHandler` cancels through the
+        """Never called: :class:`~coordinator.a2a_surface.handler.CoordinatorRequestHandler` cancels through the
         run store, so that the task shows the one terminal state its run reached."""
         raise UnsupportedOperationError(message="cancel goes through the run store")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.runs import Run, RunEvent
+from coordinator.record.runs import Run, RunEvent
 from fleet.errors import MAX_CAUSE_DEPTH
 from fleet.redact import redact
 from fleet.vocabulary import EventType

@@ -1,7 +1,7 @@
 """Signals: the answers people and programs give to what a paused run waits for.
 
 A run that stops at a gate (a step whose result asks for an approval or for input, see
-:func:`coordinator.graph.gate_of`) parks: its checkpoint is durable, its wait record says what is
+:func:`coordinator.engine.graph.gate_of`) parks: its checkpoint is durable, its wait record says what is
 awaited (``approval:<step>:<n>``) and until when, and no process waits for it. The worker that parks
 it publishes an approval request on ``fleet.approvals.<tenant>.<run_id>`` (JetStream stream
 ``FLEET_APPROVALS``, one message per awaited id).
@@ -56,18 +56,25 @@ from nats.js.client import JetStreamContext
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.access import RunAccess, signal_action
-from coordinator.runs import PostgresRunStore, Run, RunNotFound, logged, wait_requests
+from coordinator.record.access import RunAccess, signal_action
+from coordinator.record.gates import GATE_TYPES
+from coordinator.record.runs import PostgresRunStore, Run, RunNotFound, wait_requests
 from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import AuthError, DependencyUnavailable, ErrorCode, FleetError
-from fleet.events import ensure_stream
 from fleet.retry import backoff_s, retrying
+from fleet.signal_client import (
+    GRANT_HEADER,
+    OUTCOMES_PREFIX,
+    SIGNALS_PREFIX,
+    SIGNALS_STREAM,
+    SIGNALS_SUBJECTS,
+    ensure_signal_streams,
+)
 from fleet.tokens import (
     ACCESS_TOKEN_TYPE,
     SIGNAL_GRANT_TYPE,
     Claims,
     SignalBinding,
-    TokenClient,
     TokenVerifier,
 )
 from fleet.vocabulary import EventType, SignalAction
@@ -76,19 +83,7 @@ from policy import PolicyEngine
 log = logging.getLogger(__name__)
 
 ACTIONS = tuple(SignalAction)
-GATE_TYPES = ("approval", "input")
-GATE_CHOICES = {  # what may answer a gate
-    "approval": [SignalAction.APPROVE, SignalAction.REJECT],
-    "input": [SignalAction.INPUT, SignalAction.REJECT],
-}
-APPROVALS_STREAM = "FLEET_APPROVALS"
-APPROVALS_SUBJECTS = "fleet.approvals.>"
-SIGNALS_STREAM = "FLEET_SIGNALS"
-SIGNALS_SUBJECTS = "fleet.signals.>"
-SIGNALS_PREFIX = "fleet.signals."
-OUTCOMES_PREFIX = "fleet.signal_outcomes."
 DEAD_LETTER_SUBJECT = "fleet.dead.signals"
-GRANT_HEADER = "Fleet-Signal-Grant"
 SIGNAL_GRANT = "signal_grant"  # its token_use
 MAX_EXTEND_S = 30 * 24 * 3600.0
 MAX_NOTE = 2000
@@ -484,65 +479,6 @@ class SignalDesk:
         return [{**dict(zip(keys, row, strict=True)), "received_at": row[8].isoformat()} for row in rows]
 
 
-_streams_ready: set[str] = set()
-
-
-async def ensure_signal_streams(js: JetStreamContext) -> None:
-    """The approval requests and signals streams (de-duplicated by ``Nats-Msg-Id``); looked up
-    once per process, as every parked run publishes."""
-    for name, subjects in ((APPROVALS_STREAM, APPROVALS_SUBJECTS), (SIGNALS_STREAM, SIGNALS_SUBJECTS)):
-        if name not in _streams_ready:
-            await ensure_stream(js, name, subjects, max_age_s=30 * 24 * 3600.0)
-            _streams_ready.add(name)
-
-
-def approvals_subject(tenant: str, run_id: str) -> str:
-    token = tenant if _TOKEN.match(tenant) else "_"
-    return f"fleet.approvals.{token}.{run_id}"
-
-
-def approval_requests(run_id: str, tenant: str, wait: dict[str, Any]) -> list[dict[str, Any]]:
-    """The approval requests a parked run's wait record stands for: one per gate it waits at."""
-    requests = wait_requests(wait)
-    return [
-        logged(
-            {
-                "run_id": run_id,
-                "tenant": tenant,
-                "awaited": request.get("awaited"),
-                "type": request.get("type"),
-                "step": request.get("step"),
-                "skill": request.get("skill"),
-                "agent": request.get("agent"),
-                "why": request.get("why"),
-                "asked": request.get("asked"),
-                "choices": GATE_CHOICES.get(str(request.get("type"))),
-                "deadline": request.get("deadline"),
-                "escalated": request.get("escalated", False),
-                "signal_subject": SIGNALS_PREFIX + run_id,
-                "since": wait.get("since"),
-            }
-        )
-        for request in requests
-        if request.get("type") in GATE_TYPES
-    ]
-
-
-async def announce(js: JetStreamContext, run_id: str, tenant: str, wait: dict[str, Any]) -> int:
-    """Publish the approval requests of a parked run (once per awaited id: a repeat, by a worker
-    that finds the run parked after a crash, is dropped by the stream). How many there were."""
-    requests = approval_requests(run_id, tenant, wait)
-    if requests:
-        await ensure_signal_streams(js)
-    for request in requests:
-        await js.publish(
-            approvals_subject(tenant, run_id),
-            json.dumps(request).encode(),
-            headers={"Nats-Msg-Id": f"{run_id}/{request['awaited']}"},
-        )
-    return len(requests)
-
-
 class SignalIngest:
     """Takes signals from ``fleet.signals.<run_id>`` (a durable consumer on ``FLEET_SIGNALS``):
     verifies the signal grant and that it is for exactly this message, applies the signal,
@@ -679,43 +615,3 @@ def bound_to(claims: Claims, signal: SignalBinding) -> None:
         raise AuthError(
             f"the signal grant is for another {', '.join(names.get(name, name) for name in wrong)}"
         )
-
-
-async def sign_signal(
-    tokens: TokenClient,
-    run_id: str,
-    body: dict[str, Any],
-    *,
-    tenant: str,
-    signal_id: str | None = None,
-    audience: str = "coordinator",
-) -> tuple[bytes, dict[str, str]]:
-    """The payload and headers of a signal for ``run_id``: its id and a signal grant for exactly
-    this payload, asked of the token service with ``tokens`` (the signer's own credentials)."""
-    signal_id = signal_id or uuid.uuid4().hex
-    payload = json.dumps(body).encode()
-    binding = SignalBinding.of(run_id, str(body.get("action", "")), signal_id, payload)
-    grant = await tokens.signal_grant(audience, tenant, binding)
-    return payload, {"Nats-Msg-Id": signal_id, GRANT_HEADER: grant}
-
-
-async def publish_signal(
-    client: NATS,
-    run_id: str,
-    tokens: TokenClient,
-    body: dict[str, Any],
-    *,
-    tenant: str,
-    signal_id: str | None = None,
-    audience: str = "coordinator",
-) -> tuple[str, bool]:
-    """Send a signal for ``run_id`` of ``tenant`` on NATS, signed for the holder of ``tokens``'
-    key (see :func:`sign_signal`): (its id, whether the stream kept it; False when that id was
-    sent within the de-duplication window, e.g. a retry)."""
-    payload, headers = await sign_signal(
-        tokens, run_id, body, tenant=tenant, signal_id=signal_id, audience=audience
-    )
-    js = client.jetstream()
-    await ensure_signal_streams(js)
-    ack = await js.publish(SIGNALS_PREFIX + run_id, payload, headers=headers)
-    return headers["Nats-Msg-Id"], not ack.duplicate

@@ -1,5 +1,5 @@
 """What of a step's input may leave the fleet: the input as *paths*, and the input cut down to the
-paths the egress policy names (``fleet.egress.decision``; see :mod:`coordinator.delegation`).
+paths the egress policy names (``fleet.egress.decision``; see :mod:`coordinator.engine.delegation`).
 
 A path names a leaf of the input: object keys joined by ``.``, with ``[]`` after a key whose value
 is a list (every element of it): ``{"lines": [{"sku": "A"}]}`` has the one path ``lines[].sku``.

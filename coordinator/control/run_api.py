@@ -4,11 +4,11 @@
 ``?after=``) and then streams new events as they are committed, until the run ends. Every event
 carries its sequence number as the SSE id, so a client that reconnects with the last id it saw gets
 exactly the events it missed, with no duplicates. Closing the stream never affects the run. A
-stream takes a slot (:mod:`coordinator.streams`: over a cap it is refused with ``stream_limit``, 429
+stream takes a slot (:mod:`coordinator.control.streams`: over a cap it is refused with ``stream_limit``, 429
 and ``Retry-After``) and sends a keep-alive comment whenever it has been idle for a while.
 
 Every route reaches only the runs the caller's principal started, unless policy
-(``fleet.runs.access``, see :mod:`coordinator.access`) gives it the tenant's: any other run is
+(``fleet.runs.access``, see :mod:`coordinator.record.access`) gives it the tenant's: any other run is
 ``not_found``, the same answer as a run that does not exist, and a listing never loads it.
 """
 
@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from coordinator.access import Reach, RunAccess, RunAction
-from coordinator.debug_bundle import bundle
-from coordinator.operations import Ledger
-from coordinator.runs import PostgresRunStore, Run, RunState, event_json
-from coordinator.signals import SignalDesk, parse_signal
-from coordinator.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
+from coordinator.control.debug_bundle import bundle
+from coordinator.control.signals import SignalDesk, parse_signal
+from coordinator.control.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
+from coordinator.record.access import Reach, RunAccess, RunAction
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import PostgresRunStore, Run, RunState, event_json
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 from fleet.service import problem_response
@@ -232,7 +232,7 @@ class RunApi:
 
     async def signal(self, request: Request) -> Response:
         """A signal for a run (approve, reject, input, extend, cancel; see
-        :mod:`coordinator.signals`): what came of it, a no-op included. Policy decides who may."""
+        :mod:`coordinator.control.signals`): what came of it, a no-op included. Policy decides who may."""
         claims = request_claims(request)
         try:
             given = parse_signal(request.path_params["run_id"], await _json_body(request), "api")

@@ -13,14 +13,14 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.notifier import NOTIFY_CHANNEL, RunNotifier
+from coordinator.record.notifier import NOTIFY_CHANNEL, RunNotifier
 from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact, redact_async
 from fleet.vocabulary import EventType
@@ -84,6 +84,21 @@ class RunNotFound(FleetError):
         super().__init__(ErrorCode.NOT_FOUND, f"no run {run_id}")
 
 
+class PlanStep(TypedDict):
+    """A step as a run keeps it, in its record, its checkpoints and its events (what
+    :meth:`Step.to_dict` gives): the keys a batch, timer or named-agent step adds are optional."""
+
+    id: str
+    skill: str
+    input: dict[str, Any]
+    after: list[str]
+    agent: NotRequired[str]
+    for_each: NotRequired[Any]
+    items_as: NotRequired[str]
+    batch: NotRequired[dict[str, int]]
+    wait: NotRequired[dict[str, Any]]
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     run_id: str
@@ -92,7 +107,7 @@ class Run:
     state: RunState
     reason: str | None
     request: dict[str, Any]
-    plan: list[dict[str, Any]]
+    plan: list[PlanStep]
     last_seq: int
     lease_epoch: int
     cancel_requested: bool
@@ -171,7 +186,7 @@ CREATE TABLE IF NOT EXISTS fleet_runs.batch_items (
     item     jsonb NOT NULL,
     PRIMARY KEY (run_id, event_id)
 );
--- A caller's own runs (see coordinator.access), newest first.
+-- A caller's own runs (see coordinator.record.access), newest first.
 CREATE INDEX IF NOT EXISTS runs_by_owner ON fleet_runs.runs (tenant, owner, created_at DESC);
 -- A run's grant (see coordinator.grants): never in the event log, the run's record or an API answer.
 CREATE TABLE IF NOT EXISTS fleet_runs.run_grants (
@@ -259,7 +274,7 @@ async def _create(
     tenant: str,
     owner: str,
     recorded: dict[str, Any],
-    plan: list[dict[str, Any]] | None,
+    plan: list[PlanStep] | None,
 ) -> Run | None:
     """Insert the run (with its request as ``recorded``: redacted) and its first events in the
     caller's transaction; None if it exists."""
@@ -381,7 +396,7 @@ _OWNED = " AND (%s::text IS NULL OR owner = %s)"  # a caller's reach: its own ru
 class PostgresRunStore:
     """Runs and their events on Postgres. Every read takes the caller's tenant: a run of another tenant
     is indistinguishable from a run that does not exist. Reads for a caller also take its ``owner``
-    reach (see :mod:`coordinator.access`): with an owner, another principal's run of the same
+    reach (see :mod:`coordinator.record.access`): with an owner, another principal's run of the same
     tenant is just as unknown; None reaches every run of the tenant.
 
     The pool's connections should be in autocommit mode: every write is then one statement and one
@@ -411,7 +426,7 @@ class PostgresRunStore:
         tenant: str,
         owner: str,
         request: dict[str, Any],
-        plan: list[dict[str, Any]] | None = None,
+        plan: list[PlanStep] | None = None,
         grant: str | None = None,
     ) -> Run:
         """Create the run in state ``submitted`` with its first events (submitted, and the plan if
@@ -441,7 +456,7 @@ class PostgresRunStore:
         tenant: str,
         owner: str,
         request: dict[str, Any],
-        plan: list[dict[str, Any]],
+        plan: list[PlanStep],
         event_id: str,
         item: dict[str, Any],
     ) -> tuple[bool, bool]:
@@ -591,7 +606,7 @@ class PostgresRunStore:
     async def request_cancel(self, run_id: str, tenant: str, actor: str, *, owner: str | None = None) -> Run:
         """Ask for the run to be canceled (idempotent; a finished run is left as it is). The event
         is recorded at once; the worker advancing the run stops at its next write or heartbeat.
-        Callers come through :meth:`coordinator.signals.SignalDesk.apply` (policy decides)."""
+        Callers come through :meth:`coordinator.control.signals.SignalDesk.apply` (policy decides)."""
         async with self._pool.connection() as conn, conn.transaction():
             cursor = await conn.execute(
                 "SELECT last_seq, lease_owner IS NOT NULL AND lease_expires_at >= now() AND state <> 'waiting'"

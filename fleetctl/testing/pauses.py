@@ -28,12 +28,12 @@ from typing import Any
 import httpx
 import psycopg
 
-from coordinator.signals import publish_signal
 from deploy.enrollment import enrollment_token
 from deploy.local_stack import OPERATOR_ID, service
 from fleet.events import event_message
 from fleet.keys import SigningKey
 from fleet.natsconn import connect
+from fleet.signal_client import publish_signal
 from fleet.tokens import TokenClient
 from fleetctl.cli_common import operator_token_client
 from fleetctl.layout import StackLayout, stack_admin

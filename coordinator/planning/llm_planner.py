@@ -1,5 +1,5 @@
 """Plans by a model: a request's text that no routing rule recognises becomes a plan over the skills
-the fleet's specialists offer, checked like a caller's plan (:func:`coordinator.plan.parse_steps`)
+the fleet's specialists offer, checked like a caller's plan (:func:`coordinator.planning.plan.parse_steps`)
 and refused if it names a skill nobody offers. Used only with an LLM configured
 (``FLEET_LLM_BASE_URL``); without one such a text stays ``no_specialist_for_skill``."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from coordinator.plan import MAX_STEPS, PlanError, Planner, Step, parse_steps
+from coordinator.planning.plan import MAX_STEPS, PlanError, Planner, Step, parse_steps
 from fleet.llm import ChatModel, from_settings, json_object_of
 from fleet.settings import ServiceSettings
 from registry import AgentRecord, RegistryClient
@@ -81,7 +81,7 @@ def offered_skills(agents: Sequence[AgentRecord]) -> list[dict[str, Any]]:
 
 
 def registry_planner(model: ChatModel, registry: RegistryClient) -> Planner:
-    """A :data:`~coordinator.plan.Planner` over the skills the registry's specialists offer now."""
+    """A :data:`~coordinator.planning.plan.Planner` over the skills the registry's specialists offer now."""
     planner = LlmPlanner(model)
 
     async def plan(text: str) -> list[Step]:

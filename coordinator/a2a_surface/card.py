@@ -15,8 +15,8 @@ from a2a.server.context import ServerCallContext
 from a2a.types import AgentCard, AgentExtension
 from google.protobuf.struct_pb2 import Struct
 
-from coordinator.push import SIGNATURE_HEADER
-from coordinator.task_events import RESUME_EXTENSION
+from coordinator.a2a_surface.push import SIGNATURE_HEADER
+from coordinator.a2a_surface.task_events import RESUME_EXTENSION
 from fleet.a2a_support import claims_of, sign_card
 from fleet.keys import SigningKey
 

@@ -81,7 +81,7 @@ _WORDS = (
     "pending_sends", "__start__", "__input__", "__pregel_tasks", "__interrupt__", "__resume__",
     "__error__", "branch:to:", "source", "loop", "input", "step", "parents", "writes", "value",
     "resumable", "when", "during", "ns", "langgraph.types", "Interrupt", "Send", "node", "arg",
-    # the coordinator's state (coordinator.graph.GraphState) and its gates
+    # the coordinator's state (coordinator.engine.graph.GraphState) and its gates
     "run_id", "tenant", "steps", "results", "limits", "tranche", "calls", "failure", "stop",
     "finished", "schedule", "delegate", "batch", "batches", "outcomes", "after", "skill", "agent",
     "status", "completed", "failed", "pending_approval", "user_input_required", "input_required",

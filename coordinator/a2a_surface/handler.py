@@ -3,7 +3,7 @@
 The SDK keeps a task's live state in the process that runs its executor; here that state is the
 run's event log in Postgres, which any coordinator process can read. So:
 
-* ``CancelTask`` is a cancel signal (:meth:`coordinator.signals.SignalDesk.apply`, via ``a2a``): the
+* ``CancelTask`` is a cancel signal (:meth:`coordinator.control.signals.SignalDesk.apply`, via ``a2a``): the
   same reach (``fleet.runs.access``) and the same ``fleet.approvals.decision`` as a cancel from the
   run API, the console, the CLI or NATS, recorded with the run's signals; a refusal is
   ``TaskNotCancelableError`` with the ``forbidden`` code. It then waits for the run's terminal
@@ -16,11 +16,11 @@ run's event log in Postgres, which any coordinator process can read. So:
   retention gets the current task, marked ``"resumed": "snapshot"``, then the updates after it.
 
 Every call reaches only the tasks the caller's principal started, unless policy gives it the tenant's
-(see :mod:`coordinator.access`); any other task is not found.
+(see :mod:`coordinator.record.access`); any other task is not found.
 
 Closing a stream never cancels a run: only ``CancelTask`` does. A subscription takes a stream slot
-(:mod:`coordinator.streams`) before its first event; over a cap it is a ``stream_limit`` JSON-RPC
-error. Every follower here shares the process's one ``LISTEN`` connection (:mod:`coordinator.notifier`).
+(:mod:`coordinator.control.streams`) before its first event; over a cap it is a ``stream_limit`` JSON-RPC
+error. Every follower here shares the process's one ``LISTEN`` connection (:mod:`coordinator.record.notifier`).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from a2a.utils.errors import (
 )
 from a2a.utils.proto_utils import validate_proto_required_fields
 
-from coordinator.access import Reach, RunAction
-from coordinator.notifier import RunNotifier
-from coordinator.runs import PostgresRunStore
-from coordinator.signals import Signal, SignalDesk
-from coordinator.streams import Streams, a2a_slot
-from coordinator.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
-from coordinator.task_store import PostgresTaskStore
+from coordinator.a2a_surface.task_events import RESUME_EXTENSION, TERMINAL, TaskFold
+from coordinator.a2a_surface.task_store import PostgresTaskStore
+from coordinator.control.signals import Signal, SignalDesk
+from coordinator.control.streams import Streams, a2a_slot
+from coordinator.record.access import Reach, RunAction
+from coordinator.record.notifier import RunNotifier
+from coordinator.record.runs import PostgresRunStore
 from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import ErrorCode, FleetError
 from fleet.vocabulary import SignalAction
@@ -109,7 +109,7 @@ def _marked_snapshot(fold: TaskFold, reason: str) -> Task:
 
 class CoordinatorRequestHandler(DefaultRequestHandler):
     """Cancel and subscribe from the run store (see the module docstring); everything else as the
-    SDK does it, over :class:`~coordinator.task_store.PostgresTaskStore`."""
+    SDK does it, over :class:`~coordinator.a2a_surface.task_store.PostgresTaskStore`."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """The debug bundle of a run: everything needed to explain what happened without re-running it.
 
-Files: ``EXPLAIN.md`` (the summary a person reads first, see :mod:`coordinator.explain`),
+Files: ``EXPLAIN.md`` (the summary a person reads first, see :mod:`coordinator.control.explain`),
 ``events.jsonl`` (the event log), ``operations.jsonl`` (the operations ledger), ``checkpoints.jsonl``
 and ``last_state.json`` (graph state, redacted), ``tool_calls.csv`` (one row per delegated step),
 ``agents.json`` (the registry's records now of the agents the run used) and ``env.txt`` (versions and
@@ -19,9 +19,9 @@ from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
-from coordinator.explain import explain
-from coordinator.operations import Ledger
-from coordinator.runs import PostgresRunStore, Run, RunEvent
+from coordinator.control.explain import explain
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import PostgresRunStore, Run, RunEvent
 from fleet.redact import redact
 from fleet.vocabulary import EventType
 

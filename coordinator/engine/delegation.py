@@ -31,10 +31,10 @@ organisation runs it) is called differently:
   claim never draws work out of the fleet (see :meth:`Delegator.assign`);
 * what is sent passes the egress policy (``fleet.egress.decision``), which is deny by default: the
   step leaves only if a grant names its tenant, the agent and the skill, and then only with the
-  input paths it names, at any depth (:mod:`coordinator.egress`); secrets are redacted from those
+  input paths it names, at any depth (:mod:`coordinator.engine.egress`); secrets are redacted from those
   whatever it says. Each decision is logged with its id.
 * its answer passes ``fleet.egress.answer``: it may refuse it (e.g. too large), and says whether
-  later steps may act on it; one they may not is kept, marked :data:`~coordinator.plan.UNTRUSTED`,
+  later steps may act on it; one they may not is kept, marked :data:`~coordinator.planning.plan.UNTRUSTED`,
   and a later step that takes input from it fails ``policy_denied``.
 """
 
@@ -65,8 +65,8 @@ from a2a.utils.errors import A2AError
 from google.protobuf.json_format import ParseDict, ParseError
 from opentelemetry.trace import SpanKind
 
-from coordinator.egress import MAX_PATHS, keep_paths, leaf_paths
-from coordinator.plan import UNTRUSTED
+from coordinator.engine.egress import MAX_PATHS, keep_paths, leaf_paths
+from coordinator.planning.plan import UNTRUSTED
 from fleet import telemetry
 from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError

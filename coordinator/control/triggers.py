@@ -40,9 +40,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.client import JetStreamContext
 
-from coordinator import work
-from coordinator.plan import PlanError, parse_steps
-from coordinator.runs import BatchClosed, PostgresRunStore
+from coordinator.planning.plan import PlanError, parse_steps
+from coordinator.record import work
+from coordinator.record.runs import BatchClosed, PostgresRunStore
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import (
     DEAD_LETTER_SUBJECT,

@@ -1,6 +1,6 @@
 """The A2A task store of the coordinator: tasks derived from the runs in Postgres.
 
-A task is its run (the task id is the run id), seen through :class:`~coordinator.task_events.TaskFold`:
+A task is its run (the task id is the run id), seen through :class:`~coordinator.a2a_surface.task_events.TaskFold`:
 its status, messages and artifacts are a fold over the run's event log. Nothing the SDK saves can
 drift from what the workers record, and a restarted coordinator (or another replica) answers
 ``GetTask``, ``ListTasks`` and ``SubscribeToTask`` from the same rows. The only A2A facts the log does
@@ -9,7 +9,7 @@ not hold are kept in ``fleet_runs.a2a_tasks``: the context id and the request me
 a finished run's older events, the task folded up to the last pruned event.
 
 Every read takes the caller's tenant from the verified token, and its reach from the policy
-``fleet.runs.access`` (see :mod:`coordinator.access`), and filters on both in SQL: another tenant's
+``fleet.runs.access`` (see :mod:`coordinator.record.access`), and filters on both in SQL: another tenant's
 task, or another principal's without a tenant-wide reach, is indistinguishable from one that does
 not exist.
 
@@ -37,9 +37,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.access import Reach, RunAccess, RunAction
-from coordinator.runs import TERMINAL_STATES, PostgresRunStore, RunEvent
-from coordinator.task_events import A2A_STATE, TaskFold, initial_task
+from coordinator.a2a_surface.task_events import A2A_STATE, TaskFold, initial_task
+from coordinator.record.access import Reach, RunAccess, RunAction
+from coordinator.record.runs import TERMINAL_STATES, PostgresRunStore, RunEvent
 from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import ErrorCode, FleetError
 

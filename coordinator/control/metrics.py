@@ -11,8 +11,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from prometheus_client import Gauge
 
-from coordinator import work
-from coordinator.runs import PostgresRunStore, RunState
+from coordinator.record import work
+from coordinator.record.runs import PostgresRunStore, RunState
 from fleet import telemetry
 
 CONSUMERS_PER_PAGE = 256  # JetStream's consumer list page
@@ -44,7 +44,7 @@ def _label_sets(gauge: Gauge) -> list[dict[str, str]]:
 
 async def refresh_work_queue(client: NATS) -> None:
     """Set the work queue gauges from the workers' consumers, one per tenant (see
-    :mod:`coordinator.work`), summed (nothing before a worker created one)."""
+    :mod:`coordinator.record.work`), summed (nothing before a worker created one)."""
     consumers: list[Any] = []
     try:
         while True:

@@ -47,11 +47,11 @@ from google.protobuf.json_format import MessageToDict
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.access import Reach, RunAccess, RunAction
-from coordinator.notifier import RunNotifier
-from coordinator.runs import PostgresRunStore
-from coordinator.task_events import TaskUpdate
-from coordinator.task_store import PostgresTaskStore
+from coordinator.a2a_surface.task_events import TaskUpdate
+from coordinator.a2a_surface.task_store import PostgresTaskStore
+from coordinator.record.access import Reach, RunAccess, RunAction
+from coordinator.record.notifier import RunNotifier
+from coordinator.record.runs import PostgresRunStore
 from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import ALGORITHM, SigningKey

@@ -23,7 +23,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from coordinator.notifier import RunNotifier
+from coordinator.record.notifier import RunNotifier
 from fleet.a2a_support import a2a_error
 from fleet.errors import ErrorCode, FleetError
 from fleet.service import problem_response

@@ -29,9 +29,9 @@ from typing import Any
 
 from langgraph.config import get_stream_writer
 
-from coordinator.delegation import CallInterrupted, Delegator, Progress, skill_is_idempotent
-from coordinator.operations import Event, Ledger, Operation, OperationConflict, OpStatus
-from coordinator.runs import Lease, PostgresRunStore
+from coordinator.engine.delegation import CallInterrupted, Delegator, Progress, skill_is_idempotent
+from coordinator.record.operations import Event, Ledger, Operation, OperationConflict, OpStatus
+from coordinator.record.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, args_hash

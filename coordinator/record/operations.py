@@ -27,8 +27,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.notifier import NOTIFY_CHANNEL
-from coordinator.runs import Lease, StaleLease, fenced_append, hand_back, logged
+from coordinator.record.notifier import NOTIFY_CHANNEL
+from coordinator.record.runs import Lease, StaleLease, fenced_append, hand_back, logged
 from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 from fleet.vocabulary import EventType

@@ -36,14 +36,14 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from coordinator import signals, work
-from coordinator.checkpoints import CompactCheckpointer
-from coordinator.delegation import Delegator
-from coordinator.dispatch import ActivityClock, RunScope, settle_pending
-from coordinator.graph import build_graph, checkpoint_pool
-from coordinator.memory_hook import RunMemory
-from coordinator.operations import Ledger
-from coordinator.runs import (
+from coordinator.engine.delegation import Delegator
+from coordinator.engine.dispatch import ActivityClock, RunScope, settle_pending
+from coordinator.engine.graph import build_graph, checkpoint_pool
+from coordinator.engine.memory_hook import RunMemory
+from coordinator.record import gates, work
+from coordinator.record.checkpoints import CompactCheckpointer
+from coordinator.record.operations import Ledger
+from coordinator.record.runs import (
     ON_THE_WAIT,
     CancelRequested,
     Lease,
@@ -311,7 +311,7 @@ class RunWorker:
 
     async def consolidate(self, tenant: str, run_id: str, message: Msg) -> None:
         """Turn the finished run's episodes into facts and rules, through the memory gate (see
-        :mod:`coordinator.memory_hook`; it never fails the run). The work message is kept from
+        :mod:`coordinator.engine.memory_hook`; it never fails the run). The work message is kept from
         redelivery meanwhile, however long the memory server (and its model) takes."""
         if self._memory is None:
             return
@@ -482,7 +482,7 @@ class RunWorker:
         """Record that the run waits (what for, since when) and let go of it: no process waits.
         The wait record names the first thing awaited (what, until when) and its ``detail`` holds
         the rest of that request, with ``others`` when parallel steps wait too (see
-        :func:`coordinator.runs.wait_requests`)."""
+        :func:`coordinator.record.runs.wait_requests`)."""
         requests = [
             dict(a) if isinstance(a, dict) else {"type": "input", "awaited": str(a)} for a in awaiting
         ]
@@ -506,12 +506,12 @@ class RunWorker:
         await self.prune(lease.run_id)
 
     async def announce(self, run_id: str, tenant: str, wait: dict[str, Any]) -> None:
-        """Publish the approval requests of a parked run on NATS (see :mod:`coordinator.signals`).
+        """Publish the approval requests of a parked run on NATS (see :mod:`coordinator.control.signals`).
         Best effort: the wait is durable already, and a redelivered work message publishes again."""
         if self.approvals is None:
             return
         try:
-            await signals.announce(self.approvals, run_id, tenant, wait)
+            await gates.announce(self.approvals, run_id, tenant, wait)
         except Exception:
             log.warning("could not publish the approval requests of run %s", run_id, exc_info=True)
 

@@ -3,7 +3,7 @@
 
 Every superstep is checkpointed in Postgres under the run id, so a run's progress is durable: after a
 crash only the steps of the interrupted superstep that had not finished run again, and those find
-their operation in the ledger (see :mod:`coordinator.dispatch`) instead of sending it twice.
+their operation in the ledger (see :mod:`coordinator.engine.dispatch`) instead of sending it twice.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from langgraph.runtime import Runtime
 from langgraph.types import Send, interrupt
 from psycopg_pool import AsyncConnectionPool
 
-from coordinator.delegation import Delegator
-from coordinator.dispatch import NeedsHuman, RunScope, StepDispatcher
-from coordinator.plan import RESERVED_INPUT, UNTRUSTED, dependencies, resolve_input
-from coordinator.runs import CancelRequested, StaleLease
+from coordinator.engine.delegation import Delegator
+from coordinator.engine.dispatch import NeedsHuman, RunScope, StepDispatcher
+from coordinator.planning.plan import RESERVED_INPUT, UNTRUSTED, dependencies, resolve_input
+from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
 from fleet.approvals import POLICY_APPROVER, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import args_hash
@@ -43,7 +43,7 @@ def _first_failure(left: dict[str, Any] | None, right: dict[str, Any] | None) ->
 class GraphState(TypedDict, total=False):
     run_id: str
     tenant: str
-    steps: list[dict[str, Any]]
+    steps: list[PlanStep]
     results: Annotated[dict[str, Any], _merge]  # by step id; parallel steps each add theirs
     outcomes: Annotated[list[dict[str, Any]], operator.add]
     failure: Annotated[dict[str, Any] | None, _first_failure]
@@ -62,7 +62,7 @@ class StepTask(TypedDict):
 
     run_id: str
     tenant: str
-    step: dict[str, Any]
+    step: PlanStep
     results: dict[str, Any]
     offset: int  # for a batch step: the items done already
     batch: dict[str, int]  # for a batch step: call_size and checkpoint_every ({} for others)
@@ -75,10 +75,15 @@ def _emit(event: EventType, payload: dict[str, Any], text: str = "") -> None:
     get_stream_writer()({"event": event, "payload": payload, "text": text})
 
 
-def _failure(step: dict[str, Any], exc: FleetError) -> dict[str, Any]:
+def _failure(step: PlanStep, exc: FleetError) -> dict[str, Any]:
     """A failed step, as its event and the run's state keep it: the step, its skill, the error's code
     and message, and the error it wraps from the layer below (an envelope), if any."""
-    failure = {"step": step["id"], "skill": step["skill"], "code": str(exc.code), "message": exc.message}
+    failure: dict[str, Any] = {
+        "step": step["id"],
+        "skill": step["skill"],
+        "code": str(exc.code),
+        "message": exc.message,
+    }
     if exc.cause is not None:
         failure["cause"] = exc.cause.to_dict()
     return failure
@@ -90,13 +95,13 @@ def checkpoint_pool(dsn: str, max_size: int) -> AsyncConnectionPool[Any]:
     return AsyncConnectionPool(dsn, max_size=max_size, open=False, kwargs={"autocommit": True})
 
 
-def ready_steps(state: GraphState) -> list[dict[str, Any]]:
+def ready_steps(state: GraphState) -> list[PlanStep]:
     """Steps not yet done whose every dependency is done."""
     done = set(state.get("results", {}))
     return [s for s in state["steps"] if s["id"] not in done and dependencies(s) <= done]
 
 
-def _call_hash(step: dict[str, Any], results: dict[str, Any], offset: int) -> str:
+def _call_hash(step: PlanStep, results: dict[str, Any], offset: int) -> str:
     try:
         payload = resolve_input(step["input"], results)
     except FleetError:
@@ -315,7 +320,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     return {"batches": {step["id"]: offset}, "results": {step["id"]: result}, "outcomes": [outcome]}
 
 
-def wait_for_timer(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+def wait_for_timer(step: PlanStep, now: dt.datetime) -> dict[str, Any]:
     """A timer step: park the run (no process waits) until the time is due; the wait supervisor
     answers the wait when it is, and the run goes on from here. A time already past fires at once."""
     wait = step["wait"]
@@ -348,7 +353,7 @@ def wait_for_timer(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     }
 
 
-async def collect_batch(step: dict[str, Any], scope: RunScope, now: dt.datetime) -> dict[str, Any]:
+async def collect_batch(step: PlanStep, scope: RunScope, now: dt.datetime) -> dict[str, Any]:
     """A batch trigger's collection: park the run (no process waits) while events add their items,
     until the window's close time (the wait supervisor answers) or a closing event (the trigger
     ingest answers); then close the batch, atomically with any item still arriving (which is
@@ -383,7 +388,7 @@ async def collect_batch(step: dict[str, Any], scope: RunScope, now: dt.datetime)
     }
 
 
-def wait_for_event(step: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+def wait_for_event(step: PlanStep, now: dt.datetime) -> dict[str, Any]:
     """An event wait: park the run until an event of the run's tenant on the logical subject (and of
     the type and from the source, if given) arrives (the trigger ingest answers the wait with it), or
     until ``timeout_s``."""
@@ -470,7 +475,7 @@ def approval_deadline(approvals: dict[str, Any], skill: str) -> dict[str, Any]:
 
 
 def await_gate(
-    step: dict[str, Any],
+    step: PlanStep,
     gate: dict[str, Any],
     number: int,
     dispatcher: StepDispatcher,
@@ -583,7 +588,7 @@ def answered(payload: dict[str, Any], answer: dict[str, Any], asked_op: str = ""
     return {**payload, **update}
 
 
-def _gate_closed(step: dict[str, Any], answer: dict[str, Any], agent_id: str) -> dict[str, Any]:
+def _gate_closed(step: PlanStep, answer: dict[str, Any], agent_id: str) -> dict[str, Any]:
     """The step's end at a gate: rejected by a person, or nobody answered in time (never reported
     as a rejection)."""
     if answer["decision"] == "reject":
@@ -605,7 +610,7 @@ def _gate_closed(step: dict[str, Any], answer: dict[str, Any], agent_id: str) ->
     return {"failure": failure, "outcomes": [{"step": step["id"], "agent": agent_id, "status": "failed"}]}
 
 
-def step_task(state: GraphState, step: dict[str, Any]) -> StepTask:
+def step_task(state: GraphState, step: PlanStep) -> StepTask:
     """What the step's task needs, and no more: the task is written into the checkpoint (a ``Send``)
     and stays there while the step waits at a gate."""
     results = state.get("results", {})
