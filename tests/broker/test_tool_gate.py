@@ -7,17 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-from mcp.server.auth.middleware.auth_context import auth_context_var
-from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
-from mcp.server.auth.provider import AccessToken
-
 from fleet.natsconn import connect
-from fleet.tokens import Claims
+from fleetctl.testing.mcp import calling_as as as_caller
+from fleetctl.testing.mcp import claims_for
 from mcp_servers._base import AuditTrail, RateLimits, RunCalls, ToolGate, read_audit
 from policy import Bundle, RegorusEngine
 from tests.raising import raises_code
@@ -35,27 +30,12 @@ def engine_with_rates(agents: dict[str, Any], **more: Any) -> RegorusEngine:
     return RegorusEngine(dataclasses.replace(bundle, data={**bundle.data, "config": config}))
 
 
-@contextlib.contextmanager
 def calling_as(
     sub: str, tenant: str, scopes: set[str], act: str | None = None, run_id: str | None = "run-7"
-) -> Iterator[None]:
-    """What the MCP SDK's auth middleware sets for a request whose token verified as these claims
-    (``act``: the agent that passed the caller's token on, RFC 8693)."""
-    claims = Claims(
-        sub=sub,
-        tenant=tenant,
-        audience="mcp-sql",
-        scopes=frozenset(scopes),
-        jti=uuid.uuid4().hex,
-        expires_at=int(time.time()) + 300,
-        raw={"sub": sub, "tenant": tenant, "run_id": run_id, **({"act": {"sub": act}} if act else {})},
-    )
-    token = AccessToken(token="t", client_id=sub, scopes=sorted(scopes), claims={"fleet_claims": claims})
-    reset = auth_context_var.set(AuthenticatedUser(token))
-    try:
-        yield
-    finally:
-        auth_context_var.reset(reset)
+) -> contextlib.AbstractContextManager[None]:
+    """A request to mcp-sql whose token verified as these claims (``act``: the agent that passed the
+    caller's token on, RFC 8693)."""
+    return as_caller(claims_for(sub, tenant, scopes, audience="mcp-sql", run_id=run_id, act=act))
 
 
 async def test_every_call_is_audited_on_nats_with_its_outcome(nats_url: str) -> None:
