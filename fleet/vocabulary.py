@@ -10,8 +10,13 @@ and sent as their value.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, Required  # pydantic needs these before 3.12
+
+from pydantic import TypeAdapter, ValidationError
+from typing_extensions import TypedDict
 
 
 class EventType(StrEnum):
@@ -99,6 +104,122 @@ class SignalAction(StrEnum):
     CANCEL = "cancel"
 
 
+# The payloads of the events a reader acts on (the explain path, the A2A task fold, the CLI, the
+# console): what each holds. Keys beyond these may be present (and are not checked); these have the
+# types given. The graph builds its events with these types (mypy holds it to them), and the
+# end-to-end tests check every event they read with payload_problems.
+
+
+class StepStarted(TypedDict, total=False):
+    """``step.started``: the step was sent to ``agent`` (a batch step: it has ``items`` items)."""
+
+    step: Required[str]
+    skill: str
+    agent: str
+    items: int
+
+
+class StepCompleted(TypedDict, total=False):
+    """``step.completed``: ``agent`` did the step (a batch step: ``items`` in ``calls`` calls)."""
+
+    step: Required[str]
+    agent: str
+    items: int
+    calls: int
+
+
+class StepFailed(TypedDict):
+    """``step.failed``: the error's code and message, and the error it wraps (an envelope of
+    :meth:`fleet.errors.FleetError.to_dict`) from the agent or tool below."""
+
+    step: str
+    skill: str
+    code: str
+    message: str
+    cause: NotRequired[dict[str, Any]]
+    agent: NotRequired[str | None]
+    done: NotRequired[int]  # a batch step: the items done before it failed
+
+
+class StepBlocked(TypedDict):
+    """``step.blocked``: operation ``op_id`` of the step needs a person to say what came of it."""
+
+    step: str
+    agent: str | None
+    op_id: str
+    why: str
+
+
+class StepProgress(TypedDict):
+    """``step.progress``: what the agent says it is doing."""
+
+    step: str
+    text: str
+
+
+StepRerouted = TypedDict(
+    "StepRerouted", {"step": str, "op_id": str, "from": str, "to": str, "why": str}, total=False
+)
+"""``step.rerouted``: the operation went from one agent to another, and why."""
+
+
+class RunResumed(TypedDict):
+    """``run.resumed``: a worker took the run up again, at these nodes of its graph."""
+
+    at: list[str]
+
+
+class RunDegraded(TypedDict):
+    """``run.degraded``: the run stops early with its best result (``non_converging``, a budget)."""
+
+    reason: str
+    why: str
+
+
+class RunEnded(TypedDict, total=False):
+    """``run.completed``, ``run.failed``, ``run.canceled``, ``run.rejected``: the state and reason; a
+    run that an error ended has ``error`` (its envelope) and ``text`` (the message), and one that a
+    step's failure ended the ``failure`` too."""
+
+    state: Required[str]
+    reason: str | None
+    text: str
+    summary: str
+    error: dict[str, Any]
+    failure: StepFailed
+
+
+PAYLOADS: Mapping[EventType, Any] = {
+    EventType.STEP_STARTED: StepStarted,
+    EventType.STEP_COMPLETED: StepCompleted,
+    EventType.STEP_FAILED: StepFailed,
+    EventType.STEP_BLOCKED: StepBlocked,
+    EventType.STEP_PROGRESS: StepProgress,
+    EventType.STEP_REROUTED: StepRerouted,
+    EventType.RUN_RESUMED: RunResumed,
+    EventType.RUN_DEGRADED: RunDegraded,
+    **{ending: RunEnded for ending in ENDING},
+}
+
+
+@functools.cache
+def _adapter(kind: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(kind)
+
+
+def payload_problems(event_type: str, payload: Mapping[str, Any]) -> list[str]:
+    """What is wrong with ``payload`` as the payload of an event of ``event_type`` (nothing for a
+    type without a declared payload): missing keys and values of the wrong type."""
+    kind = PAYLOADS.get(event_type)  # type: ignore[call-overload]  # a str is looked up by value
+    if kind is None:
+        return []
+    try:
+        _adapter(kind).validate_python(dict(payload), strict=True)
+    except ValidationError as exc:
+        return [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+    return []
+
+
 def policy_data() -> dict[str, Any]:
     """The vocabulary as the Rego bundles read it (``data.vocabulary``)."""
     return {
@@ -107,4 +228,20 @@ def policy_data() -> dict[str, Any]:
     }
 
 
-__all__ = ["ENDING", "EventType", "SignalAction", "policy_data"]
+__all__ = [
+    "ENDING",
+    "PAYLOADS",
+    "EventType",
+    "RunDegraded",
+    "RunEnded",
+    "RunResumed",
+    "SignalAction",
+    "StepBlocked",
+    "StepCompleted",
+    "StepFailed",
+    "StepProgress",
+    "StepRerouted",
+    "StepStarted",
+    "payload_problems",
+    "policy_data",
+]

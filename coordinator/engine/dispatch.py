@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from coordinator.record.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, args_hash
-from fleet.vocabulary import EventType
+from fleet.vocabulary import EventType, StepCompleted, StepStarted
 from registry import AgentRecord
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class NeedsHuman(FleetError):
         self.why = why
 
 
-def _emit(event: EventType, payload: dict[str, Any], text: str) -> None:
+def _emit(event: EventType, payload: Mapping[str, Any], text: str) -> None:
     """Record an event in the run's log (through the graph's stream, like every step event)."""
     get_stream_writer()({"event": event, "payload": payload, "text": text})
 
@@ -179,12 +179,12 @@ class StepDispatcher:
         if not self._announce:
             return []
         # (its text, "step <id>: <skill> -> <agent>", is made where it is shown: task_events)
-        return [(EventType.STEP_STARTED, {"step": self._step_id, "skill": self._skill, "agent": agent.id})]
+        return [(EventType.STEP_STARTED, StepStarted(step=self._step_id, skill=self._skill, agent=agent.id))]
 
     def _closing(self, result: dict[str, Any]) -> list[Event]:
         if not self._announce or (self._completes is not None and not self._completes(result)):
             return []
-        return [(EventType.STEP_COMPLETED, {"step": self._step_id, "agent": self.agent_id})]
+        return [(EventType.STEP_COMPLETED, StepCompleted(step=self._step_id, agent=self.agent_id))]
 
     async def run(self, prefer: AgentRecord | None = None) -> dict[str, Any]:
         """The step's result, sending it at most as often as the rules above allow: to ``prefer``

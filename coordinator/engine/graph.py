@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import operator
 from collections import Counter
+from collections.abc import Mapping
 from typing import Annotated, Any, TypedDict
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -28,7 +29,15 @@ from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
 from fleet.approvals import POLICY_APPROVER, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import args_hash
-from fleet.vocabulary import EventType
+from fleet.vocabulary import (
+    EventType,
+    RunDegraded,
+    StepBlocked,
+    StepCompleted,
+    StepFailed,
+    StepProgress,
+    StepStarted,
+)
 from registry import AgentRecord
 
 
@@ -70,20 +79,15 @@ class StepTask(TypedDict):
     facts: dict[str, Any]  # what the run computed that a gate may go by (see computed_facts)
 
 
-def _emit(event: EventType, payload: dict[str, Any], text: str = "") -> None:
+def _emit(event: EventType, payload: Mapping[str, Any], text: str = "") -> None:
     """Report progress to whoever runs the graph: it records the event and shows the text."""
     get_stream_writer()({"event": event, "payload": payload, "text": text})
 
 
-def _failure(step: PlanStep, exc: FleetError) -> dict[str, Any]:
+def _failure(step: PlanStep, exc: FleetError) -> StepFailed:
     """A failed step, as its event and the run's state keep it: the step, its skill, the error's code
     and message, and the error it wraps from the layer below (an envelope), if any."""
-    failure: dict[str, Any] = {
-        "step": step["id"],
-        "skill": step["skill"],
-        "code": str(exc.code),
-        "message": exc.message,
-    }
+    failure = StepFailed(step=step["id"], skill=step["skill"], code=str(exc.code), message=exc.message)
     if exc.cause is not None:
         failure["cause"] = exc.cause.to_dict()
     return failure
@@ -133,7 +137,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         return _spent(state, budget, spent, now)
     if sum(step.get("wait") is None for step in ready) > convergence["max_calls_per_turn"]:
         why = f"{len(ready)} calls in one turn (more than {convergence['max_calls_per_turn']})"
-        _emit(EventType.RUN_DEGRADED, {"reason": "non_converging", "why": why}, f"not converging: {why}")
+        _emit(EventType.RUN_DEGRADED, RunDegraded(reason="non_converging", why=why), f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     results = state.get("results", {})
     batches = state.get("batches", {})
@@ -143,7 +147,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
     repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
     if repeated:
         why = f"the same call {convergence['repeat_limit']} times"
-        _emit(EventType.RUN_DEGRADED, {"reason": "non_converging", "why": why}, f"not converging: {why}")
+        _emit(EventType.RUN_DEGRADED, RunDegraded(reason="non_converging", why=why), f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     return {"calls": new}
 
@@ -233,7 +237,7 @@ async def _run_or_wait(
         try:
             return await dispatcher.run(prefer)
         except NeedsHuman as exc:
-            blocked = {"step": step_id, "agent": dispatcher.agent_id, "op_id": exc.op_id, "why": exc.why}
+            blocked = StepBlocked(step=step_id, agent=dispatcher.agent_id, op_id=exc.op_id, why=exc.why)
             _emit(EventType.STEP_BLOCKED, blocked, f"step {step_id} needs a person: {exc.message}")
             # Parks the run (the checkpoint is durable, no process waits). When a person has given
             # the operation's outcome, the run resumes here and reads it from the ledger.
@@ -271,7 +275,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     offset, total = task["offset"], len(items)
     stop_at = min(total, offset + every)
     if offset == 0:
-        _emit(EventType.STEP_STARTED, {"step": step["id"], "skill": step["skill"], "items": total})
+        _emit(EventType.STEP_STARTED, StepStarted(step=step["id"], skill=step["skill"], items=total))
     agent: AgentRecord | None = None  # every call of the batch goes to the agent of its first
     calls = 0
     try:
@@ -279,7 +283,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
             chunk = items[offset : min(offset + call_size, stop_at)]
 
             async def progress(text: str) -> None:
-                _emit(EventType.STEP_PROGRESS, {"step": step["id"], "text": text}, text)
+                _emit(EventType.STEP_PROGRESS, StepProgress(step=step["id"], text=text), text)
 
             dispatcher = StepDispatcher(
                 delegator,
@@ -305,7 +309,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     except (StaleLease, CancelRequested, DependencyUnavailable):
         raise  # not the step's failure: this worker must stop writing
     except FleetError as exc:
-        _emit(EventType.STEP_FAILED, {**_failure(step, exc), "done": offset})
+        _emit(EventType.STEP_FAILED, StepFailed(**_failure(step, exc), done=offset))
         return {"failure": {**_failure(step, exc), "done": offset}}
     outcome = {"step": step["id"], "agent": agent.id if agent else "", "status": "completed", "calls": calls}
     if offset < total:
@@ -316,7 +320,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
         key=lambda op: int(op.step_id.removeprefix(prefix)),
     )
     result = {**merge_chunks([op.result or {} for op in chunks]), "items": total, "calls": len(chunks)}
-    _emit(EventType.STEP_COMPLETED, {"step": step["id"], "items": total, "calls": len(chunks)})
+    _emit(EventType.STEP_COMPLETED, StepCompleted(step=step["id"], items=total, calls=len(chunks)))
     return {"batches": {step["id"]: offset}, "results": {step["id"]: result}, "outcomes": [outcome]}
 
 
@@ -593,20 +597,20 @@ def _gate_closed(step: PlanStep, answer: dict[str, Any], agent_id: str) -> dict[
     as a rejection)."""
     if answer["decision"] == "reject":
         note = f": {answer['note']}" if answer.get("note") else ""
-        failure = {
-            "step": step["id"],
-            "skill": step["skill"],
-            "code": str(ErrorCode.APPROVAL_REJECTED),
-            "message": f"rejected by {answer.get('by')}{note}",
-        }
+        rejected = f"rejected by {answer.get('by')}{note}"
+        failure = StepFailed(
+            step=step["id"], skill=step["skill"], code=str(ErrorCode.APPROVAL_REJECTED), message=rejected
+        )
     else:
-        failure = {
-            "step": step["id"],
-            "skill": step["skill"],
-            "code": str(ErrorCode.APPROVAL_EXPIRED),
-            "message": f"nobody answered by {answer.get('deadline')}",
-        }
-    _emit(EventType.STEP_FAILED, {**failure, "agent": agent_id}, f"step {step['id']}: {failure['message']}")
+        expired = f"nobody answered by {answer.get('deadline')}"
+        failure = StepFailed(
+            step=step["id"], skill=step["skill"], code=str(ErrorCode.APPROVAL_EXPIRED), message=expired
+        )
+    _emit(
+        EventType.STEP_FAILED,
+        StepFailed(**failure, agent=agent_id),
+        f"step {step['id']}: {failure['message']}",
+    )
     return {"failure": failure, "outcomes": [{"step": step["id"], "agent": agent_id, "status": "failed"}]}
 
 
@@ -683,7 +687,7 @@ class _Nodes:
             return wait_for_timer(step, dt.datetime.now(dt.UTC))
 
         async def progress(text: str) -> None:
-            _emit(EventType.STEP_PROGRESS, {"step": step["id"], "text": text}, text)
+            _emit(EventType.STEP_PROGRESS, StepProgress(step=step["id"], text=text), text)
 
         try:
             payload = resolve_input(step["input"], task["results"])
@@ -742,7 +746,7 @@ class _Nodes:
             if not dispatcher.agent_id:  # it never got to an agent (none offers the skill)
                 _emit(EventType.STEP_FAILED, _failure(step, exc))
                 return {"failure": _failure(step, exc)}
-            _emit(EventType.STEP_FAILED, {**_failure(step, exc), "agent": dispatcher.agent_id})
+            _emit(EventType.STEP_FAILED, StepFailed(**_failure(step, exc), agent=dispatcher.agent_id))
             return {
                 "failure": _failure(step, exc),
                 "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "failed"}],

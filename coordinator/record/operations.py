@@ -127,7 +127,7 @@ op AS (
 SELECT op.*, (SELECT pg_notify(%(channel)s, run_id) FROM logged LIMIT 1) AS notified FROM op
 """
 
-Event = tuple[EventType, dict[str, Any]]  # (type, payload) of an event written with a ledger change
+Event = tuple[EventType, Mapping[str, Any]]  # (type, payload) of an event written with a ledger change
 
 
 def _events(own: Event, before: Sequence[Event] = (), after: Sequence[Event] = ()) -> Jsonb:

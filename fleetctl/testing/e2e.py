@@ -26,6 +26,7 @@ from google.protobuf.json_format import ParseDict
 
 from fleet.errors import FleetError
 from fleet.keys import SigningKey
+from fleet.vocabulary import payload_problems
 from fleetctl.layout import StackLayout
 from policy import DEFAULT_BUNDLE_DIR
 
@@ -229,6 +230,18 @@ def _record(outcome: RunOutcome, event: Any) -> None:
                 outcome.result.update(data)
 
 
+def event_of(line: str) -> dict[str, Any]:
+    """A run event from a ``data:`` line of the run API's stream, its payload checked against the
+    type the vocabulary declares for it (:func:`fleet.vocabulary.payload_problems`): every test that
+    reads events this way checks the payloads the fleet really writes."""
+    event: dict[str, Any] = json.loads(line.removeprefix("data: "))
+    problems = payload_problems(event["type"], event["payload"])
+    assert not problems, (
+        f"a {event['type']} event's payload is not what the vocabulary says: {problems}: {event}"
+    )
+    return event
+
+
 async def first_event(
     stack: Stack, run_id: str, token: str, type_: str, step: str | None = None
 ) -> dict[str, Any]:
@@ -240,7 +253,7 @@ async def first_event(
     ):
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                event: dict[str, Any] = json.loads(line.removeprefix("data: "))
+                event = event_of(line)
                 if event["type"] == type_ and step in (None, event["payload"].get("step")):
                     return event
     raise AssertionError(f"the run ended without a {type_} event")
@@ -252,7 +265,7 @@ async def all_events(stack: Stack, run_id: str, token: str) -> list[dict[str, An
             f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events",
             headers={"Authorization": f"Bearer {token}"},
         )
-    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    return [event_of(line) for line in response.text.splitlines() if line.startswith("data: ")]
 
 
 async def run_id_of_first_run(stack: Stack, token: str) -> str:

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from coordinator.a2a_surface.task_events import RESUME_EXTENSION, event_id_of
-from fleetctl.testing.e2e import Stack, fetch_card
+from fleetctl.testing.e2e import Stack, event_of, fetch_card
 
 TIMEOUT = httpx.Timeout(10.0, read=120.0)
 TERMINAL = {
@@ -160,7 +160,7 @@ async def run_events(stack: Stack, run_id: str, token: str, until: str | None = 
     ):
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                events.append(json.loads(line.removeprefix("data: ")))
+                events.append(event_of(line))
                 if events[-1]["type"] == until:
                     break
     return events

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import psycopg
 
 from fleetctl.testing.e2e import (
     Stack,
+    event_of,
     send,
     start_stack,
     stop_stack,
@@ -73,7 +73,7 @@ async def events_so_far(stack: Stack, run_id: str, token: str) -> list[dict[str,
         ):
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
-                    found.append(json.loads(line.removeprefix("data: ")))
+                    found.append(event_of(line))
     return found
 
 

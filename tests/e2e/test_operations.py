@@ -27,6 +27,7 @@ from fleetctl.testing.e2e import (
     Stack,
     all_events,
     clean_env,
+    event_of,
     first_event,
     fleet,
     run_id_of_first_run,
@@ -482,7 +483,7 @@ async def test_a_worker_killed_mid_batch_redoes_at_most_one_checkpoint_of_items_
         ):
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
-                    event = json.loads(line.removeprefix("data: "))
+                    event = event_of(line)
                     if event["type"] == "batch.progress" and event["payload"]["done"] >= 200:
                         break
         os.kill(stack.endpoints["processes"][event["actor"].split(":")[0]], signal.SIGKILL)

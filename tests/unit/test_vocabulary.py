@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from fleet.vocabulary import ENDING, EventType, SignalAction, policy_data
+from fleet.vocabulary import ENDING, PAYLOADS, EventType, SignalAction, payload_problems, policy_data
 from policy import DEFAULT_BUNDLE_DIR, Bundle, RegorusEngine
 from policy.vocabulary import DATA_FILE, render
 
@@ -88,3 +88,22 @@ def _code_strings(path: Path) -> list[ast.Constant]:
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
     ]
+
+
+def test_the_payload_types_say_what_is_wrong_and_let_through_what_is_right() -> None:
+    failed = {"step": "s1", "skill": "sql-query", "code": "tool_failed", "message": "no"}
+    assert (
+        payload_problems(EventType.STEP_FAILED, {**failed, "cause": {"code": "sql_refused"}, "more": 1}) == []
+    )
+    assert payload_problems("step.failed", {**failed, "code": 3}) == ["code: Input should be a valid string"]
+    assert payload_problems("step.failed", {"step": "s1"}) == [
+        "skill: Field required",
+        "code: Field required",
+        "message: Field required",
+    ]
+    ended = {"state": "failed", "reason": "tool_failed", "failure": {**failed, "message": None}}
+    assert payload_problems(EventType.RUN_FAILED, ended) == [
+        "failure.message: Input should be a valid string"
+    ]
+    assert payload_problems("wait.expired", {"anything": "goes"}) == []  # no type declared for it
+    assert set(PAYLOADS) <= set(EventType) and set(PAYLOADS) >= ENDING
