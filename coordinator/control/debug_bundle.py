@@ -19,7 +19,7 @@ from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
-from coordinator.control.explain import explain
+from coordinator.control.explain import codes_of, explain
 from coordinator.record.operations import Ledger
 from coordinator.record.runs import PostgresRunStore, Run, RunEvent
 from fleet.redact import redact
@@ -34,7 +34,7 @@ PACKAGES = (
     "nats-py",
     "psycopg",
 )
-TOOL_CALL_COLUMNS = ("ts", "tool", "input_hash", "latency_ms", "status", "error")
+TOOL_CALL_COLUMNS = ("ts", "tool", "input_hash", "latency_ms", "status", "error_code", "causes", "error")
 
 
 def _jsonable(value: Any) -> Any:
@@ -67,7 +67,8 @@ async def checkpoints(saver: BaseCheckpointSaver[Any], run_id: str) -> list[dict
 
 def tool_calls(run: Run, events: list[RunEvent]) -> str:
     """One CSV row per delegated step: when it started, which agent and skill, a hash of its input,
-    how long it took, and how it ended."""
+    how long it took, and how it ended (a failure: its code, the codes of what it wraps, outermost
+    first and space-separated, and its message)."""
     inputs = {step["id"]: step.get("input", {}) for step in run.plan}
     started: dict[str, RunEvent] = {}
     out = io.StringIO()
@@ -80,19 +81,22 @@ def tool_calls(run: Run, events: list[RunEvent]) -> str:
         elif event.type in (EventType.STEP_COMPLETED, EventType.STEP_FAILED) and step in started:
             begin = started.pop(step)
             digest = hashlib.sha256(json.dumps(inputs.get(step, {}), sort_keys=True).encode()).hexdigest()
+            failed = event.type == EventType.STEP_FAILED
             writer.writerow(
                 (
                     begin.ts.isoformat(),
                     f"{begin.payload.get('agent')}/{begin.payload.get('skill')}",
                     digest[:16],
                     round((event.ts - begin.ts).total_seconds() * 1000, 1),
-                    "ok" if event.type == EventType.STEP_COMPLETED else "failed",
-                    event.payload.get("message", "") if event.type == EventType.STEP_FAILED else "",
+                    "failed" if failed else "ok",
+                    event.payload.get("code", "") if failed else "",
+                    " ".join(codes_of(event.payload.get("cause"))) if failed else "",
+                    event.payload.get("message", "") if failed else "",
                 )
             )
     for step, begin in started.items():  # started but never finished: the run stopped there
         writer.writerow(
-            (begin.ts.isoformat(), f"{begin.payload.get('agent')}/{step}", "", "", "unfinished", "")
+            (begin.ts.isoformat(), f"{begin.payload.get('agent')}/{step}", "", "", "unfinished", "", "", "")
         )
     return out.getvalue()
 

@@ -27,6 +27,7 @@ from coordinator.a2a_surface.task_events import event_id_of
 from coordinator.a2a_surface.task_store import PostgresTaskStore
 from coordinator.record.access import RunAccess
 from coordinator.record.runs import Lease, PostgresRunStore, RunState
+from fleet.a2a_support import error_of_a2a
 from fleet.errors import FleetError
 from fleet.tokens import Claims
 from policy import Bundle, RegorusEngine
@@ -190,8 +191,9 @@ async def test_push_configs_are_tenant_scoped_and_hide_credentials(pool: AsyncCo
     await store.delete_info("t1", caller("acme"), "t1")
     await store.delete_info("t1", caller("acme"), "t1")
     assert await store.get_info("t1", caller("acme")) == []
-    with pytest.raises(InvalidParamsError, match=r"\[push_url_refused\]"):
+    with pytest.raises(InvalidParamsError) as refused:
         await store.set_info("t1", TaskPushNotificationConfig(url="http://127.0.0.1:9001/"), caller("acme"))
+    assert error_of_a2a(refused.value).code == "push_url_refused"
 
 
 @pytest.mark.parametrize(

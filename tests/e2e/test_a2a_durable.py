@@ -182,10 +182,11 @@ async def test_subscribe_refuses_an_ended_task_without_a_cursor_and_a_bad_cursor
     ended = await send(stack, user_message(data=INLINE_OUTLIERS), token=token)
     with pytest.raises(UnsupportedOperationError, match="Last-Event-ID"):
         await subscribe(stack, ended.task_id, token)
-    with pytest.raises(InvalidParamsError, match=r"\[invalid_request\] Last-Event-ID must be"):
+    with pytest.raises(InvalidParamsError, match=r"^Last-Event-ID must be") as bad:
         await subscribe(stack, ended.task_id, token, last_event_id=-1)
-    with pytest.raises(InvalidParamsError, match=r"\[invalid_request\] Last-Event-ID 9999 is beyond"):
+    with pytest.raises(InvalidParamsError, match=r"^Last-Event-ID 9999 is beyond") as beyond:
         await subscribe(stack, ended.task_id, token, last_event_id=9999)
+    assert error_of_a2a(bad.value).code == error_of_a2a(beyond.value).code == "invalid_request"
     # An ended task with a cursor: the updates after it, and the stream ends with the task.
     tail = await subscribe(stack, ended.task_id, token, last_event_id=1)
     assert tail[0].task.id == ended.task_id
@@ -327,13 +328,14 @@ async def test_a_push_url_to_an_internal_address_is_refused_with_a_clear_error(s
             assert error_of_a2a(caught.value).code == "push_url_refused", caught.value
             assert reason in caught.value.message
         # Set with the message itself, the URL is refused before any run starts.
-        with pytest.raises(InvalidParamsError, match=r"\[push_url_refused\]"):
+        with pytest.raises(InvalidParamsError) as refused_url:
             await start(
                 stack,
                 token,
                 user_message(data=INLINE_OUTLIERS),
                 push=TaskPushNotificationConfig(url="http://169.254.169.254/"),
             )
+        assert error_of_a2a(refused_url.value).code == "push_url_refused"
         listing = await client.list_tasks(ListTasksRequest(), context=as_tenant(token))
         assert [t.id for t in listing.tasks] == [ended.task_id]
 

@@ -720,7 +720,10 @@ async def test_a_run_acts_for_its_caller_at_every_hop_until_the_callers_key_is_r
     outcome = await asyncio.wait_for(running, 60)
     assert outcome.task_id == run_id
     assert outcome.state_name == "TASK_STATE_FAILED", outcome
-    assert "forbidden" in outcome.final_text and "revoked" in outcome.final_text, outcome.final_text
+    assert outcome.codes[0] == "forbidden" and "revoked" in outcome.final_text, (
+        outcome.codes,
+        outcome.final_text,
+    )
     # The grant itself never shows: not in the run's events.
     operator = stack.token("coordinator")
     events = json.dumps(await all_events(stack, run_id, operator))

@@ -157,13 +157,14 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
         ("sql-analyst/invoice-totals", "ok"),
         ("sql-analyst/sql-query", "failed"),
     ]
-    assert "tool_failed" in calls[1]["error"]
+    assert calls[1]["error_code"] == "specialist_failed"
+    assert calls[1]["causes"].split()[:1] == ["tool_failed"], calls[1]  # the agent's error, then the tool's
     operations = [json.loads(line) for line in (bundle / "operations.jsonl").read_text().splitlines()]
     assert [(op["step_id"], op["target"], op["status"]) for op in operations] == [
         ("totals", "sql-analyst", "succeeded"),
         ("wipe", "sql-analyst", "failed"),
     ]
-    assert "tool_failed" in operations[1]["error"]["message"]
+    assert operations[1]["error"]["code"] == "tool_failed"  # the agent's own error, as data
     last_state = json.loads((bundle / "last_state.json").read_text())
     assert last_state["failure"]["step"] == "wipe"
     assert "policy bundle revision local-1+" in (bundle / "env.txt").read_text()

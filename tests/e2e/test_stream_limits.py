@@ -17,6 +17,7 @@ import pytest
 from a2a.types import SubscribeToTaskRequest
 from a2a.utils.errors import A2AError
 
+from fleet.a2a_support import error_of_a2a
 from fleetctl.testing.e2e import Stack, user_message
 from tests.e2e.a2a_helpers import a2a_client, as_tenant, fresh_tenant, start
 
@@ -96,11 +97,13 @@ async def test_hundreds_of_streams_on_a_waiting_run_are_capped_and_postgres_conn
 
         # Over A2A too: the same principal's subscription is a JSON-RPC error with the code.
         async with a2a_client(stack) as client:
-            with pytest.raises(A2AError, match=r"\[stream_limit\]"):
+            with pytest.raises(A2AError, match="streams may be open at once") as refused_a2a:
                 async for _ in client.subscribe(
                     SubscribeToTaskRequest(id=run_id), context=as_tenant(mallory)
                 ):
                     pass
+        envelope = error_of_a2a(refused_a2a.value)  # the code and when to try again, as data
+        assert (envelope.code, envelope.retryable) == ("stream_limit", True) and envelope.retry_after_s
 
         # The streams it holds cost the coordinator no connection of their own.
         assert await fleet_backends(stack) <= before + 2  # a worker's pool may open one meanwhile

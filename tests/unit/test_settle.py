@@ -42,4 +42,8 @@ def test_an_operation_canceled_before_it_arrived_fails_with_no_effect() -> None:
 def test_an_operation_whose_effects_nobody_can_vouch_for_goes_to_a_person(state: str) -> None:
     status, result, error = _settled("desk", {"status": state, "error": {"message": "why"}})
     assert (status, result) == (OpStatus.NEEDS_HUMAN, None)
-    assert error == {"code": "outcome_unknown", "message": f"{state} at desk when the run was canceled: why"}
+    assert error == {
+        "code": "outcome_unknown",
+        "message": f"{state} at desk when the run was canceled: why",
+        "retryable": False,
+    }
