@@ -4,8 +4,8 @@ An error crosses a process boundary as data, never as text: the envelope of :met
 (``code``, ``message``, ``retryable``, ``retry_after_s``, ``details``, and the ``cause`` it wraps,
 itself an envelope), read back with :meth:`FleetError.from_dict`. Each wire carries the envelope in its
 own convention: an HTTP answer is RFC 9457 problem details (:meth:`FleetError.problem`, read with
-:meth:`FleetError.from_problem`), a JSON-RPC error (A2A) has it as its ``data``
-(:meth:`FleetError.from_jsonrpc`), an MCP tool's error answer as its structured content
+:meth:`FleetError.from_response`), a JSON-RPC error (A2A) has it as its ``data``
+(:func:`fleet.a2a_support.error_of_a2a`), an MCP tool's error answer as its structured content
 (:mod:`fleet.mcp_errors`). No code is ever written into a message or parsed out of one.
 
 The table :data:`HTTP_STATUS` is the single place where error codes meet HTTP status codes.
@@ -207,8 +207,12 @@ class FleetError(Exception):
         """The error an envelope (from another process) describes. A code this version does not
         know becomes ``fallback``, the code as sent kept in ``details["code"]``; a message is cut at
         ``MAX_MESSAGE_CHARS`` and causes below ``MAX_CAUSE_DEPTH`` are dropped. Something that is no
-        envelope at all is ``fallback`` saying so. The codes with a class of their own here come
-        back as that class (``DependencyUnavailable``, ``AuthError``)."""
+        envelope at all is ``fallback`` saying so.
+
+        It is always a plain :class:`FleetError`, never a subclass that changes what its catcher
+        does: another process's word that a dependency is unavailable is not the fleet's own control
+        plane failing over (:class:`DependencyUnavailable`), which only a client of that control
+        plane may conclude (see ``registry.client``)."""
         if not isinstance(data, Mapping):
             return FleetError(fallback, "the error was not described")
         given = data.get("details")
@@ -233,11 +237,7 @@ class FleetError(Exception):
                 else None
             ),
         }
-        message = str(data.get("message") or code)[:MAX_MESSAGE_CHARS]
-        kind = _CLASS_OF.get(code, FleetError)
-        error = kind.__new__(kind)
-        FleetError.__init__(error, code, message, **kwargs)
-        return error
+        return FleetError(code, str(data.get("message") or code)[:MAX_MESSAGE_CHARS], **kwargs)
 
     def problem(self) -> dict[str, Any]:
         """The error as an HTTP answer's body: RFC 9457 problem details (``type``, ``title``,
@@ -265,12 +265,9 @@ class FleetError(Exception):
         return cls.from_dict({"code": str(code), "message": message, "retryable": retryable})
 
     def within(self, context: str) -> FleetError:
-        """This error with ``context`` (what was being done) before its message; same class,
-        code, retryability, details and cause."""
-        kind = type(self) if type(self) in _CLASS_OF.values() else FleetError
-        error = kind.__new__(kind)
-        FleetError.__init__(
-            error,
+        """This error (as a plain :class:`FleetError`) with ``context``, what was being done, before
+        its message; the same code, retryability, details and cause."""
+        return FleetError(
             self.code,
             f"{context}: {self.message}",
             retryable=self.retryable,
@@ -278,7 +275,6 @@ class FleetError(Exception):
             details=self.details,
             cause=self.cause,
         )
-        return error
 
     @classmethod
     def from_response(cls, response: Any) -> FleetError:
@@ -289,17 +285,6 @@ class FleetError(Exception):
         except ValueError:
             body = None
         return cls.from_problem(response.status_code, body, response.text)
-
-    @classmethod
-    def from_jsonrpc(cls, error: object, *, fallback: ErrorCode = ErrorCode.INTERNAL) -> FleetError:
-        """The error a JSON-RPC error object describes: its ``data`` is the envelope when a fleet
-        service answered; otherwise ``fallback`` with the error's own message."""
-        if isinstance(error, Mapping):
-            data = error.get("data")
-            if isinstance(data, Mapping) and "code" in data:
-                return cls.from_dict(data, fallback=fallback)
-            return FleetError(fallback, str(error.get("message") or "JSON-RPC error")[:MAX_MESSAGE_CHARS])
-        return FleetError(fallback, "the JSON-RPC error was not described")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!s}: {self.message})"
@@ -321,10 +306,6 @@ class AuthError(FleetError):
         super().__init__(ErrorCode.UNAUTHENTICATED, message)
 
 
-_CLASS_OF: dict[ErrorCode, type[FleetError]] = {
-    ErrorCode.DEPENDENCY_UNAVAILABLE: DependencyUnavailable,
-    ErrorCode.UNAUTHENTICATED: AuthError,
-}
 _CODE_OF_STATUS: dict[int, ErrorCode] = {
     401: ErrorCode.UNAUTHENTICATED,
     403: ErrorCode.FORBIDDEN,

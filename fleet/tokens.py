@@ -934,6 +934,8 @@ def _token_error(response: httpx.Response) -> FleetError:
     oauth = body.get("error") if isinstance(body, dict) else None
     if not isinstance(oauth, str):
         error = FleetError.from_response(response).within(f"token request refused ({status})")
+        if status in (502, 503, 504) and error.code == ErrorCode.DEPENDENCY_UNAVAILABLE:
+            return DependencyUnavailable(error.message)  # the registry's store, or a proxy, failing over
         if error.retry_after_s is None and retry_after_s is not None:
             error.retry_after_s = retry_after_s
         return error

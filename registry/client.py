@@ -39,12 +39,16 @@ T = TypeVar("T")
 
 
 def _raise_for(response: httpx.Response, what: str) -> None:
-    """The registry's error answer as the error it describes (its problem details' envelope); an
-    answer that is not the registry's (a proxy in front of it that cannot reach it: 502-504) is
-    ``dependency_unavailable``, which a caller waits out."""
+    """The registry's error answer as the error it describes (its problem details' envelope). The
+    registry failing over (its own ``dependency_unavailable`` on a 502-504, or an answer that is not
+    the registry's from a proxy in front of it that cannot reach it) is :class:`DependencyUnavailable`,
+    which a caller waits out; anything else keeps its code and is not waited for."""
     if response.status_code < 400:
         return
-    raise FleetError.from_response(response).within(what)
+    error = FleetError.from_response(response).within(what)
+    if response.status_code in (502, 503, 504) and error.code == ErrorCode.DEPENDENCY_UNAVAILABLE:
+        raise DependencyUnavailable(error.message)
+    raise error
 
 
 class RegistryClient:

@@ -263,7 +263,9 @@ async def test_every_error_kind_reads_back_the_same_across_http_as_problem_detai
                 assert_same(cli_error_of(answer), code, retryable)  # the CLI reads the same
                 with pytest.raises(FleetError) as caught:  # and so does the registry's client
                     _raise_for(answer, "asking")
-                assert caught.value.code is code and caught.value.retryable is retryable
+                # (a 503 dependency_unavailable from the registry is its store failing over: waited out)
+                waited = code == ErrorCode.DEPENDENCY_UNAVAILABLE
+                assert caught.value.code is code and caught.value.retryable is (retryable or waited)
                 assert caught.value.message == f"asking: {expected.message}"
         # The bearer check refuses in the same shape.
         refused = await http.get(f"{url}/v1/fail/conflict")
@@ -300,3 +302,13 @@ def test_an_envelope_from_elsewhere_is_bounded_and_an_unknown_code_is_kept_aside
         True,
     )
     assert FleetError.from_dict("not an envelope").code == ErrorCode.INTERNAL
+
+
+def test_another_process_cannot_pass_itself_off_as_the_control_plane_failing_over() -> None:
+    """A hostile agent or tool may send ``dependency_unavailable``: it reads back as that code, never
+    as :class:`DependencyUnavailable`, which makes a worker stop and retry the run as it does when the
+    fleet's own registry fails over."""
+    sent_by_an_agent = {"code": "dependency_unavailable", "message": "try me again", "retryable": True}
+    error = FleetError.from_dict(sent_by_an_agent)
+    assert error.code == ErrorCode.DEPENDENCY_UNAVAILABLE and type(error) is FleetError
+    assert type(FleetError.from_response(httpx.Response(503, json=error.problem()))) is FleetError
