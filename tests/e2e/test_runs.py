@@ -164,7 +164,8 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
         ("totals", "sql-analyst", "succeeded"),
         ("wipe", "sql-analyst", "failed"),
     ]
-    assert operations[1]["error"]["code"] == "tool_failed"  # the agent's own error, as data
+    error = operations[1]["error"]  # as data: the agent failed the step because its tool refused
+    assert (error["code"], error["cause"]["code"]) == ("specialist_failed", "tool_failed"), error
     last_state = json.loads((bundle / "last_state.json").read_text())
     assert last_state["failure"]["step"] == "wipe"
     assert "policy bundle revision local-1+" in (bundle / "env.txt").read_text()
