@@ -27,7 +27,7 @@ Two grants:
   exchange by the console it was given to, for tokens carrying no scope the person signed in
   without: whatever the console does, it does in the person's name and within their rights.
 
-  A signer that sends a signal over NATS (``coordinator.control.signals``) asks for a **signal grant**
+  A signer that sends a signal over NATS (``fleet.signal_client``) asks for a **signal grant**
   (``urn:fleet:params:oauth:token-type:signal-grant``) with its own assertion (client
   credentials only: a signal is in the name of whoever holds the key), for the tenant and scopes
   policy grants, addressed to the coordinator, bound to one run (``run_id``), one action, one
