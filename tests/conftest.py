@@ -22,6 +22,12 @@ from deploy.infra import as_user, prepare_postgres
 STACK_FOLDERS = ("e2e", "cluster")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "measure: minutes of CPU and no stack; the full suite runs it, the fast tier does not"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_dir = Path(__file__).parent
     for item in items:
