@@ -29,6 +29,7 @@ from deploy._topology import (
     TLS_CA_DIR,
     Deployed,
     Doc,
+    Roster,
     bootstrap_command,
     deployed,
     enroll_command,
@@ -84,10 +85,10 @@ def _compose_depends(unit: Deployed) -> Doc:
         depends["postgres"] = {"condition": "service_healthy"}
     if unit.spec.kind in POLICY_KINDS:
         depends["opa"] = {"condition": "service_started"}
-    if unit.spec.id == "mcp-memory":
+    if "qdrant" in unit.spec.calls:
         depends["qdrant"] = {"condition": "service_started"}
     for kind in START_AFTER[unit.spec.kind]:
-        for other in SERVICES:
+        for other in unit.roster:
             if other.kind == kind:
                 depends[other.id] = {"condition": "service_healthy"}
     return depends
@@ -100,7 +101,7 @@ def _compose_service(unit: Deployed) -> Doc:
         networks.append("data")
     if spec.kind in POLICY_KINDS:
         networks.append("policy")
-    if spec.id == "mcp-memory":
+    if "qdrant" in spec.calls:
         networks.append("memory")
     command = serve_command(unit)
     service: Doc = {
@@ -123,7 +124,7 @@ def _compose_service(unit: Deployed) -> Doc:
     }
     if spec.kind in PUBLISHED:
         service["ports"] = [f"127.0.0.1:{PUBLISHED[spec.kind]}:{PORT}"]
-    if spec.id == "mcp-sandbox":
+    if spec.makes_namespaces:
         # bubblewrap makes user, mount and pid namespaces: Docker's default seccomp and AppArmor
         # profiles forbid that. Better: a gVisor runtime (``runtime: runsc``), as in Kubernetes.
         service["security_opt"] = ["seccomp=unconfined", "apparmor=unconfined"]
@@ -292,8 +293,8 @@ def _compose_infra() -> Doc:
     }
 
 
-def compose() -> Doc:
-    units = deployed("compose")
+def compose(roster: Roster = SERVICES) -> Doc:
+    units = deployed("compose", roster)
     services = {**_compose_infra(), **{unit.name: _compose_service(unit) for unit in units}}
     volumes = [
         "fleet-secrets",

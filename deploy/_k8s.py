@@ -31,6 +31,7 @@ from deploy._topology import (
     Deployed,
     Doc,
     Platform,
+    Roster,
     bootstrap_command,
     calls,
     deployed,
@@ -41,6 +42,7 @@ from deploy._topology import (
     resources,
     serve_command,
 )
+from deploy.local_stack import SERVICES
 from fleet.buskeys import FLEET_ACCOUNT
 
 
@@ -188,7 +190,7 @@ def _pod(unit: Deployed) -> Doc:
     }
     if not sidecars:
         del pod["initContainers"]
-    if spec.id == "mcp-sandbox":
+    if spec.makes_namespaces:
         pod["runtimeClassName"] = "gvisor"
     return pod
 
@@ -388,16 +390,17 @@ INTERNET_EGRESS: Doc = {
 }
 
 
-def pod_name(target: str, platform: Platform = "k8s") -> str:
+def pod_name(target: str, roster: Roster = SERVICES, platform: Platform = "k8s") -> str:
     if target in INFRA_PORTS:
         return target
-    unit = next(u for u in deployed(platform) if u.spec.id == target or u.name == target)
+    unit = next(u for u in deployed(platform, roster) if u.spec.id == target or u.name == target)
     return unit.name
 
 
-def callers(target: str) -> list[str]:
-    """The Kubernetes workloads that call ``target`` (a local stack id or an infrastructure name)."""
-    return sorted({unit.name for unit in deployed("k8s") if target in calls(unit.spec)})
+def callers(target: str, roster: Roster = SERVICES) -> list[str]:
+    """The Kubernetes workloads of ``roster`` that call ``target`` (a service id or an
+    infrastructure name)."""
+    return sorted({unit.name for unit in deployed("k8s", roster) if target in calls(unit.spec, roster)})
 
 
 def network_policy(unit: Deployed) -> Doc:
@@ -405,14 +408,14 @@ def network_policy(unit: Deployed) -> Doc:
     spec = unit.spec
     ingress: list[Doc] = []
     enrolls = [ENROLL] if spec.kind == "registry" else []  # the enroll Job calls the registry only
-    sources = [peer(name) for name in sorted([*callers(spec.id), *enrolls])]
+    sources = [peer(name) for name in sorted([*callers(spec.id, unit.roster), *enrolls])]
     if spec.kind in FRONT_DOORS:
         sources.append(namespace_peer(INGRESS_NAMESPACE))
     if sources:
         ingress.append({"from": sources, "ports": [tcp(PORT)]})
     by_port: dict[int, list[str]] = {}
-    for target in calls(spec):
-        by_port.setdefault(port_of(target), []).append(pod_name(target))
+    for target in calls(spec, unit.roster):
+        by_port.setdefault(port_of(target), []).append(pod_name(target, unit.roster))
     egress: list[Doc] = [
         {"to": [peer(name) for name in sorted(set(names))], "ports": [tcp(port)]}
         for port, names in sorted(by_port.items())
@@ -434,9 +437,14 @@ def network_policy(unit: Deployed) -> Doc:
 
 
 def infra_policy(
-    name: str, port: int, extra_ingress: list[Doc], egress: list[Doc], extra_sources: Sequence[str] = ()
+    name: str,
+    port: int,
+    extra_ingress: list[Doc],
+    egress: list[Doc],
+    extra_sources: Sequence[str] = (),
+    roster: Roster = SERVICES,
 ) -> Doc:
-    sources = [peer(caller) for caller in sorted([*callers(name), *extra_sources])]
+    sources = [peer(caller) for caller in sorted([*callers(name, roster), *extra_sources])]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

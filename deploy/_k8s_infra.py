@@ -39,8 +39,9 @@ from deploy._topology import (
     POSTGRES_IMAGE,
     QDRANT_IMAGE,
     Doc,
+    Roster,
 )
-from deploy.local_stack import PG_MAX_CONNECTIONS
+from deploy.local_stack import PG_MAX_CONNECTIONS, SERVICES
 
 # ------------------------------------------------------------------------------- infrastructure
 # A NATS pod that stops first goes into lame duck mode (its preStop hook): it stops taking clients,
@@ -77,7 +78,7 @@ def nats_config() -> str:
     )
 
 
-def nats_docs() -> list[Doc]:
+def nats_docs(roster: Roster = SERVICES) -> list[Doc]:
     config = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -178,11 +179,12 @@ def nats_docs() -> list[Doc]:
         ],
         [{"to": [peer("nats")], "ports": [tcp(NATS_ROUTE_PORT)]}, copy.deepcopy(DNS_EGRESS)],
         extra_sources=[BOOTSTRAP],  # the bootstrap Job provisions the streams and buckets
+        roster=roster,
     )
     return [config, service("nats", "nats", ports, headless=True), statefulset, budget, policy]
 
 
-def postgres_docs() -> list[Doc]:
+def postgres_docs(roster: Roster = SERVICES) -> list[Doc]:
     secrets_dir = "/run/secrets/postgres"
     container: Doc = {
         "name": "postgres",
@@ -253,11 +255,11 @@ def postgres_docs() -> list[Doc]:
         },
     }
     ports = [{"name": "postgres", "port": 5432, "targetPort": "postgres"}]
-    policy = infra_policy("postgres", 5432, [], [])
+    policy = infra_policy("postgres", 5432, [], [], roster=roster)
     return [service("postgres", "postgres", ports), statefulset, policy]
 
 
-def qdrant_docs() -> list[Doc]:
+def qdrant_docs(roster: Roster = SERVICES) -> list[Doc]:
     container: Doc = {
         "name": "qdrant",
         "image": QDRANT_IMAGE,
@@ -304,7 +306,11 @@ def qdrant_docs() -> list[Doc]:
         },
     }
     ports = [{"name": "http", "port": 6333, "targetPort": "http"}]
-    return [service("qdrant", "qdrant", ports), statefulset, infra_policy("qdrant", 6333, [], [])]
+    return [
+        service("qdrant", "qdrant", ports),
+        statefulset,
+        infra_policy("qdrant", 6333, [], [], roster=roster),
+    ]
 
 
 def cluster_docs() -> list[Doc]:

@@ -4,6 +4,7 @@ flows the network policies allow), each service's settings and command. Used by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +13,9 @@ from deploy._bus import NAMESPACE as NAMESPACE  # re-exported: the manifests nam
 from deploy._bus import NATS_CLIENT_PORT, NATS_NODES
 from deploy.keygen import WORKER_ID
 from deploy.local_stack import SERVICES, ServiceSpec
+from deploy.local_stack import STATE_DIR as STATE_DIR  # re-exported: the manifests mount it
+
+Roster = Sequence[ServiceSpec]  # the services a deployment runs: the platform's, a user's, or both
 
 Platform = Literal["compose", "k8s"]
 Doc = dict[str, Any]
@@ -28,7 +32,6 @@ PORT = 8080
 OPA_PORT = 8181
 PART_OF = "agent-fleet"
 
-STATE_DIR = "/var/lib/fleet"
 IDENTITY_DIR = "/run/fleet/identity"
 KEY_FILE = f"{IDENTITY_DIR}/key.pem"
 ISSUER_CERT = "issuer-cert.jwt"  # the registry's: the operator's certificate for its key
@@ -42,28 +45,13 @@ BUS_ADMIN_DIR = "/run/fleet/bus-admin"  # the admin's seed: the bootstrap one-sh
 TLS_CA_DIR = "/run/fleet/tls-ca"  # the deployment CA's certificate, which every container trusts
 TLS_CERT = "tls.pem"  # in the identity folder: the service's HTTPS certificate and key
 TLS_KEY = "tls-key.pem"
-SANDBOX_PYTHON = "/usr/local/bin/python3.11"  # the base image's, under /usr (the sandbox sees only /usr)
-
-# Who calls which MCP server besides mcp-memory (every specialist may remember and recall).
-SPECIALIST_TOOLS: dict[str, tuple[str, ...]] = {
-    "sql-analyst": ("mcp-sql",),
-    "stats": (),
-    "case-desk": ("mcp-cases",),
-    "code-runner": ("mcp-sandbox",),
-    "code-runner-2": ("mcp-sandbox",),
-    "researcher": (),
-    "publisher": ("mcp-outbox",),
-}
 POLICY_KINDS = frozenset({"registry", "coordinator", "worker", "mcp_server"})  # those that decide
-# Pods that may open connections outside the cluster: outside agents' cards and A2A endpoints, push
-# webhooks, the outbox's destinations, an LLM or embeddings endpoint.
-INTERNET = frozenset({"registry", "coordinator", "worker", "specialist", "mcp-outbox", "mcp-memory"})
 FRONT_DOORS = ("registry", "coordinator", "console")  # reached from outside (an ingress controller)
 INGRESS_NAMESPACE = "ingress-nginx"
 DNS_NAMESPACE = "kube-system"  # where the cluster DNS (k8s-app=kube-dns) runs
 KEDA_NAMESPACE = "keda"
 INFRA_PORTS = {"nats": NATS_CLIENT_PORT, "postgres": 5432, "qdrant": 6333}
-# What "the internet" (INTERNET's egress to 0.0.0.0/0 on 80/443) excludes: every range a cluster's
+# What "the internet" (the egress of a service whose record says ``internet`` to 0.0.0.0/0 on 80/443) excludes: every range a cluster's
 # pods, Services and nodes commonly live in, so that internet egress never reaches in-cluster pods.
 # A cluster whose pod or Service CIDR is elsewhere (a public range) must add it here (and render):
 # docs/deployment.md lists these.
@@ -84,38 +72,43 @@ class Deployed:
     spec: ServiceSpec
     name: str  # the compose service, Kubernetes Deployment and Service
     service_id: str  # what its pods run as (``fleet serve``)
+    roster: Roster = SERVICES  # every service deployed with it (who calls it, whom it calls)
 
 
-def deployed(platform: Platform) -> tuple[Deployed, ...]:
-    """Compose runs every service of the local stack; Kubernetes runs the workers as one Deployment
+def deployed(platform: Platform, roster: Roster = SERVICES) -> tuple[Deployed, ...]:
+    """Compose runs every service of ``roster``; Kubernetes runs the workers as one Deployment
     (``worker``, autoscaled) whose pods all run as ``worker-1`` and share its key."""
     out: list[Deployed] = []
-    for spec in SERVICES:
+    for spec in roster:
         if spec.kind == "worker" and platform == "k8s":
             if spec.id == WORKER_ID:
-                out.append(Deployed(spec, "worker", WORKER_ID))
+                out.append(Deployed(spec, "worker", WORKER_ID, roster))
             continue
-        out.append(Deployed(spec, spec.id, spec.id))
+        out.append(Deployed(spec, spec.id, spec.id, roster))
     return tuple(out)
 
 
-def calls(spec: ServiceSpec) -> tuple[str, ...]:
-    """The services and infrastructure ``spec`` opens connections to (by local stack id or
-    ``nats``/``postgres``/``qdrant``): the flows the network policies allow."""
+MEMORY_SERVER = "mcp-memory"  # every specialist may remember and recall; a run's end consolidates
+
+
+def calls(spec: ServiceSpec, roster: Roster = SERVICES) -> tuple[str, ...]:
+    """The services and infrastructure ``spec`` opens connections to (by service id or
+    ``nats``/``postgres``/``qdrant``): what its kind always calls, and what its record names. These
+    are the flows the network policies allow."""
     out = ["nats"] + ([] if spec.kind == "registry" else ["registry"])
     if spec.database:
         out.append("postgres")
-    specialists = [s.id for s in SERVICES if s.kind == "specialist"]
+    specialists = [s.id for s in roster if s.kind == "specialist"]
+    memory = [s.id for s in roster if s.id == MEMORY_SERVER]
     if spec.kind == "registry":
         out += [*specialists, "coordinator"]  # it fetches and re-checks their signed cards
     elif spec.kind == "worker":
-        out += [*specialists, "mcp-memory"]  # delegation over A2A; a completed run's consolidation
+        out += [*specialists, *memory]  # delegation over A2A; a completed run's consolidation
     elif spec.kind == "specialist":
-        out += ["mcp-memory", *SPECIALIST_TOOLS[spec.id]]
+        out += memory
     elif spec.kind == "console":
         out.append("coordinator")
-    elif spec.id == "mcp-memory":
-        out.append("qdrant")
+    out += [target for target in spec.calls if target not in out]
     return tuple(out)
 
 
@@ -124,7 +117,8 @@ def port_of(target: str) -> int:
 
 
 def internet(spec: ServiceSpec) -> bool:
-    return spec.id in INTERNET or spec.kind in INTERNET
+    """Whether its pods may open connections outside the cluster (its record says)."""
+    return spec.internet
 
 
 # ------------------------------------------------------------------------------- settings
@@ -187,18 +181,9 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         env["RUST_BACKTRACE"] = "0"  # the embedded engine still compiles each bundle before OPA gets it
     if spec.database:
         env["FLEET_PG_DSN"] = pg_dsn_compose(spec.database) if platform == "compose" else ""
-    if spec.id == "mcp-memory":
-        env["FLEET_MEMORY_STORE"] = "qdrant"
-        env["FLEET_MEMORY_QDRANT_URL"] = "http://qdrant:6333"
-        env["FLEET_MEMORY_QDRANT_COLLECTION"] = "fleet_memory"
-        env["XDG_CACHE_HOME"] = f"{STATE_DIR}/cache"  # the embedding model's derived int8 variant
-    if spec.id == "mcp-sandbox":
-        env["FLEET_SANDBOX_PYTHON"] = SANDBOX_PYTHON
-        # a container cannot make cgroups (nothing delegated): the container's own memory and pids
-        # limits bound its calls together; seccomp and --disable-userns stay required
-        env["FLEET_SANDBOX_REQUIRED_LAYERS"] = "seccomp,userns"
-    if spec.id == "mcp-sql":
-        env["FLEET_SEED_DEMO"] = "true" if platform == "compose" else "false"
+    env.update(spec.env)  # the service's own settings, from its record
+    if platform == "compose":
+        env.update(spec.compose_env)
     return env
 
 
@@ -246,16 +231,9 @@ def bootstrap_command(platform: Platform) -> list[str]:
 
 
 def resources(unit: Deployed) -> Doc:
-    kind, name = unit.spec.kind, unit.spec.id
-    cpu, memory, cpu_limit, memory_limit = "100m", "256Mi", "1", "512Mi"
-    if kind in ("coordinator", "worker"):
-        cpu, memory, cpu_limit, memory_limit = "250m", "512Mi", "2", "1Gi"
-    elif name == "mcp-memory":  # the embedding model and the PII analyzer live in process
-        cpu, memory, cpu_limit, memory_limit = "250m", "1Gi", "2", "2Gi"
-    elif name == "mcp-sandbox":  # up to 4 runs at once, 512 MiB of address space each
-        cpu, memory, cpu_limit, memory_limit = "500m", "512Mi", "4", "3Gi"
-    elif kind == "mcp_server":
-        memory_limit = "1Gi"
-    elif kind == "console":
-        cpu, memory, cpu_limit, memory_limit = "50m", "128Mi", "500m", "256Mi"
-    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu_limit, "memory": memory_limit}}
+    """The container's requests and limits, from the service's record (or its kind's)."""
+    needs = unit.spec.needs
+    return {
+        "requests": {"cpu": needs.cpu, "memory": needs.memory},
+        "limits": {"cpu": needs.cpu_limit, "memory": needs.memory_limit},
+    }

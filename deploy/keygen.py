@@ -56,7 +56,8 @@ import httpx
 
 from deploy._bus import NATS_CERT, NATS_KEY, auth_conf, cluster_conf, nats_cert_names, service_cert_names
 from deploy.enrollment import enrollment_token
-from deploy.local_stack import DATABASES, OPERATOR_ID, SERVICES, ServiceSpec, service
+from deploy.local_stack import DATABASES, OPERATOR_ID, ServiceSpec, service
+from deploy.manifest import deployment_roster
 from fleet.buscatalog import provision
 from fleet.buskeys import REGISTRY_KEYS, BusKeys, admin_credentials
 from fleet.errors import FleetError
@@ -142,9 +143,10 @@ class SecretsDir:
 
 
 def identities() -> tuple[ServiceSpec, ...]:
-    """Every identity a deployment runs: each service of the local stack (compose runs them as
-    they are; Kubernetes runs the workers as one Deployment of ``worker-1``)."""
-    return SERVICES
+    """Every identity a deployment runs: each service of the platform's roster, or of the project
+    ``$FLEET_MANIFEST`` names (compose runs them as they are; Kubernetes runs the workers as one
+    Deployment of ``worker-1``)."""
+    return deployment_roster()
 
 
 def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
@@ -245,10 +247,12 @@ def _enrolling(service_id: str, operator_key: Path) -> ServiceSpec:
     """The local stack's entry of ``service_id``, which the operator key may enroll."""
     if not operator_key.is_file():
         raise SystemExit(f"keygen: no operator key at {operator_key} (python -m deploy.keygen secrets DIR)")
-    try:
-        spec = service(service_id)
-    except KeyError:
-        raise SystemExit(f"keygen: unknown service {service_id!r}") from None
+    spec = next((spec for spec in identities() if spec.id == service_id), None)
+    if spec is None:
+        try:
+            spec = service(service_id)  # a worker beyond the roster's (workers are numbered)
+        except KeyError:
+            raise SystemExit(f"keygen: unknown service {service_id!r}") from None
     if spec.kind == "registry":
         raise SystemExit("keygen: the registry does not enroll (it holds the operator's public key)")
     return spec

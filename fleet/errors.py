@@ -81,6 +81,7 @@ class ErrorCode(StrEnum):
     QUOTA_EXCEEDED = "quota_exceeded"
     RATE_LIMITED = "rate_limited"
     BODY_TOO_LARGE = "body_too_large"  # a request body over the service's cap (fleet.bodylimit)
+    MANIFEST_INVALID = "manifest_invalid"  # a fleet manifest (fleet.toml) that cannot be run
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -88,6 +89,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.POLICY_DENIED: 403,
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.MANIFEST_INVALID: 400,
     ErrorCode.CARD_INVALID: 400,
     ErrorCode.PUSH_URL_REFUSED: 400,
     ErrorCode.TOO_LARGE: 413,

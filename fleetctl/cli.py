@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from deploy.manifest import MANIFEST_NAME, FleetManifest
+from deploy.manifest import load as load_manifest
 from fleet.errors import ErrorCode, FleetError
 from fleet.settings import FleetSettings
 from fleet.vocabulary import SignalAction
@@ -96,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true", help="return once healthy; keep running")
     up.add_argument(
         "--tls", action="store_true", help="NATS and every service over TLS, on a CA made in the data dir"
+    )
+    up.add_argument(
+        "--manifest",
+        type=Path,
+        default=None,
+        help="a fleet manifest whose services to run (default: $FLEET_MANIFEST, or ./fleet.toml if there is one)",
     )
     up.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     _with_json(with_dir(sub.add_parser("down", help="stop the local stack")))
@@ -302,6 +310,18 @@ def _parser() -> argparse.ArgumentParser:
     for command in (msearch, mshow, mforget, mapprove, maudit):
         command.add_argument("--json", action="store_true")
     _registry_parsers(sub)
+    deploy = sub.add_parser("deploy", help="deployment files for a project's fleet")
+    deploy_sub = deploy.add_subparsers(dest="deploy_command", required=True)
+    render = deploy_sub.add_parser(
+        "render",
+        help="compose and Kubernetes files, and an image, for the fleet of ./fleet.toml",
+        epilog="example: fleet deploy render && docker compose -f deploy/compose.yaml build",
+    )
+    render.add_argument(
+        "--manifest", type=Path, default=None, help="default: $FLEET_MANIFEST or ./fleet.toml"
+    )
+    render.add_argument("--out", type=Path, default=None, help="default: the project's deploy/")
+    render.add_argument("--check", action="store_true", help="only say whether the files are up to date")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
     return parser
@@ -353,9 +373,32 @@ def _usage(args: argparse.Namespace, settings: FleetSettings, layout: StackLayou
 def _up(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
     if args.tls:
         settings = settings.model_copy(update={"tls": True})
+    manifest = project_manifest(args.manifest or settings.manifest)  # checked before anything starts
     if args.detach:
-        return up_detached(layout, tls=settings.tls)
-    return asyncio.run(up_foreground(settings, layout, args.ready_fd))
+        return up_detached(layout, tls=settings.tls, manifest=manifest.path if manifest else None)
+    return asyncio.run(up_foreground(settings, layout, args.ready_fd, manifest))
+
+
+def _deploy_render(args: argparse.Namespace, settings: FleetSettings) -> int:
+    """``fleet deploy render``: :mod:`deploy.render` for the project's manifest."""
+    from deploy import render
+
+    manifest = project_manifest(args.manifest or settings.manifest)
+    if manifest is None:
+        raise FleetError(
+            ErrorCode.MANIFEST_INVALID,
+            f"no {MANIFEST_NAME} here: run it in a project's folder, or name one with --manifest",
+        )
+    argv = ["--manifest", str(manifest.path), *(["--out", str(args.out)] if args.out else [])]
+    return render.main([*argv, *(["--check"] if args.check else [])])
+
+
+def project_manifest(path: Path | None) -> FleetManifest | None:
+    """The manifest ``path`` names, or ``./fleet.toml`` if there is one; loaded and checked."""
+    if path is None:
+        found = Path.cwd() / MANIFEST_NAME
+        path = found if found.is_file() else None
+    return load_manifest(path) if path is not None else None
 
 
 def _down(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
@@ -578,13 +621,21 @@ def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
 
 
 def serve(service_id: str) -> int:
-    """Run one service of the local stack definition in this process."""
-    from deploy.local_stack import service
+    """Run one service of the platform's roster, or of the manifest ``$FLEET_MANIFEST`` names, in
+    this process."""
+    from deploy.local_stack import ServiceSpec, service
     from fleet.settings import ServiceSettings
 
+    spec: ServiceSpec | None
     try:
         spec = service(service_id)
     except KeyError:
+        manifest = FleetSettings().manifest
+        project = load_manifest(manifest) if manifest is not None else None
+        spec = next((s for s in project.services if s.id == service_id), None) if project else None
+        if project is not None and str(project.root) not in sys.path:
+            sys.path.insert(0, str(project.root))
+    if spec is None:
         print(f"fleet: unknown service {service_id!r}", file=sys.stderr)
         return EXIT_USAGE
     module_name, _, function_name = spec.entry.partition(":")
@@ -594,10 +645,12 @@ def serve(service_id: str) -> int:
     return EXIT_OK
 
 
-async def up_foreground(settings: FleetSettings, layout: StackLayout, ready_fd: int | None) -> int:
+async def up_foreground(
+    settings: FleetSettings, layout: StackLayout, ready_fd: int | None, manifest: FleetManifest | None = None
+) -> int:
     from fleetctl.supervisor import Supervisor
 
-    supervisor = Supervisor(settings, layout)
+    supervisor = Supervisor(settings, layout, manifest)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -683,4 +736,5 @@ _COMMANDS: dict[str, Handler] = {
     "policy": lambda args, settings, layout: _policy(args, layout),
     "memory": lambda args, settings, layout: _memory(args, layout),
     "serve": lambda args, settings, layout: serve(args.service_id),
+    "deploy": lambda args, settings, layout: _deploy_render(args, settings),
 }

@@ -61,6 +61,7 @@ _EXIT_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.POLICY_DENIED: EXIT_REFUSED,
     ErrorCode.UNAUTHENTICATED: EXIT_REFUSED,
     ErrorCode.INVALID_REQUEST: EXIT_USAGE,
+    ErrorCode.MANIFEST_INVALID: EXIT_USAGE,
 }
 
 # How a run's end state maps to the exit code of a command that waited for it.

@@ -15,8 +15,9 @@ from fleetctl.cli_common import EXIT_FAILED, EXIT_OK, report_error
 from fleetctl.layout import StackLayout
 
 
-def up_detached(layout: StackLayout, *, tls: bool = False) -> int:
-    """Start a supervisor in the background and return once it reports the stack healthy."""
+def up_detached(layout: StackLayout, *, tls: bool = False, manifest: Path | None = None) -> int:
+    """Start a supervisor in the background (of the fleet ``manifest`` declares, if given) and
+    return once it reports the stack healthy."""
     layout.prepare()
     read_fd, write_fd = os.pipe()
     with layout.log_file("supervisor").open("a") as log:
@@ -31,6 +32,7 @@ def up_detached(layout: StackLayout, *, tls: bool = False) -> int:
                 "--ready-fd",
                 str(write_fd),
                 *(["--tls"] if tls else []),
+                *(["--manifest", str(manifest)] if manifest is not None else []),
             ],
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -40,9 +40,9 @@ from deploy.local_stack import (
     OPERATOR_ID,
     OWNER_CONNECTION_LIMITS,
     ServiceSpec,
-    service,
     stack_services,
 )
+from deploy.manifest import FleetManifest, compose_bundle
 from fleet.buscatalog import provision
 from fleet.buskeys import BusKeys, ServerTls, stack_config
 from fleet.errors import ErrorCode, FleetError
@@ -53,6 +53,7 @@ from fleet.settings import DEFAULT_ISSUER, FleetSettings
 from fleet.tlsca import LocalTls, local_tls
 from fleetctl import stacklock
 from fleetctl.layout import StackLayout
+from policy import DEFAULT_BUNDLE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,6 @@ def start_tiers(services: tuple[ServiceSpec, ...]) -> list[list[ServiceSpec]]:
     return tiers
 
 
-def _kind(name: str) -> str | None:
-    try:
-        return service(name).kind
-    except KeyError:
-        return None
-
-
 @dataclass(slots=True)
 class _Child:
     name: str
@@ -138,10 +132,21 @@ class Supervisor:
 
     settings: FleetSettings
     layout: StackLayout
+    manifest: FleetManifest | None = None  # a project's services, run beside the platform's core
     children: list[_Child] = field(default_factory=list)
     endpoints: dict[str, Any] = field(default_factory=dict)
     _lock_fd: int | None = None
     _tls: LocalTls | None = None
+
+    @property
+    def roster(self) -> tuple[ServiceSpec, ...]:
+        """The services this stack runs: the platform's, or those of the manifest's fleet."""
+        if self.manifest is not None:
+            return self.manifest.roster(self.settings.workers)
+        return stack_services(self.settings.workers)
+
+    def _kind(self, name: str) -> str | None:
+        return next((spec.kind for spec in self.roster if spec.id == name), None)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> dict[str, Any]:
@@ -206,7 +211,8 @@ class Supervisor:
                 "SSL_CERT_FILE": str(tls.trust_file),  # every HTTP client of the services trusts the CA
             }
         self._tls = tls
-        for tier in start_tiers(stack_services(self.settings.workers)):
+        env_common |= self._project_env(endpoints)
+        for tier in start_tiers(self.roster):
             envs = [
                 {
                     **env_common,
@@ -235,6 +241,22 @@ class Supervisor:
         self.endpoints = endpoints
         self.layout.write_endpoints(endpoints)
         return endpoints
+
+    def _project_env(self, endpoints: dict[str, Any]) -> dict[str, str]:
+        """What every service of a manifest's fleet is told: where the manifest is (``fleet serve``
+        finds the project's services there), the project's folder first on the module path, and
+        the policy bundle: the platform's with the project's policy added."""
+        if self.manifest is None:
+            return {}
+        endpoints["manifest"] = str(self.manifest.path)
+        path = os.pathsep.join(filter(None, [str(self.manifest.root), os.environ.get("PYTHONPATH", "")]))
+        env = {"FLEET_MANIFEST": str(self.manifest.path), "PYTHONPATH": path}
+        if self.manifest.policy_dir is not None:
+            base = Path(os.environ.get("FLEET_POLICY_DIR") or DEFAULT_BUNDLE_DIR)
+            bundle = compose_bundle(base, self.manifest.policy_dir, self.layout.home / "policy-bundle")
+            env["FLEET_POLICY_DIR"] = str(bundle)
+            endpoints["policy_dir"] = str(bundle)
+        return env
 
     def _certify_registry_key(self, operator: SigningKey) -> None:
         """The operator's certificate for the registry's signing key (made here if new, or left by
@@ -280,8 +302,8 @@ class Supervisor:
         infrastructure = [c for c in self.children if c.name in INFRASTRUCTURE]
         services = [c for c in self.children if c.name not in INFRASTRUCTURE]
         for tier in STOP_TIERS:
-            await asyncio.gather(*(self._stop_child(c) for c in services if _kind(c.name) in tier))
-        await asyncio.gather(*(self._stop_child(c) for c in services if _kind(c.name) is None))
+            await asyncio.gather(*(self._stop_child(c) for c in services if self._kind(c.name) in tier))
+        await asyncio.gather(*(self._stop_child(c) for c in services if self._kind(c.name) is None))
         for child in reversed(infrastructure):
             await self._stop_child(child)
         self.children.clear()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "fleet": frozenset(),
     "policy": frozenset({"fleet"}),
-    "deploy": frozenset({"fleet"}),
+    "deploy": frozenset({"fleet", "policy"}),  # a project's bundle is the platform's plus its own
     "registry": frozenset({"fleet", "policy"}),
     "memory": frozenset({"fleet", "policy"}),
     "coordinator": frozenset({"fleet", "policy", "registry"}),
