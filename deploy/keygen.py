@@ -64,7 +64,7 @@ from fleet.errors import FleetError
 from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.natsconn import TRANSIENT, connect
-from fleet.settings import DEFAULT_ISSUER
+from fleet.settings import DEFAULT_ISSUER, FleetSettings
 from fleet.tenant_keys import MasterSecret
 from fleet.tlsca import CertificateAuthority, write_trust
 
@@ -145,8 +145,8 @@ class SecretsDir:
 def identities() -> tuple[ServiceSpec, ...]:
     """Every identity a deployment runs: each service of the platform's roster, or of the project
     ``$FLEET_MANIFEST`` names (compose runs them as they are; Kubernetes runs the workers as one
-    Deployment of ``worker-1``)."""
-    return deployment_roster()
+    Deployment of ``worker-1``). Read by the commands of this script, its entry point."""
+    return deployment_roster(FleetSettings().manifest)
 
 
 def _write_private(path: Path, text: str, mode: int = 0o600) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import re
 import shutil
 import sys
@@ -454,11 +453,10 @@ def _on_path(folder: Path) -> Iterator[None]:
         sys.path.remove(str(folder))
 
 
-def deployment_roster() -> tuple[ServiceSpec, ...]:
-    """The services a deployment runs: those of the manifest ``$FLEET_MANIFEST`` names (a
-    project's image sets it), else the platform's."""
-    path = os.environ.get("FLEET_MANIFEST")
-    return load(Path(path)).roster(DEFAULT_WORKERS) if path else SERVICES
+def deployment_roster(manifest: Path | None) -> tuple[ServiceSpec, ...]:
+    """The services a deployment runs: those of ``manifest`` (a project's image names it in
+    ``FLEET_MANIFEST``), else the platform's."""
+    return load(manifest).roster(DEFAULT_WORKERS) if manifest is not None else SERVICES
 
 
 # ---------------------------------------------------------------------- the stack's policy bundle

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -23,8 +24,10 @@ from deploy.manifest import load as load_manifest
 from fleet.errors import ErrorCode, FleetError
 from fleet.settings import FleetSettings
 from fleet.vocabulary import SignalAction
+from fleetctl import logs_cli
 from fleetctl.cli_common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_error
 from fleetctl.detached import print_endpoints, up_detached
+from fleetctl.help import with_examples
 from fleetctl.layout import StackLayout
 
 
@@ -62,6 +65,14 @@ def _run_read_parsers(runs_sub: Any) -> None:
     listing = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("list", help="the tenant's runs"))))
     listing.add_argument("--state", default=None, help="only runs in this state (e.g. waiting, failed)")
     listing.add_argument("--limit", type=int, default=50, help="at most this many, newest first (50; 500)")
+    start = _with_json(
+        _with_tenant(_with_dir(runs_sub.add_parser("start", help="start a run: a plan or words")))
+    )
+    start.add_argument("text", nargs="?", default="")
+    start.add_argument(
+        "--plan", type=Path, default=None, help='a plan file, JSON {"steps": [...]} (- reads stdin)'
+    )
+    start.add_argument("--follow", "-f", action="store_true", help="print its events until it ends")
     show = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("show", help="one run in detail"))))
     show.add_argument("run_id")
     show.add_argument("--watch", action="store_true", help="follow it to its end (a bar for batches)")
@@ -88,6 +99,7 @@ def _registry_parsers(sub: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleet", description="agent-fleet: run and operate a fleet")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -107,6 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     _with_json(with_dir(sub.add_parser("down", help="stop the local stack")))
+    logs = with_dir(sub.add_parser("logs", help="a service's log (the local stack's)"))
+    logs.add_argument("service", nargs="?", default=None)
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing what it writes")
+    logs.add_argument("--lines", "-n", type=int, default=50, help="how many of its last lines (50)")
+    logs.add_argument("--list", action="store_true", help="the services that have a log")
     status = with_dir(sub.add_parser("status", help="health and what the registry knows"))
     status.add_argument("--json", action="store_true")
     token = _with_json(with_dir(sub.add_parser("token", help="print a short-lived access token")))
@@ -324,7 +341,14 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--check", action="store_true", help="only say whether the files are up to date")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")
-    return parser
+    return with_examples(parser)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("agent-fleet")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -391,6 +415,24 @@ def _deploy_render(args: argparse.Namespace, settings: FleetSettings) -> int:
         )
     argv = ["--manifest", str(manifest.path), *(["--out", str(args.out)] if args.out else [])]
     return render.main([*argv, *(["--check"] if args.check else [])])
+
+
+def _plan_file(path: Path | None) -> dict[str, Any] | None:
+    """The plan in ``path`` (``-``: standard input): a JSON object, or ``invalid_request``."""
+    if path is None:
+        return None
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()
+        plan = json.loads(text)
+    except OSError as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"cannot read the plan {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"the plan {path} is not JSON: {exc}") from exc
+    if not isinstance(plan, dict):
+        raise FleetError(
+            ErrorCode.INVALID_REQUEST, f'the plan {path} is not a JSON object ({{"steps": [...]}})'
+        )
+    return plan
 
 
 def project_manifest(path: Path | None) -> FleetManifest | None:
@@ -542,6 +584,9 @@ async def _runs(args: argparse.Namespace, layout: StackLayout) -> int:
     from fleetctl import runs_cli
 
     which: str = args.runs_command
+    if which == "start":
+        message = runs_cli.plan_message(_plan_file(args.plan), args.text)
+        return await runs_cli.start(layout, args.tenant, message, follow=args.follow, as_json=args.json)
     if which == "list":
         return await runs_cli.list_runs(layout, args.tenant, args.state, args.limit, as_json=args.json)
     if which == "show":
@@ -650,7 +695,11 @@ async def up_foreground(
 ) -> int:
     from fleetctl.supervisor import Supervisor
 
-    supervisor = Supervisor(settings, layout, manifest)
+    def progress(line: str) -> None:
+        print(f"fleet: {line}", flush=True)
+        _notify(ready_fd, {"progress": line}, last=False)
+
+    supervisor = Supervisor(settings, layout, manifest, progress=progress)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -680,12 +729,15 @@ async def up_foreground(
     return EXIT_OK
 
 
-def _notify(ready_fd: int | None, report: dict[str, Any]) -> None:
+def _notify(ready_fd: int | None, report: dict[str, Any], *, last: bool = True) -> None:
+    """Tell the process that started us in the background (``fleet up --detach``) how the start
+    goes: a line of progress, or (``last``) the outcome, after which the pipe is closed."""
     if ready_fd is None:
         return
     try:
         os.write(ready_fd, (json.dumps(report) + "\n").encode())
-        os.close(ready_fd)
+        if last:
+            os.close(ready_fd)
     except OSError:
         pass
 
@@ -711,6 +763,7 @@ def _producers(args: argparse.Namespace, layout: StackLayout) -> int:
 
 
 _RUNS: dict[str, Handler] = {
+    "start": _runs_read,
     "list": _runs_read,
     "show": _runs_read,
     "events": _runs_read,
@@ -737,4 +790,7 @@ _COMMANDS: dict[str, Handler] = {
     "memory": lambda args, settings, layout: _memory(args, layout),
     "serve": lambda args, settings, layout: serve(args.service_id),
     "deploy": lambda args, settings, layout: _deploy_render(args, settings),
+    "logs": lambda args, settings, layout: logs_cli.logs(
+        layout, args.service, lines=args.lines, follow=args.follow, list_only=args.list
+    ),
 }

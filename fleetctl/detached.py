@@ -43,6 +43,9 @@ def up_detached(layout: StackLayout, *, tls: bool = False, manifest: Path | None
     os.close(write_fd)
     with os.fdopen(read_fd) as ready:
         line = ready.readline()
+        while line and "progress" in (step := json.loads(line)):  # a line per step, as it comes
+            print(f"fleet: {step['progress']}", file=sys.stderr, flush=True)
+            line = ready.readline()
     if not line:
         code = process.wait()
         print(

@@ -15,11 +15,18 @@ import asyncio
 import contextlib
 import json
 import sys
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
+from a2a.client import ClientCallContext, ClientConfig, ClientFactory
+from a2a.helpers import new_data_part, new_text_part
+from a2a.types import AgentCard, Message, Role, SendMessageConfiguration, SendMessageRequest, TaskState
+from a2a.utils.errors import A2AError
+from google.protobuf.json_format import ParseDict
 
+from fleet.a2a_support import error_of_a2a
 from fleet.errors import ErrorCode, FleetError
 from fleet.retry import backoff_s
 from fleet.vocabulary import EventType
@@ -300,3 +307,56 @@ async def cancel(layout: StackLayout, run_id: str, tenant: str, reason: str, *, 
     )
     emit({**outcome, "state": state}, as_json=as_json, text=text)
     return EXIT_OK if done else EXIT_NO_OP
+
+
+# --- starting one ------------------------------------------------------------------------------
+
+
+def plan_message(plan: dict[str, Any] | None, text: str) -> Message:
+    """The A2A message that asks the coordinator for a run: ``text`` (planned by the coordinator)
+    and/or ``plan`` (steps given as data: ``{"steps": [...]}``)."""
+    parts = ([new_text_part(text)] if text else []) + ([new_data_part(plan)] if plan is not None else [])
+    if not parts:
+        raise FleetError(ErrorCode.INVALID_REQUEST, "say what to run: a plan file (--plan) or text")
+    return Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=parts)
+
+
+async def start(layout: StackLayout, tenant: str, message: Message, *, follow: bool, as_json: bool) -> int:
+    """``fleet runs start``: send the run to the coordinator over A2A as the operator (in
+    ``tenant``), print its id, and with ``follow`` its events until it ends (the exit code then
+    says how it ended, as ``runs events --follow``)."""
+    async with operator_client(layout, "coordinator", tenant, READ_SCOPES) as api:
+        card = await api.http.get(api.base_url + "/.well-known/agent-card.json")
+        if card.status_code != 200:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, f"the coordinator's card: HTTP {card.status_code}"
+            )
+        client = ClientFactory(ClientConfig(streaming=False, httpx_client=api.http)).create(
+            ParseDict(card.json(), AgentCard(), ignore_unknown_fields=True)
+        )
+        request = SendMessageRequest(
+            message=message, configuration=SendMessageConfiguration(return_immediately=True)
+        )
+        context = ClientCallContext(service_parameters=await api.headers())
+        try:
+            answers = [answer async for answer in client.send_message(request, context=context)]
+        except A2AError as exc:
+            raise error_of_a2a(exc, fallback=ErrorCode.INVALID_REQUEST) from exc
+        finally:
+            await client.close()
+        task = next((a.task for a in reversed(answers) if a.WhichOneof("payload") == "task"), None)
+        if task is None:
+            raise FleetError(ErrorCode.INTERNAL, "the coordinator answered without a task")
+        run_id = task.id
+        if as_json and not follow:
+            emit({"run_id": run_id, "state": TaskState.Name(task.status.state)}, as_json=True)
+        elif not as_json:
+            print(
+                f"run {run_id} started (tenant {tenant}); fleet runs show {run_id} --tenant {tenant}",
+                flush=True,
+            )
+        if not follow:
+            return EXIT_OK
+        await _print_events(api, run_id, 0, True, 0, as_json)
+        run = await api.get(f"/v1/runs/{run_id}")
+    return EXIT_BY_END_STATE.get(run["state"], EXIT_OK)

@@ -133,6 +133,7 @@ class Supervisor:
     settings: FleetSettings
     layout: StackLayout
     manifest: FleetManifest | None = None  # a project's services, run beside the platform's core
+    progress: Callable[[str], None] = field(default=lambda line: None)  # a line per step of a start
     children: list[_Child] = field(default_factory=list)
     endpoints: dict[str, Any] = field(default_factory=dict)
     _lock_fd: int | None = None
@@ -166,7 +167,9 @@ class Supervisor:
         tls = local_tls(self.layout.tls_dir) if self.settings.tls else None
         keys_dir = self._bus_keys_dir(tls)
         self._certify_registry_key(operator)
+        roster = self.roster
         nats_url = self.settings.nats_url or await self._start_nats(previous)
+        self.progress(f"nats ready at {nats_url}")
         replicas = self.settings.nats_replicas if self.settings.nats_url else 1
         await _provision_bus(nats_url, BusKeys.load_or_create(keys_dir), replicas, tls)
         pg_port: int | None = None
@@ -174,6 +177,7 @@ class Supervisor:
             dsns = dict.fromkeys(DATABASES, self.settings.pg_dsn)
         else:
             pg_port, admin_dsn = await self._start_postgres(previous)
+            self.progress(f"postgres ready on port {pg_port}")
             dsns = await self._provision_databases(admin_dsn)
         endpoints: dict[str, Any] = {
             "data_dir": str(self.layout.home),
@@ -212,7 +216,8 @@ class Supervisor:
             }
         self._tls = tls
         env_common |= self._project_env(endpoints)
-        for tier in start_tiers(self.roster):
+        started_count = 0
+        for tier in start_tiers(roster):
             envs = [
                 {
                     **env_common,
@@ -237,6 +242,9 @@ class Supervisor:
                 self._record(endpoints, spec, url)
                 if spec.kind == "registry":
                     env_common["FLEET_REGISTRY_URL"] = url
+            started_count += len(tier)
+            names = ", ".join(spec.id for spec in tier)
+            self.progress(f"{names} ready ({started_count}/{len(roster)} services)")
         endpoints["processes"] = {c.name: c.process.pid for c in self.children}
         self.endpoints = endpoints
         self.layout.write_endpoints(endpoints)

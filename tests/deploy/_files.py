@@ -4,11 +4,15 @@ containers in both, and a small evaluator of NetworkPolicy semantics (pod select
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate  # type: ignore[import-untyped]  # ships no type information
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +22,37 @@ COMPOSE = DEPLOY / "compose.yaml"
 ONE_SHOTS = frozenset({"keygen", "enroll", "bootstrap"})  # the fleet image's containers that serve nothing
 
 Doc = dict[str, Any]
+# The Kubernetes version the manifests are checked against: one kubernetes-validate ships, old
+# enough for managed clusters of today, new enough for native sidecars (restartPolicy: Always
+# init containers, on by default since 1.29).
+KUBERNETES_VERSION = "1.33"
+CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json"}
+SCHEMAS = Path(__file__).parent / "schemas"
+
+
+def validate(doc: Doc) -> None:
+    """Raise if ``doc`` does not validate: against the Kubernetes schemas (strict: no unknown
+    fields), or for a CRD against the schema written for it here."""
+    crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
+    if crd is not None:
+        schema = json.loads((SCHEMAS / crd).read_text())
+        jsonschema.Draft202012Validator(schema).validate(doc)
+        return
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def compose_schema() -> dict[str, Any]:
+    """The Compose Specification's JSON schema (the copy check-jsonschema vendors: no network)."""
+    schema: dict[str, Any] = json.loads(
+        (files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
+    )
+    return schema
+
+
+def compose_errors(document: Doc) -> list[str]:
+    """What the Compose Specification finds wrong with ``document`` (nothing: an empty list)."""
+    validator = jsonschema.Draft202012Validator(compose_schema())
+    return [f"{e.json_path}: {e.message}" for e in validator.iter_errors(document)]
 
 
 @functools.cache

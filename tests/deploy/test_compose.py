@@ -4,7 +4,6 @@ vendors: no network needed), and what the schema cannot see."""
 from __future__ import annotations
 
 import copy
-import json
 import posixpath
 import ssl
 import subprocess
@@ -12,31 +11,20 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from importlib.resources import files
 from pathlib import Path
-from typing import Any
 
-import jsonschema
 import pytest
 
 from deploy import keygen
 from deploy._bus import NATS_AUTH_INCLUDE
 from fleet.buskeys import REGISTRY_KEYS
-from tests.deploy._files import ONE_SHOTS, Doc, compose
+from tests.deploy._files import ONE_SHOTS, Doc, compose, compose_errors
 
 FLEET_IMAGE = "agent-fleet:dev"
 
 
-def compose_schema() -> dict[str, Any]:
-    schema: dict[str, Any] = json.loads(
-        (files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text()
-    )
-    return schema
-
-
 def errors(document: Doc) -> list[str]:
-    validator = jsonschema.Draft202012Validator(compose_schema())
-    return [f"{e.json_path}: {e.message}" for e in validator.iter_errors(document)]
+    return compose_errors(document)
 
 
 def test_the_compose_file_follows_the_compose_specification() -> None:

@@ -5,7 +5,6 @@ service that decides, probes and resources everywhere)."""
 from __future__ import annotations
 
 import copy
-import json
 import posixpath
 import re
 from pathlib import Path
@@ -20,26 +19,18 @@ from coordinator.record import work
 from deploy import keygen, render
 from deploy._bus import NATS_AUTH_INCLUDE, NATS_CLUSTER_INCLUDE
 from fleet.buskeys import FLEET_ACCOUNT, REGISTRY_KEYS
-from tests.deploy._files import K8S, ONE_SHOTS, Doc, k8s_containers, k8s_docs, kustomization, pod_specs
+from tests.deploy._files import (
+    K8S,
+    ONE_SHOTS,
+    Doc,
+    k8s_containers,
+    k8s_docs,
+    kustomization,
+    pod_specs,
+    validate,
+)
 
-# The Kubernetes version the manifests are checked against: one kubernetes-validate ships, old
-# enough for managed clusters of today, new enough for native sidecars (restartPolicy: Always
-# init containers, on by default since 1.29).
-KUBERNETES_VERSION = "1.33"
-CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json"}
-SCHEMAS = Path(__file__).parent / "schemas"
 DOCS = k8s_docs()
-
-
-def validate(doc: Doc) -> None:
-    """Raise if ``doc`` does not validate: against the Kubernetes schemas (strict: no unknown
-    fields), or for a CRD against the schema written for it here."""
-    crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
-    if crd is not None:
-        schema = json.loads((SCHEMAS / crd).read_text())
-        jsonschema.Draft202012Validator(schema).validate(doc)
-        return
-    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
 def _id(item: tuple[str, Doc]) -> str:
