@@ -91,7 +91,7 @@ async def test_a_token_is_not_sent_over_plain_http_to_another_host(
 
 
 async def test_a_token_added_by_an_auth_flow_is_seen(listener: tuple[_Listener, str]) -> None:
-    """The MCP client's bearer is set by an ``Auth`` flow (``specialists.kit._ContextBearer``), after
+    """The MCP client's bearer is set by an ``Auth`` flow (``specialists.kit._server._ContextBearer``), after
     the request was built: the check runs on the request as sent."""
     seen, url = listener
 

@@ -1,14 +1,6 @@
-"""The specialist kit: what it takes to turn a few skill functions into a deployable A2A agent.
-
-A specialist is a module that declares its skills and calls :func:`serve_specialist`. The kit gives it
-an identity (its own key, enrolled with the registry), a signed card, bearer-JWT auth on every call,
-registration, the MCP servers it may use (:class:`ToolCatalog`, loaded from the registry), an MCP
-client that acts for the skill's caller (a token exchanged per server), and progress events.
-
-    SKILLS = [Skill("echo", "Echo", "Returns its input", echo)]
-
-    async def main(settings: ServiceSettings) -> None:
-        await serve_specialist(settings, name="Echo", description="...", skills=SKILLS)
+"""The specialist kit's machinery: the A2A server a specialist's skills run in (the executor, the
+operation journal, the tool client acting for the caller, the card and registration). Authors use
+the names :mod:`specialists.kit` exports, not this module.
 """
 
 from __future__ import annotations
@@ -70,18 +62,14 @@ from specialists.cancellation import ToolCalls
 from specialists.journal import Entry, Journal, JournalStatus
 from specialists.llm import llm_brain
 from specialists.skill import (
-    MEMORY_SERVER,
     Brain,
     BudgetMeter,
     InputRequired,
-    MemoryTools,
     OutcomeUnknown,
     Skill,
     SkillContext,
     SkillError,
-    SkillFunction,
     TaskBudget,
-    Tools,
 )
 from specialists.task_store import BoundedTaskStore
 
@@ -936,21 +924,9 @@ async def serve_specialist(
 
 
 __all__ = [
-    "MEMORY_SERVER",
-    "Brain",
-    "BudgetMeter",
-    "InputRequired",
-    "MemoryTools",
-    "OutcomeUnknown",
-    "Skill",
-    "SkillContext",
-    "SkillError",
     "SkillExecutor",
-    "SkillFunction",
-    "TaskBudget",
     "ToolCatalog",
     "Toolbox",
-    "Tools",
     "build_specialist_app",
     "mcp_http_client",
     "serve_specialist",
