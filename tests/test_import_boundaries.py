@@ -9,6 +9,7 @@ each package no two modules import each other, however far round.
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +62,19 @@ def module_name(path: Path) -> str:
 
 def sources(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
+
+
+# The slim client (client/, its own distribution): the standard library and what it declares.
+CLIENT_MAY_IMPORT = frozenset({"httpx", "jwt", "cryptography", "nats", "nkeys", "fleet_client", "__future__"})
+
+
+def test_the_slim_client_imports_only_the_standard_library_and_its_declared_dependencies() -> None:
+    violations = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "client").rglob("*.py"))
+        for name in sorted(imported_top_levels(path) - CLIENT_MAY_IMPORT - set(sys.stdlib_module_names))
+    ]
+    assert violations == []
 
 
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
