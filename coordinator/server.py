@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import httpx
@@ -32,7 +32,9 @@ from coordinator.control.streams import KEEPALIVE_S, Streams, StreamSlots, a2a_k
 from coordinator.control.triggers import TriggerIngest
 from coordinator.engine.delegation import INVOKE_SCOPE, Delegator
 from coordinator.engine.graph import checkpoint_pool
+from coordinator.engine.workflows import load_workflows
 from coordinator.planning.llm_planner import llm_planner
+from coordinator.planning.plan import WORKFLOW_SKILL_PREFIX
 from coordinator.record import work
 from coordinator.record.access import RunAccess
 from coordinator.record.checkpoints import CompactCheckpointer
@@ -75,6 +77,19 @@ SKILLS = [
         examples=["Find outliers in this month's invoices"],
     )
 ]
+
+
+def workflow_skills(workflows: Mapping[str, str]) -> list[AgentSkill]:
+    """A skill of the card per registered workflow (``workflow:NAME``), started by name."""
+    return [
+        AgentSkill(
+            id=f"{WORKFLOW_SKILL_PREFIX}{name}",
+            name=name,
+            description=f'The workflow {name}. Send a data part {{"workflow": "{name}", "input": {{...}}}}.',
+            tags=["workflow"],
+        )
+        for name in sorted(workflows)
+    ]
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -139,7 +154,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         description="Plans work and delegates each step to a specialist agent of the fleet.",
         version=VERSION,
         base_url=settings.public_url,
-        skills=SKILLS,
+        skills=[*SKILLS, *workflow_skills(settings.workflows)],
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
     )
@@ -199,6 +214,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             streams=streams,
             desk=desk,
             planner=llm_planner(settings, http, registry),  # None without an LLM: routing rules only
+            workflows=frozenset(load_workflows(settings.workflows)),  # refused here if one does not compile
         ),
         agent_card=card,
         push_config_store=push_configs,

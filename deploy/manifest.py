@@ -22,6 +22,10 @@ render`` derives compose and Kubernetes files for the same roster. Each entry be
     id = "mcp-tickets"
     entry = "support.tickets:main"
 
+    [[workflows]]
+    name = "handle-ticket"         # started by name: skill workflow:handle-ticket of the coordinator
+    graph = "support.flow:build"   # a function returning the workflow's LangGraph StateGraph
+
 Module paths are resolved against the manifest's folder first (it is put on ``PYTHONPATH`` of every
 service), then against the installed packages. A manifest that names a missing module or function,
 repeats a service id, names a skill or a server nobody offers, or has a key this module does not know
@@ -40,7 +44,7 @@ import sys
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,9 @@ KIND_SCOPES: dict[str, tuple[str, ...]] = {
     "mcp_server": ("registry:read", "registry:write"),
 }
 TABLES: dict[str, ServiceKind] = {"specialists": "specialist", "mcp_servers": "mcp_server"}
+WORKFLOWS = "workflows"
+WORKFLOW_KEYS = frozenset({"name", "graph"})
+WORKFLOW_SKILL_PREFIX = "workflow:"  # a workflow's skill on the coordinator's card
 FLEET_KEYS = frozenset({"name", "policy", "demo_agents"})
 SERVICE_KEYS: dict[str, frozenset[str]] = {
     "specialist": frozenset({"id", "entry", "skills", "scopes", "calls", "internet", "resources", "env"}),
@@ -102,6 +109,12 @@ class FleetManifest:
     services: tuple[ServiceSpec, ...]  # the project's own, in the manifest's order
     policy_dir: Path | None
     demo_agents: bool
+    workflows: tuple[tuple[str, str], ...] = ()  # (name, module:function building its StateGraph)
+
+    @property
+    def workflows_setting(self) -> str:
+        """``FLEET_WORKFLOWS`` for the coordinator and the workers: the workflows as JSON."""
+        return json.dumps(dict(self.workflows), sort_keys=True)
 
     @property
     def root(self) -> Path:
@@ -111,8 +124,23 @@ class FleetManifest:
     def roster(self, workers: int) -> tuple[ServiceSpec, ...]:
         """Every service of this fleet with ``workers`` workers: the platform's core (and its demo
         agents if asked for), then the project's own."""
-        platform = tuple(spec for spec in stack_services(workers) if self.demo_agents or _is_core(spec))
+        platform = tuple(
+            self._running_workflows(spec)
+            for spec in stack_services(workers)
+            if self.demo_agents or _is_core(spec)
+        )
         return (*platform, *self.services)
+
+    def _running_workflows(self, spec: ServiceSpec) -> ServiceSpec:
+        """The coordinator offers the workflows (its card's skills, which its enrollment names)
+        and the workers run them (``FLEET_WORKFLOWS``, as both are deployed)."""
+        if not self.workflows or spec.kind not in ("coordinator", "worker"):
+            return spec
+        env = (*spec.env, ("FLEET_WORKFLOWS", self.workflows_setting))
+        if spec.kind == "worker":
+            return replace(spec, env=env)
+        skills = (*spec.skills, *(WORKFLOW_SKILL_PREFIX + name for name, _ in self.workflows))
+        return replace(spec, env=env, skills=skills)
 
 
 def _is_core(spec: ServiceSpec) -> bool:
@@ -166,11 +194,11 @@ class _Checker:
     # ------------------------------------------------------------------ the document
     def manifest(self, document: dict[str, Any]) -> FleetManifest:
         for key in document:
-            if key != "fleet" and key not in TABLES:
+            if key != "fleet" and key != WORKFLOWS and key not in TABLES:
                 raise self.refuse(
                     self.line_of(key),
                     f"unknown table [{key}]",
-                    "use [fleet], [[specialists]] or [[mcp_servers]]",
+                    "use [fleet], [[specialists]], [[mcp_servers]] or [[workflows]]",
                 )
         fleet = document.get("fleet", {})
         if not isinstance(fleet, dict):
@@ -199,7 +227,32 @@ class _Checker:
         self.check_calls(services, roster)
         self.check_skills(services, roster)
         policy_dir = self.policy_dir(fleet.get("policy"))
-        return FleetManifest(self.path, name, tuple(services), policy_dir, demo_agents)
+        workflows = self.workflows(self.entries(document, WORKFLOWS))
+        return FleetManifest(self.path, name, tuple(services), policy_dir, demo_agents, workflows)
+
+    def workflows(self, entries: list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+        found: dict[str, int | None] = {}
+        out = []
+        for index, entry in enumerate(entries):
+            self.known_keys(entry, WORKFLOW_KEYS, WORKFLOWS, index)
+            name = entry.get("name")
+            line = self.line_of(WORKFLOWS, index, "name")
+            if not isinstance(name, str) or not SKILL_ID.fullmatch(name):
+                raise self.refuse(
+                    line,
+                    f"a workflow's name is lowercase letters, digits and dashes, not {name!r}",
+                    'name = "handle-ticket"',
+                )
+            if name in found:
+                raise self.refuse(
+                    line,
+                    f"workflow {name} is declared twice (first on line {found[name]})",
+                    "give each workflow its own name",
+                )
+            found[name] = line
+            graph_line = self.line_of(WORKFLOWS, index, "graph")
+            out.append((name, self.entry_point(entry.get("graph"), graph_line, "def {}() -> StateGraph")))
+        return tuple(out)
 
     def entries(self, document: dict[str, Any], table: str) -> list[dict[str, Any]]:
         entries = document.get(table, [])
@@ -268,7 +321,7 @@ class _Checker:
             origin=f"{self.path}:{at('id') or at()}",
         )
 
-    def entry_point(self, value: object, line: int | None) -> str:
+    def entry_point(self, value: object, line: int | None, signature: str = "async def {}(settings)") -> str:
         if not isinstance(value, str) or not ENTRY.fullmatch(value):
             raise self.refuse(
                 line, f"entry must be module:function, not {value!r}", 'entry = "support.triage:main"'
@@ -285,7 +338,7 @@ class _Checker:
             raise self.refuse(
                 line,
                 f"module {module} defines no function {function}",
-                f"add `async def {function}(settings)` to it",
+                f"add `{signature.format(function)}` to it",
             )
         return value
 

@@ -66,6 +66,11 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore")
 
     service_id: str
+    workflows: dict[str, str] = Field(
+        default_factory=dict,
+        description="the workflows a project registers (name: module:function building its StateGraph), JSON;"
+        " the coordinator offers them, the workers run them",
+    )
     home: Path = Path(".fleet")
     key_file: Path
     listen_fd: int | None = Field(default=None, description="an inherited, bound, listening socket")

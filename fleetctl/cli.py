@@ -72,6 +72,10 @@ def _run_read_parsers(runs_sub: Any) -> None:
     start.add_argument(
         "--plan", type=Path, default=None, help='a plan file, JSON {"steps": [...]} (- reads stdin)'
     )
+    start.add_argument(
+        "--workflow", default=None, help="a registered workflow's name (fleet.toml [[workflows]])"
+    )
+    start.add_argument("--input", default=None, help="with --workflow: its input, a JSON object")
     start.add_argument("--follow", "-f", action="store_true", help="print its events until it ends")
     show = _with_json(_with_tenant(_with_dir(runs_sub.add_parser("show", help="one run in detail"))))
     show.add_argument("run_id")
@@ -417,6 +421,17 @@ def _deploy_render(args: argparse.Namespace, settings: FleetSettings) -> int:
     return render.main([*argv, *(["--check"] if args.check else [])])
 
 
+def _workflow_request(name: str, given: str | None) -> dict[str, Any]:
+    """The data part that starts workflow ``name`` with the JSON object ``given``."""
+    try:
+        payload = json.loads(given) if given else {}
+    except ValueError as exc:
+        raise FleetError(ErrorCode.INVALID_REQUEST, f"--input is not JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise FleetError(ErrorCode.INVALID_REQUEST, "--input is a JSON object")
+    return {"workflow": name, "input": payload}
+
+
 def _plan_file(path: Path | None) -> dict[str, Any] | None:
     """The plan in ``path`` (``-``: standard input): a JSON object, or ``invalid_request``."""
     if path is None:
@@ -585,7 +600,8 @@ async def _runs(args: argparse.Namespace, layout: StackLayout) -> int:
 
     which: str = args.runs_command
     if which == "start":
-        message = runs_cli.plan_message(_plan_file(args.plan), args.text)
+        plan = _workflow_request(args.workflow, args.input) if args.workflow else _plan_file(args.plan)
+        message = runs_cli.plan_message(plan, args.text)
         return await runs_cli.start(layout, args.tenant, message, follow=args.follow, as_json=args.json)
     if which == "list":
         return await runs_cli.list_runs(layout, args.tenant, args.state, args.limit, as_json=args.json)

@@ -21,6 +21,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "fleet runs start --plan plan.json --tenant acme --follow",
         'echo \'{"steps": [{"id": "t", "skill": "outliers", "input": {...}}]}\' | fleet runs start --plan -',
         'fleet runs start "check the invoices" --tenant acme',
+        'fleet runs start --workflow handle-ticket --input \'{"message": "Checkout is down"}\' --follow',
     ),
     "runs show": ("fleet runs show RUN_ID --tenant acme --watch",),
     "runs events": ("fleet runs events RUN_ID --tenant acme --follow",),

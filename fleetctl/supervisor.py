@@ -221,6 +221,9 @@ class Supervisor:
             envs = [
                 {
                     **env_common,
+                    # a project's service gets the settings its manifest gives it here too (the
+                    # platform's own records name those of their deployments only)
+                    **(dict(spec.env) if spec.origin else {}),
                     **({"FLEET_PG_DSN": dsns[spec.database]} if spec.database else {}),
                     # Only the registry holds the bus's keys: it decides who connects.
                     **({"FLEET_NATS_KEYS_DIR": str(keys_dir)} if spec.kind == "registry" else {}),
@@ -259,6 +262,8 @@ class Supervisor:
         endpoints["manifest"] = str(self.manifest.path)
         path = os.pathsep.join(filter(None, [str(self.manifest.root), os.environ.get("PYTHONPATH", "")]))
         env = {"FLEET_MANIFEST": str(self.manifest.path), "PYTHONPATH": path}
+        if self.manifest.workflows:  # the coordinator offers them, the workers run them
+            env["FLEET_WORKFLOWS"] = self.manifest.workflows_setting
         if self.manifest.policy_dir is not None:
             base = Path(os.environ.get("FLEET_POLICY_DIR") or DEFAULT_BUNDLE_DIR)
             bundle = compose_bundle(base, self.manifest.policy_dir, self.layout.home / "policy-bundle")

@@ -55,9 +55,19 @@ class FleetClient:
         return {"Authorization": f"Bearer {token}", "A2A-Version": A2A_VERSION}
 
     # ---------------------------------------------------------------------- starting
-    async def start(self, *, plan: dict[str, Any] | None = None, text: str = "") -> str:
-        """Start a run of ``plan`` (``{"steps": [...]}``) and/or ``text`` (the coordinator plans
-        it); its id, as soon as the coordinator accepted it."""
+    async def start(
+        self,
+        *,
+        plan: dict[str, Any] | None = None,
+        text: str = "",
+        workflow: str | None = None,
+        given: dict[str, Any] | None = None,
+    ) -> str:
+        """Start a run of ``plan`` (``{"steps": [...]}``), ``text`` (the coordinator plans it) or
+        a registered ``workflow`` with input ``given``; its id, as soon as the coordinator
+        accepted it."""
+        if workflow is not None:
+            plan = {"workflow": workflow, "input": given or {}}
         parts: list[dict[str, Any]] = ([{"text": text}] if text else []) + (
             [{"data": plan}] if plan is not None else []
         )

@@ -20,6 +20,7 @@ from coordinator.a2a_surface.task_store import PostgresTaskStore
 from coordinator.control.signals import Signal, SignalDesk, parse_signal
 from coordinator.control.streams import Streams, a2a_slot
 from coordinator.engine.delegation import Delegator
+from coordinator.engine.workflows import workflow_name
 from coordinator.planning.plan import Planner, Step, plan_request
 from coordinator.record import work
 from coordinator.record.runs import PostgresRunStore
@@ -88,6 +89,7 @@ class CoordinatorExecutor(AgentExecutor):
         desk: SignalDesk,
         *,
         planner: Planner | None = None,
+        workflows: frozenset[str] = frozenset(),
     ) -> None:
         """``planner``: plans a text no routing rule matches (an LLM's, see
         :func:`coordinator.planning.llm_planner.llm_planner`); without one such a text is refused."""
@@ -99,6 +101,7 @@ class CoordinatorExecutor(AgentExecutor):
         self._streams = streams
         self._desk = desk
         self._planner = planner
+        self._workflows = workflows  # the registered workflows' names
 
     async def _plan(self, context: RequestContext, tenant: str) -> list[Step]:
         """Plan and check that every skill has a specialist, before the run is accepted."""
@@ -113,7 +116,15 @@ class CoordinatorExecutor(AgentExecutor):
                 planner=self._planner,
             )
             for step in steps:  # each step has an agent routing may give it (no_specialist_for_skill)
-                if step.wait is None:
+                workflow = workflow_name(step.skill)
+                if workflow is not None:
+                    if workflow not in self._workflows:
+                        known = ", ".join(sorted(self._workflows)) or "none"
+                        raise FleetError(
+                            ErrorCode.NO_SPECIALIST,
+                            f"no workflow {workflow} is registered (there are: {known})",
+                        )
+                elif step.wait is None:
                     await self._delegator.assign(step.skill, tenant=tenant, named=step.agent)
         except DependencyUnavailable as exc:  # the control plane failed over for too long: send it again
             raise a2a_error(exc, InternalError) from exc

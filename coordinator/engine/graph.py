@@ -12,7 +12,7 @@ import datetime as dt
 import operator
 from collections import Counter
 from collections.abc import Mapping
-from typing import Annotated, Any, TypedDict
+from typing import Annotated, Any, NotRequired, TypedDict
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.config import get_stream_writer
@@ -24,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from coordinator.engine.delegation import Delegator
 from coordinator.engine.dispatch import NeedsHuman, RunScope, StepDispatcher
+from coordinator.engine.workflows import Workflow, run_workflow, workflow_name
 from coordinator.planning.plan import RESERVED_INPUT, UNTRUSTED, dependencies, resolve_input
 from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
 from fleet.approvals import POLICY_APPROVER, ApprovalRequest
@@ -77,6 +78,7 @@ class StepTask(TypedDict):
     batch: dict[str, int]  # for a batch step: call_size and checkpoint_every ({} for others)
     approval: dict[str, Any]  # the deadline policy of a gate on the step's skill, fixed at the run's start
     facts: dict[str, Any]  # what the run computed that a gate may go by (see computed_facts)
+    budget: NotRequired[dict[str, Any]]  # a workflow step's: the run's limits its calls count against
 
 
 def _emit(event: EventType, payload: Mapping[str, Any], text: str = "") -> None:
@@ -620,7 +622,7 @@ def step_task(state: GraphState, step: PlanStep) -> StepTask:
     results = state.get("results", {})
     limits = state.get("limits") or {}
     batch = {**(limits.get("batch") or DEFAULT_BATCH), **(step.get("batch") or {})}
-    return StepTask(
+    task = StepTask(
         run_id=state["run_id"],
         tenant=state["tenant"],
         step=step,
@@ -630,6 +632,9 @@ def step_task(state: GraphState, step: PlanStep) -> StepTask:
         approval=approval_deadline(limits.get("approvals") or {}, step["skill"]),
         facts=computed_facts(state),
     )
+    if workflow_name(step["skill"]) is not None and limits.get("limits"):
+        task["budget"] = {"max_operations": limits["limits"].get("max_operations")}
+    return task
 
 
 async def schedule(state: GraphState) -> dict[str, Any]:
@@ -658,10 +663,12 @@ async def finish(state: GraphState) -> dict[str, Any]:
 
 
 class _Nodes:
-    """The graph's nodes that call out (to specialists, through the delegator)."""
+    """The graph's nodes that call out (to specialists, through the delegator, or to a workflow's
+    own graph, whose calls come back here)."""
 
-    def __init__(self, delegator: Delegator) -> None:
+    def __init__(self, delegator: Delegator, workflows: Mapping[str, Workflow] | None = None) -> None:
         self.delegator = delegator
+        self.workflows = dict(workflows or {})
 
     async def batch(self, state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
         update: dict[str, Any] = {"batches": {}, "results": {}, "outcomes": []}
@@ -685,10 +692,6 @@ class _Nodes:
             if "batch" in step["wait"]:
                 return await collect_batch(step, runtime.context, dt.datetime.now(dt.UTC))
             return wait_for_timer(step, dt.datetime.now(dt.UTC))
-
-        async def progress(text: str) -> None:
-            _emit(EventType.STEP_PROGRESS, StepProgress(step=step["id"], text=text), text)
-
         try:
             payload = resolve_input(step["input"], task["results"])
             if RESERVED_INPUT in payload:  # e.g. from an earlier step's output: only a person approves
@@ -699,9 +702,23 @@ class _Nodes:
         except FleetError as exc:
             _emit(EventType.STEP_FAILED, _failure(step, exc))
             return {"failure": _failure(step, exc)}
+        name = workflow_name(step["skill"])
+        if name is not None:
+            return await run_workflow(self, self.workflows.get(name), task, payload, runtime.context)
+        return await self.call_step(task, payload, runtime.context)
+
+    async def call_step(self, task: StepTask, payload: dict[str, Any], scope: RunScope) -> dict[str, Any]:
+        """Send one step's call (``payload``, its input resolved) to an agent offering its skill,
+        through the ledger, and wait for its result, asking policy or a person at every gate the
+        result raises; the state update (``results`` or ``failure``, and its ``outcomes``)."""
+        step = task["step"]
+
+        async def progress(text: str) -> None:
+            _emit(EventType.STEP_PROGRESS, StepProgress(step=step["id"], text=text), text)
+
         dispatcher = StepDispatcher(
             self.delegator,
-            runtime.context,
+            scope,
             step_id=step["id"],
             skill=step["skill"],
             payload=payload,
@@ -729,7 +746,7 @@ class _Nodes:
                 asked = dispatcher.agent if dispatcher.agent and dispatcher.agent.url else None  # still there
                 dispatcher = StepDispatcher(
                     self.delegator,
-                    runtime.context,
+                    scope,
                     step_id=f"{step['id']}~{number}",
                     skill=step["skill"],
                     payload=payload,
@@ -758,11 +775,14 @@ class _Nodes:
 
 
 def build_graph(
-    delegator: Delegator, checkpointer: BaseCheckpointSaver[Any]
+    delegator: Delegator,
+    checkpointer: BaseCheckpointSaver[Any],
+    workflows: Mapping[str, Workflow] | None = None,
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
-    """The coordinator's graph: schedule the ready steps, delegate each (or advance a batch), and
-    finish when nothing is left to do or the run stopped."""
-    nodes = _Nodes(delegator)
+    """The coordinator's graph: schedule the ready steps, delegate each (or advance a batch, or run
+    a registered workflow's graph, ``workflows``), and finish when nothing is left to do or the run
+    stopped."""
+    nodes = _Nodes(delegator, workflows)
     builder: StateGraph[GraphState, RunScope, Any, Any] = StateGraph(GraphState, context_schema=RunScope)
     builder.add_node("schedule", schedule)
     builder.add_node("delegate", nodes.delegate)  # type: ignore[arg-type]  # its input is a StepTask (Send)

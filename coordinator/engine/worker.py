@@ -40,6 +40,7 @@ from coordinator.engine.delegation import Delegator
 from coordinator.engine.dispatch import ActivityClock, RunScope, settle_pending
 from coordinator.engine.graph import build_graph, checkpoint_pool
 from coordinator.engine.memory_hook import RunMemory
+from coordinator.engine.workflows import load_workflows
 from coordinator.record import gates, work
 from coordinator.record.checkpoints import CompactCheckpointer
 from coordinator.record.operations import Ledger
@@ -522,7 +523,11 @@ class RunWorker:
         lease: Lease,
         scope: RunScope,
     ) -> StateSnapshot:
-        stream = self._graph.astream(graph_input, config, stream_mode="custom", version="v2", context=scope)
+        # subgraphs: a workflow's graph runs inside a step (coordinator.engine.workflows); its steps
+        # report through the same stream, from its namespace
+        stream = self._graph.astream(
+            graph_input, config, stream_mode="custom", version="v2", context=scope, subgraphs=True
+        )
         # An async generator at run time (typed as an iterator): stopping early must stop the graph.
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for part in stream:
@@ -663,7 +668,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     )
     delegator = Delegator(registry, http, store.run_grant, engine, outbound)
     worker = RunWorker(
-        build_graph(delegator, saver),
+        build_graph(delegator, saver, load_workflows(settings.workflows)),
         store,
         ledger,
         delegator,

@@ -27,6 +27,8 @@ class PlanError(FleetError):
 
 MAX_CALL_SIZE = 500
 TIMER_SKILL = "fleet.timer"  # reserved: a step that only waits (no specialist offers it)
+# A step whose skill is ``workflow:NAME`` runs a registered workflow (coordinator.engine.workflows).
+WORKFLOW_SKILL_PREFIX = "workflow:"
 MAX_WAIT_S = 366 * 24 * 3600.0
 _SOURCE = re.compile(rf"^{TOKEN_PATTERN}$")
 _AGENT_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -287,6 +289,16 @@ def resolve_input(value: Any, results: dict[str, Any]) -> Any:
     return value
 
 
+def workflow_step(part: dict[str, Any]) -> Step:
+    """The one step of a request for a workflow by name: ``{"workflow": NAME, "input": {...}}``."""
+    name, given = part.get("workflow"), part.get("input", {})
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise PlanError('"workflow" must name a registered workflow')
+    if not isinstance(given, dict):
+        raise PlanError("a workflow's input must be an object")
+    return parse_steps([{"id": name, "skill": WORKFLOW_SKILL_PREFIX + name, "input": given}])[0]
+
+
 # Plans a request's text when no routing rule does (see coordinator.planning.llm_planner).
 Planner = Callable[[str], Awaitable[list[Step]]]
 
@@ -299,6 +311,8 @@ async def plan_request(
     for part in data:
         if isinstance(part, dict) and "steps" in part:
             return parse_steps(part["steps"])
+        if isinstance(part, dict) and "workflow" in part:
+            return [workflow_step(part)]
     if not text.strip():
         raise PlanError('send text or a data part {"steps": [{"skill": ..., "input": {...}}]}')
     decision = await engine.decide("fleet.routing.decision", {"text": text, "tenant": tenant})

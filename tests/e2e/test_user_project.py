@@ -1,137 +1,49 @@
-"""A user's own fleet, outside this repository: a specialist and an MCP server, each one file plus
-one manifest entry, and policy of the project's own. ``fleet up`` (run in the project's folder, as a
-user would) brings them up beside the platform's core, a plan runs through them, and ``fleet deploy
-render`` derives compose and Kubernetes files that pass the same offline validation as the
-platform's own."""
+"""A user's own fleet, outside this repository: the example support desk (examples/support-desk),
+copied to a folder of its own and run the way its README says. A specialist and an MCP server, each
+one file plus one manifest entry, the project's policy and a workflow written as a LangGraph graph:
+``fleet up`` in the project's folder brings them up beside the platform's core, plans and the
+workflow run through them (a pause for a person included, and a worker killed mid-run), and
+``fleet deploy render`` derives compose and Kubernetes files that pass the same offline validation
+as the platform's own."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from fleetctl.layout import StackLayout
-from fleetctl.testing.e2e import STACK_START_TIMEOUT_S, Stack, clean_env, send, user_message
+from fleetctl.testing.e2e import (
+    FAST_FAILOVER,
+    STACK_START_TIMEOUT_S,
+    Stack,
+    all_events,
+    clean_env,
+    event_of,
+    send,
+    user_message,
+)
+from fleetctl.testing.mcp import call, error_in, ok
 from tests.deploy._files import compose_errors, validate
 
 pytestmark = pytest.mark.e2e
 
-MANIFEST = """\
-[fleet]
-name = "support-desk"
-policy = "policy"
-
-[[specialists]]
-id = "triage"
-entry = "support_desk.triage:main"
-skills = ["triage-ticket"]
-scopes = ["tickets:write"]
-calls = ["mcp-tickets"]
-
-[[mcp_servers]]
-id = "mcp-tickets"
-entry = "support_desk.tickets:main"
-resources = { memory_limit = "768Mi" }
-"""
-
-TICKETS = '''\
-"""The support desk's tickets: an MCP server of the fleet, declared tool by tool."""
-
-from typing import Any
-
-from fleet.settings import ServiceSettings
-from mcp_servers.kit import KEYED_WRITE, ToolCall, ToolServer
-
-server = ToolServer("tickets", instructions="The support desk's tickets.")
-TICKETS: dict[tuple[str, str], dict[str, Any]] = {}
-
-
-@server.tool(scopes=["tickets:write"], annotations=KEYED_WRITE)
-async def open_ticket(call: ToolCall, operation_id: str, title: str, priority: str) -> dict[str, Any]:
-    """Open a ticket, once per operation id."""
-    key = (call.tenant, operation_id)
-    created = key not in TICKETS
-    if created:
-        TICKETS[key] = {"ticket": f"T-{len(TICKETS) + 1}", "title": title, "priority": priority}
-    return {**TICKETS[key], "created": created, "tenant": call.tenant}
-
-
-@server.tool(scopes=["tickets:write"], annotations=KEYED_WRITE)
-async def close_ticket(call: ToolCall, ticket: str) -> dict[str, Any]:
-    """Close a ticket (the project's policy asks for more than this declaration)."""
-    return {"closed": ticket}
-
-
-async def main(settings: ServiceSettings) -> None:
-    await server.serve(settings)
-'''
-
-TRIAGE = '''\
-"""Triage: reads a customer's message, decides its priority, opens a ticket."""
-
-from typing import Any
-
-from fleet.settings import ServiceSettings
-from specialists.kit import Skill, SkillContext, serve_specialist
-
-URGENT = ("down", "outage", "refund", "urgent")
-
-
-async def triage(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
-    text = str(payload.get("message", ""))
-    priority = "high" if any(word in text.lower() for word in URGENT) else "normal"
-    await ctx.progress(f"priority {priority}")
-    if payload.get("close"):
-        return await ctx.tools.call(
-            "mcp-tickets", "close_ticket", {"ticket": payload["close"]}, tenant=ctx.tenant, scopes=["tickets:write"]
-        )
-    ticket = await ctx.tools.call(
-        "mcp-tickets",
-        "open_ticket",
-        {"operation_id": ctx.idempotency_key("ticket"), "title": text[:80], "priority": priority},
-        tenant=ctx.tenant,
-        scopes=["tickets:write"],
-    )
-    return {"priority": priority, "ticket": ticket}
-
-
-async def main(settings: ServiceSettings) -> None:
-    await serve_specialist(
-        settings,
-        name="Triage",
-        description="Reads a customer's message and opens a ticket at the right priority.",
-        version="0.1.0",
-        skills=[Skill("triage-ticket", "Triage", "Input: {message}.", triage, idempotent=True)],
-    )
-'''
-
-# The project's policy: closing a ticket needs a scope the triage agent does not have.
-POLICY = {"config": {"tools": {"mcp-tickets": {
-    "open_ticket": {"scopes": ["tickets:write"]},
-    "close_ticket": {"scopes": ["tickets:write", "tickets:admin"]},
-}}}}  # fmt: skip
-
-
-def make_project(root: Path) -> Path:
-    package = root / "support_desk"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "tickets.py").write_text(TICKETS)
-    (package / "triage.py").write_text(TRIAGE)
-    (root / "policy").mkdir()
-    (root / "policy" / "data.json").write_text(json.dumps(POLICY))
-    (root / "fleet.toml").write_text(MANIFEST)
-    return root
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "support-desk"
 
 
 def fleet_in(
-    project: Path, *args: str, timeout: float = STACK_START_TIMEOUT_S
+    project: Path, *args: str, timeout: float = STACK_START_TIMEOUT_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The ``fleet`` CLI run in the project's folder, as its user runs it."""
     return subprocess.run(
@@ -142,22 +54,26 @@ def fleet_in(
         timeout=timeout,
         check=False,
         stdin=subprocess.DEVNULL,
-        env=clean_env(),
+        env=clean_env(**(env or {})),
     )
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_project(tmp_path_factory.mktemp("support-desk"))
+    """The example, copied outside the repository (nothing of it is on the platform's path)."""
+    root = tmp_path_factory.mktemp("user") / "support-desk"
+    shutil.copytree(EXAMPLE, root, ignore=shutil.ignore_patterns("deploy", ".support-desk", "__pycache__"))
+    return root
 
 
 @pytest.fixture(scope="module")
-def project_stack(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    data_dir = tmp_path_factory.mktemp("support-stack")
-    up = fleet_in(project, "up", "--detach", "--data-dir", str(data_dir))
+def desk(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    data_dir = tmp_path_factory.mktemp("desk-stack")
+    settings = {**FAST_FAILOVER, "SUPPORT_DESK_ANSWER_DELAY_S": "2"}  # a window to kill a worker in
+    up = fleet_in(project, "up", "--detach", "--data-dir", str(data_dir), env=settings)
     assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"
-    # a line per tier as it comes up, the project's servers and then its specialists among them
-    assert "fleet: mcp-memory, mcp-tickets ready" in up.stderr and "fleet: triage ready" in up.stderr, up.stderr
+    # a line per tier as it comes up, the project's servers and then its specialist among them
+    assert "fleet: mcp-memory, mcp-tickets ready" in up.stderr and "fleet: desk ready" in up.stderr, up.stderr
     stack = Stack(StackLayout.at(data_dir))
     stack.reload()
     try:
@@ -167,36 +83,151 @@ def project_stack(project: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         assert down.returncode == 0, down.stderr
 
 
-async def test_a_plan_runs_through_the_project_s_specialist_and_tool_server(project_stack: Stack) -> None:
-    endpoints = project_stack.endpoints
-    assert set(endpoints["specialists"]) == {"triage"}  # the platform's demo agents stay out
-    assert set(endpoints["mcp_servers"]) == {"mcp-memory", "mcp-tickets"}
-    plan = {"steps": [{"id": "triage", "skill": "triage-ticket", "input": {"message": "Checkout is down!"}}]}
-    outcome = await send(project_stack, user_message(data=plan), token=project_stack.token("coordinator"))
-    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
-    answer = outcome.result["steps"]["triage"]
-    assert answer["priority"] == "high"
-    assert answer["ticket"]["created"] and answer["ticket"]["tenant"] == "acme"
-    assert answer["ticket"]["ticket"].startswith("T-")
-    assert "triage: priority high" in outcome.progress
+async def ticket_log(stack: Stack, tenant: str) -> list[dict[str, Any]]:
+    token = stack.token("mcp-tickets", tenant=tenant, scopes=("tickets:read",))
+    entries: list[dict[str, Any]] = ok(await call(stack, "mcp-tickets", token, "ticket_log", {}))["entries"]
+    return entries
 
 
-async def test_the_project_s_policy_governs_its_tools(project_stack: Stack) -> None:
+async def test_a_plan_runs_through_the_project_s_specialist_and_tool_server(desk: Stack) -> None:
+    assert set(desk.endpoints["specialists"]) == {"desk"}  # the platform's demo agents stay out
+    assert set(desk.endpoints["mcp_servers"]) == {"mcp-memory", "mcp-tickets"}
     plan = {
-        "steps": [{"id": "close", "skill": "triage-ticket", "input": {"message": "thanks", "close": "T-1"}}]
+        "steps": [
+            {"id": "triage", "skill": "triage-ticket", "input": {"message": "How do I get an invoice?"}}
+        ]
     }
-    outcome = await send(project_stack, user_message(data=plan), token=project_stack.token("coordinator"))
-    assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
-    assert "policy_denied" in outcome.codes  # the tool's own declaration alone would have allowed it
-    assert outcome.error is not None and "tickets:admin" in str([e.message for e in outcome.error.chain()])
+    outcome = await send(desk, user_message(data=plan), token=desk.token("coordinator", tenant="plans"))
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert outcome.result["steps"]["triage"] == {"priority": "normal", "ticket": "T-1"}
+    assert "desk: priority normal" in outcome.progress
+    assert [e["kind"] for e in await ticket_log(desk, "plans")] == ["ticket"]
+
+
+async def test_the_project_s_policy_governs_its_tools(desk: Stack) -> None:
+    writer = desk.token("mcp-tickets", tenant="policy", scopes=("tickets:write",))
+    arguments = {"operation_id": "op-1", "ticket": "T-9"}
+    denied = error_in(await call(desk, "mcp-tickets", writer, "close_ticket", arguments))
+    # the tool's own declaration (tickets:write) would have let it through: the project's data did not
+    assert denied.code == "policy_denied" and "tickets:admin" in denied.message
+    admin = desk.token("mcp-tickets", tenant="policy", scopes=("tickets:write", "tickets:admin"))
+    assert ok(await call(desk, "mcp-tickets", admin, "close_ticket", arguments))["closed"]
+
+
+async def start_workflow(stack: Stack, tenant: str, message: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as http:
+        token = stack.token("coordinator", tenant=tenant)
+        body = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": f"m-{tenant}",
+                    "role": "ROLE_USER",
+                    "parts": [{"data": {"workflow": "handle-ticket", "input": {"message": message}}}],
+                },
+                "configuration": {"returnImmediately": True},
+            },
+        }
+        answer = await http.post(
+            stack.endpoints["coordinator"] + "/a2a/jsonrpc",
+            json=body,
+            headers={"Authorization": f"Bearer {token}", "A2A-Version": "1.0"},
+        )
+    task = answer.json()["result"]["task"]
+    return str(task["id"])
+
+
+async def run_when(stack: Stack, run_id: str, token: str, *states: str) -> dict[str, Any]:
+    async with asyncio.timeout(90), httpx.AsyncClient(timeout=30) as http:
+        while True:
+            run: dict[str, Any] = (
+                await http.get(
+                    f"{stack.endpoints['coordinator']}/v1/runs/{run_id}",
+                    headers={"Authorization": f"Bearer {token}"},
+                )
+            ).json()
+            if run["state"] in states:
+                return run
+            await asyncio.sleep(0.2)
+
+
+async def test_the_workflow_is_offered_by_name_and_pauses_for_a_person(desk: Stack) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        card = (await http.get(desk.endpoints["coordinator"] + "/.well-known/agent-card.json")).json()
+    assert "workflow:handle-ticket" in [skill["id"] for skill in card["skills"]]
+
+    tenant = "urgent"
+    token = desk.token("coordinator", tenant=tenant, scopes=("agent:invoke", "runs:approve"))
+    run_id = await start_workflow(desk, tenant, "I was charged twice, please refund!")
+    waiting = await run_when(desk, run_id, token, "waiting", "failed", "completed")
+    assert waiting["state"] == "waiting" and waiting["wait"]["type"] == "input", waiting
+    assert "Refund, workaround or call back?" in waiting["wait"]["detail"]["why"]
+
+    answer = {"action": "input", "input": {"decision": "refund"}, "awaited": waiting["wait"]["awaited"]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        signaled = await http.post(
+            f"{desk.endpoints['coordinator']}/v1/runs/{run_id}/signals",
+            json=answer,
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    assert signaled.status_code == 200 and signaled.json()["applied"], signaled.text
+    done = await run_when(desk, run_id, token, "completed", "failed")
+    assert done["state"] == "completed"
+    events = await all_events(desk, run_id, token)
+    result = next(e["payload"] for e in events if e["type"] == "artifact")["steps"]["handle-ticket"]
+    assert (result["priority"], result["decision"]) == ("high", "refund")
+    assert result["answer"].startswith("Refunds go back")
+    kinds = [(e["kind"], e.get("text", "")[:10]) for e in await ticket_log(desk, tenant)]
+    assert kinds == [("ticket", ""), ("note", "decided: r"), ("note", "answered: ")]
+
+
+async def test_the_workflow_survives_a_worker_killed_mid_run_without_repeating_an_effect(desk: Stack) -> None:
+    tenant = "failover"
+    token = desk.token("coordinator", tenant=tenant)
+    run_id = await start_workflow(desk, tenant, "How do I reset my password?")
+    # the answer's step (its id names the workflow's node): its call is in flight for 2 s
+    started = await step_started(desk, run_id, token, ".answer-")
+    victim = started["actor"].split(":")[0]
+    os.kill(desk.endpoints["processes"][victim], signal.SIGKILL)
+
+    done = await run_when(desk, run_id, token, "completed", "failed")
+    assert done["state"] == "completed", done
+    events = await all_events(desk, run_id, token)
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert any(e["type"] == "run.resumed" and not e["actor"].startswith(victim + ":") for e in events)
+    # each effect once: one ticket, one answer noted, however often the nodes ran
+    kinds = [e["kind"] for e in await ticket_log(desk, tenant)]
+    assert kinds == ["ticket", "note"], kinds
+
+
+async def step_started(stack: Stack, run_id: str, token: str, containing: str) -> dict[str, Any]:
+    """The run's first ``step.started`` event of a step whose id contains ``containing``, as soon
+    as it is in the log (the run's event stream, followed)."""
+    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
+    async with (
+        asyncio.timeout(60),
+        httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
+        http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                event = event_of(line)
+                if event["type"] == "step.started" and containing in event["payload"]["step"]:
+                    return event
+    raise AssertionError(f"the run ended without starting a step {containing}")
 
 
 def test_a_broken_manifest_is_refused_before_anything_starts(project: Path, tmp_path: Path) -> None:
     broken = tmp_path / "fleet.toml"
-    broken.write_text(MANIFEST.replace("support_desk.triage:main", "support_desk.triage_agent:main"))
+    broken.write_text(
+        (project / "fleet.toml").read_text().replace("support_desk.desk:main", "support_desk.desks:main")
+    )
     result = fleet_in(project, "up", "--manifest", str(broken), "--data-dir", str(tmp_path / "data"))
     assert result.returncode == 2, result.stderr
-    assert f"{broken}:7: no module support_desk.triage_agent" in result.stderr
+    line = next(n for n, text in enumerate(broken.read_text().splitlines(), 1) if "desks:main" in text)
+    assert f"{broken}:{line}: no module support_desk.desks" in result.stderr
     assert "manifest_invalid" in result.stderr
     assert not (tmp_path / "data").exists()  # nothing started, nothing written
 
@@ -208,9 +239,12 @@ def test_compose_and_kubernetes_for_the_project_pass_the_offline_validation(proj
     compose: dict[str, Any] = yaml.safe_load((deploy / "compose.yaml").read_text())
     assert compose_errors(compose) == []
     services = compose["services"]
-    assert {"triage", "mcp-tickets", "coordinator", "mcp-memory"} <= set(services)
+    assert {"desk", "mcp-tickets", "coordinator", "mcp-memory"} <= set(services)
     assert "sql-analyst" not in services
-    assert services["triage"]["image"] == "support-desk:dev"
+    assert services["desk"]["image"] == "support-desk:dev"
+    assert json.loads(services["coordinator"]["environment"]["FLEET_WORKFLOWS"]) == {
+        "handle-ticket": "support_desk.flow:build"
+    }
     docs = [
         doc
         for path in sorted((deploy / "k8s").glob("*.yaml"))
@@ -221,10 +255,12 @@ def test_compose_and_kubernetes_for_the_project_pass_the_offline_validation(proj
     for doc in docs:
         validate(doc)
     policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
-    egress = policies["triage"]["spec"]["egress"]
-    assert any(peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "mcp-tickets"
-               for rule in egress for peer in rule.get("to", []))  # fmt: skip
-    assert not any("ipBlock" in peer for rule in egress for peer in rule.get("to", []))  # no internet
+    egress = policies["desk"]["spec"]["egress"]
+    peers = [peer for rule in egress for peer in rule.get("to", [])]
+    assert {"app.kubernetes.io/name": "mcp-tickets"} in [
+        p.get("podSelector", {}).get("matchLabels") for p in peers
+    ]
+    assert not any("ipBlock" in peer for peer in peers)  # internet = false: no way out
     tickets = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "mcp-tickets")
     assert tickets["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "768Mi"
     dockerfile = (deploy / "Dockerfile").read_text()
@@ -234,4 +270,5 @@ def test_compose_and_kubernetes_for_the_project_pass_the_offline_validation(proj
         "tickets:write",
         "tickets:admin",
     ]
+    assert "mcp-sql" in bundle["config"]["tools"]  # the platform's rules stay
     assert fleet_in(project, "deploy", "render", "--check", timeout=120).returncode == 0
