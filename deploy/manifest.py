@@ -64,6 +64,21 @@ MANIFEST_NAME = "fleet.toml"
 # The platform's services every fleet runs; the rest of SERVICES are the invoice demo's agents.
 CORE_KINDS = frozenset({"registry", "coordinator", "worker", "console"})
 CORE_IDS = frozenset({"mcp-memory"})
+# The platform's packages: a project's module or package of one of these names would be imported
+# instead of the platform's (the project's folder comes first on the path).
+PLATFORM_PACKAGES = frozenset(
+    {
+        "fleet",
+        "fleetctl",
+        "coordinator",
+        "specialists",
+        "mcp_servers",
+        "registry",
+        "policy",
+        "memory",
+        "deploy",
+    }
+)
 RESERVED_IDS = frozenset({"operator", "enroll", "bootstrap", "keygen", "nats", "postgres", "qdrant", "opa"})
 SERVICE_ID = re.compile(r"[a-z][a-z0-9-]{0,40}[a-z0-9]")
 SKILL_ID = re.compile(r"[a-z][a-z0-9-]{0,62}")
@@ -193,6 +208,7 @@ class _Checker:
 
     # ------------------------------------------------------------------ the document
     def manifest(self, document: dict[str, Any]) -> FleetManifest:
+        self.check_shadows()
         for key in document:
             if key != "fleet" and key != WORKFLOWS and key not in TABLES:
                 raise self.refuse(
@@ -253,6 +269,17 @@ class _Checker:
             graph_line = self.line_of(WORKFLOWS, index, "graph")
             out.append((name, self.entry_point(entry.get("graph"), graph_line, "def {}() -> StateGraph")))
         return tuple(out)
+
+    def check_shadows(self) -> None:
+        """Refuse a project module or package named like one of the platform's packages."""
+        root = self.path.parent
+        for name in sorted(PLATFORM_PACKAGES):
+            if (root / f"{name}.py").is_file() or (root / name / "__init__.py").is_file():
+                raise self.refuse(
+                    None,
+                    f"{root / name} has the name of the platform's package {name}, which it would hide",
+                    f"rename it (for example my_{name})",
+                )
 
     def entries(self, document: dict[str, Any], table: str) -> list[dict[str, Any]]:
         entries = document.get(table, [])
