@@ -31,7 +31,8 @@ SERVER_PACKAGES = (
     "uvicorn",
     "fleet",
 )
-MAX_INSTALLED_MB = 60  # the platform's own environment is well over a gigabyte
+MAX_INSTALLED_MB = 40  # measured: about 28 MB (16 of them cryptography's); the platform's environment: 1.4 GB
+VENV_TOOLS = ("pip", "setuptools", "pkg_resources", "_distutils_hack")  # every new venv's, not the client's
 
 DRIVER = textwrap.dedent(
     """
@@ -92,7 +93,12 @@ def test_it_installs_alone_and_small(client_env: Path) -> None:
         cwd=client_env,  # not the repository: its packages must not be found from here
     )
     assert json.loads(found.stdout) == []
-    size = sum(path.stat().st_size for path in site_packages(client_env).rglob("*") if path.is_file())
+    root = site_packages(client_env)
+    size = sum(
+        path.stat().st_size
+        for path in root.rglob("*")
+        if path.is_file() and not path.relative_to(root).parts[0].startswith(VENV_TOOLS)
+    )
     assert size < MAX_INSTALLED_MB * 2**20, f"{size / 2**20:.1f} MB installed"
 
 

@@ -219,6 +219,58 @@ async def step_started(stack: Stack, run_id: str, token: str, containing: str) -
     raise AssertionError(f"the run ended without starting a step {containing}")
 
 
+def test_the_cli_starts_the_workflow_and_shows_a_service_s_log(desk: Stack, project: Path) -> None:
+    data_dir = ["--data-dir", desk.data_dir]
+    given = json.dumps({"message": "Where is my invoice?"})
+    started = fleet_in(
+        project,
+        "runs",
+        "start",
+        "--workflow",
+        "handle-ticket",
+        "--input",
+        given,
+        "--tenant",
+        "cli",
+        "--follow",
+        *data_dir,
+    )
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert started.stdout.startswith("run ") and "run.completed" in started.stdout
+    assert "answer-from-kb" in started.stdout  # the workflow's calls are steps of the run's log
+
+    planned = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleetctl",
+            "runs",
+            "start",
+            "--plan",
+            "-",
+            "--tenant",
+            "cli",
+            "--json",
+            *data_dir,
+        ],
+        input=json.dumps({"steps": [{"id": "t", "skill": "triage-ticket", "input": {}}]}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=project,
+        env=clean_env(),
+    )
+    assert planned.returncode == 0 and json.loads(planned.stdout)["run_id"], planned.stderr
+    unknown = fleet_in(project, "runs", "start", "--workflow", "no-such-flow", "--tenant", "cli", *data_dir)
+    assert unknown.returncode == 5 and "no workflow no-such-flow" in unknown.stderr, unknown.stderr
+
+    logs = fleet_in(project, "logs", "desk", "--lines", "3", *data_dir)
+    assert logs.returncode == 0 and 0 < len(logs.stdout.splitlines()) <= 3, logs
+    missing = fleet_in(project, "logs", "nobody", *data_dir)
+    assert missing.returncode == 5 and "there are:" in missing.stderr and "desk" in missing.stderr
+
+
 def test_a_broken_manifest_is_refused_before_anything_starts(project: Path, tmp_path: Path) -> None:
     broken = tmp_path / "fleet.toml"
     broken.write_text(
