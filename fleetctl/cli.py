@@ -331,6 +331,10 @@ def _parser() -> argparse.ArgumentParser:
     for command in (msearch, mshow, mforget, mapprove, maudit):
         command.add_argument("--json", action="store_true")
     _registry_parsers(sub)
+    new = sub.add_parser("new", help="a new specialist, MCP server or workflow in a project, with its test")
+    new.add_argument("kind", choices=["specialist", "mcp-server", "workflow"])
+    new.add_argument("name")
+    new.add_argument("--dir", type=Path, default=Path("."), help="the project's folder (default: here)")
     deploy = sub.add_parser("deploy", help="deployment files for a project's fleet")
     deploy_sub = deploy.add_subparsers(dest="deploy_command", required=True)
     render = deploy_sub.add_parser(
@@ -405,6 +409,16 @@ def _up(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) 
     if args.detach:
         return up_detached(layout, tls=settings.tls, manifest=manifest.path if manifest else None)
     return asyncio.run(up_foreground(settings, layout, args.ready_fd, manifest))
+
+
+def _new(args: argparse.Namespace) -> int:
+    """``fleet new KIND NAME``: :func:`fleetctl.scaffold.new`, and what it wrote."""
+    from fleetctl import scaffold
+
+    for path in scaffold.new(args.kind, args.name, args.dir):
+        print(f"wrote {path}")
+    print("fleet: run its test with `python -m pytest`, and it with `fleet up`", flush=True)
+    return EXIT_OK
 
 
 def _deploy_render(args: argparse.Namespace, settings: FleetSettings) -> int:
@@ -806,6 +820,7 @@ _COMMANDS: dict[str, Handler] = {
     "memory": lambda args, settings, layout: _memory(args, layout),
     "serve": lambda args, settings, layout: serve(args.service_id),
     "deploy": lambda args, settings, layout: _deploy_render(args, settings),
+    "new": lambda args, settings, layout: _new(args),
     "logs": lambda args, settings, layout: logs_cli.logs(
         layout, args.service, lines=args.lines, follow=args.follow, list_only=args.list
     ),

@@ -68,6 +68,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "mcp list": ("fleet mcp list --json",),
     "deploy": ("fleet deploy render",),
     "deploy render": ("fleet deploy render", "fleet deploy render --check    # in CI: the files are current"),
+    "new": (
+        "fleet new specialist triage",
+        "fleet new mcp-server tickets --dir ./support-desk",
+        "fleet new workflow handle-ticket",
+    ),
     "serve": ("fleet serve registry    # what fleet up runs, one process per service",),
 }
 
@@ -91,6 +96,8 @@ POSITIONALS: dict[str, str] = {
     "service_id": "a service of the stack (fleet status lists them)",
     "service": "a service of the stack, or nats, postgres, supervisor",
     "text": "what to do, in words: the coordinator plans it",
+    "kind": "what to make",
+    "name": "its name: lowercase letters, digits and dashes (an MCP server's gets mcp- in front)",
 }
 
 

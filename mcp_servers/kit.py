@@ -34,12 +34,16 @@ import functools
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+from mcp import Client
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 from starlette.applications import Starlette
 
+from fleet.mcp_inprocess import claims_for, in_process
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from fleet.tokens import Claims
@@ -51,7 +55,7 @@ from mcp_servers._base import (
     serve_mcp,
     tool_server_app,
 )
-from policy import Decision
+from policy import Bundle, Decision, RegorusEngine
 from registry import RegistryClient
 
 ToolFunction = TypeVar("ToolFunction", bound=Callable[..., Awaitable[Any]])
@@ -192,6 +196,40 @@ class ToolServer:
             make_server=lambda registry, gate: self.mcp_server(settings, registry, gate),
             resources=resources,
         )
+
+    @contextlib.asynccontextmanager
+    async def test_client(
+        self,
+        scopes: Sequence[str],
+        *,
+        tenant: str = "acme",
+        subject: str = "tester",
+        run_id: str = "run-1",
+        server_id: str = "mcp-test",
+        policy_dir: Path | None = None,
+    ) -> AsyncIterator[Client]:
+        """An MCP client of this server in this process, every call made as a caller of ``tenant``
+        whose token carries ``scopes``: the tools run behind their gate and the fleet's policy (the
+        platform's bundle, or ``policy_dir``), as behind HTTP; only the token check is left out.
+        For a tool server's own tests (no stack, no network)::
+
+            async with server.test_client(["tickets:write"]) as client:
+                result = await client.call_tool("open_ticket", {...})
+        """
+        settings = ServiceSettings(
+            service_id=server_id,
+            key_file=Path("unused.pem"),
+            public_url="http://127.0.0.1:1",
+            registry_url="http://127.0.0.1:1",  # never asked: the caller's claims are given
+        )
+        gate = ToolGate(RegorusEngine(Bundle.load(policy_dir) if policy_dir else Bundle.load()), server_id)
+        claims = claims_for(subject, tenant, scopes, audience=server_id, run_id=run_id)
+        async with httpx.AsyncClient() as http, contextlib.AsyncExitStack() as stack:
+            for factory in self._resources:
+                await stack.enter_async_context(factory(settings))
+            server = self.mcp_server(settings, RegistryClient(settings, http), gate)
+            async with in_process(server, claims) as client:
+                yield client
 
     async def serve(self, settings: ServiceSettings) -> None:
         """Serve until the process is stopped (a manifest entry's ``main``)."""
