@@ -23,11 +23,8 @@ import time
 from typing import Any
 
 import httpx
-import httpx2
-from mcp.client import Client
-from mcp.client.streamable_http import streamable_http_client
 
-from fleet import transport
+from fleet import mcp_client, transport
 from fleet.errors import ErrorCode, FleetError
 from fleet.eventlog import read_records
 from fleet.mcp_errors import error_of
@@ -60,13 +57,7 @@ async def call(layout: StackLayout, tenant: str, tool: str, arguments: dict[str,
     except KeyError:
         print(f"fleet: the stack on {layout.home} runs no memory server", file=sys.stderr)
         return EXIT_FAILED, None
-    async with (
-        httpx2.AsyncClient(
-            headers={"Authorization": f"Bearer {token}"}, timeout=60, event_hooks=transport.hooks2()
-        ) as http2,
-        Client(streamable_http_client(url, http_client=http2)) as client,
-    ):
-        result = await client.call_tool(tool, arguments)
+    result = await mcp_client.call_tool(url, tool, arguments, token=token, http_timeout=60)
     error = error_of(result)
     if error is not None:  # the memory server's refusal, its code read from the answer's envelope
         return report_error(error, as_json=False), None

@@ -12,11 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx2
-from mcp.client import Client
-from mcp.client.streamable_http import streamable_http_client
-
-from fleet import transport
+from fleet import mcp_client
 from fleet.errors import FleetError
 from fleet.mcp_errors import error_of
 from registry import RegistryClient
@@ -49,15 +45,9 @@ class RunMemory:
             log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
             return None
         try:
-            async with (
-                httpx2.AsyncClient(
-                    headers={"Authorization": f"Bearer {token}"},
-                    timeout=self.timeout_s,
-                    event_hooks=transport.hooks2(),
-                ) as http,
-                Client(streamable_http_client(server.url, http_client=http)) as client,
-            ):
-                result = await client.call_tool("consolidate", {"run_id": run_id})
+            result = await mcp_client.call_tool(
+                server.url, "consolidate", {"run_id": run_id}, token=token, http_timeout=self.timeout_s
+            )
         except Exception as exc:  # a memory server that is down must not touch the run
             log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
             return None

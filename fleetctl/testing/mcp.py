@@ -11,10 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import httpx2
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
-
+from fleet import mcp_client
 from fleet.errors import FleetError
 from fleet.mcp_errors import error_of
 from fleet.mcp_inprocess import calling_as, claims_for, in_process
@@ -25,12 +22,9 @@ async def call(
     stack: Stack, server: str, token: str, tool: str, arguments: dict[str, Any], *, timeout_s: float = 60
 ) -> Any:
     """One MCP tool call to ``server`` of ``stack`` over Streamable HTTP, with ``token``."""
-    url = stack.endpoints["mcp_servers"][server]
-    async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s) as http,
-        Client(streamable_http_client(url, http_client=http)) as client,
-    ):
-        return await client.call_tool(tool, arguments)
+    return await mcp_client.call_tool(
+        stack.endpoints["mcp_servers"][server], tool, arguments, token=token, http_timeout=timeout_s
+    )
 
 
 def ok(result: Any) -> dict[str, Any]:

@@ -23,8 +23,7 @@ from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.tasks import TaskUpdater
 from a2a.types import InvalidParamsError, Message, TaskState
 from google.protobuf.json_format import MessageToDict
-from mcp import Client, MCPError
-from mcp.client.streamable_http import streamable_http_client
+from mcp import MCPError
 from mcp.types import CONNECTION_CLOSED, INTERNAL_ERROR, CallToolResult
 from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
@@ -32,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from fleet import telemetry, transport
+from fleet import mcp_client, telemetry, transport
 from fleet.a2a_support import (
     RPC_PATH,
     a2a_app,
@@ -143,9 +142,7 @@ class _ContextBearer(httpx2.Auth):
 
 def mcp_http_client() -> httpx2.AsyncClient:
     """The HTTP client a :class:`Toolbox` calls MCP servers with (its bearer is each call's token)."""
-    return httpx2.AsyncClient(
-        auth=_ContextBearer(), timeout=httpx2.Timeout(30.0, read=120.0), event_hooks=transport.hooks2()
-    )
+    return mcp_client.http_client(auth=_ContextBearer())
 
 
 CATALOG_TTL_S = 5.0  # how stale an agent's list of MCP servers may be (a new server shows within it)
@@ -308,7 +305,7 @@ class Toolbox:
             sent = False  # whether the tools/call request may have reached the server
             grant.last_status = 0
             try:
-                async with Client(streamable_http_client(server.url, http_client=self._http)) as client:
+                async with mcp_client.session(server.url, self._http) as client:
                     sent = True
                     return await client.call_tool(tool, arguments)
             except Exception as exc:
