@@ -405,7 +405,8 @@ def _usage(args: argparse.Namespace, settings: FleetSettings, layout: StackLayou
 def _up(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:
     if args.tls:
         settings = settings.model_copy(update={"tls": True})
-    manifest = project_manifest(args.manifest or settings.manifest)  # checked before anything starts
+    # checked before anything starts (once: not again by the supervisor it starts in the background)
+    manifest = project_manifest(args.manifest or settings.manifest, check_code=args.ready_fd is None)
     if args.detach:
         return up_detached(layout, tls=settings.tls, manifest=manifest.path if manifest else None)
     return asyncio.run(up_foreground(settings, layout, args.ready_fd, manifest))
@@ -464,12 +465,20 @@ def _plan_file(path: Path | None) -> dict[str, Any] | None:
     return plan
 
 
-def project_manifest(path: Path | None) -> FleetManifest | None:
-    """The manifest ``path`` names, or ``./fleet.toml`` if there is one; loaded and checked."""
+def project_manifest(path: Path | None, *, check_code: bool = False) -> FleetManifest | None:
+    """The manifest ``path`` names, or ``./fleet.toml`` if there is one; loaded and checked (with
+    ``check_code``: its modules imported and its workflows compiled, in a process of their own)."""
     if path is None:
         found = Path.cwd() / MANIFEST_NAME
         path = found if found.is_file() else None
-    return load_manifest(path) if path is not None else None
+    if path is None:
+        return None
+    manifest = load_manifest(path)
+    if check_code:
+        from fleetctl.project_check import check
+
+        check(manifest)
+    return manifest
 
 
 def _down(args: argparse.Namespace, settings: FleetSettings, layout: StackLayout) -> int:

@@ -283,6 +283,31 @@ def test_a_broken_manifest_is_refused_before_anything_starts(project: Path, tmp_
     assert "manifest_invalid" in result.stderr
     assert not (tmp_path / "data").exists()  # nothing started, nothing written
 
+    # A tool declared without scopes: its module does not import (the kit refuses the declaration),
+    # which fleet up finds before it starts anything.
+    bare = tmp_path / "bare"
+    shutil.copytree(project, bare, ignore=shutil.ignore_patterns("deploy", ".support-desk", "__pycache__"))
+    tools = bare / "support_desk" / "tickets.py"
+    tools.write_text(
+        tools.read_text().replace(
+            '@server.tool(scopes=["tickets:read"], annotations=READ_ONLY)',
+            "@server.tool(scopes=[], annotations=READ_ONLY)",
+            1,
+        )
+    )
+    refused = fleet_in(bare, "up", "--data-dir", str(tmp_path / "data2"))
+    assert refused.returncode == 2, refused.stderr
+    line = next(
+        n
+        for n, text in enumerate((bare / "fleet.toml").read_text().splitlines(), 1)
+        if "tickets:main" in text
+    )
+    assert (
+        f"fleet.toml:{line}: support_desk.tickets:main does not load: ValueError: a tool needs scopes"
+        in refused.stderr
+    )
+    assert not (tmp_path / "data2").exists()
+
 
 def test_compose_and_kubernetes_for_the_project_pass_the_offline_validation(project: Path) -> None:
     rendered = fleet_in(project, "deploy", "render", timeout=120)
