@@ -57,16 +57,22 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def fleet(
-    *args: str, timeout: float = STACK_START_TIMEOUT_S, env: dict[str, str] | None = None
+    *args: str,
+    timeout: float = STACK_START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``fleet`` CLI as a user would (a new process)."""
+    """Run the ``fleet`` CLI as a user would (a new process; in ``cwd``, with ``stdin`` its input)."""
     return subprocess.run(
         [sys.executable, "-m", "fleetctl", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
-        stdin=subprocess.DEVNULL,
+        input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,
+        cwd=cwd,
         env=env if env is not None else clean_env(),
     )
 
@@ -246,6 +252,15 @@ async def first_event(
     stack: Stack, run_id: str, token: str, type_: str, step: str | None = None
 ) -> dict[str, Any]:
     """The run's first event of ``type_`` (of ``step``, if given), as soon as it is in the log."""
+    return await first_event_where(
+        stack, run_id, token, lambda e: e["type"] == type_ and step in (None, e["payload"].get("step")), type_
+    )
+
+
+async def first_event_where(
+    stack: Stack, run_id: str, token: str, wanted: Callable[[dict[str, Any]], bool], what: str = "such"
+) -> dict[str, Any]:
+    """The run's first event that is ``wanted``, as soon as it is in the log (its stream, followed)."""
     url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
     async with (
         httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
@@ -254,9 +269,9 @@ async def first_event(
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 event = event_of(line)
-                if event["type"] == type_ and step in (None, event["payload"].get("step")):
+                if wanted(event):
                     return event
-    raise AssertionError(f"the run ended without a {type_} event")
+    raise AssertionError(f"the run ended without a {what} event")
 
 
 async def all_events(stack: Stack, run_id: str, token: str) -> list[dict[str, Any]]:

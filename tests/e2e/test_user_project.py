@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,8 @@ from fleetctl.testing.e2e import (
     Stack,
     all_events,
     clean_env,
-    event_of,
+    first_event_where,
+    fleet,
     send,
     user_message,
 )
@@ -46,16 +46,7 @@ def fleet_in(
     project: Path, *args: str, timeout: float = STACK_START_TIMEOUT_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The ``fleet`` CLI run in the project's folder, as its user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "fleetctl", *args],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        stdin=subprocess.DEVNULL,
-        env=clean_env(**(env or {})),
-    )
+    return fleet(*args, timeout=timeout, env=clean_env(**(env or {})), cwd=project)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +179,10 @@ async def test_the_workflow_survives_a_worker_killed_mid_run_without_repeating_a
     token = desk.token("coordinator", tenant=tenant)
     run_id = await start_workflow(desk, tenant, "How do I reset my password?")
     # the answer's step (its id names the workflow's node): its call is in flight for 2 s
-    started = await step_started(desk, run_id, token, ".answer-")
+    async with asyncio.timeout(60):
+        started = await first_event_where(
+            desk, run_id, token, lambda e: e["type"] == "step.started" and ".answer-" in e["payload"]["step"]
+        )
     victim = started["actor"].split(":")[0]
     os.kill(desk.endpoints["processes"][victim], signal.SIGKILL)
 
@@ -200,23 +194,6 @@ async def test_the_workflow_survives_a_worker_killed_mid_run_without_repeating_a
     # each effect once: one ticket, one answer noted, however often the nodes ran
     kinds = [e["kind"] for e in await ticket_log(desk, tenant)]
     assert kinds == ["ticket", "note"], kinds
-
-
-async def step_started(stack: Stack, run_id: str, token: str, containing: str) -> dict[str, Any]:
-    """The run's first ``step.started`` event of a step whose id contains ``containing``, as soon
-    as it is in the log (the run's event stream, followed)."""
-    url = f"{stack.endpoints['coordinator']}/v1/runs/{run_id}/events"
-    async with (
-        asyncio.timeout(60),
-        httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=60.0)) as http,
-        http.stream("GET", url, headers={"Authorization": f"Bearer {token}"}) as response,
-    ):
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                event = event_of(line)
-                if event["type"] == "step.started" and containing in event["payload"]["step"]:
-                    return event
-    raise AssertionError(f"the run ended without starting a step {containing}")
 
 
 def test_the_cli_starts_the_workflow_and_shows_a_service_s_log(desk: Stack, project: Path) -> None:
@@ -239,27 +216,9 @@ def test_the_cli_starts_the_workflow_and_shows_a_service_s_log(desk: Stack, proj
     assert started.stdout.startswith("run ") and "run.completed" in started.stdout
     assert "answer-from-kb" in started.stdout  # the workflow's calls are steps of the run's log
 
-    planned = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fleetctl",
-            "runs",
-            "start",
-            "--plan",
-            "-",
-            "--tenant",
-            "cli",
-            "--json",
-            *data_dir,
-        ],
-        input=json.dumps({"steps": [{"id": "t", "skill": "triage-ticket", "input": {}}]}),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=project,
-        env=clean_env(),
+    plan = json.dumps({"steps": [{"id": "t", "skill": "triage-ticket", "input": {}}]})
+    planned = fleet(
+        "runs", "start", "--plan", "-", "--tenant", "cli", "--json", *data_dir, cwd=project, stdin=plan
     )
     assert planned.returncode == 0 and json.loads(planned.stdout)["run_id"], planned.stderr
     unknown = fleet_in(project, "runs", "start", "--workflow", "no-such-flow", "--tenant", "cli", *data_dir)
