@@ -200,22 +200,23 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         return await registry.tokens.approval_grant(binding, tenant, approver_token=token, approver_type=kind)
 
     desk = SignalDesk(run_pool, runs, engine, submitter.submit, approval_grant)
+    executor = CoordinatorExecutor(
+        delegator,
+        engine,
+        runs,
+        tasks,
+        submitter.submit,
+        streams=streams,
+        desk=desk,
+        planner=llm_planner(settings, http, registry),  # None without an LLM: routing rules only
+        workflows=frozenset(load_workflows(settings.workflows)),  # refused here if one does not compile
+    )
     handler = CoordinatorRequestHandler(
         tasks=tasks,
         runs=runs,
         desk=desk,
         streams=streams,
-        agent_executor=CoordinatorExecutor(
-            delegator,
-            engine,
-            runs,
-            tasks,
-            submitter.submit,
-            streams=streams,
-            desk=desk,
-            planner=llm_planner(settings, http, registry),  # None without an LLM: routing rules only
-            workflows=frozenset(load_workflows(settings.workflows)),  # refused here if one does not compile
-        ),
+        agent_executor=executor,
         agent_card=card,
         push_config_store=push_configs,
         extended_agent_card=extended,
@@ -269,7 +270,15 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         extra_routes=[
             jwks_route(registry.key),
             *run_routes(
-                runs, ledger, submitter.submit, streams, saver, engine, desk, agent_records(registry)
+                runs,
+                ledger,
+                submitter.submit,
+                streams,
+                saver,
+                engine,
+                desk,
+                agent_records(registry),
+                start=executor.start_from_api,
             ),
         ],
         protected_prefixes=(RPC_PATH, RUNS_PREFIX),

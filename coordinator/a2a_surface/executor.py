@@ -4,13 +4,21 @@ to the workers, and relay the run's progress and result to the caller."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from a2a.helpers import get_data_parts, get_text_parts, new_task_from_user_message
+from a2a.helpers import (
+    get_data_parts,
+    get_text_parts,
+    new_data_part,
+    new_task_from_user_message,
+    new_text_part,
+)
 from a2a.server.agent_execution import AgentExecutor, RequestContext
+from a2a.server.context import ServerCallContext
 from a2a.server.events import EventQueue
-from a2a.types import InternalError, InvalidParamsError, Task
+from a2a.types import InternalError, InvalidParamsError, Message, Role, Task
 from a2a.utils.errors import UnsupportedOperationError
 from opentelemetry.trace import Span, SpanKind
 
@@ -32,11 +40,17 @@ from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
 
+MAX_TEXT = 20_000  # the words of a run started through the run API
 
-def _request_of(context: RequestContext) -> dict[str, Any]:
+
+class RunNotGranted(FleetError):
+    """The run could not be given its caller's authority (the token service refused or failed)."""
+
+
+def _request_of(message: Message) -> dict[str, Any]:
     """What the run was asked to do, as recorded on the run, with the trace context of the request
     that asked (when traced), so a slice resumed much later can link back to it."""
-    parts = list(context.message.parts) if context.message else []
+    parts = list(message.parts)
     recorded: dict[str, Any] = {"text": " ".join(get_text_parts(parts)), "data": get_data_parts(parts)}
     trace_context = dict(telemetry.inject({}))
     if trace_context:
@@ -103,33 +117,28 @@ class CoordinatorExecutor(AgentExecutor):
         self._planner = planner
         self._workflows = workflows  # the registered workflows' names
 
-    async def _plan(self, context: RequestContext, tenant: str) -> list[Step]:
-        """Plan and check that every skill has a specialist, before the run is accepted."""
-        message = context.message
-        parts = list(message.parts) if message else []
-        try:
-            steps = await plan_request(
-                get_data_parts(parts),
-                " ".join(get_text_parts(parts)),
-                self._engine,
-                tenant,
-                planner=self._planner,
-            )
-            for step in steps:  # each step has an agent routing may give it (no_specialist_for_skill)
-                workflow = workflow_name(step.skill)
-                if workflow is not None:
-                    if workflow not in self._workflows:
-                        known = ", ".join(sorted(self._workflows)) or "none"
-                        raise FleetError(
-                            ErrorCode.NO_SPECIALIST,
-                            f"no workflow {workflow} is registered (there are: {known})",
-                        )
-                elif step.wait is None:
-                    await self._delegator.assign(step.skill, tenant=tenant, named=step.agent)
-        except DependencyUnavailable as exc:  # the control plane failed over for too long: send it again
-            raise a2a_error(exc, InternalError) from exc
-        except FleetError as exc:
-            raise a2a_error(exc, InvalidParamsError) from exc
+    async def _plan(self, message: Message, tenant: str) -> list[Step]:
+        """Plan and check that every skill has a specialist (or workflow), before the run is
+        accepted; a :class:`FleetError` why not."""
+        parts = list(message.parts)
+        steps = await plan_request(
+            get_data_parts(parts),
+            " ".join(get_text_parts(parts)),
+            self._engine,
+            tenant,
+            planner=self._planner,
+        )
+        for step in steps:  # each step has an agent routing may give it (no_specialist_for_skill)
+            workflow = workflow_name(step.skill)
+            if workflow is not None:
+                if workflow not in self._workflows:
+                    known = ", ".join(sorted(self._workflows)) or "none"
+                    raise FleetError(
+                        ErrorCode.NO_SPECIALIST,
+                        f"no workflow {workflow} is registered (there are: {known})",
+                    )
+            elif step.wait is None:
+                await self._delegator.assign(step.skill, tenant=tenant, named=step.agent)
         return steps
 
     async def execute(self, context: RequestContext, event_queue: EventQueue) -> None:
@@ -152,32 +161,60 @@ class CoordinatorExecutor(AgentExecutor):
             else:
                 await self._start(context, event_queue, claims, current)
 
-    async def _start(
-        self, context: RequestContext, event_queue: EventQueue, claims: Claims, span: Span
-    ) -> None:
-        steps = await self._plan(context, claims.tenant)
-        assert context.message is not None
-        task = new_task_from_user_message(context.message)
-        span.set_attribute("fleet.run_id", task.id)
+    async def admit(self, message: Message, claims: Claims, call: ServerCallContext) -> Task:
+        """Plan ``message`` for the caller ``claims``, create its run (its id is the task's) and hand
+        it to the workers: the task as accepted. A :class:`FleetError` if it is not (a plan refused,
+        a skill or workflow nobody offers, a context of another principal's: ``RunNotGranted``
+        when the run could not be given its caller's authority)."""
+        steps = await self._plan(message, claims.tenant)
+        task = new_task_from_user_message(message)
         plan = [s.to_dict() for s in steps]
-        try:  # the context is the caller's own, or new: never another principal's or tenant's
-            await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
-        except FleetError as exc:
-            raise a2a_error(exc, InvalidParamsError) from exc
+        # the context is the caller's own, or new: never another principal's or tenant's
+        await self._tasks.claim_context(task.context_id, claims.tenant, claims.sub)
         try:  # the caller's authority, for the run's life (see coordinator.engine.delegation)
             grant = await self._delegator.run_grant(claims, task.id)
         except FleetError as exc:
             log.warning("no run grant for %s's request: %s", claims.sub, exc)
             why = f"the run could not be given its caller's authority: {exc.message}"
-            error = FleetError(exc.code, why, retryable=exc.retryable, retry_after_s=exc.retry_after_s)
-            raise a2a_error(error, InternalError) from exc
-        await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(context), plan, grant)
-        if context.call_context is not None:  # its context id, before the task is shown to anyone
-            await self._tasks.save(task, context.call_context)
+            raise RunNotGranted(
+                exc.code, why, retryable=exc.retryable, retry_after_s=exc.retry_after_s
+            ) from exc
+        await self._runs.create_run(task.id, claims.tenant, claims.sub, _request_of(message), plan, grant)
+        await self._tasks.save(task, call)  # its context id, before the task is shown to anyone
         try:
             await self._submit(task.id, "", claims.tenant)
         except Exception:  # the run is durable already: the workers' sweep re-submits it
             log.warning("could not submit run %s; the stranded-run sweep will", task.id, exc_info=True)
+        return task
+
+    async def start_from_api(self, body: dict[str, Any], claims: Claims) -> str:
+        """A run the run API was asked for (``POST /v1/runs``: ``{"steps": [...]}``, ``{"workflow",
+        "input"}`` or ``{"text"}``), admitted as an A2A request is; its id."""
+        text = body.get("text", "")
+        if not isinstance(text, str) or len(text) > MAX_TEXT:
+            raise FleetError(ErrorCode.INVALID_REQUEST, f"text is a string of at most {MAX_TEXT} characters")
+        data = {k: v for k, v in body.items() if k in ("steps", "workflow", "input")}
+        parts = ([new_text_part(text)] if text else []) + ([new_data_part(data)] if data else [])
+        if not parts:
+            raise FleetError(
+                ErrorCode.INVALID_REQUEST,
+                'send {"steps": [...]}, {"workflow": NAME, "input": {...}} or {"text": ...}',
+            )
+        message = Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=parts)
+        task = await self.admit(message, claims, ServerCallContext(state={"claims": claims}))
+        return str(task.id)
+
+    async def _start(
+        self, context: RequestContext, event_queue: EventQueue, claims: Claims, span: Span
+    ) -> None:
+        assert context.message is not None and context.call_context is not None
+        try:
+            task = await self.admit(context.message, claims, context.call_context)
+        except (DependencyUnavailable, RunNotGranted) as exc:  # for a while: send it again
+            raise a2a_error(exc, InternalError) from exc
+        except FleetError as exc:
+            raise a2a_error(exc, InvalidParamsError) from exc
+        span.set_attribute("fleet.run_id", task.id)
         await event_queue.enqueue_event(task)
         fold = TaskFold(initial_task(task.id, task.context_id, context.message))
         async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._streams.notifier):

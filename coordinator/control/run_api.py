@@ -32,11 +32,16 @@ from coordinator.record.runs import PostgresRunStore, Run, RunState, event_json
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 from fleet.service import problem_response
+from fleet.tokens import Claims
 from policy import PolicyEngine
 
 RUNS_PREFIX = "/v1/"
 RESOLVE_SCOPE = "runs:resolve"
 MAX_LISTED = 500
+INVOKE_SCOPE = "agent:invoke"
+# What starts a run (the A2A surface's admission, given by the composition root): the request's
+# body and the caller's claims; the run's id.
+StartRun = Callable[[dict[str, Any], Claims], Awaitable[str]]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +95,9 @@ class RunApi:
         policy: PolicyEngine,
         desk: SignalDesk,
         agent_records: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+        start: StartRun | None = None,
     ) -> None:
+        self.start = start
         self.store, self.ledger, self.submit, self.streams = store, ledger, submit, streams
         self.saver, self.policy, self.desk, self.agent_records = saver, policy, desk, agent_records
         self.access = RunAccess(policy)
@@ -120,6 +127,21 @@ class RunApi:
             await self.submit(run_id, attempt, tenant)
         except Exception:
             log.warning("could not submit run %s (%s); the sweep will", run_id, attempt, exc_info=True)
+
+    async def start_run(self, request: Request) -> Response:
+        """Start a run: ``{"steps": [...]}``, ``{"workflow": NAME, "input": {...}}`` or ``{"text":
+        ...}``, admitted as an A2A request is (a task of the caller's, the same plan checks); 202
+        with its id. Needs scope ``agent:invoke``, as A2A does."""
+        claims = request_claims(request)
+        try:
+            if INVOKE_SCOPE not in claims.scopes:
+                raise FleetError(ErrorCode.FORBIDDEN, f"starting a run needs scope {INVOKE_SCOPE}")
+            if self.start is None:
+                raise FleetError(ErrorCode.NOT_FOUND, "this coordinator starts runs over A2A only")
+            run_id = await self.start(await _json_body(request), claims)
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse({"run_id": run_id, "state": RunState.SUBMITTED.value}, status_code=202)
 
     async def list_runs(self, request: Request) -> Response:
         """The tenant's newest runs: ``?limit=`` (50, at most 500), ``?state=`` (one run state)."""
@@ -258,12 +280,14 @@ def run_routes(
     policy: PolicyEngine,
     desk: SignalDesk,
     agent_records: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+    start: StartRun | None = None,
 ) -> list[Route]:
     """The run API's routes; ``agent_records`` lists the registry's agents (for the debug bundle:
     the versions of the agents a run used)."""
-    api = RunApi(store, ledger, submit, streams, saver, policy, desk, agent_records)
+    api = RunApi(store, ledger, submit, streams, saver, policy, desk, agent_records, start)
     return [
-        Route("/v1/runs", api.list_runs),
+        Route("/v1/runs", api.start_run, methods=["POST"]),
+        Route("/v1/runs", api.list_runs, methods=["GET"]),
         Route("/v1/runs/{run_id}/signals", api.signal, methods=["POST"]),
         Route("/v1/runs/{run_id}/signals", api.signals, methods=["GET"]),
         Route("/v1/runs/{run_id}/decision", api.decide, methods=["POST"]),

@@ -196,6 +196,24 @@ async def test_the_workflow_survives_a_worker_killed_mid_run_without_repeating_a
     assert kinds == ["ticket", "note"], kinds
 
 
+async def test_the_run_api_starts_the_workflow_by_name(desk: Stack) -> None:
+    url = desk.endpoints["coordinator"] + "/v1/runs"
+    token = desk.token("coordinator", tenant="api")
+    async with httpx.AsyncClient(timeout=30) as http:
+        body = {"workflow": "handle-ticket", "input": {"message": "Where can I find my invoice?"}}
+        started = await http.post(url, json=body, headers={"Authorization": f"Bearer {token}"})
+        unknown = await http.post(
+            url, json={"workflow": "nope"}, headers={"Authorization": f"Bearer {token}"}
+        )
+        reader = desk.token("coordinator", tenant="api", scopes=("runs:admin",))
+        refused = await http.post(url, json=body, headers={"Authorization": f"Bearer {reader}"})
+    assert started.status_code == 202, started.text
+    run_id = started.json()["run_id"]
+    assert (await run_when(desk, run_id, token, "completed", "failed"))["state"] == "completed"
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "no_specialist_for_skill"
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+
+
 def test_the_cli_starts_the_workflow_and_shows_a_service_s_log(desk: Stack, project: Path) -> None:
     data_dir = ["--data-dir", desk.data_dir]
     given = json.dumps({"message": "Where is my invoice?"})
