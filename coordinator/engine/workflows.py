@@ -55,7 +55,7 @@ from langgraph.graph import StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
 from coordinator.engine.dispatch import RunScope
-from coordinator.planning.plan import WORKFLOW_SKILL_PREFIX
+from coordinator.planning.plan import RESERVED_INPUT, WORKFLOW_SKILL_PREFIX
 from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 
@@ -111,6 +111,10 @@ async def delegate(
     ``id``: the call's name within the workflow (letters, digits, ``_`` and ``-``), unique per call;
     by default it is derived from the node calling, the workflow's superstep and the call's place in
     the node (the same on every replay of a deterministic workflow)."""
+    if RESERVED_INPUT in payload:  # only the fleet sets it, after a person answered a gate
+        raise FleetError(
+            ErrorCode.INVALID_REQUEST, f"input.{RESERVED_INPUT} is reserved for approvals the fleet records"
+        )
     running = _RUNNING.get()
     if running is None:
         raise FleetError(ErrorCode.INTERNAL, "delegate() is called from a node of a workflow the fleet runs")
