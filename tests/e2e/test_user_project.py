@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,32 @@ def test_the_cli_starts_the_workflow_and_shows_a_service_s_log(desk: Stack, proj
     assert logs.returncode == 0 and 0 < len(logs.stdout.splitlines()) <= 3, logs
     missing = fleet_in(project, "logs", "nobody", *data_dir)
     assert missing.returncode == 5 and "there are:" in missing.stderr and "desk" in missing.stderr
+
+
+def test_the_example_runs_end_to_end_with_one_command(project: Path, tmp_path: Path) -> None:
+    """``python -m support_desk``, as its README says: a fleet of its own (its own data dir), up, an
+    urgent message through the workflow, the person's answer, the run's end, the fleet down."""
+    runner = tmp_path / "support-desk"
+    shutil.copytree(
+        project, runner, ignore=shutil.ignore_patterns("deploy", ".support-desk", ".fleet", "__pycache__")
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "support_desk"],
+        cwd=runner,
+        capture_output=True,
+        text=True,
+        timeout=STACK_START_TIMEOUT_S + 240,
+        check=False,
+        env=clean_env(),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a person is asked" in done.stdout and "completed" in done.stdout
+    assert (
+        "answered: Refunds go back" in done.stdout
+        or "input.provided" in done.stdout
+        or "approval" in done.stdout
+    )
+    assert not (runner / ".fleet" / "run" / "supervisor.lock").exists() or "stopped" in done.stdout
 
 
 def test_a_broken_manifest_is_refused_before_anything_starts(project: Path, tmp_path: Path) -> None:
