@@ -11,9 +11,7 @@ import textwrap
 
 import httpx
 import pytest
-from a2a.server.agent_execution import RequestContext
-from a2a.server.context import ServerCallContext
-from a2a.types import Message, Part, Role, SendMessageRequest
+from a2a.types import Message, Part, Role
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from prometheus_client import generate_latest
@@ -47,7 +45,7 @@ def test_with_tracing_off_a_callers_trace_context_is_not_carried_on() -> None:
         assert not trace.get_current_span().get_span_context().is_valid
         assert telemetry.inject({}) == {}
         message = Message(message_id="m1", role=Role.ROLE_USER, parts=[Part(text="hi")])
-        request = _request_of(RequestContext(ServerCallContext(), SendMessageRequest(message=message)))
+        request = _request_of(message)
         assert work.TRACE_KEY not in request  # the run's record keeps no trace context
     # Nor a remote parent made current by a library that extracts for itself (the MCP SDK does).
     remote = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, True, TraceFlags(1))
