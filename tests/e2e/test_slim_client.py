@@ -73,9 +73,15 @@ def client_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
         text=True,
         timeout=600,
         check=False,
+        env=outside_env(),
     )
     assert install.returncode == 0, install.stdout + install.stderr
     return venv
+
+
+def outside_env() -> dict[str, str]:
+    """The environment of a process outside the platform: none of its settings, none of its paths."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "PYTHONPATH"}
 
 
 def site_packages(venv: Path) -> Path:
@@ -91,6 +97,7 @@ def test_it_installs_alone_and_small(client_env: Path) -> None:
         timeout=60,
         check=True,
         cwd=client_env,  # not the repository: its packages must not be found from here
+        env=outside_env(),
     )
     assert json.loads(found.stdout) == []
     root = site_packages(client_env)
@@ -104,7 +111,7 @@ def test_it_installs_alone_and_small(client_env: Path) -> None:
 
 def test_it_drives_a_run_from_start_to_approval_to_result(client_env: Path, stack: Stack) -> None:
     tenant = f"t{uuid.uuid4().hex[:10]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "PYTHONPATH"))}
+    env = outside_env()
     if stack.endpoints.get("tls_trust"):
         env["SSL_CERT_FILE"] = stack.endpoints["tls_trust"]
     driven = subprocess.run(
