@@ -4,7 +4,7 @@ manifest) with the same settings names::
 
     python -m deploy.render          # rewrite the files
     python -m deploy.render --check  # exit 1 if a committed file differs from what this renders
-    fleet deploy render              # the same for the project of ./fleet.toml, into its deploy/
+    fleet deploy render              # the same for the project of ./fleet.toml, into its deployment/
 
 The files are committed; ``tests/deploy`` checks that they are up to date and valid. Edit the modules
 (``local_stack``: the service records; ``_topology``: flows, settings; ``_compose``; ``_k8s``: the
@@ -19,6 +19,7 @@ them: ``FROM agent-fleet:dev``, the project under ``/srv/project``, its manifest
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -166,40 +167,58 @@ def dump(docs: Sequence[Doc]) -> str:
     )
 
 
-def rendered(roster: Roster = SERVICES, into: Path = DEPLOY, image: str = IMAGE) -> dict[Path, str]:
+PLATFORM_BUILD: Doc = {"context": "..", "dockerfile": "deploy/Dockerfile"}  # compose's, for its image
+
+
+def rendered(
+    roster: Roster = SERVICES, into: Path = DEPLOY, image: str = IMAGE, build: Doc | None = None
+) -> dict[Path, str]:
     """Every file this module writes for ``roster``, with its content: ``compose.yaml`` and
-    ``k8s/`` under ``into``, every fleet container running ``image``."""
+    ``k8s/`` under ``into``, every fleet container running ``image`` (built as ``build`` says)."""
     files = k8s_files(roster)
     out = {into / "compose.yaml": [compose(roster)]}
     out.update({into / "k8s" / name: docs for name, docs in files.items()})
     out[into / "k8s" / "kustomization.yaml"] = [kustomization(sorted(files), roster)]
-    return {path: dump([_with_image(doc, image) for doc in docs]) for path, docs in out.items()}
+    return {path: dump([_with_image(doc, image, build) for doc in docs]) for path, docs in out.items()}
 
 
-def _with_image(doc: Any, image: str) -> Any:
-    """``doc`` with every container of the fleet's image running ``image`` instead."""
+def _with_image(doc: Any, image: str, build: Doc | None) -> Any:
+    """``doc`` with every container of the fleet's image running ``image`` instead, built as
+    ``build`` says (compose's ``build``) if given."""
     if isinstance(doc, dict):
-        return {k: image if k == "image" and v == IMAGE else _with_image(v, image) for k, v in doc.items()}
+        out: Doc = {}
+        for key, value in doc.items():
+            if key == "image" and value == IMAGE:
+                out[key] = image
+            elif key == "build" and value == PLATFORM_BUILD and build is not None:
+                out[key] = dict(build)
+            else:
+                out[key] = _with_image(value, image, build)
+        return out
     if isinstance(doc, list):
-        return [_with_image(item, image) for item in doc]
+        return [_with_image(item, image, build) for item in doc]
     return doc
 
 
 PROJECT_DIR = "/srv/project"  # where a project's image holds its code
+PROJECT_OUT = "deployment"  # where a project's files go, in its folder
 
 
 def project_files(manifest: FleetManifest, into: Path) -> dict[Path, str]:
     """A project's deployment files: compose and Kubernetes for its fleet, the ``Dockerfile`` of
     its image, and its policy bundle (the platform's with the project's policy added)."""
     image = f"{re.sub(r'[^a-z0-9._-]+', '-', manifest.name.lower()).strip('-') or 'fleet'}:dev"
-    out = rendered(manifest.roster(DEFAULT_WORKERS), into, image)
-    relative = (
-        into.resolve().relative_to(manifest.root) if into.resolve().is_relative_to(manifest.root) else None
-    )
+    if not into.resolve().is_relative_to(manifest.root) or into.resolve() == manifest.root:
+        raise SystemExit(f"render: a project's files go into a folder of it ({manifest.root}), not to {into}")
+    relative = into.resolve().relative_to(manifest.root)
+    # the image is built from the project's folder (its Dockerfile copies all of it)
+    build = {
+        "context": os.path.relpath(manifest.root, into.resolve()),
+        "dockerfile": f"{relative}/Dockerfile",
+    }
+    out = rendered(manifest.roster(DEFAULT_WORKERS), into, image, build)
     env = [f"PYTHONPATH={PROJECT_DIR}", f"FLEET_MANIFEST={PROJECT_DIR}/{MANIFEST_NAME}"]
     if manifest.policy_dir is not None:
-        if relative is None:
-            raise SystemExit(f"render: a project's files go inside it ({manifest.root}), not to {into}")
         with tempfile.TemporaryDirectory() as scratch:
             bundle = compose_bundle(DEFAULT_BUNDLE_DIR, manifest.policy_dir, Path(scratch) / "bundle")
             for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
@@ -218,11 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     top = argparse.ArgumentParser(prog="python -m deploy.render", description=__doc__.split("\n")[0])
     top.add_argument("--check", action="store_true", help="only say whether the files are up to date")
     top.add_argument("--manifest", type=Path, default=None, help="render a project's fleet (its fleet.toml)")
-    top.add_argument("--out", type=Path, default=None, help="with --manifest: where (default: its deploy/)")
+    top.add_argument(
+        "--out", type=Path, default=None, help="with --manifest: where (default: its deployment/)"
+    )
     args = top.parse_args(argv)
     if args.manifest is not None:
         manifest = load_manifest(args.manifest)
-        files = project_files(manifest, args.out or manifest.root / "deploy")
+        # not deploy/: a folder of the project named like a platform package hides it (see manifest)
+        files = project_files(manifest, args.out or manifest.root / PROJECT_OUT)
     else:
         files = rendered()
     stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]

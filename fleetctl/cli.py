@@ -340,12 +340,12 @@ def _parser() -> argparse.ArgumentParser:
     render = deploy_sub.add_parser(
         "render",
         help="compose and Kubernetes files, and an image, for the fleet of ./fleet.toml",
-        epilog="example: fleet deploy render && docker compose -f deploy/compose.yaml build",
+        epilog="example: fleet deploy render && docker compose -f deployment/compose.yaml build",
     )
     render.add_argument(
         "--manifest", type=Path, default=None, help="default: $FLEET_MANIFEST or ./fleet.toml"
     )
-    render.add_argument("--out", type=Path, default=None, help="default: the project's deploy/")
+    render.add_argument("--out", type=Path, default=None, help="default: the project's deployment/")
     render.add_argument("--check", action="store_true", help="only say whether the files are up to date")
     serve = sub.add_parser("serve", help="run one service in the foreground (used by fleet up)")
     serve.add_argument("service_id")

@@ -55,7 +55,9 @@ def fleet_in(
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example, copied outside the repository (nothing of it is on the platform's path)."""
     root = tmp_path_factory.mktemp("user") / "support-desk"
-    shutil.copytree(EXAMPLE, root, ignore=shutil.ignore_patterns("deploy", ".support-desk", "__pycache__"))
+    shutil.copytree(
+        EXAMPLE, root, ignore=shutil.ignore_patterns("deployment", ".support-desk", "__pycache__")
+    )
     return root
 
 
@@ -255,7 +257,7 @@ def test_the_example_runs_end_to_end_with_one_command(project: Path, tmp_path: P
     urgent message through the workflow, the person's answer, the run's end, the fleet down."""
     runner = tmp_path / "support-desk"
     shutil.copytree(
-        project, runner, ignore=shutil.ignore_patterns("deploy", ".support-desk", ".fleet", "__pycache__")
+        project, runner, ignore=shutil.ignore_patterns("deployment", ".support-desk", ".fleet", "__pycache__")
     )
     done = subprocess.run(
         [sys.executable, "-m", "support_desk"],
@@ -288,7 +290,9 @@ def test_a_broken_manifest_is_refused_before_anything_starts(project: Path, tmp_
     # A tool declared without scopes: its module does not import (the kit refuses the declaration),
     # which fleet up finds before it starts anything.
     bare = tmp_path / "bare"
-    shutil.copytree(project, bare, ignore=shutil.ignore_patterns("deploy", ".support-desk", "__pycache__"))
+    shutil.copytree(
+        project, bare, ignore=shutil.ignore_patterns("deployment", ".support-desk", "__pycache__")
+    )
     tools = bare / "support_desk" / "tickets.py"
     tools.write_text(
         tools.read_text().replace(
@@ -314,13 +318,15 @@ def test_a_broken_manifest_is_refused_before_anything_starts(project: Path, tmp_
 def test_compose_and_kubernetes_for_the_project_pass_the_offline_validation(project: Path) -> None:
     rendered = fleet_in(project, "deploy", "render", timeout=120)
     assert rendered.returncode == 0, rendered.stderr
-    deploy = project / "deploy"
+    deploy = project / "deployment"
     compose: dict[str, Any] = yaml.safe_load((deploy / "compose.yaml").read_text())
     assert compose_errors(compose) == []
     services = compose["services"]
     assert {"desk", "mcp-tickets", "coordinator", "mcp-memory"} <= set(services)
     assert "sql-analyst" not in services
     assert services["desk"]["image"] == "support-desk:dev"
+    # built from the project's folder, with the Dockerfile written beside the files
+    assert services["desk"]["build"] == {"context": "..", "dockerfile": "deployment/Dockerfile"}
     assert json.loads(services["coordinator"]["environment"]["FLEET_WORKFLOWS"]) == {
         "handle-ticket": "support_desk.flow:build"
     }
