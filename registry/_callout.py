@@ -30,7 +30,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,14 @@ IdentityLookup = Callable[[str], Awaitable[IdentityRecord | None]]
 ProducerLookup = Callable[[str], Awaitable[ProducerRecord | None]]
 RECORD_FRESH_S = 30.0  # an identity's record is read again after this (or at once for a key it lacks)
 RECORD_STALE_S = 600.0  # while the store does not answer (a node failing over), the last one read serves
+# The server waits 3 s for an answer (``authorization.timeout``, fleet.buskeys): a read of the store
+# waits at most this, so that an answer from the last record read still comes in time. The store is
+# reached through the registry's own bus connection, which comes back through this door: a door that
+# waited on it would keep its own way back shut.
+STORE_WAIT_S = 1.0
+# Requests answered at once (each its own task: one that waits on the store holds up no other, the
+# registry's own reconnection least of all); one more is refused, and its client comes back.
+MAX_ANSWERING = 256
 
 
 class Refused(Exception):
@@ -138,6 +146,10 @@ class BusAuthority:
     _used: MemoryReplayGuard = field(default_factory=MemoryReplayGuard)
     _records: dict[str, tuple[IdentityRecord, float]] = field(default_factory=dict)
     _sweeper: asyncio.Task[None] | None = None
+    _answering: set[asyncio.Task[None]] = field(default_factory=set)
+    # One principal's connections are let in one at a time (its count of connections is exact);
+    # the lock of each owner with requests under way, and how many.
+    _admitting: dict[str, tuple[asyncio.Lock, int]] = field(default_factory=dict)
     refused: int = 0
     admitted: int = 0
 
@@ -149,7 +161,7 @@ class BusAuthority:
         self._system = await connect(
             url, "registry-system", credentials=self._static("system", "registry-system")
         )
-        await self._responder.subscribe(AUTH_SUBJECT, cb=self._answer)
+        await self._responder.subscribe(AUTH_SUBJECT, cb=self._receive)
         self.revocations.on_revoke(lambda revoked: self._schedule_close(kid=revoked.kid))
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="bus-sweeper")
 
@@ -157,10 +169,11 @@ class BusAuthority:
         return Credentials(principal, nkey_seed=self.keys[name].seed, tls_ca=self.tls_ca)
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, *self._answering):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for client in (self._responder, self._system):
             if client is None:
                 continue
@@ -171,7 +184,15 @@ class BusAuthority:
                     await client.close()
 
     # ------------------------------------------------------------------ answering
-    async def _answer(self, msg: Msg) -> None:
+    async def _receive(self, msg: Msg) -> None:
+        """Answer ``msg`` in a task of its own (the subscription hands its messages over one at a
+        time), or refuse it at once when ``MAX_ANSWERING`` are being answered."""
+        busy = len(self._answering) >= MAX_ANSWERING
+        task = asyncio.get_running_loop().create_task(self._answer(msg, busy=busy), name="bus-door")
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, msg: Msg, *, busy: bool = False) -> None:
         issuer = self.keys["callout_issuer"]
         try:
             request = natsjwt.decode(msg.data.decode())
@@ -185,6 +206,8 @@ class BusAuthority:
         answer: dict[str, Any] = {"type": "authorization_response", "version": 2}
         try:
             try:
+                if busy:
+                    raise Refused(f"{MAX_ANSWERING} connections are being let in already; come back")
                 principal = await self.authenticate(request["nats"])
                 answer["jwt"] = await self._user_jwt(principal, user_nkey)
                 self.admitted += 1
@@ -272,7 +295,7 @@ class BusAuthority:
         if cached is not None and now - cached[1] < RECORD_FRESH_S and kid in cached[0].keys:
             return cached[0]
         try:
-            record = await self.identities(identity_id)
+            record = await asyncio.wait_for(self.identities(identity_id), STORE_WAIT_S)
         except Exception:
             if cached is not None and now - cached[1] < RECORD_STALE_S:
                 log.warning(
@@ -289,7 +312,7 @@ class BusAuthority:
         return record
 
     async def _producer(self, nkey: str, nonce: str, signature: str) -> Principal:
-        record = await self.producers(nkey)
+        record = await asyncio.wait_for(self.producers(nkey), STORE_WAIT_S)
         if record is None or record.revoked:
             raise Refused(f"no producer holds nkey {nkey[:12]}...")
         if record.expires_at <= time.time():
@@ -325,7 +348,25 @@ class BusAuthority:
             raise Refused(f"policy: {'; '.join(decision.reasons) or 'not allowed'}")
         return decision.result if isinstance(decision.result, dict) else {}
 
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, owner: str) -> AsyncIterator[None]:
+        lock, waiting = self._admitting.get(owner, (asyncio.Lock(), 0))
+        self._admitting[owner] = (lock, waiting + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, waiting = self._admitting[owner]
+            if waiting == 1:
+                del self._admitting[owner]
+            else:
+                self._admitting[owner] = (lock, waiting - 1)
+
     async def _user_jwt(self, principal: Principal, user_nkey: str) -> str:
+        async with self._one_at_a_time(principal.owner()):
+            return await self._admit(principal, user_nkey)
+
+    async def _admit(self, principal: Principal, user_nkey: str) -> str:
         result = await self._rights(principal)
         await self._within_connections(principal, int(result.get("connections", -1)))
         ttl_s = float(result.get("ttl_s", 3600))

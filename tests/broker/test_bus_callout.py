@@ -69,7 +69,17 @@ class ShortLived:
         )
 
 
-async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any, key: SigningKey | None = None) -> Door:
+async def _door(
+    tmp_path: Path,
+    url: str,
+    keys: BusKeys,
+    policy: Any,
+    key: SigningKey | None = None,
+    store_answers: asyncio.Event | None = None,
+) -> Door:
+    """The registry's door on ``url``, with one enrolled identity, ``stats`` (of ``key``). A record
+    read waits for ``store_answers`` when given (the store failing over: while it is clear, no read
+    comes back), and for any identity but ``stats``, for ever."""
     key = key or SigningKey.generate()
     record = IdentityRecord(
         id="stats", kind="specialist", keys={key.kid: key.public_jwk()}, enrolled_at=time.time()
@@ -78,6 +88,10 @@ async def _door(tmp_path: Path, url: str, keys: BusKeys, policy: Any, key: Signi
 
     async def identity(identity_id: str) -> IdentityRecord | None:
         requests.append(identity_id)
+        if store_answers is not None:
+            await store_answers.wait()
+            if identity_id != record.id:
+                await asyncio.Event().wait()
         return record if identity_id == record.id else None
 
     async def no_producer(nkey: str) -> None:
@@ -249,5 +263,59 @@ async def test_a_connection_refused_while_the_callout_is_away_comes_back_when_it
         await client.flush()
     finally:
         await client.close()
+        await door.authority.stop()
+        await collect_what_nats_py_left()
+
+
+async def test_reads_that_do_not_come_back_hold_up_no_other_connection(
+    secured: tuple[str, BusKeys], tmp_path: Path
+) -> None:
+    """Twenty connections whose records the store never returns (the registry's own connection to
+    the store down, say) are refused after a bounded wait, while ``stats``, asking beside them, is
+    let in: each request is answered on its own, and none waits beyond the server's timeout."""
+    url, keys = secured
+    store_answers = asyncio.Event()
+    store_answers.set()
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=3600), store_answers=store_answers)
+    stuck = [
+        asyncio.create_task(
+            connect(url, f"stuck-{n}", credentials=Credentials(f"stuck-{n}", key=SigningKey.generate()))
+        )
+        for n in range(20)
+    ]
+    try:
+        await asyncio.sleep(0.2)  # their requests are under way
+        started = time.monotonic()
+        client = await connect(url, "stats", credentials=Credentials("stats", key=door.key))
+        await client.close()
+        assert time.monotonic() - started < 3.0, "stats waited behind the others"
+        assert door.authority.admitted == 1
+    finally:
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*stuck, return_exceptions=True)
+        await door.authority.stop()
+        await collect_what_nats_py_left()
+
+
+async def test_a_known_identity_is_let_in_from_its_last_record_while_the_store_does_not_answer(
+    secured: tuple[str, BusKeys], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record is read again (``RECORD_FRESH_S`` 0); once the store stops answering, the record
+    read last lets ``stats`` back in within the server's authorization timeout."""
+    monkeypatch.setattr("registry._callout.RECORD_FRESH_S", 0.0)
+    url, keys = secured
+    store_answers = asyncio.Event()
+    store_answers.set()
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=3600), store_answers=store_answers)
+    try:
+        assert "PONG" in await asyncio.to_thread(_raw_connect, url, door.key)
+        store_answers.clear()  # the store fails over: no read comes back
+        reads = len(door.requests)
+        assert "PONG" in await asyncio.to_thread(_raw_connect, url, door.key)
+        assert len(door.requests) == reads + 1  # it was asked, and not waited for beyond the bound
+        assert door.authority.admitted == 2
+    finally:
+        store_answers.set()
         await door.authority.stop()
         await collect_what_nats_py_left()
