@@ -9,6 +9,7 @@ render`` derives compose and Kubernetes files for the same roster. Each entry be
     name = "support-desk"
     policy = "policy"              # Rego and data.json added to the platform's bundle (optional)
     demo_agents = false            # also run the platform's invoice demo agents (default false)
+    dependencies = ["acme-crm"]    # packages the project's image installs (``fleet deploy render``)
 
     [[specialists]]
     id = "triage"
@@ -22,12 +23,21 @@ render`` derives compose and Kubernetes files for the same roster. Each entry be
     id = "mcp-tickets"
     entry = "support.tickets:main"
 
+    [[mcp_servers]]
+    id = "mcp-crm"
+    entry_point = "crm"            # an installed package's: its entry point "crm" of agent_fleet.mcp_servers
+
     [[workflows]]
     name = "handle-ticket"         # started by name: skill workflow:handle-ticket of the coordinator
     graph = "support.flow:build"   # a function returning the workflow's LangGraph StateGraph
 
 Module paths are resolved against the manifest's folder first (it is put on ``PYTHONPATH`` of every
-service), then against the installed packages. A manifest that names a missing module or function,
+service), then against the installed packages. An installed package may publish its services and
+workflows as entry points, in the groups ``agent_fleet.specialists``, ``agent_fleet.mcp_servers`` and
+``agent_fleet.workflows`` (``[project.entry-points."agent_fleet.mcp_servers"] crm =
+"acme_crm.server:main"``); a manifest names one with ``entry_point`` instead of ``entry`` (or
+``graph``). What a service may do (its skills, scopes, calls and internet access) is still written
+in the manifest: a package grants itself nothing. A manifest that names a missing module or function,
 repeats a service id, names a skill or a server nobody offers, or has a key this module does not know
 is refused before anything starts: a :class:`ManifestError` (``manifest_invalid``) with the file, the
 line and a fix.
@@ -36,6 +46,7 @@ line and a fix.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -91,12 +102,26 @@ KIND_SCOPES: dict[str, tuple[str, ...]] = {
 }
 TABLES: dict[str, ServiceKind] = {"specialists": "specialist", "mcp_servers": "mcp_server"}
 WORKFLOWS = "workflows"
-WORKFLOW_KEYS = frozenset({"name", "graph"})
+WORKFLOW_KEYS = frozenset({"name", "graph", "entry_point"})
+# The entry-point groups an installed package publishes its services and workflows in.
+ENTRY_POINT_GROUPS = {
+    "specialist": "agent_fleet.specialists",
+    "mcp_server": "agent_fleet.mcp_servers",
+    "workflow": "agent_fleet.workflows",
+}
 WORKFLOW_SKILL_PREFIX = "workflow:"  # a workflow's skill on the coordinator's card
-FLEET_KEYS = frozenset({"name", "policy", "demo_agents"})
+FLEET_KEYS = frozenset({"name", "policy", "demo_agents", "dependencies"})
+# A requirement as pip takes one (a name, extras, a version specifier): nothing a shell would read.
+REQUIREMENT = re.compile(
+    r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?([<>=!~]=?[A-Za-z0-9.*+!-]+(,[<>=!~]=?[A-Za-z0-9.*+!-]+)*)?"
+)
 SERVICE_KEYS: dict[str, frozenset[str]] = {
-    "specialist": frozenset({"id", "entry", "skills", "scopes", "calls", "internet", "resources", "env"}),
-    "mcp_server": frozenset({"id", "entry", "scopes", "calls", "internet", "resources", "env"}),
+    "specialist": frozenset(
+        {"id", "entry", "entry_point", "skills", "scopes", "calls", "internet", "resources", "env"}
+    ),
+    "mcp_server": frozenset(
+        {"id", "entry", "entry_point", "scopes", "calls", "internet", "resources", "env"}
+    ),
 }
 RESOURCE_KEYS = frozenset({"cpu", "memory", "cpu_limit", "memory_limit"})
 QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti)?")
@@ -125,6 +150,7 @@ class FleetManifest:
     policy_dir: Path | None
     demo_agents: bool
     workflows: tuple[tuple[str, str], ...] = ()  # (name, module:function building its StateGraph)
+    dependencies: tuple[str, ...] = ()  # installed into the project's image by ``fleet deploy render``
 
     @property
     def workflows_setting(self) -> str:
@@ -244,7 +270,17 @@ class _Checker:
         self.check_skills(services, roster)
         policy_dir = self.policy_dir(fleet.get("policy"))
         workflows = self.workflows(self.entries(document, WORKFLOWS))
-        return FleetManifest(self.path, name, tuple(services), policy_dir, demo_agents, workflows)
+        dependencies = self.names(
+            fleet.get("dependencies", []),
+            REQUIREMENT,
+            self.line_of("fleet", None, "dependencies"),
+            "dependencies",
+            'dependencies = ["acme-crm>=1.2"]',
+            like="requirements as pip takes them (a name, [extras], versions)",
+        )
+        return FleetManifest(
+            self.path, name, tuple(services), policy_dir, demo_agents, workflows, dependencies
+        )
 
     def workflows(self, entries: list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
         found: dict[str, int | None] = {}
@@ -266,8 +302,9 @@ class _Checker:
                     "give each workflow its own name",
                 )
             found[name] = line
+            graph = self.target(entry, "graph", "workflow", WORKFLOWS, index)
             graph_line = self.line_of(WORKFLOWS, index, "graph")
-            out.append((name, self.entry_point(entry.get("graph"), graph_line, "def {}() -> StateGraph")))
+            out.append((name, self.entry_point(graph, graph_line, "def {}() -> StateGraph")))
         return tuple(out)
 
     def check_shadows(self) -> None:
@@ -319,7 +356,7 @@ class _Checker:
                 f"an MCP server's id starts with mcp-, not {service_id!r}",
                 f'id = "mcp-{service_id}"',
             )
-        entry_point = self.entry_point(entry.get("entry"), at("entry"))
+        entry_point = self.entry_point(self.target(entry, "entry", kind, table, index), at("entry"))
         skills = self.names(
             entry.get("skills", []), SKILL_ID, at("skills"), "skills", 'skills = ["triage-ticket"]'
         )
@@ -347,6 +384,35 @@ class _Checker:
             env=self.env(entry.get("env", {}), at("env")),
             origin=f"{self.path}:{at('id') or at()}",
         )
+
+    def target(self, entry: Mapping[str, Any], key: str, kind: str, table: str, index: int) -> object:
+        """What ``entry[key]`` names (``module:function``), or the value of the installed entry point
+        ``entry["entry_point"]`` names in ``kind``'s group: one of the two, never both."""
+        name = entry.get("entry_point")
+        if name is None:
+            return entry.get(key)
+        line = self.line_of(table, index, "entry_point")
+        if key in entry:
+            raise self.refuse(line, f"both {key} and entry_point are given", "keep one of them")
+        group = ENTRY_POINT_GROUPS[kind]
+        if not isinstance(name, str) or not name:
+            raise self.refuse(line, "entry_point must be a name", 'entry_point = "crm"')
+        with _on_path(self.path.parent):
+            found = [ep for ep in importlib.metadata.entry_points(group=group) if ep.name == name]
+        publishers = sorted({ep.dist.name if ep.dist is not None else "?" for ep in found})
+        if not found:
+            raise self.refuse(
+                line,
+                f"no installed package publishes entry point {name!r} in {group}",
+                f'install the package that does (pip install ...), or write {key} = "module:function"',
+            )
+        if len({ep.value for ep in found}) > 1:
+            raise self.refuse(
+                line,
+                f"entry point {name!r} of {group} is published by {', '.join(publishers)}, differently",
+                f'uninstall all but one, or write {key} = "module:function"',
+            )
+        return found[0].value
 
     def entry_point(self, value: object, line: int | None, signature: str = "async def {}(settings)") -> str:
         if not isinstance(value, str) or not ENTRY.fullmatch(value):
@@ -387,11 +453,19 @@ class _Checker:
         return origin.read_text() if origin is not None else ""
 
     def names(
-        self, value: object, pattern: re.Pattern[str], line: int | None, key: str, example: str
+        self,
+        value: object,
+        pattern: re.Pattern[str],
+        line: int | None,
+        key: str,
+        example: str,
+        like: str = "",
     ) -> tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(v, str) and pattern.fullmatch(v) for v in value):
             raise self.refuse(
-                line, f"{key} must be a list of names like {pattern.pattern}, not {value!r}", example
+                line,
+                f"{key} must be a list of {like or 'names like ' + pattern.pattern}, not {value!r}",
+                example,
             )
         return tuple(dict.fromkeys(value))
 

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
-from langgraph.config import get_config
+from langgraph.config import get_config, get_stream_writer
 from langgraph.errors import GraphBubbleUp
 from langgraph.graph import StateGraph
 from langgraph.graph.state import CompiledStateGraph
@@ -58,6 +58,7 @@ from coordinator.engine.dispatch import RunScope
 from coordinator.planning.plan import RESERVED_INPUT, WORKFLOW_SKILL_PREFIX
 from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
+from fleet.vocabulary import EventType, StepCompleted, StepFailed, StepStarted
 
 log = logging.getLogger(__name__)
 
@@ -158,17 +159,23 @@ async def _within_budget(running: _Running, step_id: str) -> None:
     in the ledger, so a node run again counts what it sent before."""
     if running.max_operations is None:
         return
-    prefix = running.task["step"]["id"] + "."
-    sent = {
-        op.step_id.split("~", 1)[0]
-        for op in await running.scope.ledger.for_run(running.scope.lease.run_id)
-        if op.step_id.startswith(prefix)
-    }
+    sent = await _calls_sent(running)
     if step_id not in sent and len(sent) >= running.max_operations:
         raise FleetError(
             ErrorCode.BUDGET_EXHAUSTED,
             f"the workflow made the {running.max_operations} calls its run's budget allows",
         )
+
+
+async def _calls_sent(running: _Running) -> set[str]:
+    """The calls this workflow step has sent so far (operations in the run's ledger; a gate's
+    answered call, ``<call>~N``, is its call's)."""
+    prefix = running.task["step"]["id"] + "."
+    return {
+        op.step_id.split("~", 1)[0]
+        for op in await running.scope.ledger.for_run(running.scope.lease.run_id)
+        if op.step_id.startswith(prefix)
+    }
 
 
 async def run_workflow(
@@ -178,37 +185,47 @@ async def run_workflow(
     step's state update: its result (the graph's final state), or its failure."""
     step = task["step"]
     if graph is None:
-        return {
-            "failure": _failure(
-                step, FleetError(ErrorCode.INVALID_REQUEST, f"no workflow {step['skill']} is registered")
-            )
-        }
+        return _failed(
+            step, FleetError(ErrorCode.INVALID_REQUEST, f"no workflow {step['skill']} is registered")
+        )
     budget = (task.get("budget") or {}).get("max_operations")
     running = _Running(caller, task, scope, int(budget) if isinstance(budget, int) else None)
+    calls = await _calls_sent(running)
+    if not calls:  # the step begins (not resumed after a gate, or by another worker)
+        _emit(EventType.STEP_STARTED, StepStarted(step=step["id"], skill=step["skill"]))
     reset = _RUNNING.set(running)
     try:
         final = await graph.ainvoke(payload)
     except (StaleLease, CancelRequested, DependencyUnavailable, GraphBubbleUp):
         raise  # not the workflow's failure: the run parks, stops or goes back to the queue
     except FleetError as exc:
-        return {"failure": _failure(step, exc)}
+        return _failed(step, exc)
     except Exception as exc:  # a bug in the workflow's code: the step fails, the run with it
         log.exception("workflow %s of run %s raised", step["skill"], task["run_id"])
-        return {
-            "failure": _failure(
-                step, FleetError(ErrorCode.INTERNAL, f"the workflow raised {type(exc).__name__}")
-            )
-        }
+        return _failed(step, FleetError(ErrorCode.INTERNAL, f"the workflow raised {type(exc).__name__}"))
     finally:
         _RUNNING.reset(reset)
+    sent = len(await _calls_sent(running))
+    _emit(EventType.STEP_COMPLETED, StepCompleted(step=step["id"], agent=step["skill"], calls=sent))
     return {
         "results": {step["id"]: dict(final)},
         "outcomes": [{"step": step["id"], "agent": step["skill"], "status": "completed"}],
     }
 
 
-def _failure(step: PlanStep, exc: FleetError) -> dict[str, Any]:
-    failure: dict[str, Any] = {
+def _emit(event: EventType, payload: Mapping[str, Any]) -> None:
+    """Report the workflow step's own events to whoever runs the graph (the worker records them)."""
+    get_stream_writer()({"event": event, "payload": payload, "text": ""})
+
+
+def _failed(step: PlanStep, exc: FleetError) -> dict[str, Any]:
+    failure = _failure(step, exc)
+    _emit(EventType.STEP_FAILED, failure)
+    return {"failure": failure}
+
+
+def _failure(step: PlanStep, exc: FleetError) -> StepFailed:
+    failure: StepFailed = {
         "step": step["id"],
         "skill": step["skill"],
         "code": str(exc.code),

@@ -2,7 +2,8 @@
 copied to a folder of its own and run the way its README says. A specialist and an MCP server, each
 one file plus one manifest entry, the project's policy and a workflow written as a LangGraph graph:
 ``fleet up`` in the project's folder brings them up beside the platform's core, plans and the
-workflow run through them (a pause for a person included, and a worker killed mid-run), and
+workflow run through them (a pause for a person included, and a worker killed mid-run; the stack
+takes the workflow from the entry point of a package installed with pip), and
 ``fleet deploy render`` derives compose and Kubernetes files that pass the same offline validation
 as the platform's own."""
 
@@ -61,10 +62,55 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# A package that publishes the example's workflow as an entry point, the way a team's shared
+# workflows would be installed: the stack below takes the workflow from its installed metadata.
+FLOWS_PACKAGE = """\
+[build-system]
+requires = ["setuptools"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "desk-flows"
+version = "1.0"
+
+[project.entry-points."agent_fleet.workflows"]
+handle-ticket = "support_desk.flow:build"
+
+[tool.setuptools]
+py-modules = []
+"""
+
+
 @pytest.fixture(scope="module")
-def desk(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def desk_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """Another copy of the example, whose manifest names the workflow by the entry point of
+    ``desk-flows``, installed with pip (into a folder of its own, on the path of ``fleet up``); with
+    the environment to run it in."""
+    scratch = tmp_path_factory.mktemp("flows")
+    project = scratch / "support-desk"
+    shutil.copytree(
+        EXAMPLE, project, ignore=shutil.ignore_patterns("deployment", ".support-desk", "__pycache__")
+    )
+    (scratch / "desk-flows").mkdir()
+    (scratch / "desk-flows" / "pyproject.toml").write_text(FLOWS_PACKAGE)
+    site = scratch / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*pip, "--target", str(site), str(scratch / "desk-flows")], check=True, timeout=120)
+    manifest = project / "fleet.toml"
+    text = manifest.read_text()
+    assert 'graph = "support_desk.flow:build"' in text
+    manifest.write_text(text.replace('graph = "support_desk.flow:build"', 'entry_point = "handle-ticket"'))
+    return project, {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def desk(
+    desk_project: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    project, installed = desk_project
     data_dir = tmp_path_factory.mktemp("desk-stack")
-    settings = {**FAST_FAILOVER, "SUPPORT_DESK_ANSWER_DELAY_S": "2"}  # a window to kill a worker in
+    # a window to kill a worker in
+    settings = {**FAST_FAILOVER, "SUPPORT_DESK_ANSWER_DELAY_S": "2", **installed}
     up = fleet_in(project, "up", "--detach", "--data-dir", str(data_dir), env=settings)
     assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"
     # a line per tier as it comes up, the project's servers and then its specialist among them
@@ -74,7 +120,7 @@ def desk(project: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
     try:
         yield stack
     finally:
-        down = fleet_in(project, "down", "--data-dir", str(data_dir), timeout=90)
+        down = fleet_in(project, "down", "--data-dir", str(data_dir), timeout=90, env=installed)
         assert down.returncode == 0, down.stderr
 
 
@@ -176,6 +222,17 @@ async def test_the_workflow_is_offered_by_name_and_pauses_for_a_person(desk: Sta
     assert result["answer"].startswith("Refunds go back")
     kinds = [(e["kind"], e.get("text", "")[:10]) for e in await ticket_log(desk, tenant)]
     assert kinds == [("ticket", ""), ("note", "decided: r"), ("note", "answered: ")]
+    # The workflow is a step of the run with events of its own, once, around its calls' (the run
+    # parked at the question and resumed: the step was not begun again).
+    own = [(e["type"], e["payload"]) for e in events if e["payload"].get("step") == "handle-ticket"]
+    assert [kind for kind, _ in own] == ["step.started", "step.completed"], own
+    assert own[0][1]["skill"] == "workflow:handle-ticket"
+    calls = {
+        e["payload"]["step"].split("~")[0]
+        for e in events
+        if e["type"] == "step.completed" and e["payload"]["step"].startswith("handle-ticket.")
+    }
+    assert len(calls) >= 3 and own[1][1]["calls"] == len(calls)  # triage, the question, the answer
 
 
 async def test_the_workflow_survives_a_worker_killed_mid_run_without_repeating_an_effect(desk: Stack) -> None:

