@@ -79,6 +79,8 @@ class StepTask(TypedDict):
     approval: dict[str, Any]  # the deadline policy of a gate on the step's skill, fixed at the run's start
     facts: dict[str, Any]  # what the run computed that a gate may go by (see computed_facts)
     budget: NotRequired[dict[str, Any]]  # a workflow step's: the run's limits its calls count against
+    # a workflow step's: the deadline policy of gates on every skill, for its calls' own
+    approvals: NotRequired[dict[str, Any]]
 
 
 def _emit(event: EventType, payload: Mapping[str, Any], text: str = "") -> None:
@@ -632,8 +634,10 @@ def step_task(state: GraphState, step: PlanStep) -> StepTask:
         approval=approval_deadline(limits.get("approvals") or {}, step["skill"]),
         facts=computed_facts(state),
     )
-    if workflow_name(step["skill"]) is not None and limits.get("limits"):
-        task["budget"] = {"max_operations": limits["limits"].get("max_operations")}
+    if workflow_name(step["skill"]) is not None:
+        task["approvals"] = limits.get("approvals") or {}
+        if limits.get("limits"):
+            task["budget"] = {"max_operations": limits["limits"].get("max_operations")}
     return task
 
 
@@ -712,6 +716,9 @@ class _Nodes:
         through the ledger, and wait for its result, asking policy or a person at every gate the
         result raises; the state update (``results`` or ``failure``, and its ``outcomes``)."""
         step = task["step"]
+        # a call of a workflow: the policy of its own skill's gates, not the workflow's
+        approvals = task.get("approvals")
+        deadlines = approval_deadline(approvals, step["skill"]) if approvals is not None else task["approval"]
 
         async def progress(text: str) -> None:
             _emit(EventType.STEP_PROGRESS, StepProgress(step=step["id"], text=text), text)
@@ -738,7 +745,7 @@ class _Nodes:
                 # so the ledger sends it once).
                 answer = await policy_approval(self.delegator, task, gate, dispatcher.op_id, number)
                 if answer is None:
-                    answer = await_gate(step, gate, number, dispatcher, task["approval"])
+                    answer = await_gate(step, gate, number, dispatcher, deadlines)
                 if answer["decision"] in ("reject", "expired"):
                     return _gate_closed(step, answer, dispatcher.agent_id)
                 number += 1

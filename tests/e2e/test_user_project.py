@@ -10,6 +10,7 @@ as the platform's own."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import re
@@ -245,6 +246,15 @@ async def test_the_workflow_is_offered_by_name_and_pauses_for_a_person(desk: Sta
     waiting = await run_when(desk, run_id, token, "waiting", "failed", "completed")
     assert waiting["state"] == "waiting" and waiting["wait"]["type"] == "input", waiting
     assert "Refund, workaround or call back?" in waiting["wait"]["detail"]["why"]
+    # The deadline is the project's policy for the escalate skill (two hours; the default is a
+    # day): a call of a workflow is held to its own skill's gate policy, not the workflow's.
+    wait = waiting["wait"]
+    since, deadline, warn_at = (
+        dt.datetime.fromisoformat(wait[key]) for key in ("since", "deadline", "warn_at")
+    )
+    assert (
+        round((deadline - since).total_seconds()) == 7200 and (deadline - warn_at).total_seconds() == 1800
+    ), wait
 
     answer = {"action": "input", "input": {"decision": "refund"}, "awaited": waiting["wait"]["awaited"]}
     async with httpx.AsyncClient(timeout=30) as http:
