@@ -32,6 +32,7 @@ SERVER_PACKAGES = (
     "fleet",
 )
 MAX_INSTALLED_MB = 40  # measured: about 28 MB (16 of them cryptography's); the platform's environment: 1.4 GB
+MAX_DOWNLOAD_MB = 10  # measured: 7.1 MB of wheels (4.8 of them cryptography's, 1.4 PyNaCl's)
 VENV_TOOLS = ("pip", "setuptools", "pkg_resources", "_distutils_hack")  # every new venv's, not the client's
 
 DRIVER = textwrap.dedent(
@@ -107,6 +108,35 @@ def test_it_installs_alone_and_small(client_env: Path) -> None:
         if path.is_file() and not path.relative_to(root).parts[0].startswith(VENV_TOOLS)
     )
     assert size < MAX_INSTALLED_MB * 2**20, f"{size / 2**20:.1f} MB installed"
+
+
+def test_what_it_downloads_is_a_few_mb(client_env: Path, tmp_path: Path) -> None:
+    """What ``pip install agent-fleet-client`` fetches: its dependencies' wheels, as pip picks them
+    for this interpreter."""
+    fetched = subprocess.run(
+        [
+            str(client_env / "bin" / "python"),
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "-d",
+            str(tmp_path),
+            str(ROOT / "client"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=outside_env(),
+    )
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+    files = {path.name: path.stat().st_size for path in tmp_path.iterdir() if path.is_file()}
+    assert any(name.startswith("httpx-") for name in files), files
+    assert not any(name.lower().startswith(("langgraph", "mcp-", "psycopg", "presidio")) for name in files), (
+        files
+    )
+    assert sum(files.values()) < MAX_DOWNLOAD_MB * 2**20, files
 
 
 def test_it_drives_a_run_from_start_to_approval_to_result(client_env: Path, stack: Stack) -> None:
