@@ -16,6 +16,7 @@ from bench import (
     batch,
     bus,
     checkpoint_overhead,
+    cost,
     delegation,
     events,
     memory,
@@ -76,6 +77,7 @@ BENCHMARKS = {
     "scaling": scaling.main,
     "bus": bus.main,
     "abuse": abuse.main,
+    "cost": cost.main,
 }
 
 
@@ -197,6 +199,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (scaling.summary_row(results["scaling"]) + "\n" if "scaling" in results else "")
         + (bus.summary_row(results["bus"]) + "\n" if "bus" in results else "")
         + (abuse.summary_row(results["abuse"]) + "\n" if "abuse" in results else "")
+        + (cost.summary_row(results["cost"]) + "\n" if "cost" in results else "")
         + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
@@ -371,6 +374,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (scaling.section(results["scaling"]) if "scaling" in results else "")
         + (bus.section(results["bus"]) if "bus" in results else "")
         + (abuse.section(results["abuse"]) if "abuse" in results else "")
+        + (cost.section(results["cost"]) if "cost" in results else "")
     )
 
 

@@ -8,7 +8,7 @@ still counted (in the postmaster's row).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -39,17 +39,24 @@ def _processes() -> dict[int, _Proc]:
     return found
 
 
-def cpu_by_tree(roots: Mapping[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each named root process and its descendants. A process under two roots
-    counts for the nearer one (a service under the supervisor counts for the service)."""
+def _trees(roots: Mapping[str, int]) -> Iterator[tuple[str, int, _Proc]]:
+    """Every live process under one of the named roots: (the root's name, its pid, the process). A
+    process under two roots counts for the nearer one (a service under the supervisor counts for the
+    service)."""
     procs, by_pid = _processes(), {pid: name for name, pid in roots.items()}
-    totals = dict.fromkeys(roots, 0.0)
     for pid, proc in procs.items():
         ancestor, hops = pid, 0
         while ancestor not in by_pid and ancestor in procs and hops < 64:
             ancestor, hops = procs[ancestor].ppid, hops + 1
         if ancestor in by_pid:
-            totals[by_pid[ancestor]] += proc.cpu_s
+            yield by_pid[ancestor], pid, proc
+
+
+def cpu_by_tree(roots: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named root process and its descendants."""
+    totals = dict.fromkeys(roots, 0.0)
+    for name, _, proc in _trees(roots):
+        totals[name] += proc.cpu_s
     return totals
 
 
@@ -59,3 +66,24 @@ def machine_busy_s() -> float:
         fields = [int(f) for f in stat.readline().split()[1:]]
     idle, iowait = fields[3], fields[4]
     return (sum(fields[:8]) - idle - iowait) / TICKS_PER_S  # user nice system idle iowait irq softirq steal
+
+
+def _pss_bytes(pid: int) -> int:
+    """A process's proportional set size (its private memory plus its share of what it shares)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # gone, or not ours to read
+        pass
+    return 0
+
+
+def pss_by_tree(roots: Mapping[str, int]) -> dict[str, int]:
+    """Bytes of memory (PSS) of each named root process and its descendants: summed over processes,
+    PSS counts a page shared by several once in all, where RSS counts it in each."""
+    totals = dict.fromkeys(roots, 0)
+    for name, pid, _ in _trees(roots):
+        totals[name] += _pss_bytes(pid)
+    return totals

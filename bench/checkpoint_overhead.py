@@ -71,6 +71,9 @@ class _InstantDelegator:
     async def agent(self, agent_id: str) -> AgentRecord:
         return self._agent
 
+    async def prepare(self, agent: AgentRecord, tenant: str, run_id: str) -> None:
+        return None  # no token to get: the call is the stand-in's
+
     async def call(self, agent: AgentRecord, skill: str, payload: dict[str, Any], **_: Any) -> dict[str, Any]:
         return {"ok": True}
 
