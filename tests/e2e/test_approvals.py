@@ -71,7 +71,8 @@ APPROVERS = [
 ]
 QUICK = {
     "quick-expire": {"timeout_s": 3, "warn_before_s": 2, "on_expired": "expire"},
-    "quick-escalate": {"timeout_s": 3, "warn_before_s": 2, "on_expired": "escalate", "escalate_for_s": 600},
+    # long enough that the operator's extension, sent at once, lands before it on a loaded machine
+    "quick-escalate": {"timeout_s": 8, "warn_before_s": 2, "on_expired": "escalate", "escalate_for_s": 600},
 }
 
 
