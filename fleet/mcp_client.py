@@ -6,6 +6,9 @@ call or per client, and reads an error answer as the fleet's envelope."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +23,19 @@ from fleet.mcp_errors import error_of
 DEFAULT_TIMEOUT = httpx2.Timeout(30.0, read=120.0)
 
 
+@functools.lru_cache(maxsize=4)
+def _tls_context(cafile: str | None, capath: str | None) -> ssl.SSLContext:
+    """The TLS context of the process's clients for what ``SSL_CERT_FILE``/``SSL_CERT_DIR`` name
+    (httpx2 reads them): made once, not per client. Making one reads and parses the trusted
+    certificates, some 10-25 ms of CPU, which a client per call paid each time."""
+    return httpx2.create_ssl_context()
+
+
+def tls_context() -> ssl.SSLContext:
+    """The process's TLS context for HTTP clients, as the environment names the trusted CAs now."""
+    return _tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
 def http_client(
     *,
     token: str | None = None,
@@ -29,7 +45,9 @@ def http_client(
     """The HTTP client MCP sessions run on: a bearer ``token`` for every request, or an ``auth``
     flow that picks each request's (a specialist's calls carry their caller's)."""
     headers = {"Authorization": f"Bearer {token}"} if token is not None else None
-    return httpx2.AsyncClient(headers=headers, auth=auth, timeout=timeout, event_hooks=transport.hooks2())
+    return httpx2.AsyncClient(
+        headers=headers, auth=auth, timeout=timeout, verify=tls_context(), event_hooks=transport.hooks2()
+    )
 
 
 @contextlib.asynccontextmanager
@@ -67,4 +85,4 @@ def structured(result: CallToolResult) -> Any:
     )
 
 
-__all__ = ["DEFAULT_TIMEOUT", "call_tool", "http_client", "session", "structured"]
+__all__ = ["DEFAULT_TIMEOUT", "call_tool", "http_client", "session", "structured", "tls_context"]

@@ -114,6 +114,9 @@ def _ns(moment: dt.datetime) -> int:
     return (moment - _EPOCH) // dt.timedelta(microseconds=1) * 1000
 
 
+RECORDED_KEPT = 10_000
+
+
 class PostgresTaskStore(TaskStore):
     """A2A tasks as folds over the run store's rows (see the module docstring)."""
 
@@ -121,6 +124,9 @@ class PostgresTaskStore(TaskStore):
         self._pool = pool
         self._runs = runs
         self._access = access
+        # Tasks this process recorded: the SDK saves a task at every event it relays, and only the
+        # first save writes anything (the newest RECORDED_KEPT, oldest forgotten first).
+        self._recorded: dict[str, None] = {}
 
     async def reach(self, context: ServerCallContext | None, action: RunAction = RunAction.READ) -> Reach:
         """The caller's reach for ``action``; a principal policy refuses outright gets
@@ -159,15 +165,21 @@ class PostgresTaskStore(TaskStore):
         Status and artifacts are not saved: they are folded from the run's events on every read. A
         task whose run does not exist (a request refused before its run was created) is not
         recorded, so it stays unknown."""
+        if task.id in self._recorded:
+            return
         message = MessageToDict(task.history[0]) if task.history else None
         claims = claims_of(context)
         async with self._pool.connection() as conn:
-            await conn.execute(
+            cursor = await conn.execute(
                 "INSERT INTO fleet_runs.a2a_tasks (task_id, context_id, message)"
                 " SELECT run_id, %s, %s FROM fleet_runs.runs WHERE run_id = %s AND tenant = %s AND owner = %s"
                 " ON CONFLICT (task_id) DO NOTHING",
                 (task.context_id, Jsonb(message) if message else None, task.id, claims.tenant, claims.sub),
             )
+        if cursor.rowcount == 1:  # not when its run does not exist (or another process recorded it)
+            self._recorded[task.id] = None
+            if len(self._recorded) > RECORDED_KEPT:
+                del self._recorded[next(iter(self._recorded))]
 
     async def get(self, task_id: str, context: ServerCallContext) -> Task | None:
         """The task if the caller reaches it (``fleet.runs.access``, action ``read``): None, as for

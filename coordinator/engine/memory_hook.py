@@ -10,17 +10,19 @@ without a memory server, or one that is down, only logs why the run's memory was
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fleet import mcp_client
 from fleet.errors import FleetError
 from fleet.mcp_errors import error_of
-from registry import RegistryClient
+from registry import McpServerRecord, RegistryClient
 
 log = logging.getLogger(__name__)
 
 MEMORY_SERVER = "mcp-memory"
 SCOPE = "memory:consolidate"
+SERVER_FRESH_S = 30.0  # the memory server's record is read again after this (or after a failed call)
 
 
 class RunMemory:
@@ -32,11 +34,21 @@ class RunMemory:
         self._registry = registry
         self.server_id = server_id
         self.timeout_s = timeout_s
+        self._server: tuple[McpServerRecord, float] | None = None  # the record, and when it was read
+
+    async def _server_record(self) -> McpServerRecord:
+        """The memory server's record: read from the registry once per ``SERVER_FRESH_S``, not per
+        run (its address changes only when it is deployed again)."""
+        if self._server is not None and time.monotonic() - self._server[1] < SERVER_FRESH_S:
+            return self._server[0]
+        record = await self._registry.mcp_server(self.server_id)
+        self._server = (record, time.monotonic())
+        return record
 
     async def consolidate(self, tenant: str, run_id: str) -> dict[str, Any] | None:
         """What consolidation made of the run (counts by outcome), or None if it could not run."""
         try:
-            server = await self._registry.mcp_server(self.server_id)
+            server = await self._server_record()
             token = await self._registry.tokens.token(self.server_id, tenant, [SCOPE])
         except FleetError as exc:
             log.info("run %s: memory not consolidated (%s)", run_id, exc.message)
@@ -49,6 +61,7 @@ class RunMemory:
                 server.url, "consolidate", {"run_id": run_id}, token=token, http_timeout=self.timeout_s
             )
         except Exception as exc:  # a memory server that is down must not touch the run
+            self._server = None  # it may have moved: read its record again next time
             log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
             return None
         error = error_of(result)

@@ -265,3 +265,34 @@ async def test_push_configs_of_another_principals_task_are_neither_set_nor_shown
     assert await store.get_info("theirs", caller("acme", "bob")) == []
     await store.delete_info("theirs", caller("acme", "bob"))
     assert len(await store.get_info("theirs", caller("acme", "auditor", "runs:admin"))) == 1
+
+
+async def _recorded(pool: AsyncConnectionPool[Any], task_id: str) -> int:
+    async with pool.connection() as conn:
+        row = await (
+            await conn.execute("SELECT count(*) FROM fleet_runs.a2a_tasks WHERE task_id = %s", (task_id,))
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_a_task_is_recorded_by_its_first_save_and_the_saves_after_write_nothing(
+    pool: AsyncConnectionPool[Any], runs: PostgresRunStore, tasks: PostgresTaskStore
+) -> None:
+    """The SDK saves a task at every event it relays; only the first save writes. A save before
+    the task's run exists records nothing and is not remembered as done."""
+    request = Message(role=Role.ROLE_USER, message_id="m1", parts=[Part(text="hi")])
+    task = Task(id="saved-once", context_id="ctx-saved-once", history=[request])
+    await tasks.save(task, caller("acme"))  # no run yet: nothing recorded
+    assert await _recorded(pool, "saved-once") == 0
+    await runs.create_run("saved-once", "acme", "operator", {"text": "hi"}, [{"id": "s", "skill": "x"}])
+    await tasks.save(task, caller("acme"))
+    assert await _recorded(pool, "saved-once") == 1
+    async with pool.connection() as conn:  # the record gone behind the store's back ...
+        await conn.execute("DELETE FROM fleet_runs.a2a_tasks WHERE task_id = %s", ("saved-once",))
+    for _ in range(3):
+        await tasks.save(task, caller("acme"))
+    assert await _recorded(pool, "saved-once") == 0  # ... is not written again: no statement was sent
+    # Another store (another coordinator process) knows nothing of it, and writes.
+    await PostgresTaskStore(pool, runs, ACCESS).save(task, caller("acme"))
+    assert await _recorded(pool, "saved-once") == 1
