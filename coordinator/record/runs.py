@@ -873,16 +873,43 @@ class PostgresRunStore:
             cursor = after_seq
             while True:
                 wakeup.arm()  # before reading: a commit after the read wakes the wait below
-                page = await self.events_after(run_id, tenant, cursor, FOLLOW_PAGE, owner=owner)
+                page, state, last_seq = await self._page_and_state(run_id, tenant, cursor, FOLLOW_PAGE, owner)
                 for event in page:
                     cursor = event.seq
                     yield event
                 if len(page) == FOLLOW_PAGE:
                     continue  # a backlog: read on before waiting for news
-                run = await self.get_run(run_id, tenant, owner=owner)
-                if run.state.terminal and cursor >= run.last_seq:
+                if state.terminal and cursor >= last_seq:
                     return
                 await wakeup.wait(FOLLOW_POLL_S)
+
+    async def _page_and_state(
+        self, run_id: str, tenant: str, after_seq: int, limit: int, owner: str | None
+    ) -> tuple[list[RunEvent], RunState, int]:
+        """Events after ``after_seq`` (at most ``limit``), and the run's state and last seq, read in
+        one statement (one snapshot: a run that ended with no event past the page has ended for
+        the reader). :class:`RunNotFound` if the tenant (and ``owner``) has no such run."""
+        async with self._pool.connection() as conn:
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                "SELECT r.state AS run_state, r.last_seq AS run_last_seq,"
+                " e.run_id, e.seq, e.type, e.ts, e.actor, e.payload FROM fleet_runs.runs r"
+                " LEFT JOIN LATERAL (SELECT * FROM fleet_runs.events x WHERE x.run_id = r.run_id"
+                " AND x.seq > %s ORDER BY x.seq LIMIT %s) e ON true"
+                " WHERE r.run_id = %s AND r.tenant = %s AND (%s::text IS NULL OR r.owner = %s)"
+                " ORDER BY e.seq",
+                (after_seq, limit, run_id, tenant, owner, owner),
+            )
+            rows = await cursor.fetchall()
+        if not rows:
+            raise RunNotFound(run_id)
+        state, last_seq = RunState(rows[0]["run_state"]), int(rows[0]["run_last_seq"])
+        events = [
+            RunEvent(**{k: v for k, v in row.items() if not k.startswith("run_") or k == "run_id"})
+            for row in rows
+            if row["seq"] is not None
+        ]
+        return events, state, last_seq
 
 
 def event_json(event: RunEvent) -> str:
