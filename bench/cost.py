@@ -1,7 +1,8 @@
 """What a run costs: CPU per run of every service of a local stack for five run shapes, beside a floor
 measured in the same run from the same parts alone, and the stack's memory (PSS).
 
-Run shapes (``RUNS`` runs each, ``IN_FLIGHT`` at once, after a warm-up of the same shape):
+Run shapes (``ROUNDS`` rounds of ``RUNS`` runs each, ``IN_FLIGHT`` at once, after a warm-up of the same shape;
+the round with the median CPU is reported):
 
 * ``one-step``: the statistician's ``outliers`` on inline records, sent over A2A (streaming);
 * ``two-step``: the demo's plan: invoice totals through the SQL analyst and ``mcp-sql``, then outliers;
@@ -29,7 +30,8 @@ specialist), one MCP call per tool call, and the bare graph of that many steps. 
 beside its part: a specialist's CPU per call beside the bare agent's server, an MCP server's beside
 the bare MCP server's, the workers' beside the bare graph plus the A2A client of each step.
 
-Run: ``.venv/bin/python -m bench.cost [RUNS]`` (starts and stops its own stack).
+Run: ``.venv/bin/python -m bench.cost [RUNS]`` (RUNS per round; starts and stops its own stack). With py-spy
+installed (the dev extra), the services are also profiled under two-step runs (:mod:`bench._profile`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from mcp.client.streamable_http import streamable_http_client
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from bench import _profile
 from bench._cpu import cpu_by_tree, pss_by_tree
 from bench.checkpoint_overhead import bare_graph
 from fleet.events import Event, event_message
@@ -72,10 +75,22 @@ from fleetctl.testing.pauses import SUBJECT as REFUND_SUBJECT
 from fleetctl.testing.pauses import dsn, refund_policy
 from fleetctl.testing.stack import running_stack
 
-RUNS = 30
+RUNS = 20  # per round
+ROUNDS = 3  # per shape: the median round is reported
 IN_FLIGHT = 8
 FLOOR_CALLS = 200
 IDLE_S = 10.0
+PROFILE_S = 20.0
+PROFILED = (
+    "worker-1",
+    "coordinator",
+    "sql-analyst",
+    "mcp-sql",
+    "registry",
+    "stats",
+    "mcp-memory",
+    "postgres",
+)
 TARGET_TWO_STEP_MS = 50.0
 TARGET_SERVICE_RATIO = 3.0
 INVOICES_CLOSED = "fleet.events.invoices.closed"
@@ -243,7 +258,7 @@ def _shapes(stack: _Stack) -> dict[str, Callable[[int], Awaitable[list[str]]]]:
     }
 
 
-async def idle_rate(stack: _Stack, seconds: float = IDLE_S) -> dict[str, float]:
+async def idle_rate(stack: _Stack, seconds: float) -> dict[str, float]:
     """CPU milliseconds per second each service spends with no run in flight (heartbeats, sweeps,
     lease renewals, the console's refresh): what a batch's figures include for its duration."""
     roots = stack.roots
@@ -253,10 +268,9 @@ async def idle_rate(stack: _Stack, seconds: float = IDLE_S) -> dict[str, float]:
     return {name: round((after[name] - before[name]) * 1000 / seconds, 2) for name in roots}
 
 
-async def _shape_cost(
+async def _batch_cost(
     stack: _Stack, shape: Callable[[int], Awaitable[list[str]]], runs: int, idle: Mapping[str, float]
 ) -> dict[str, Any]:
-    await shape(min(runs, IN_FLIGHT))  # warm every path of this shape
     roots = stack.roots
     before, client_before = cpu_by_tree(roots), time.process_time()
     started = time.perf_counter()
@@ -278,23 +292,59 @@ async def _shape_cost(
     }
 
 
+async def _shape_cost(
+    stack: _Stack, shape: Callable[[int], Awaitable[list[str]]], runs: int, idle: Mapping[str, float]
+) -> dict[str, Any]:
+    """The batch with the median stack CPU of ``ROUNDS`` batches of ``runs``, after a warm-up."""
+    await shape(min(runs, IN_FLIGHT))  # warm every path of this shape
+    batches = [await _batch_cost(stack, shape, runs, idle) for _ in range(ROUNDS)]
+    median = sorted(batches, key=lambda b: float(b["stack_cpu_ms_per_run"]))[len(batches) // 2]
+    return {
+        **median,
+        "failed": sum(int(b["failed"]) for b in batches),
+        "rounds": ROUNDS,
+        "stack_cpu_ms_per_run_rounds": [b["stack_cpu_ms_per_run"] for b in batches],
+    }
+
+
+async def profile_two_step(stack: _Stack, seconds: float, into: Path) -> dict[str, Any]:
+    """Two-step runs sent for ``seconds`` (``IN_FLIGHT`` at once) while py-spy samples each Python
+    service of ``PROFILED``: where its CPU goes."""
+    pids = {n: int(stack.endpoints["processes"][n]) for n in PROFILED if n in stack.endpoints["processes"]}
+    pids.pop("postgres", None)  # not Python
+    recorders = _profile.record(pids, seconds, into)
+    deadline = time.monotonic() + seconds
+    send = _shapes(stack)["two-step"]
+
+    async def keep_sending(_: int) -> None:
+        while time.monotonic() < deadline:
+            await send(1)
+
+    await asyncio.gather(*(keep_sending(i) for i in range(IN_FLIGHT)))
+    for recorder in recorders.values():
+        await asyncio.to_thread(recorder.wait, 60)
+    return {
+        name: _profile.summarise(into / f"{name}.txt") for name in pids if (into / f"{name}.txt").exists()
+    }
+
+
 # ---------------------------------------------------------------------------------------------- the floor
 
 
 @contextlib.contextmanager
 def _floor_server(kind: str) -> Iterator[tuple[str, int]]:
-    process = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "bench._floor_servers", kind], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert process.stdout is not None
-        url = process.stdout.readline().strip()
-        if not url:
-            raise RuntimeError(f"the {kind} floor server did not start")
-        yield url, process.pid
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    ) as process:  # its pipe closed at the end
+        try:
+            assert process.stdout is not None
+            url = process.stdout.readline().strip()
+            if not url:
+                raise RuntimeError(f"the {kind} floor server did not start")
+            yield url, process.pid
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
 
 
 async def _until_up(url: str) -> None:
@@ -458,13 +508,18 @@ def _service_ratios(
 
 
 async def measure(
-    layout: StackLayout, endpoints: dict[str, Any], runs: int, floor_calls: int
+    layout: StackLayout,
+    endpoints: dict[str, Any],
+    runs: int,
+    floor_calls: int,
+    profile_into: Path | None = None,
+    idle_s: float = IDLE_S,
 ) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), limits=limits) as http:
         stack = _Stack(layout, endpoints, http)
         memory = pss_by_tree(stack.roots)
-        idle = await idle_rate(stack)
+        idle = await idle_rate(stack, idle_s)
         shapes = {}
         for name, shape in _shapes(stack).items():
             shapes[name] = await _shape_cost(stack, shape, runs, idle)
@@ -474,6 +529,7 @@ async def measure(
                 ),
                 flush=True,
             )
+        profiles = await profile_two_step(stack, PROFILE_S, profile_into) if profile_into is not None else {}
         a2a = await a2a_floor(floor_calls)
         mcp = await mcp_floor(floor_calls)
         graph = await langgraph_floor(stack, max(runs, IN_FLIGHT))
@@ -497,21 +553,26 @@ async def measure(
             name: round(b / 2**20, 1) for name, b in sorted(memory.items(), key=lambda kv: -kv[1])
         },
         "memory_pss_mb_total": round(sum(memory.values()) / 2**20, 1),
+        "profiles_two_step": profiles,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
 
 
-def run(runs: int = RUNS, floor_calls: int = FLOOR_CALLS) -> dict[str, Any]:
-    """Start a stack (with the refund trigger rule beside the shipped ones), measure, stop it."""
+def run(
+    runs: int = RUNS, floor_calls: int = FLOOR_CALLS, profile: bool = False, idle_s: float = IDLE_S
+) -> dict[str, Any]:
+    """Start a stack (with the refund trigger rule beside the shipped ones), measure (and, with
+    ``profile`` and py-spy installed, profile the services under two-step runs), stop it."""
     with TemporaryDirectory(prefix="fleet-bench-") as tmp:
         policy = refund_policy(Path(tmp) / "policy")
         settings = {"FLEET_POLICY_DIR": str(policy), "FLEET_SQL_CONNECTIONS_PER_TENANT": str(IN_FLIGHT)}
         with running_stack(Path(tmp) / "fleet", **settings) as (layout, endpoints):
-            return asyncio.run(measure(layout, endpoints, runs, floor_calls))
+            into = Path(tmp) / "profiles" if profile and _profile.available() else None
+            return asyncio.run(measure(layout, endpoints, runs, floor_calls, into, idle_s))
 
 
 def main(runs: int = RUNS) -> dict[str, Any]:
-    result = run(runs)
+    result = run(runs, profile=True)
     print(json.dumps(result, indent=2))
     two = result["two_step_cpu_ms_per_run"]
     print(
@@ -547,6 +608,12 @@ def section(result: Mapping[str, Any]) -> str:
         + " | ".join(f"**{shape['stack_cpu_ms_per_run']}**" for shape in shapes.values())
         + " |\n"
         "| floor | " + " | ".join(f"{shape['floor_ms_per_run']}" for shape in shapes.values()) + " |\n"
+        "| rounds (stack) | "
+        + " | ".join(
+            " / ".join(str(x) for x in shape.get("stack_cpu_ms_per_run_rounds", []))
+            for shape in shapes.values()
+        )
+        + " |\n"
         "| stack / floor | " + " | ".join(f"{shape['vs_floor']}x" for shape in shapes.values()) + " |\n"
         "| of which the idle stack's background | "
         + " | ".join(f"{shape['background_cpu_ms_per_run']}" for shape in shapes.values())
@@ -566,9 +633,10 @@ def section(result: Mapping[str, Any]) -> str:
     )
     memory = "".join(f"| {name} | {mb} |\n" for name, mb in result["memory_pss_mb"].items())
     return (
-        "## What a run costs\n\n"
+        "\n## What a run costs\n\n"
         f"`python -m bench cost`: CPU milliseconds per run of every service of the local stack, {result['runs_per_shape']} runs "
-        f"per shape, {result['in_flight']} in flight (see `bench/cost.py` for the shapes and the floor).\n\n"
+        f"per round, {result['in_flight']} in flight, the median of {ROUNDS} rounds per shape (see `bench/cost.py` for the "
+        "shapes and the floor).\n\n"
         + head
         + rows
         + totals
@@ -589,8 +657,26 @@ def section(result: Mapping[str, Any]) -> str:
         + ratios
         + f"\nMemory of the local stack (PSS, MB), {result['memory_pss_mb_total']} MB in all:\n\n| process tree | PSS MB |\n|---|---|\n"
         + memory
-        + "\n"
+        + _profiles_text(result.get("profiles_two_step") or {})
+        + "\nWhat has been changed so far, what each change bought, and what comes next: "
+        "[performance.md](performance.md).\n"
     )
+
+
+def _profiles_text(profiles: Mapping[str, Any]) -> str:
+    """Where each profiled service's CPU goes under two-step runs (py-spy, the event loop on CPU)."""
+    if not profiles:
+        return ""
+    out = [
+        f"\nWhere the time goes under two-step runs ({PROFILE_S:.0f} s, {IN_FLIGHT} in flight; py-spy at "
+        f"{_profile.RATE_HZ} Hz on each service's event loop, on CPU): the platform's functions with the largest "
+        "share of the samples, with what they call, and the functions where the samples fell.\n"
+    ]
+    for name, summary in profiles.items():
+        inclusive = "; ".join(f"{f} {share}%" for f, share in summary["inclusive"][:8])
+        alone = "; ".join(f"{f} {share}%" for f, share in summary["self"][:5])
+        out.append(f"\n- **{name}** ({summary['samples']} samples): {inclusive}. Self: {alone}.")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
