@@ -1,5 +1,7 @@
 """The benchmarks in their short form, so that none rots unseen: each runs against the current code
-with a few runs (its numbers mean nothing here) and its result has what the benchmarks page reads."""
+with a few runs (its numbers mean nothing here) and its result has what the benchmarks page reads.
+(The bus and abuse benchmarks have theirs beside their own tests: tests/broker/test_bench_bus.py,
+tests/e2e/test_bench_abuse.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import asyncio
 
 import pytest
 
-from bench import checkpoint_overhead, cost
+from bench import checkpoint_overhead, cost, policy_plane, tool_plane
+from fleetctl.testing.nats import embedded_nats
 from fleetctl.testing.postgres import embedded_postgres
 
 pytestmark = pytest.mark.e2e
@@ -39,3 +42,24 @@ def test_the_checkpoint_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         result = asyncio.run(checkpoint_overhead.measure(dsn))
     assert result["baseline_ms_per_step"] > 0 and result["fleet_ms_per_step"] > 0
     assert result["per_step"]["fleet_commits"] > 0
+
+
+def test_the_tool_plane_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tool_plane, "ROWS", 2_000)
+    with embedded_nats() as nats_url:
+        gated = asyncio.run(tool_plane.gate(nats_url, rounds=2, per_round=10))
+    started = asyncio.run(tool_plane.sandbox_start(n=3))
+    with embedded_postgres() as dsn:
+        sql = asyncio.run(tool_plane.sql_million(dsn, n=2))
+    for part in (gated, started, sql):
+        assert part and all(v is not None for v in part.values())
+    assert sql["sql_rows"] == 2_000
+
+
+def test_the_policy_plane_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policy_plane, "FOLLOWERS", 2)
+    monkeypatch.setattr(policy_plane, "PUSHES", 2)
+    decided = asyncio.run(policy_plane.decisions(n=200))
+    with embedded_nats() as url:
+        pushed = asyncio.run(policy_plane.push_to_enforced(url))
+    assert decided and pushed["pushes"] == 2 and pushed["enforced"]["max_ms"] > 0
