@@ -80,6 +80,7 @@ ROUNDS = 3  # per shape: the median round is reported
 IN_FLIGHT = 8
 FLOOR_CALLS = 200
 IDLE_S = 10.0
+STATS_SETTLE_S = 1.2  # Postgres's backends report their statistics at most once a second
 PROFILE_S = 20.0
 PROFILED = (
     "worker-1",
@@ -119,6 +120,16 @@ class _Stack:
         self.tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
         self.runs_db = dsn(layout, endpoints, "fleet")
         self._client: Any = None
+        self.stats_settle_s = STATS_SETTLE_S
+
+    async def commits(self) -> int:
+        """Transactions committed in the runs database so far (``pg_stat_database``; a backend
+        reports its own within a second of going idle)."""
+        async with await psycopg.AsyncConnection.connect(self.runs_db, autocommit=True) as conn:
+            row = await (
+                await conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = 'fleet'")
+            ).fetchone()
+        return int(row[0]) if row else 0
 
     @property
     def roots(self) -> dict[str, int]:
@@ -272,15 +283,22 @@ async def _batch_cost(
     stack: _Stack, shape: Callable[[int], Awaitable[list[str]]], runs: int, idle: Mapping[str, float]
 ) -> dict[str, Any]:
     roots = stack.roots
+    await asyncio.sleep(stack.stats_settle_s)  # the last batch's statistics reach pg_stat_database
+    commits_before = await stack.commits()
     before, client_before = cpu_by_tree(roots), time.process_time()
     started = time.perf_counter()
     run_ids = await shape(runs)
     elapsed = time.perf_counter() - started
     after, client_s = cpu_by_tree(roots), time.process_time() - client_before
+    await asyncio.sleep(stack.stats_settle_s)
+    commits = (await stack.commits() - commits_before) / runs
     per_service = {name: round((after[name] - before[name]) * 1000 / runs, 2) for name in roots}
     stack_ms = sum(per_service.values())
     background_ms = sum(idle.values()) * elapsed / runs  # what the stack would have spent idle meanwhile
     return {
+        # transactions committed in the runs database per run (every statement outside a
+        # transaction is one): a count, steadier than CPU time on a shared machine
+        "postgres_commits_per_run": round(commits, 1),
         "runs": runs,
         "failed": await stack.failed(run_ids),
         "runs_per_s": round(runs / elapsed, 2),
@@ -514,10 +532,12 @@ async def measure(
     floor_calls: int,
     profile_into: Path | None = None,
     idle_s: float = IDLE_S,
+    stats_settle_s: float = STATS_SETTLE_S,
 ) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), limits=limits) as http:
         stack = _Stack(layout, endpoints, http)
+        stack.stats_settle_s = stats_settle_s
         memory = pss_by_tree(stack.roots)
         idle = await idle_rate(stack, idle_s)
         shapes = {}
@@ -559,7 +579,11 @@ async def measure(
 
 
 def run(
-    runs: int = RUNS, floor_calls: int = FLOOR_CALLS, profile: bool = False, idle_s: float = IDLE_S
+    runs: int = RUNS,
+    floor_calls: int = FLOOR_CALLS,
+    profile: bool = False,
+    idle_s: float = IDLE_S,
+    stats_settle_s: float = STATS_SETTLE_S,
 ) -> dict[str, Any]:
     """Start a stack (with the refund trigger rule beside the shipped ones), measure (and, with
     ``profile`` and py-spy installed, profile the services under two-step runs), stop it."""
@@ -568,7 +592,7 @@ def run(
         settings = {"FLEET_POLICY_DIR": str(policy), "FLEET_SQL_CONNECTIONS_PER_TENANT": str(IN_FLIGHT)}
         with running_stack(Path(tmp) / "fleet", **settings) as (layout, endpoints):
             into = Path(tmp) / "profiles" if profile and _profile.available() else None
-            return asyncio.run(measure(layout, endpoints, runs, floor_calls, into, idle_s))
+            return asyncio.run(measure(layout, endpoints, runs, floor_calls, into, idle_s, stats_settle_s))
 
 
 def main(runs: int = RUNS) -> dict[str, Any]:
@@ -617,6 +641,9 @@ def section(result: Mapping[str, Any]) -> str:
         "| stack / floor | " + " | ".join(f"{shape['vs_floor']}x" for shape in shapes.values()) + " |\n"
         "| of which the idle stack's background | "
         + " | ".join(f"{shape['background_cpu_ms_per_run']}" for shape in shapes.values())
+        + " |\n"
+        "| Postgres commits per run | "
+        + " | ".join(f"{shape.get('postgres_commits_per_run', '')}" for shape in shapes.values())
         + " |\n"
         "| runs/s (8 in flight) | "
         + " | ".join(f"{shape['runs_per_s']}" for shape in shapes.values())

@@ -91,6 +91,7 @@ ALTER TABLE fleet_runs.push_configs ADD COLUMN IF NOT EXISTS principal text;
 ALTER TABLE fleet_runs.push_configs ADD COLUMN IF NOT EXISTS reach_all boolean NOT NULL DEFAULT false;
 """
 
+COALESCE_S = 0.05  # after a wake-up, before the claim: the events committed meanwhile come with it
 _CLAIM = """
 WITH due AS (
     SELECT c.task_id, c.config_id FROM fleet_runs.push_configs c
@@ -321,13 +322,16 @@ class PushDispatcher:
 
     async def run(self, notifier: RunNotifier) -> None:
         """Deliver until cancelled; wake on new events (of any run, through the process's one
-        ``notifier``), and at least every ``poll_s`` for retries."""
+        ``notifier``), and at least every ``poll_s`` for retries. A wake-up waits ``COALESCE_S`` for
+        the rest of its burst (a step commits several events at once), so that a burst costs one
+        claim, not one per event of every run."""
         with notifier.watch() as wakeup:
             while True:
                 try:
                     wakeup.arm()
                     if not await self.deliver_due():
                         await wakeup.wait(self._poll_s)
+                        await asyncio.sleep(COALESCE_S)
                 except Exception:  # the dispatcher outlives any failure (database down, a bug): log, retry
                     log.exception("push dispatcher failed; retrying")
                     await asyncio.sleep(self._poll_s)

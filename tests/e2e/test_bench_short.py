@@ -17,12 +17,14 @@ pytestmark = pytest.mark.e2e
 
 
 def test_the_cost_benchmark_runs_every_shape_and_its_floor() -> None:
-    result = cost.run(runs=2, floor_calls=40, idle_s=1.0)
+    result = cost.run(runs=2, floor_calls=40, idle_s=1.0, stats_settle_s=0.0)
     assert set(result["shapes"]) == set(cost.SHAPE_PARTS)
     for name, shape in result["shapes"].items():
         assert shape["failed"] == 0, name
         assert shape["stack_cpu_ms_per_run"] > 0 and shape["floor_ms_per_run"] > 0, name
         assert len(shape["stack_cpu_ms_per_run_rounds"]) == cost.ROUNDS
+    # the runs database's commits are read (statistics reach it within a second: over every round)
+    assert sum(shape["postgres_commits_per_run"] for shape in result["shapes"].values()) > 0
     # the runs were served by the services that do them
     assert result["shapes"]["two-step"]["cpu_ms_per_run_by_service"]["sql-analyst"] > 0
     assert result["shapes"]["approved"]["cpu_ms_per_run_by_service"]["case-desk"] > 0
