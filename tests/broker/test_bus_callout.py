@@ -76,6 +76,7 @@ async def _door(
     policy: Any,
     key: SigningKey | None = None,
     store_answers: asyncio.Event | None = None,
+    own_key: SigningKey | None = None,
 ) -> Door:
     """The registry's door on ``url``, with one enrolled identity, ``stats`` (of ``key``). A record
     read waits for ``store_answers`` when given (the store failing over: while it is clear, no read
@@ -87,6 +88,13 @@ async def _door(
     requests: list[str] = []
 
     async def identity(identity_id: str) -> IdentityRecord | None:
+        if identity_id == "registry" and own_key is not None:  # itself: its own key, no store read
+            return IdentityRecord(
+                id="registry",
+                kind="registry",
+                keys={own_key.kid: own_key.public_jwk()},
+                enrolled_at=time.time(),
+            )
         requests.append(identity_id)
         if store_answers is not None:
             await store_answers.wait()
@@ -163,9 +171,9 @@ async def test_a_connection_whose_time_is_up_is_closed_and_comes_back_with_fresh
         await collect_what_nats_py_left()
 
 
-def _raw_connect(url: str, key: SigningKey) -> str:
-    """What the bus answers a CONNECT of identity ``stats`` (see :func:`answer_to_connect`)."""
-    options = Credentials("stats", key=key).connect_options()
+def _raw_connect(url: str, key: SigningKey, identity: str = "stats") -> str:
+    """What the bus answers a CONNECT of ``identity`` (see :func:`answer_to_connect`)."""
+    options = Credentials(identity, key=key).connect_options()
     return answer_to_connect(
         int(url.rsplit(":", 1)[1]),
         lambda info: {
@@ -317,5 +325,35 @@ async def test_a_known_identity_is_let_in_from_its_last_record_while_the_store_d
         assert door.authority.admitted == 2
     finally:
         store_answers.set()
+        await door.authority.stop()
+        await collect_what_nats_py_left()
+
+
+async def test_a_door_full_of_waiting_requests_refuses_one_more_but_never_the_registry_itself(
+    secured: tuple[str, BusKeys], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the door's requests all waiting on the store (its cap 2 here, each read waiting 5 s),
+    one more connection is refused at once, while the registry's own is let in: its way back to
+    the store is never shut by the others."""
+    monkeypatch.setattr("registry._callout.MAX_ANSWERING", 2)
+    monkeypatch.setattr("registry._callout.STORE_WAIT_S", 5.0)
+    url, keys = secured
+    own = SigningKey.generate()
+    store_answers = asyncio.Event()
+    store_answers.set()
+    door = await _door(tmp_path, url, keys, ShortLived(ttl_s=3600), store_answers=store_answers, own_key=own)
+    stuck = [  # each ends by itself: the server gives up on its answer after 3 s
+        asyncio.create_task(asyncio.to_thread(_raw_connect, url, SigningKey.generate(), f"stuck-{n}"))
+        for n in range(2)
+    ]
+    try:
+        await asyncio.sleep(0.3)  # both are waiting on the store
+        assert "Authorization Violation" in await asyncio.to_thread(_raw_connect, url, door.key)
+        assert door.authority.refused == 1 and door.authority.admitted == 0
+        # one try, while the two still wait: let in at once
+        assert "PONG" in await asyncio.to_thread(_raw_connect, url, own, "registry")
+        assert door.authority.admitted == 1
+    finally:
+        await asyncio.gather(*stuck, return_exceptions=True)
         await door.authority.stop()
         await collect_what_nats_py_left()
