@@ -847,18 +847,13 @@ class PostgresRunStore:
     async def events_after(
         self, run_id: str, tenant: str, after_seq: int, limit: int = 500, *, owner: str | None = None
     ) -> list[RunEvent]:
-        """Events of the run with ``seq > after_seq``, in order (tenant- and owner-checked)."""
-        async with self._pool.connection() as conn:
-            cursor = conn.cursor(row_factory=dict_row)
-            await cursor.execute(
-                "SELECT e.run_id, e.seq, e.type, e.ts, e.actor, e.payload FROM fleet_runs.events e"
-                " JOIN fleet_runs.runs r USING (run_id)"
-                " WHERE e.run_id = %s AND r.tenant = %s AND (%s::text IS NULL OR r.owner = %s)"
-                " AND e.seq > %s ORDER BY e.seq LIMIT %s",
-                (run_id, tenant, owner, owner, after_seq, limit),
-            )
-            rows = await cursor.fetchall()
-        return [RunEvent(**row) for row in rows]
+        """Events of the run with ``seq > after_seq``, in order (tenant- and owner-checked; none
+        for a run the tenant, or ``owner``, does not have)."""
+        try:
+            events, _, _ = await self._page_and_state(run_id, tenant, after_seq, limit, owner)
+        except RunNotFound:
+            return []
+        return events
 
     async def follow(
         self, run_id: str, tenant: str, after_seq: int, notifier: RunNotifier, *, owner: str | None = None
