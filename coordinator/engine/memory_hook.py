@@ -35,6 +35,14 @@ class RunMemory:
         self.server_id = server_id
         self.timeout_s = timeout_s
         self._server: tuple[McpServerRecord, float] | None = None  # the record, and when it was read
+        # one session kept with the server: a consolidation is one request, each with its own token
+        self._http = mcp_client.http_client(auth=mcp_client.ContextBearer(), timeout=timeout_s)
+        self._sessions = mcp_client.Sessions(self._http)
+
+    async def aclose(self) -> None:
+        """Close the session with the memory server and its HTTP client."""
+        await self._sessions.aclose()
+        await self._http.aclose()
 
     async def _server_record(self) -> McpServerRecord:
         """The memory server's record: read from the registry once per ``SERVER_FRESH_S``, not per
@@ -57,12 +65,13 @@ class RunMemory:
             log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
             return None
         try:
-            result = await mcp_client.call_tool(
-                server.url, "consolidate", {"run_id": run_id}, token=token, http_timeout=self.timeout_s
-            )
+            with mcp_client.bearer(token), mcp_client.transit() as record:
+                async with self._sessions.session(server.url, revision=str(server.registered_at)) as client:
+                    result = await client.call_tool("consolidate", {"run_id": run_id})
         except Exception as exc:  # a memory server that is down must not touch the run
             self._server = None  # it may have moved: read its record again next time
-            log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(exc).__name__, exc)
+            failed = record.error or exc  # what failed in transit, not the SDK's stand-in for it
+            log.warning("run %s: memory not consolidated (%s: %s)", run_id, type(failed).__name__, failed)
             return None
         error = error_of(result)
         if error is not None:

@@ -667,6 +667,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
         "token_endpoint", engine, local=settings.local_stack, event_hooks=transport.hooks()
     )
     delegator = Delegator(registry, http, store.run_grant, engine, outbound)
+    memory = RunMemory(registry)
     worker = RunWorker(
         build_graph(delegator, saver, load_workflows(settings.workflows)),
         store,
@@ -677,7 +678,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
         # id, and in a container every worker may be pid 1.
         worker_id=f"{settings.service_id}:{os.getpid()}:{secrets.token_hex(4)}",
         lease_ttl_s=settings.lease_ttl_s,
-        memory=RunMemory(registry),
+        memory=memory,
     )
     readiness = Readiness(settings.service_id, "worker")
     enrolled = asyncio.Event()
@@ -692,6 +693,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
             await stack.enter_async_context(http)
             await stack.enter_async_context(outbound)
             stack.push_async_callback(registry.aclose)
+            stack.push_async_callback(memory.aclose)
             await stack.enter_async_context(pool_for_checkpoints)
             await stack.enter_async_context(run_pool)
             await saver.setup()

@@ -200,9 +200,11 @@ class Toolbox:
         caller: Claims | None = None,
         catalog: ToolCatalog | None = None,
         meter: BudgetMeter | None = None,
+        sessions: mcp_client.Sessions | None = None,
     ) -> None:
         self._registry = registry
         self._http = http
+        self._sessions = sessions or mcp_client.Sessions(http)
         self._calls = calls
         self._caller = caller
         self._meter = meter
@@ -214,7 +216,11 @@ class Toolbox:
         """The same toolbox, reporting its calls to ``calls`` (one running skill's), acting for
         ``caller`` (the verified claims the skill was called with) and counting its calls against
         ``meter`` (the task's budget)."""
-        return Toolbox(self._registry, self._http, calls, caller, self.catalog, meter)
+        return Toolbox(self._registry, self._http, calls, caller, self.catalog, meter, self._sessions)
+
+    async def aclose(self) -> None:
+        """Close the MCP sessions this toolbox (and every skill's, which share them) keeps open."""
+        await self._sessions.aclose()
 
     @property
     def all_answered(self) -> bool:
@@ -301,15 +307,19 @@ class Toolbox:
     ) -> CallToolResult:
         repeatable = _repeatable(server, tool)
         reached_once = False  # whether some attempt may have reached the tool
+        revision = str(server.registered_at)  # a server registered again gets a session of its own
         for attempt in range(1, CALL_ATTEMPTS + 1):
             sent = False  # whether the tools/call request may have reached the server
             grant.last_status = 0
             try:
-                async with mcp_client.session(server.url, self._http) as client:
-                    sent = True
-                    return await client.call_tool(tool, arguments)
+                with mcp_client.transit() as record:
+                    async with self._sessions.session(server.url, revision=revision) as client:
+                        sent = True
+                        return await client.call_tool(tool, arguments)
             except Exception as exc:
-                cut = _transit_failure(exc, grant, server.id)  # raises what no attempt can help
+                # what failed in transit, as the transport saw it (the SDK reports a stand-in)
+                failed = exc if record.error is None else record.error
+                cut = _transit_failure(failed, grant, server.id)  # raises what no attempt can help
                 why = _describe(cut, grant.last_status)
                 reached = sent and not isinstance(cut, _NOT_SENT)
                 reached_once = reached_once or reached
@@ -892,6 +902,7 @@ def build_specialist_app(
             await stack.enter_async_context(http)
             stack.push_async_callback(registry.aclose)
             await stack.enter_async_context(mcp_http)
+            stack.push_async_callback(tools.aclose)  # before the HTTP client its sessions use
             stack.callback(journal.close)
             pruner = asyncio.create_task(_prune_journal(journal), name="journal-pruner")
             stack.push_async_callback(_cancelled, pruner)

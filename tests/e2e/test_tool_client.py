@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -56,6 +57,7 @@ class Proxy:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.faults: list[str] = []
+        self.methods: Counter[str] = Counter()  # the JSON-RPC methods of the requests it forwarded
         self.port = 0
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
@@ -108,6 +110,8 @@ class Proxy:
                     0,
                 )
                 body = await client_in.readexactly(length)
+                with contextlib.suppress(ValueError, AttributeError):
+                    self.methods[json.loads(body).get("method", "?")] += 1
                 fault = self.faults.pop(0) if b'"tools/call"' in body and self.faults else None
                 if fault == "503":
                     client_out.write(
@@ -280,7 +284,9 @@ async def world(stack: Stack, tmp_path: Path) -> AsyncIterator[World]:
         stack_of.push_async_callback(client.aclose)
         await client.enroll()
         mcp_http = await stack_of.enter_async_context(mcp_http_client())
-        yield World(server_id, Toolbox(client, mcp_http), client, proxy, gate, ran)
+        toolbox = Toolbox(client, mcp_http)
+        stack_of.push_async_callback(toolbox.aclose)
+        yield World(server_id, toolbox, client, proxy, gate, ran)
 
 
 async def test_the_catalog_says_which_tools_a_repeat_is_harmless_for(world: World) -> None:
@@ -303,6 +309,41 @@ async def test_a_refused_token_is_renewed_once_and_the_call_runs_once(world: Wor
     assert renewed != first
     # The refused token is out of the client's cache: the next call uses the fresh one.
     assert await world.client.tokens.token(world.server_id, TENANT, [SCOPE]) == renewed
+
+
+async def test_calls_after_the_first_are_one_request_each_on_a_kept_session(world: World) -> None:
+    # A session per call sent a handshake and a tools/list (to validate the result) with every
+    # call: three or four requests, each authenticated and served. A kept session sends the call.
+    assert await world.call("lookup") == {"value": 42}
+    world.proxy.methods.clear()
+    await asyncio.gather(*(world.call("lookup") for _ in range(8)))
+    for i in range(4):
+        assert await world.call("put", key=f"k{i}") == {"key": f"k{i}"}
+    assert world.proxy.methods == Counter({"tools/call": 12})
+    assert world.ran["lookup"] == 9 and world.ran["put"] == 4
+
+
+async def test_a_call_cut_in_transit_fails_alone_not_the_calls_beside_it_on_the_session(
+    world: World,
+) -> None:
+    assert await world.call("lookup") == {"value": 42}  # the session is open
+    world.proxy.faults = ["drop"]  # the first of the calls below to reach the proxy is cut
+    outcomes = await asyncio.gather(
+        *(world.call("append", text=str(i)) for i in range(6)), return_exceptions=True
+    )
+    unknown = [o for o in outcomes if isinstance(o, OutcomeUnknown)]
+    assert len(unknown) == 1, outcomes  # the cut one; the others' answers all arrived
+    assert len([o for o in outcomes if isinstance(o, dict)]) == 5
+    assert world.ran["append"] == 6  # each ran once: the cut one too (its answer was lost)
+
+
+async def test_a_call_on_a_kept_session_carries_its_own_token_not_the_opener_s(world: World) -> None:
+    assert await world.call("lookup") == {"value": 42}  # opens the session with this token
+    opener = world.gate.accepted[-1]
+    world.client.tokens.discard(opener)  # the next call gets a token of its own
+    assert await world.call("lookup") == {"value": 42}
+    assert world.proxy.methods["tools/call"] == 2
+    assert world.gate.accepted[-1] != opener
 
 
 async def test_a_token_refused_again_after_renewal_fails_with_unauthenticated(world: World) -> None:
