@@ -7,6 +7,12 @@ rule ``invoices-closed``), interleaved with their baselines:
   with ``tenant/source/id`` as ``Nats-Msg-Id`` (one in five a repeat of the id before it, which the
   stream drops within its 100 ms window), ``CONCURRENCY`` publishes in flight; baseline: the
   same publishes without a message id (no de-duplication). Target (durable pauses issue): >= 3,000/s.
+* admission: ``ADMIT_EVENTS`` events of the shipped trigger rule published at once (``CONCURRENCY``
+  publishes in flight) with every worker stopped, for a tenant whose ingest rate the benchmark's
+  policy raises (the shipped default, 100 a second with a burst of 2,000, would be what is
+  measured); the time from the first publish until every event is acked, which the ingest does only
+  once its run is durable and its work message queued, and every run exists. Baseline: the same
+  publishes alone (the stream's pace). Target (cost issue): >= 500 runs/s admitted.
 * event -> run started: one event at a time; the time from the publish to the moment the run is
   durable (its row and first events committed, announced by Postgres ``NOTIFY``); baseline: publish
   to delivery of the same message to a plain core-NATS subscriber. Target: p50 <= 25 ms.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import statistics
 import time
 import uuid
@@ -27,17 +34,23 @@ from typing import Any
 
 import psycopg
 
+from coordinator.control.triggers import CONSUMER as TRIGGERS_CONSUMER
 from coordinator.record.notifier import NOTIFY_CHANNEL
 from fleet.events import EVENTS_STREAM, EventMessage, ensure_event_streams, event_message
 from fleet.natsconn import connect
 from fleetctl.layout import stack_admin
+from fleetctl.testing.pauses import stop_workers
 from fleetctl.testing.stack import running_stack
+from policy import DEFAULT_BUNDLE_DIR
 
 INGEST_EVENTS = 6000
 CONCURRENCY = 64
 LATENCY_EVENTS = 100
 INGEST_TARGET = 3000.0
 LATENCY_TARGET_MS = 25.0
+ADMIT_EVENTS = 4000
+ADMIT_TENANT = "admit"
+ADMIT_TARGET = 500.0
 UNMATCHED = "fleet.events.bench.ingest"  # no trigger rule: measures the stream, not the runs
 MATCHED = "fleet.events.invoices.closed"
 
@@ -111,6 +124,70 @@ async def delivery_latency(client: Any, count: int = LATENCY_EVENTS) -> list[flo
     return latencies
 
 
+def admission_policy(root: Path) -> Path:
+    """The shipped bundle, with the admission tenant's event ingest rate raised out of the way."""
+    bundle = root / "fleet"
+    shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
+    data = json.loads((bundle / "data.json").read_text())
+    data["config"]["limits"]["fair"]["event_ingest"]["tenants"][ADMIT_TENANT] = {
+        "per_second": 100_000,
+        "burst": 100_000,
+    }
+    (bundle / "data.json").write_text(json.dumps(data))
+    return bundle
+
+
+async def admission(client: Any, dsn: str, events: int = ADMIT_EVENTS) -> dict[str, Any]:
+    """Runs admitted per second from a burst of events with no worker running (see the module's
+    doc), beside the rate at which the stream took the same events."""
+    js = client.jetstream()
+    batch = uuid.uuid4().hex[:8]
+    messages = [
+        event_message(
+            MATCHED,
+            tenant=ADMIT_TENANT,
+            source="bench",
+            type_="invoices.closed",
+            data={"i": i},
+            event_id=f"admit-{batch}-{i}",
+        )
+        for i in range(events)
+    ]
+    queue: asyncio.Queue[EventMessage] = asyncio.Queue()
+    for item in messages:
+        queue.put_nowait(item)
+
+    async def publisher() -> None:
+        while not queue.empty():
+            message = queue.get_nowait()
+            await js.publish(message.subject, message.payload, headers=message.headers)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(publisher() for _ in range(CONCURRENCY)))
+    published_s = time.perf_counter() - started
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while True:
+            consumer = await js.consumer_info(EVENTS_STREAM, TRIGGERS_CONSUMER)
+            cursor = await conn.execute(
+                "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND request->'event'->>'id' LIKE %s",
+                (ADMIT_TENANT, f"admit-{batch}-%"),
+            )
+            row = await cursor.fetchone()
+            runs = int(row[0]) if row else 0
+            if consumer.num_pending == 0 and consumer.num_ack_pending == 0 and runs >= events:
+                break
+            if time.perf_counter() - started > 600:
+                raise TimeoutError(f"{runs} of {events} runs admitted after 600 s")
+            await asyncio.sleep(0.05)
+    admitted_s = time.perf_counter() - started
+    return {
+        "events": events,
+        "runs_admitted_per_s": round(events / admitted_s),
+        "stream_took_per_s": round(events / published_s),
+        "target_per_s": ADMIT_TARGET,
+    }
+
+
 async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
     client = await connect(endpoints["nats"], "bench-events", credentials=stack_admin(endpoints))
     try:
@@ -127,6 +204,8 @@ async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
             seen = {str(row[0]) for row in await cursor.fetchall()}
         to_run = await _to_run_latency(client, dsn, seen)
         delivery = await delivery_latency(client)
+        stop_workers(endpoints)  # the runs are admitted and wait, queued; nothing runs them
+        admitted = await admission(client, dsn)
         info = await js.stream_info(EVENTS_STREAM)
     finally:
         await client.drain()
@@ -143,13 +222,17 @@ async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
         "delivery_p50_ms": round(p50_delivery, 3),
         "latency_target_ms": LATENCY_TARGET_MS,
         "stream_messages": info.state.messages,
+        "admission": admitted,
     }
 
 
 def main() -> dict[str, Any]:
     with (
         TemporaryDirectory(prefix="fleet-bench-") as tmp,
-        running_stack(Path(tmp) / "fleet") as (layout, endpoints),
+        running_stack(Path(tmp) / "fleet", FLEET_POLICY_DIR=str(admission_policy(Path(tmp) / "policy"))) as (
+            layout,
+            endpoints,
+        ),
     ):
         password = (layout.keys_dir / "postgres-password.secret").read_text().strip()
         dsn = f"postgresql://postgres:{password}@127.0.0.1:{endpoints['postgres_port']}/fleet"

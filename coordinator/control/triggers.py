@@ -42,7 +42,7 @@ from nats.js.client import JetStreamContext
 
 from coordinator.planning.plan import PlanError, parse_steps
 from coordinator.record import work
-from coordinator.record.runs import BatchClosed, PostgresRunStore
+from coordinator.record.runs import BatchClosed, NewRun, PostgresRunStore
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import (
     DEAD_LETTER_SUBJECT,
@@ -116,10 +116,16 @@ def batch_run_id(tenant: str, rule: str, window: int) -> str:
     return str(uuid.uuid5(_BATCH_NAMESPACE, f"{tenant}/{rule}/{window}"))
 
 
+def _settled(outcome: str | NewRun | BaseException) -> str | BaseException:
+    if isinstance(outcome, NewRun):
+        raise AssertionError(f"run {outcome.run_id} was neither created nor failed")
+    return outcome
+
+
 class TriggerIngest:
     """Turns events into runs (see the module's doc)."""
 
-    def __init__(self, client: NATS, runs: PostgresRunStore, engine: PolicyEngine, batch: int = 16) -> None:
+    def __init__(self, client: NATS, runs: PostgresRunStore, engine: PolicyEngine, batch: int = 64) -> None:
         self._client = client
         self._runs = runs
         self._engine = engine
@@ -156,15 +162,48 @@ class TriggerIngest:
                 log.warning("could not fetch events", exc_info=True)
                 await asyncio.sleep(backoff_s(failed, base_s=RETRY_DELAY_S / 4, cap_s=RETRY_DELAY_S * 4))
                 continue
-            settled = await asyncio.gather(*(self.handle(m) for m in messages), return_exceptions=True)
-            for outcome in settled:
+            for outcome in await self.settle(messages):
                 if isinstance(outcome, Exception):  # e.g. a dead letter that could not be published:
                     # the event stays unacked and comes back after ack_wait
                     log.warning("an event could not be settled", exc_info=outcome)
 
+    async def settle(self, messages: list[Msg]) -> list[str | BaseException]:
+        """Settle a fetch of events; what became of each: ``started``, ``batched``, ``ignored``,
+        ``dead``, ``retry`` or ``deferred`` (over its tenant's rate), or the error that left it
+        unsettled (it is delivered again).
+
+        Each event is decided on its own; the runs they start are then created together, in one
+        transaction, and their work messages published together, so that a burst of events becomes
+        runs at the broker's pace rather than at a transaction per event. An event is acked only
+        once its run is durable and queued; a failure of the transaction leaves every event of it
+        to be delivered again (a run id is derived from its event: a second delivery finds the run)."""
+        decided = await asyncio.gather(*(self._decide(m) for m in messages), return_exceptions=True)
+        starting = [(m, run) for m, run in zip(messages, decided, strict=True) if isinstance(run, NewRun)]
+        if starting:
+            try:
+                await self._runs.create_runs([run for _, run in starting])
+            except Exception as exc:  # every event of the transaction is kept, to come back
+                failed = await asyncio.gather(
+                    *(self._failed(m, exc) for m, _ in starting), return_exceptions=True
+                )
+                started = dict(zip((id(m) for m, _ in starting), failed, strict=True))
+            else:
+                submitted = await asyncio.gather(
+                    *(self._submit(m, run) for m, run in starting), return_exceptions=True
+                )
+                started = dict(zip((id(m) for m, _ in starting), submitted, strict=True))
+            decided = [started.get(id(m), d) for m, d in zip(messages, decided, strict=True)]
+        return [_settled(d) for d in decided]
+
     async def handle(self, message: Msg) -> str:
-        """Settle one event; what became of it: ``started``, ``ignored``, ``dead``, ``retry`` or
-        ``deferred`` (over its tenant's rate)."""
+        """Settle one event (see :meth:`settle`)."""
+        outcome = (await self.settle([message]))[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def _decide(self, message: Msg) -> str | NewRun:
+        """What an event is to do: the run it starts (not created yet), or what became of it."""
         try:
             event = parse_event(message.subject, message.data, message.headers)
             wait_s = await self._over_rate(event.tenant)
@@ -175,20 +214,39 @@ class TriggerIngest:
             await self._dead_letter(message, exc)
             return "dead"
         except Exception as exc:  # infrastructure trouble: the event is kept
-            delivered = message.metadata.num_delivered
-            if delivered >= MAX_DELIVER:
-                why = FleetError.from_dict(exc.to_dict()) if isinstance(exc, FleetError) else None
-                failed = f"failed {delivered} times; last: {exc if why is None else why.message}"
-                await self._dead_letter(message, FleetError(ErrorCode.INTERNAL, failed, cause=why))
-                return "dead"
-            log.warning(
-                "event on %s failed (delivery %d); retrying", message.subject, delivered, exc_info=True
-            )
-            with contextlib.suppress(Exception):
-                await message.nak(delay=RETRY_DELAY_S * delivered)
-            return "retry"
-        await message.ack()
+            return await self._failed(message, exc)
+        if not isinstance(outcome, NewRun):
+            await message.ack()
         return outcome
+
+    async def _submit(self, message: Msg, run: NewRun) -> str:
+        """Queue the created run for the workers, then ack its event."""
+        try:
+            await work.submit_run(self._client, run.run_id, tenant=run.tenant)
+        except Exception as exc:  # the run is durable; its event comes back and submits it again
+            return await self._failed(message, exc)
+        await message.ack()
+        log.info("event on %s started run %s", message.subject, run.run_id)
+        return "started"
+
+    async def _failed(self, message: Msg, exc: Exception) -> str:
+        """An event whose settling failed for infrastructure trouble: delivered again (after a
+        delay), or dead-lettered with the reason once delivered ``MAX_DELIVER`` times."""
+        delivered = message.metadata.num_delivered
+        if delivered >= MAX_DELIVER:
+            why = FleetError.from_dict(exc.to_dict()) if isinstance(exc, FleetError) else None
+            failed = f"failed {delivered} times; last: {exc if why is None else why.message}"
+            await self._dead_letter(message, FleetError(ErrorCode.INTERNAL, failed, cause=why))
+            return "dead"
+        log.warning(
+            "event on %s failed (delivery %d); retrying",
+            message.subject,
+            delivered,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        with contextlib.suppress(Exception):
+            await message.nak(delay=RETRY_DELAY_S * delivered)
+        return "retry"
 
     async def _over_rate(self, tenant: str) -> float:
         """0 if an event of ``tenant`` may be taken now (and counted), else the seconds until one may."""
@@ -215,7 +273,7 @@ class TriggerIngest:
         await message.nak(delay=delay_s)
         return "deferred"
 
-    async def _start(self, event: Event) -> str:
+    async def _start(self, event: Event) -> str | NewRun:
         await self._deliver_to_waiting(event)
         decision = await self._engine.decide(
             "fleet.triggers.decision",
@@ -241,18 +299,13 @@ class TriggerIngest:
             steps = parse_steps(fill_template(template.get("steps"), event))
         except PlanError as exc:
             raise EventError(f"trigger {decision.result.get('rule')}: {exc.message}") from exc
-        run_id = event.run_id()
         request = {
             "event": event.envelope(),
             "trigger": decision.result.get("rule"),
             "policy_decision": decision.decision_id,
         }
-        await self._runs.create_run(
-            run_id, event.tenant, f"event:{event.source}", request, [s.to_dict() for s in steps]
-        )
-        await work.submit_run(self._client, run_id, tenant=event.tenant)
-        log.info("event %s on %s started run %s", event.id, event.subject, run_id)
-        return "started"
+        plan = [s.to_dict() for s in steps]
+        return NewRun(event.run_id(), event.tenant, f"event:{event.source}", request, plan)
 
     async def _add_to_batch(self, event: Event, rule: str, template: dict[str, Any]) -> str:
         """Add the event's data as an item of its tenant's batch run for the rule and the event's

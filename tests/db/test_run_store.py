@@ -10,7 +10,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.record.notifier import RunNotifier
-from coordinator.record.runs import PostgresRunStore, RunNotFound, RunState, StaleLease
+from coordinator.record.runs import NewRun, PostgresRunStore, RunNotFound, RunState, StaleLease
 
 
 @pytest.fixture
@@ -201,3 +201,30 @@ async def test_secrets_never_reach_the_event_log_or_the_recorded_request(store: 
     assert "sk-live-1" not in logged and jwt not in logged and "hunter2" not in logged
     assert events[-1].payload["redacted"] == 2
     assert events[0].payload["steps"] == [{"id": "s1", "skill": "x"}]  # the plan's shape, not its inputs
+
+
+async def test_many_runs_are_created_in_one_go_each_as_one_would_be(store: PostgresRunStore) -> None:
+    jwt = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJlLXZhbHVl"
+    plan = [{"id": "s1", "skill": "x", "input": {"n": 1}}]
+    await store.create_run("b0", "acme", "operator", {}, plan)  # exists already: left as it is
+    runs = [NewRun(f"b{i}", "acme", "event:billing", {"text": f"Bearer {jwt}", "i": i}, plan) for i in range(5)]
+    assert await store.create_runs(runs) == {"b1", "b2", "b3", "b4"}
+    assert await store.create_runs(runs) == set()  # again: nothing new
+    for i in range(1, 5):
+        run = await store.get_run(f"b{i}", "acme")
+        assert (run.state, run.last_seq, run.owner, run.plan) == (RunState.SUBMITTED, 1, "event:billing", plan)
+        assert jwt not in str(run.request) and run.request["i"] == i
+        events = await store.events_after(f"b{i}", "acme", 0)
+        assert [(e.seq, e.type, e.payload["steps"]) for e in events] == [
+            (1, "run.submitted", [{"id": "s1", "skill": "x"}])
+        ]
+    assert (await store.get_run("b0", "acme")).owner == "operator"
+
+
+async def test_a_failure_creating_many_runs_creates_none(store: PostgresRunStore) -> None:
+    plan = [{"id": "s1", "skill": "x", "input": {}}]
+    runs = [NewRun("c1", "acme", "o", {}, plan), NewRun("c2", "acme", "o", {"bad": "\x00"}, plan)]
+    with pytest.raises(Exception):  # noqa: B017 - Postgres refuses a NUL in text
+        await store.create_runs(runs)
+    with pytest.raises(RunNotFound):
+        await store.get_run("c1", "acme")
