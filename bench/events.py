@@ -188,7 +188,9 @@ async def admission(client: Any, dsn: str, events: int = ADMIT_EVENTS) -> dict[s
     }
 
 
-async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
+async def measure(endpoints: dict[str, Any], dsn: str, *, stop: bool = True) -> dict[str, Any]:
+    """The benchmark on a running stack (``stop``: its workers are stopped before the admission,
+    as on a stack of its own; the short form leaves a shared stack's running)."""
     client = await connect(endpoints["nats"], "bench-events", credentials=stack_admin(endpoints))
     try:
         js = client.jetstream()
@@ -204,8 +206,9 @@ async def measure(endpoints: dict[str, Any], dsn: str) -> dict[str, Any]:
             seen = {str(row[0]) for row in await cursor.fetchall()}
         to_run = await _to_run_latency(client, dsn, seen)
         delivery = await delivery_latency(client)
-        stop_workers(endpoints)  # the runs are admitted and wait, queued; nothing runs them
-        admitted = await admission(client, dsn)
+        if stop:
+            stop_workers(endpoints)  # the runs are admitted and wait, queued; nothing runs them
+        admitted = await admission(client, dsn, ADMIT_EVENTS)
         info = await js.stream_info(EVENTS_STREAM)
     finally:
         await client.drain()

@@ -42,7 +42,7 @@ from nats.js.client import JetStreamContext
 
 from coordinator.planning.plan import PlanError, parse_steps
 from coordinator.record import work
-from coordinator.record.runs import BatchClosed, NewRun, PostgresRunStore
+from coordinator.record.runs import BatchClosed, NewRun, PostgresRunStore, Unstorable
 from fleet.errors import ErrorCode, FleetError
 from fleet.events import (
     DEAD_LETTER_SUBJECT,
@@ -116,9 +116,14 @@ def batch_run_id(tenant: str, rule: str, window: int) -> str:
     return str(uuid.uuid5(_BATCH_NAMESPACE, f"{tenant}/{rule}/{window}"))
 
 
-def _settled(outcome: str | NewRun | BaseException) -> str | BaseException:
-    if isinstance(outcome, NewRun):
-        raise AssertionError(f"run {outcome.run_id} was neither created nor failed")
+def _wait_key(event: Event) -> tuple[str, str, str, str]:
+    """What the runs waiting for ``event`` are found by (see PostgresRunStore.awaiting_events)."""
+    return (event.tenant, event.subject, event.type, event.source)
+
+
+def _settled(outcome: str | NewRun | Event | BaseException) -> str | BaseException:
+    if isinstance(outcome, NewRun | Event):
+        raise AssertionError(f"{outcome!r} was left unsettled")
     return outcome
 
 
@@ -176,22 +181,33 @@ class TriggerIngest:
         transaction, and their work messages published together, so that a burst of events becomes
         runs at the broker's pace rather than at a transaction per event. An event is acked only
         once its run is durable and queued; a failure of the transaction leaves every event of it
-        to be delivered again (a run id is derived from its event: a second delivery finds the run)."""
-        decided = await asyncio.gather(*(self._decide(m) for m in messages), return_exceptions=True)
+        to be created one at a time, so that an event whose run cannot be stored fails alone (a run
+        id is derived from its event: a second delivery finds the run)."""
+        taken = await asyncio.gather(*(self._take(m) for m in messages), return_exceptions=True)
+        events = [(m, e) for m, e in zip(messages, taken, strict=True) if isinstance(e, Event)]
+        try:  # the runs waiting for these events, in one statement
+            waiting = await self._runs.awaiting_events([_wait_key(e) for _, e in events])
+            deciding = [self._decide(m, e, waiting[_wait_key(e)]) for m, e in events]
+        except Exception as exc:
+            deciding = [self._failed(m, exc) for m, _ in events]
+        outcomes = dict(
+            zip(
+                (id(m) for m, _ in events),
+                await asyncio.gather(*deciding, return_exceptions=True),
+                strict=True,
+            )
+        )
+        decided = [outcomes.get(id(m), t) for m, t in zip(messages, taken, strict=True)]
         starting = [(m, run) for m, run in zip(messages, decided, strict=True) if isinstance(run, NewRun)]
         if starting:
             try:
                 await self._runs.create_runs([run for _, run in starting])
-            except Exception as exc:  # every event of the transaction is kept, to come back
-                failed = await asyncio.gather(
-                    *(self._failed(m, exc) for m, _ in starting), return_exceptions=True
-                )
-                started = dict(zip((id(m) for m, _ in starting), failed, strict=True))
-            else:
-                submitted = await asyncio.gather(
-                    *(self._submit(m, run) for m, run in starting), return_exceptions=True
-                )
-                started = dict(zip((id(m) for m, _ in starting), submitted, strict=True))
+                settling = [self._submit(m, run) for m, run in starting]
+            except Exception:  # one event's run may be what failed it: each alone, so that one fails alone
+                log.warning("creating %d runs together failed: one at a time", len(starting), exc_info=True)
+                settling = [self._start_alone(m, run) for m, run in starting]
+            settled = await asyncio.gather(*settling, return_exceptions=True)
+            started = dict(zip((id(m) for m, _ in starting), settled, strict=True))
             decided = [started.get(id(m), d) for m, d in zip(messages, decided, strict=True)]
         return [_settled(d) for d in decided]
 
@@ -202,14 +218,25 @@ class TriggerIngest:
             raise outcome
         return outcome
 
-    async def _decide(self, message: Msg) -> str | NewRun:
-        """What an event is to do: the run it starts (not created yet), or what became of it."""
+    async def _take(self, message: Msg) -> Event | str:
+        """The event, if it is well formed and within its tenant's rate; else what became of it."""
         try:
             event = parse_event(message.subject, message.data, message.headers)
             wait_s = await self._over_rate(event.tenant)
             if wait_s:
                 return await self._put_back(message, event.tenant, wait_s)
-            outcome = await self._start(event)
+        except EventError as exc:
+            await self._dead_letter(message, exc)
+            return "dead"
+        except Exception as exc:  # infrastructure trouble: the event is kept
+            return await self._failed(message, exc)
+        return event
+
+    async def _decide(self, message: Msg, event: Event, waiting: list[tuple[str, str]]) -> str | NewRun:
+        """What an event is to do (``waiting``: the runs that wait for it): the run it starts (not
+        created yet), or what became of it."""
+        try:
+            outcome = await self._start(event, waiting)
         except EventError as exc:
             await self._dead_letter(message, exc)
             return "dead"
@@ -218,6 +245,19 @@ class TriggerIngest:
         if not isinstance(outcome, NewRun):
             await message.ack()
         return outcome
+
+    async def _start_alone(self, message: Msg, run: NewRun) -> str:
+        """Create one event's run in a transaction of its own, then queue it: a run that cannot be
+        stored as it is (:class:`Unstorable`, e.g. a NUL character in the event's text) is
+        dead-lettered with the reason at once; other trouble leaves the event to come back."""
+        try:
+            await self._runs.create_runs([run])
+        except Unstorable as exc:
+            await self._dead_letter(message, exc)
+            return "dead"
+        except Exception as exc:
+            return await self._failed(message, exc)
+        return await self._submit(message, run)
 
     async def _submit(self, message: Msg, run: NewRun) -> str:
         """Queue the created run for the workers, then ack its event."""
@@ -273,8 +313,8 @@ class TriggerIngest:
         await message.nak(delay=delay_s)
         return "deferred"
 
-    async def _start(self, event: Event) -> str | NewRun:
-        await self._deliver_to_waiting(event)
+    async def _start(self, event: Event, waiting: list[tuple[str, str]]) -> str | NewRun:
+        await self._deliver_to_waiting(event, waiting)
         decision = await self._engine.decide(
             "fleet.triggers.decision",
             {
@@ -383,12 +423,11 @@ class TriggerIngest:
             ) from exc
         await work.submit_run(self._client, run_id, f"closed-{seq}", event.tenant)
 
-    async def _deliver_to_waiting(self, event: Event) -> None:
-        """Answer the waits of the tenant's runs that wait for this event (an event wait step: its
-        logical subject, and its type and source if the wait names them), and hand those runs back to
-        the workers. Only the runs of the event's tenant (its subject's) are asked. A wait answered
-        already (a redelivery) is left alone."""
-        waiting = await self._runs.awaiting_event(event.tenant, event.subject, event.type, event.source)
+    async def _deliver_to_waiting(self, event: Event, waiting: list[tuple[str, str]]) -> None:
+        """Answer the waits of the tenant's runs that wait for this event (``waiting``: those of
+        its tenant, its subject's, with an event wait step on its logical subject, and its type and
+        source if the wait names them), and hand those runs back to the workers. A wait answered
+        already (a redelivery, or another event of the same fetch) is left alone."""
         for run_id, awaited in waiting:
             try:
                 seq = await self._runs.answer_wait(

@@ -268,6 +268,13 @@ def _outline(step: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in step.items() if key not in ("input", "for_each")}
 
 
+class Unstorable(FleetError):
+    """A run that Postgres cannot store as it is (e.g. a NUL character in its request's text)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.INVALID_REQUEST, message)
+
+
 @dataclass(frozen=True)
 class NewRun:
     """A run to create (see :meth:`PostgresRunStore.create_runs`)."""
@@ -460,10 +467,18 @@ class PostgresRunStore:
     async def create_runs(self, runs: list[NewRun]) -> set[str]:
         """Create many runs (each as :meth:`create_run` would, with no grant) in one transaction
         of a few round trips: the ids of the runs created (the others existed already). All or
-        none: a failure creates none of them."""
+        none: a failure creates none of them; :class:`Unstorable` if what one of them holds cannot
+        be stored."""
         if not runs:
             return set()
         recorded = [(await redact_async(run.request))[0] for run in runs]
+        try:
+            return await self._insert_runs(runs, recorded)
+        except psycopg.DataError as exc:  # what a run holds, not the database: it fails every time
+            what = exc.diag.message_primary or str(exc)
+            raise Unstorable(f"a run cannot be stored as it is ({what})") from exc
+
+    async def _insert_runs(self, runs: list[NewRun], recorded: list[dict[str, Any]]) -> set[str]:
         async with self._pool.connection() as conn, conn.transaction():
             cursor = conn.cursor()
             await cursor.executemany(
@@ -784,25 +799,37 @@ class PostgresRunStore:
             await conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, run_id))
         return seq
 
-    async def awaiting_event(
-        self, tenant: str, subject: str, event_type: str, source: str
-    ) -> list[tuple[str, str]]:
-        """(run id, awaited) of the tenant's runs that wait for an event on the logical ``subject``
-        (of ``event_type`` and from ``source``, if their wait names them). For the trigger ingest,
-        which passes the tenant and source of the event's NATS subject."""
+    async def awaiting_events(
+        self, keys: list[tuple[str, str, str, str]]
+    ) -> dict[tuple[str, str, str, str], list[tuple[str, str]]]:
+        """For each (tenant, subject, type, source) of ``keys``: (run id, awaited) of the tenant's
+        runs that wait for an event on the logical ``subject`` (of that type and from that source,
+        if their wait names them). For the trigger ingest, which passes the tenant and source of
+        each event's NATS subject. One statement (a burst of events mostly shares one key: each
+        distinct key is asked once)."""
+        distinct = list(dict.fromkeys(keys))
+        found: dict[tuple[str, str, str, str], list[tuple[str, str]]] = {key: [] for key in distinct}
+        if not distinct:
+            return found
+        columns = [list(column) for column in zip(*distinct, strict=True)]
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
-                "SELECT run_id, r->>'awaited' FROM fleet_runs.runs,"
+                "SELECT q.i, runs.run_id, r->>'awaited'"
+                " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[]) WITH ORDINALITY"
+                "  AS q(tenant, subject, event_type, source, i)"
+                " JOIN fleet_runs.runs ON runs.tenant = q.tenant AND runs.state = 'waiting'"
                 # the requests of the wait record (see wait_requests): its detail, then the others
-                " jsonb_array_elements(jsonb_build_array(COALESCE(wait->'detail', '{}')"
+                " CROSS JOIN LATERAL jsonb_array_elements(jsonb_build_array(COALESCE(wait->'detail', '{}')"
                 "  || jsonb_build_object('type', wait->'type', 'awaited', wait->'awaited'))"
                 "  || COALESCE(wait->'detail'->'others', wait->'detail'->'requests', '[]')) AS r"
-                " WHERE state = 'waiting' AND tenant = %s AND r->>'type' = 'event' AND r->>'subject' = %s"
-                " AND (r->>'event_type' IS NULL OR r->>'event_type' = %s)"
-                " AND (r->>'event_source' IS NULL OR r->>'event_source' = %s)",
-                (tenant, subject, event_type, source),
+                " WHERE r->>'type' = 'event' AND r->>'subject' = q.subject"
+                " AND (r->>'event_type' IS NULL OR r->>'event_type' = q.event_type)"
+                " AND (r->>'event_source' IS NULL OR r->>'event_source' = q.source)",
+                columns,
             )
-            return [(str(row[0]), str(row[1])) for row in await cursor.fetchall()]
+            for i, run_id, awaited in await cursor.fetchall():
+                found[distinct[int(i) - 1]].append((str(run_id), str(awaited)))
+        return found
 
     async def waits_due(self, limit: int = 100) -> list[Run]:
         """Waiting runs whose deadline has passed, or whose warning is due and not yet given. For

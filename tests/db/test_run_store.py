@@ -6,7 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from coordinator.record.notifier import RunNotifier
@@ -207,12 +209,19 @@ async def test_many_runs_are_created_in_one_go_each_as_one_would_be(store: Postg
     jwt = "eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJlLXZhbHVl"
     plan = [{"id": "s1", "skill": "x", "input": {"n": 1}}]
     await store.create_run("b0", "acme", "operator", {}, plan)  # exists already: left as it is
-    runs = [NewRun(f"b{i}", "acme", "event:billing", {"text": f"Bearer {jwt}", "i": i}, plan) for i in range(5)]
+    runs = [
+        NewRun(f"b{i}", "acme", "event:billing", {"text": f"Bearer {jwt}", "i": i}, plan) for i in range(5)
+    ]
     assert await store.create_runs(runs) == {"b1", "b2", "b3", "b4"}
     assert await store.create_runs(runs) == set()  # again: nothing new
     for i in range(1, 5):
         run = await store.get_run(f"b{i}", "acme")
-        assert (run.state, run.last_seq, run.owner, run.plan) == (RunState.SUBMITTED, 1, "event:billing", plan)
+        assert (run.state, run.last_seq, run.owner, run.plan) == (
+            RunState.SUBMITTED,
+            1,
+            "event:billing",
+            plan,
+        )
         assert jwt not in str(run.request) and run.request["i"] == i
         events = await store.events_after(f"b{i}", "acme", 0)
         assert [(e.seq, e.type, e.payload["steps"]) for e in events] == [
@@ -228,3 +237,40 @@ async def test_a_failure_creating_many_runs_creates_none(store: PostgresRunStore
         await store.create_runs(runs)
     with pytest.raises(RunNotFound):
         await store.get_run("c1", "acme")
+
+
+async def test_the_runs_waiting_for_events_are_found_for_many_events_at_once(
+    store: PostgresRunStore, pg_dsn: str
+) -> None:
+    closed = "fleet.events.invoices.closed"
+    waits = {
+        "w1": ("acme", {"type": "event", "awaited": "event:a", "detail": {"subject": closed}}),
+        "w2": (
+            "acme",
+            {
+                "type": "approval",
+                "awaited": "gate:g",
+                "detail": {
+                    "others": [
+                        {"type": "event", "awaited": "event:b", "subject": closed, "event_source": "erp"}
+                    ]
+                },
+            },
+        ),
+        "w3": ("globex", {"type": "event", "awaited": "event:c", "detail": {"subject": closed}}),
+        "w4": ("acme", {"type": "event", "awaited": "event:d", "detail": {"subject": "fleet.events.other"}}),
+    }
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        for run_id, (tenant, wait) in waits.items():
+            await store.create_run(run_id, tenant, "operator", {})
+            await conn.execute(
+                "UPDATE fleet_runs.runs SET state = 'waiting', wait = %s WHERE run_id = %s",
+                (Jsonb(wait), run_id),
+            )
+    from_erp = ("acme", closed, "invoices.closed", "erp")
+    from_crm = ("acme", closed, "invoices.closed", "crm")
+    found = await store.awaiting_events([from_erp, from_crm, ("globex", closed, "x", "erp"), from_erp])
+    assert sorted(found[from_erp]) == [("w1", "event:a"), ("w2", "event:b")]
+    assert found[from_crm] == [("w1", "event:a")]  # w2 waits for erp's alone
+    assert found[("globex", closed, "x", "erp")] == [("w3", "event:c")]  # its tenant's runs only
+    assert await store.awaiting_events([]) == {}

@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from bench import checkpoint_overhead, cost, policy_plane, tool_plane
+from bench import checkpoint_overhead, cost, events, policy_plane, tool_plane
+from fleetctl.testing.e2e import Stack
 from fleetctl.testing.nats import embedded_nats
 from fleetctl.testing.postgres import embedded_postgres
 
@@ -65,3 +66,14 @@ def test_the_policy_plane_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> Non
     with embedded_nats() as url:
         pushed = asyncio.run(policy_plane.push_to_enforced(url))
     assert decided and pushed["pushes"] == 2 and pushed["enforced"]["max_ms"] > 0
+
+
+def test_the_events_benchmark_runs_on_the_shared_stack(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ingest, event-to-run latency and admission with a few events each (its workers keep running:
+    the stack is shared; the admission's tenant is under the shipped ingest rate's burst)."""
+    monkeypatch.setattr(events, "INGEST_EVENTS", 60)
+    monkeypatch.setattr(events, "LATENCY_EVENTS", 3)
+    monkeypatch.setattr(events, "ADMIT_EVENTS", 20)
+    result = asyncio.run(events.measure(stack.endpoints, stack.pg_dsn("fleet"), stop=False))
+    assert result["ingest_per_s_with_dedup"] > 0 and result["event_to_run_p50_ms"] > 0
+    assert result["admission"]["events"] == 20 and result["admission"]["runs_admitted_per_s"] > 0

@@ -282,6 +282,38 @@ async def test_an_event_no_rule_matches_starts_nothing_and_distinct_events_start
     assert await runs_owned_by(stack, f"event:{source}") == len(ids) + 1  # none for the weather event
 
 
+async def test_an_event_whose_run_cannot_be_stored_is_dead_lettered_at_once_and_its_burst_still_starts(
+    stack: Stack,
+) -> None:
+    """The ingest creates a fetch's runs in one transaction: one event that Postgres refuses (a NUL
+    character in its data, which JSON allows and jsonb does not) must fail alone, at once, with its
+    reason, not take the others of its transaction with it nor come back five times."""
+    source = f"burst-{uuid.uuid4().hex[:8]}"
+    ids = [f"{source}-{i}" for i in range(30)]
+    poison = f"{source}-nul"
+    client = await connect(stack.endpoints["nats"], "test-producer", credentials=stack_admin(stack.endpoints))
+    try:
+        for event_id in ids[:15]:
+            await publish_raw(client, on("bulk", source), envelope(event_id), event_id)
+        await publish_raw(client, on("bulk", source), envelope(poison, data={"note": "a\u0000b"}), poison)
+        for event_id in ids[15:]:
+            await publish_raw(client, on("bulk", source), envelope(event_id), event_id)
+    finally:
+        await client.drain()
+    (letter,) = await dead_letters_of(stack, poison, 1)
+    assert letter["error"]["code"] == "invalid_request", letter
+    assert "cannot be stored" in letter["reason"]
+    assert letter["deliveries"] == 1  # refused at once: what it holds fails every time
+    started = [run_id_for("bulk", source, event_id) for event_id in ids]
+    async with asyncio.timeout(60):
+        while True:
+            if len(await runs_among(stack, started)) == len(ids):
+                break
+            await asyncio.sleep(0.3)
+    assert await runs_among(stack, started) == sorted((run_id, "bulk", 1) for run_id in started)
+    assert await runs_among(stack, [run_id_for("bulk", source, poison)]) == []
+
+
 async def test_a_run_waits_for_an_event_of_its_tenant_and_source_and_goes_on_with_it(stack: Stack) -> None:
     from fleetctl.testing.e2e import send, user_message
 
