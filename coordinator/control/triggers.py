@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import uuid
+from collections import Counter
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -56,7 +57,7 @@ from fleet.events import (
 from fleet.rates import RateLimits
 from fleet.retry import backoff_s, retrying
 from fleet.vocabulary import EventType
-from policy import PolicyEngine
+from policy import Decision, PolicyEngine
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +168,13 @@ class TriggerIngest:
                 log.warning("could not fetch events", exc_info=True)
                 await asyncio.sleep(backoff_s(failed, base_s=RETRY_DELAY_S / 4, cap_s=RETRY_DELAY_S * 4))
                 continue
-            for outcome in await self.settle(messages):
+            outcomes = await self.settle(messages)
+            for outcome in outcomes:
                 if isinstance(outcome, Exception):  # e.g. a dead letter that could not be published:
                     # the event stays unacked and comes back after ack_wait
                     log.warning("an event could not be settled", exc_info=outcome)
+            counts = Counter(o for o in outcomes if isinstance(o, str))
+            log.info("%d events settled: %s", len(messages), ", ".join(f"{n} {o}" for o, n in counts.items()))
 
     async def settle(self, messages: list[Msg]) -> list[str | BaseException]:
         """Settle a fetch of events; what became of each: ``started``, ``batched``, ``ignored``,
@@ -183,7 +187,8 @@ class TriggerIngest:
         once its run is durable and queued; a failure of the transaction leaves every event of it
         to be created one at a time, so that an event whose run cannot be stored fails alone (a run
         id is derived from its event: a second delivery finds the run)."""
-        taken = await asyncio.gather(*(self._take(m) for m in messages), return_exceptions=True)
+        limits: dict[str, asyncio.Future[Decision]] = {}  # each tenant's ingest rate, decided once a fetch
+        taken = await asyncio.gather(*(self._take(m, limits) for m in messages), return_exceptions=True)
         events = [(m, e) for m, e in zip(messages, taken, strict=True) if isinstance(e, Event)]
         try:  # the runs waiting for these events, in one statement
             waiting = await self._runs.awaiting_events([_wait_key(e) for _, e in events])
@@ -218,11 +223,12 @@ class TriggerIngest:
             raise outcome
         return outcome
 
-    async def _take(self, message: Msg) -> Event | str:
-        """The event, if it is well formed and within its tenant's rate; else what became of it."""
+    async def _take(self, message: Msg, limits: dict[str, asyncio.Future[Decision]]) -> Event | str:
+        """The event, if it is well formed and within its tenant's rate (``limits``: the rates
+        decided for this fetch, by tenant); else what became of it."""
         try:
             event = parse_event(message.subject, message.data, message.headers)
-            wait_s = await self._over_rate(event.tenant)
+            wait_s = await self._over_rate(event.tenant, limits)
             if wait_s:
                 return await self._put_back(message, event.tenant, wait_s)
         except EventError as exc:
@@ -266,7 +272,7 @@ class TriggerIngest:
         except Exception as exc:  # the run is durable; its event comes back and submits it again
             return await self._failed(message, exc)
         await message.ack()
-        log.info("event on %s started run %s", message.subject, run.run_id)
+        log.debug("event on %s started run %s", message.subject, run.run_id)
         return "started"
 
     async def _failed(self, message: Msg, exc: Exception) -> str:
@@ -288,9 +294,14 @@ class TriggerIngest:
             await message.nak(delay=RETRY_DELAY_S * delivered)
         return "retry"
 
-    async def _over_rate(self, tenant: str) -> float:
-        """0 if an event of ``tenant`` may be taken now (and counted), else the seconds until one may."""
-        decision = await self._engine.decide("fleet.limits.fair.event_ingest", {"tenant": tenant})
+    async def _over_rate(self, tenant: str, limits: dict[str, asyncio.Future[Decision]]) -> float:
+        """0 if an event of ``tenant`` may be taken now (and counted), else the seconds until one may.
+        The tenant's rate is decided once for a fetch (``limits``), each event counted against it."""
+        if tenant not in limits:
+            limits[tenant] = asyncio.ensure_future(
+                self._engine.decide("fleet.limits.fair.event_ingest", {"tenant": tenant})
+            )
+        decision = await limits[tenant]
         if not decision.allow:  # the policy cannot be evaluated: retried, then dead-lettered
             raise FleetError(ErrorCode.POLICY_UNAVAILABLE, "; ".join(decision.reasons))
         return self._rates.take((tenant,), decision.result)
@@ -333,7 +344,7 @@ class TriggerIngest:
         if template and template.get("batch"):
             return await self._add_to_batch(event, str(decision.result.get("rule")), template)
         if not template:
-            log.info("event %s on %s: no trigger", event.id, event.subject)
+            log.debug("event %s on %s: no trigger", event.id, event.subject)
             return "ignored"
         try:
             steps = parse_steps(fill_template(template.get("steps"), event))
