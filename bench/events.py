@@ -65,6 +65,12 @@ async def _ingest_rate(js: Any, dedup: bool) -> float:
         )
         for i, event_id in enumerate(ids)
     ]
+    return INGEST_EVENTS / await _publish_all(js, messages, with_ids=dedup)
+
+
+async def _publish_all(js: Any, messages: list[EventMessage], *, with_ids: bool = True) -> float:
+    """Seconds to publish ``messages`` to the stream, ``CONCURRENCY`` in flight (``with_ids``: with
+    their ``Nats-Msg-Id``, which the stream de-duplicates by)."""
     queue: asyncio.Queue[EventMessage] = asyncio.Queue()
     for item in messages:
         queue.put_nowait(item)
@@ -72,11 +78,11 @@ async def _ingest_rate(js: Any, dedup: bool) -> float:
     async def publisher() -> None:
         while not queue.empty():
             message = queue.get_nowait()
-            await js.publish(message.subject, message.payload, headers=message.headers if dedup else None)
+            await js.publish(message.subject, message.payload, headers=message.headers if with_ids else None)
 
     started = time.perf_counter()
     await asyncio.gather(*(publisher() for _ in range(CONCURRENCY)))
-    return INGEST_EVENTS / (time.perf_counter() - started)
+    return time.perf_counter() - started
 
 
 async def _to_run_latency(client: Any, dsn: str, seen: set[str]) -> list[float]:
@@ -156,18 +162,8 @@ async def admission(client: Any, dsn: str, events: int = ADMIT_EVENTS) -> dict[s
         )
         for i in range(events)
     ]
-    queue: asyncio.Queue[EventMessage] = asyncio.Queue()
-    for item in messages:
-        queue.put_nowait(item)
-
-    async def publisher() -> None:
-        while not queue.empty():
-            message = queue.get_nowait()
-            await js.publish(message.subject, message.payload, headers=message.headers)
-
     started = time.perf_counter()
-    await asyncio.gather(*(publisher() for _ in range(CONCURRENCY)))
-    published_s = time.perf_counter() - started
+    published_s = await _publish_all(js, messages)
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while True:
             consumer = await js.consumer_info(EVENTS_STREAM, TRIGGERS_CONSUMER)

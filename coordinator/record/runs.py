@@ -479,30 +479,36 @@ class PostgresRunStore:
             raise Unstorable(f"a run cannot be stored as it is ({what})") from exc
 
     async def _insert_runs(self, runs: list[NewRun], recorded: list[dict[str, Any]]) -> set[str]:
+        # One statement per table (arrays unnested), not one per run: three round trips for any number.
         async with self._pool.connection() as conn, conn.transaction():
-            cursor = conn.cursor()
-            await cursor.executemany(
+            cursor = await conn.execute(
                 "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request, plan, last_seq)"
-                " VALUES (%s, %s, %s, %s, %s, %s, 1) ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
-                [
-                    (run.run_id, run.tenant, run.owner, RunState.SUBMITTED.value, Jsonb(r), Jsonb(run.plan))
-                    for run, r in zip(runs, recorded, strict=True)
-                ],
-                returning=True,
+                " SELECT id, tenant, owner, %s, request, plan, 1"
+                " FROM unnest(%s::text[], %s::text[], %s::text[], %s::jsonb[], %s::jsonb[])"
+                "  AS r(id, tenant, owner, request, plan)"
+                " ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
+                (
+                    RunState.SUBMITTED.value,
+                    [run.run_id for run in runs],
+                    [run.tenant for run in runs],
+                    [run.owner for run in runs],
+                    [Jsonb(r) for r in recorded],
+                    [Jsonb(run.plan) for run in runs],
+                ),
             )
-            created: set[str] = set()
-            while True:
-                created.update(str(row[0]) for row in await cursor.fetchall())
-                if not cursor.nextset():
-                    break
+            created = {str(row[0]) for row in await cursor.fetchall()}
             new = [run for run in runs if run.run_id in created]
             if new:
-                await cursor.executemany(
-                    "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload) VALUES (%s, 1, %s, %s, %s)",
-                    [
-                        (run.run_id, EventType.RUN_SUBMITTED, run.owner, Jsonb(logged(_submitted(run.plan))))
-                        for run in new
-                    ],
+                await conn.execute(
+                    "INSERT INTO fleet_runs.events (run_id, seq, type, actor, payload)"
+                    " SELECT id, 1, %s, actor, payload FROM unnest(%s::text[], %s::text[], %s::jsonb[])"
+                    "  AS e(id, actor, payload)",
+                    (
+                        EventType.RUN_SUBMITTED,
+                        [run.run_id for run in new],
+                        [run.owner for run in new],
+                        [Jsonb(logged(_submitted(run.plan))) for run in new],
+                    ),
                 )
                 await conn.execute(
                     "SELECT pg_notify(%s, id) FROM unnest(%s::text[]) AS id",
