@@ -9,7 +9,9 @@ For each event (a durable pull consumer on the events stream, see :mod:`fleet.ev
    or to nothing (the event is acked and counted: not every event needs a run);
 3. the run is created with an id derived from the tenant, source and event id, so a redelivered or
    republished event finds its run instead of making a second one (the ingest is idempotent by
-   (tenant, source, id); the stream's own de-duplication is not relied on), and submitted;
+   (tenant, source, id); the stream's own de-duplication is not relied on), and submitted (the
+   runs of a fetch's events are created in one transaction and submitted together: see
+   :meth:`TriggerIngest.settle`);
 4. only then is the event acked. A failure on the way (the database, the broker) leaves it unacked:
    it is delivered again, up to ``MAX_DELIVER`` times, and then dead-lettered with the reason. A
    dead letter is acked, so it blocks nothing behind it.
@@ -215,13 +217,6 @@ class TriggerIngest:
             started = dict(zip((id(m) for m, _ in starting), settled, strict=True))
             decided = [started.get(id(m), d) for m, d in zip(messages, decided, strict=True)]
         return [_settled(d) for d in decided]
-
-    async def handle(self, message: Msg) -> str:
-        """Settle one event (see :meth:`settle`)."""
-        outcome = (await self.settle([message]))[0]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
 
     async def _take(self, message: Msg, limits: dict[str, asyncio.Future[Decision]]) -> Event | str:
         """The event, if it is well formed and within its tenant's rate (``limits``: the rates
