@@ -169,7 +169,7 @@ class Sessions:
     A session of its own per call costs the server's handshake (``server/discover``, or
     ``initialize`` and its notification for an older server) and a ``tools/list`` that the SDK sends
     to validate the result against the tool's output schema, each a request the server
-    authenticates and serves: four requests for one call. A kept session pays them once. The
+    authenticates and serves: three or four requests for one call. A kept session pays them once. The
     servers are stateless (no session id, nothing held for a caller), and each request's bearer is
     read when it is sent, from the caller's context (the HTTP client's ``auth``): a session
     serves every caller of the process with each one's own token.
@@ -183,6 +183,7 @@ class Sessions:
         self._http = http
         self._kept_max = kept
         self._kept: dict[tuple[str, str], _Kept] = {}
+        self._holding: set[asyncio.Task[None]] = set()  # every session's task, dropped ones' too
         self._closed = False
 
     @contextlib.asynccontextmanager
@@ -226,6 +227,8 @@ class Sessions:
         kept = _Kept(key, time.monotonic(), asyncio.get_running_loop().create_future())
         # the session is entered and left in a task of its own: other callers' tasks use it between
         kept.task = asyncio.create_task(self._hold(kept), name=f"mcp-session {key[0]}")
+        self._holding.add(kept.task)
+        kept.task.add_done_callback(self._holding.discard)
         self._kept[key] = kept
         return kept
 
@@ -249,14 +252,13 @@ class Sessions:
             kept.done.set()
 
     async def aclose(self) -> None:
-        """Close every session (after the calls in flight on them end)."""
+        """Close every session, the dropped ones still in use too (after the calls in flight on
+        them end)."""
         self._closed = True
-        held = list(self._kept.values())
-        for kept in held:
+        for kept in list(self._kept.values()):
             self._retire(kept)
-        tasks = [k.task for k in held if k.task is not None]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._holding:
+            await asyncio.gather(*self._holding, return_exceptions=True)
 
 
 _bearer: contextvars.ContextVar[str | None] = contextvars.ContextVar("mcp_bearer", default=None)

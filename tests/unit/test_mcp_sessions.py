@@ -178,3 +178,20 @@ async def test_a_server_that_cannot_be_reached_fails_the_call_and_is_tried_afres
     with pytest.raises(Exception):  # noqa: B017
         await _call(sessions, "http://127.0.0.1:1/mcp", "t", "x")
     assert sessions._kept == {}  # nothing kept for a server that never answered
+
+
+async def test_closing_waits_for_a_dropped_session_still_in_use(server: tuple[str, Seen]) -> None:
+    url, seen = server
+    async with httpx2.AsyncClient(auth=mcp_client.ContextBearer()) as http:
+        sessions = mcp_client.Sessions(http)
+        in_flight = asyncio.create_task(_call(sessions, url, "t", "slow", tool="slow"))
+        await seen.started.wait()
+        with pytest.raises(RuntimeError, match="cut"):  # drops the session the slow call is on
+            async with sessions.session(url):
+                raise RuntimeError("cut")
+        closing = asyncio.create_task(sessions.aclose())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # the dropped session is still serving a call
+        seen.release.set()
+        assert await in_flight == {"value": "slow"}
+        await asyncio.wait_for(closing, 10)
