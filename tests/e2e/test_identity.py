@@ -348,11 +348,13 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
     try:
         old_token = stack.token("coordinator")
         old_mcp_token = stack.token("mcp-sql", scopes=("sql:query",))
+        # `stack.token` runs the CLI and blocks this loop: no call of it while the load runs, or the
+        # load's own connects time out here, in the test, while the fleet is answering.
+        admin = stack.token("registry", scopes=("registry:admin",))
+        headers = {"Authorization": f"Bearer {admin}"}
         stop, outcomes = asyncio.Event(), []
         load = asyncio.gather(*(_hammer(stack, stop, outcomes) for _ in range(4)))
         await _until(lambda: len(outcomes) >= 40)  # load before the rotation (however fast this host)
-        admin = stack.token("registry", scopes=("registry:admin",))
-        headers = {"Authorization": f"Bearer {admin}"}
         async with httpx.AsyncClient() as http:
             # Two steps: the registry makes a key; it signs with it once the operator certifies it.
             pending = await http.post(stack.endpoints["registry"] + "/v1/issuer/rotate", headers=headers)
@@ -364,7 +366,8 @@ async def test_rotating_the_registry_key_under_load_fails_no_call_and_revoking_t
                 headers=headers,
             )
             assert uncertified.status_code == 401, uncertified.text  # not by the operator's key
-            assert jwt.get_unverified_header(stack.token("coordinator"))["kid"] != jwk["kid"]
+            current = await asyncio.to_thread(stack.token, "coordinator")
+            assert jwt.get_unverified_header(current)["kid"] != jwk["kid"]
             operator = SigningKey.load_or_create(stack.layout.key_file("operator"))
             rotated = await http.post(
                 stack.endpoints["registry"] + "/v1/issuer/certificate",
