@@ -19,6 +19,7 @@ from bench import (
     cost,
     delegation,
     events,
+    footprint,
     memory,
     pauses,
     policy_plane,
@@ -78,6 +79,7 @@ BENCHMARKS = {
     "bus": bus.main,
     "abuse": abuse.main,
     "cost": cost.main,
+    "footprint": footprint.main,
 }
 
 
@@ -227,6 +229,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (bus.summary_row(results["bus"]) + "\n" if "bus" in results else "")
         + (abuse.summary_row(results["abuse"]) + "\n" if "abuse" in results else "")
         + (cost.summary_row(results["cost"]) + "\n" if "cost" in results else "")
+        + (footprint.summary_row(results["footprint"]) + "\n" if "footprint" in results else "")
         + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
@@ -403,6 +406,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (bus.section(results["bus"]) if "bus" in results else "")
         + (abuse.section(results["abuse"]) if "abuse" in results else "")
         + (cost.section(results["cost"]) if "cost" in results else "")
+        + (footprint.section(results["footprint"]) if "footprint" in results else "")
     )
 
 

@@ -55,6 +55,11 @@ class FleetSettings(BaseSettings):
     tls: bool = Field(default=False, description="NATS and every service over TLS, on a CA of the data dir's")
     pg_dsn: str | None = Field(default=None, description="use this Postgres instead of starting one")
     log_level: str = "info"
+    fork_server: bool = Field(
+        default=True,
+        description="fork every service from one process that imported the platform's code once (less"
+        " memory, a faster start); false: start each as its own interpreter",
+    )
     manifest: Path | None = Field(
         default=None, description="a fleet manifest (fleet.toml) whose services to run; default ./fleet.toml"
     )

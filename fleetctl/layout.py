@@ -86,6 +86,23 @@ class StackLayout:
     def log_file(self, name: str) -> Path:
         return self.logs_dir / f"{name}.log"
 
+    def service_env_file(self, service_id: str) -> Path:
+        """The settings a service of the running stack was started with (``FLEET_*``, mode 0600;
+        neither its enrollment token nor its listening socket), to start another like it."""
+        return self.run_dir / "services" / f"{service_id}.env.json"
+
+    def write_service_env(self, service_id: str, env: Mapping[str, str]) -> None:
+        path = self.service_env_file(service_id)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dict(env), fh, indent=2)
+        path.with_suffix(".tmp").replace(path)
+
+    def read_service_env(self, service_id: str) -> dict[str, str]:
+        env: dict[str, str] = json.loads(self.service_env_file(service_id).read_text())
+        return env
+
     def log_tail(self, name: str, lines: int = 15) -> str:
         try:
             text = self.log_file(name).read_text(errors="replace")

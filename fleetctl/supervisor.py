@@ -3,6 +3,8 @@
 It starts NATS and Postgres (unless the settings point at existing ones), then every service of
 :mod:`deploy.local_stack` as its own process on a loopback socket that the supervisor binds and hands
 down (so there is no port race), waits until each reports healthy, and writes ``endpoints.json``.
+The services are forked from one process that imported the platform's code once
+(:mod:`fleetctl.forkserver`; ``FLEET_FORK_SERVER=false`` starts each as its own interpreter).
 
 Children run in their own session (a terminal's Ctrl-C reaches only the supervisor, which stops them in
 reverse order) and receive SIGTERM from the kernel if the supervisor itself dies.
@@ -52,6 +54,7 @@ from fleet.natsconn import Credentials, connect
 from fleet.settings import DEFAULT_ISSUER, FleetSettings
 from fleet.tlsca import LocalTls, local_tls
 from fleetctl import stacklock
+from fleetctl.forkserver import Forked, ForkServer
 from fleetctl.layout import StackLayout
 from policy import DEFAULT_BUNDLE_DIR
 
@@ -62,7 +65,8 @@ T = TypeVar("T")
 START_TIMEOUT_S = 60.0
 PORT_ATTEMPTS = 3
 STOP_TIMEOUT_S = 10.0
-INFRASTRUCTURE = ("nats", "postgres")
+FORK_SERVER = "forkserver"
+INFRASTRUCTURE = (FORK_SERVER, "nats", "postgres")  # stopped after the services, in reverse
 _PR_SET_PDEATHSIG = 1
 # Looked up once, here: loading a library between fork and exec is not safe.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -121,7 +125,7 @@ def start_tiers(services: tuple[ServiceSpec, ...]) -> list[list[ServiceSpec]]:
 @dataclass(slots=True)
 class _Child:
     name: str
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | Forked
     log_file: TextIO
     stop_signal: int = signal.SIGTERM
 
@@ -138,6 +142,7 @@ class Supervisor:
     endpoints: dict[str, Any] = field(default_factory=dict)
     _lock_fd: int | None = None
     _tls: LocalTls | None = None
+    _forks: ForkServer | None = None
 
     @property
     def roster(self) -> tuple[ServiceSpec, ...]:
@@ -168,6 +173,8 @@ class Supervisor:
         keys_dir = self._bus_keys_dir(tls)
         self._certify_registry_key(operator)
         roster = self.roster
+        if self.settings.fork_server:  # it imports while NATS and Postgres start
+            await self._start_fork_server()
         nats_url = self.settings.nats_url or await self._start_nats(previous)
         self.progress(f"nats ready at {nats_url}")
         replicas = self.settings.nats_replicas if self.settings.nats_url else 1
@@ -317,6 +324,9 @@ class Supervisor:
         for tier in STOP_TIERS:
             await asyncio.gather(*(self._stop_child(c) for c in services if self._kind(c.name) in tier))
         await asyncio.gather(*(self._stop_child(c) for c in services if self._kind(c.name) is None))
+        if self._forks is not None:
+            self._forks.close()  # the fork server exits when its socket closes
+            self._forks = None
         for child in reversed(infrastructure):
             await self._stop_child(child)
         self.children.clear()
@@ -376,6 +386,36 @@ class Supervisor:
             **as_user(user),
         )
         child = _Child(name, process, log_file, stop_signal)
+        self.children.append(child)
+        return child
+
+    async def _start_fork_server(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs.set_inheritable(True)
+        try:
+            argv = [sys.executable, "-m", "fleetctl.forkserver", str(theirs.fileno())]
+            await self._spawn(FORK_SERVER, argv, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._forks = ForkServer(ours)
+
+    async def _fork(self, name: str, env: dict[str, str], sock: socket.socket) -> _Child:
+        """Start the service ``name`` forked from the fork server, with the environment ``_spawn``
+        would give it."""
+        assert self._forks is not None
+        log_file = self.layout.log_file(name).open("a", buffering=1)
+        log_file.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {name} (forked)\n")
+        try:
+            forked = await self._forks.fork(
+                name, name, {**os.environ, **env}, sock.fileno(), log_file.fileno()
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        child = _Child(name, forked, log_file)
         self.children.append(child)
         return child
 
@@ -465,9 +505,15 @@ class Supervisor:
             "FLEET_PUBLIC_URL": url,
             "FLEET_ENROLLMENT_TOKEN": enrollment_token(operator, spec),
         }
-        argv = [sys.executable, "-m", "fleetctl", "serve", spec.id]
+        self.layout.write_service_env(
+            spec.id, {k: v for k, v in env.items() if k not in ("FLEET_LISTEN_FD", "FLEET_ENROLLMENT_TOKEN")}
+        )
         try:
-            child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
+            if self._forks is not None:
+                child = await self._fork(spec.id, env, sock)
+            else:
+                argv = [sys.executable, "-m", "fleetctl", "serve", spec.id]
+                child = await self._spawn(spec.id, argv, env=env, pass_fds=(sock.fileno(),))
         finally:
             sock.close()
         ca = self._tls.ca_file if self._tls is not None else None

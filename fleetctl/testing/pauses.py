@@ -111,17 +111,13 @@ async def disk_bytes(url: str) -> dict[str, int]:
     return sizes
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-
-
 def stop_workers(endpoints: dict[str, Any]) -> dict[str, dict[str, str]]:
     """Stop every worker process: SIGTERM, and SIGKILL for one still alive after 20 s (a worker
     busy with a backlog may take longer to drain than a pause should wait). Their environments,
     to start them again."""
     workers = {name: pid for name, pid in endpoints["processes"].items() if name.startswith("worker")}
-    environments = {name: _environ(pid) for name, pid in workers.items()}
+    layout = StackLayout.at(Path(endpoints["data_dir"]))
+    environments = {name: {**os.environ, **layout.read_service_env(name)} for name in workers}
     for stop, grace_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
         for pid in workers.values():
             if _running(pid):

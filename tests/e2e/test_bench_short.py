@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from bench import checkpoint_overhead, cost, events, policy_plane, tool_plane
+from bench import checkpoint_overhead, cost, events, footprint, policy_plane, tool_plane
 from fleetctl.testing.e2e import Stack
 from fleetctl.testing.nats import embedded_nats
 from fleetctl.testing.postgres import embedded_postgres
@@ -34,6 +34,18 @@ def test_the_cost_benchmark_runs_every_shape_and_its_floor() -> None:
     assert set(floor["langgraph_on_postgres"]) == {"1", "2", "10"}
     assert result["memory_pss_mb_total"] > 100
     assert "## What a run costs" in cost.section(result) and "two-step run" in cost.summary_row(result)
+
+
+def test_the_footprint_benchmark_starts_the_stack_both_ways_and_runs_through_each() -> None:
+    result = footprint.run(rounds=1, runs=2)
+    assert result["failed"] == 0
+    for way, measured in result["by_way"].items():
+        assert measured["up_s"] > measured["services_s"] > 0, way
+        assert measured["pss_loaded_mb"] > 100 and measured["cpu_ms_per_run"] > 0, way
+    forked = result["forked_pss_loaded_mb_by_process"]
+    assert forked["forkserver"] > 0 and forked["sql-analyst"] > 0
+    assert "## The local stack's footprint" in footprint.section(result)
+    assert "local stack's memory" in footprint.summary_row(result)
 
 
 def test_the_checkpoint_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> None:

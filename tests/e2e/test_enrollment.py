@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -37,16 +38,10 @@ def _free_port() -> int:
         return port
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-
-
 def console_env(stack: Stack, key_file: Path) -> tuple[dict[str, str], str]:
     """The settings of the stack's console process, for another console process on a port of its
     own that holds ``key_file`` and has no enrollment token (as a deployed service); its URL."""
-    env = _environ(stack.endpoints["processes"]["console"])
-    env = {k: v for k, v in env.items() if k not in ("FLEET_LISTEN_FD", "FLEET_ENROLLMENT_TOKEN")}
+    env = {**os.environ, **stack.layout.read_service_env("console")}  # neither its socket nor its token
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env.update(
