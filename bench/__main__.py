@@ -163,7 +163,7 @@ def write_doc(results: dict[str, Any]) -> None:
     disk = paused["disk_bytes_per_paused_run"]
     disk_note = DISK_NOTE + (WHY_DISK_MISSES if disk > paused["disk_target_bytes"] else "")
     by_table = "".join(
-        f"| `{table}` | {size:,} |\n"
+        f"| `{table}` | {size['live']:,} | {size['compacted']:,} | {size['grown']:,} |\n"
         for table, size in paused.get("disk_bytes_per_paused_run_by_table", {}).items()
     )
     crash = batched["crash"]
@@ -214,7 +214,7 @@ def write_doc(results: dict[str, Any]) -> None:
         f"| {paused['runs']:,} runs paused with no worker alive, approved, resumed | refunds at the tool | "
         f"| {paused['refunds']:,} refunds, at most {paused['max_attempts_at_tool']} attempt each | "
         f"| each run resumes once ({'meets' if resumed_once else 'MISSES'}) |\n"
-        f"| disk per paused run, after pruning | | | {disk:,} bytes | "
+        f"| disk per paused run (live rows, every table it touches) | | | {disk:,} bytes | "
         f"| <= {paused['disk_target_bytes']:,} bytes ({'meets' if disk <= paused['disk_target_bytes'] else 'MISSES'}) |\n"
         f"| token verification, p50 | bare PyJWT `jwt.decode` | {token['verify_bare_pyjwt_p50_us']} us "
         f"| {token['verify_p50_us']} us | {token['verify_ratio']}x | <= {token['verify_target_us']:.0f} us "
@@ -353,10 +353,15 @@ def write_doc(results: dict[str, Any]) -> None:
         f"most attempts on one {paused['max_attempts_at_tool']}; every run logged one approval, one end "
         "and two operations (the gated call and the\n"
         "approved one).\n\n"
-        "Disk per paused run: the growth of the run tables (with indexes and TOAST, after `VACUUM FULL`)\n"
-        "divided by the runs, once they all waited (the worker prunes a parked run to its latest\n"
-        "checkpoint):\n\n"
-        "| table | bytes per paused run |\n|---|---|\n"
+        "Disk per paused run, divided by the runs once they all waited (the worker prunes a parked run to\n"
+        "its latest checkpoint), over every table of the run schema the paused runs wrote to (found, not\n"
+        "listed): the bytes of their live rows (`pg_column_size` of each row: what it holds, compressed\n"
+        "where Postgres compressed it, without the page's per-row overhead), the tables' size after\n"
+        "`VACUUM FULL` (indexes and TOAST included, so each row's index entries too), and their growth\n"
+        "before any vacuum (dead rows of pruned checkpoints and free space included): "
+        f"{disk:,} B live, {paused['disk_compacted_bytes_per_paused_run']:,} B compacted, "
+        f"{paused['disk_growth_bytes_per_paused_run_before_vacuum']:,} B grown per run.\n\n"
+        "| table | live rows, bytes per run | compacted | grown before vacuum |\n|---|---|---|---|\n"
         f"{by_table}\n"
         f"{disk_note}"
         f"Approval to resumed step: {paused['latency_runs']} runs one at a time; the time from publishing "

@@ -41,12 +41,6 @@ from policy import DEFAULT_BUNDLE_DIR
 
 SUBJECT = "fleet.events.refunds.requested"
 TENANT = "bulk"
-RUN_TABLES = (
-    "fleet_runs.runs",
-    "fleet_runs.events",
-    "fleet_runs.operations",
-    "fleet_runs.checkpoints",
-)
 RULE = {
     "name": "refund-requested",
     "subject": SUBJECT,
@@ -98,17 +92,31 @@ async def _until(url: str, query: str, tenant: str, want: int, timeout_s: float)
     raise TimeoutError(f"{query!r}: {got} of {want} after {timeout_s:.0f} s")
 
 
-async def disk_bytes(url: str) -> dict[str, int]:
-    """Bytes on disk of each run table (with indexes and TOAST), compacted first."""
+async def disk_bytes(url: str) -> dict[str, dict[str, int]]:
+    """Every table of the run schema (found, not listed: a table added later counts too), in bytes:
+    ``grown``, its size on disk as it is (with indexes and TOAST, dead rows and free space
+    included); ``live``, the bytes of its live rows (``pg_column_size`` of each, which is what a row
+    holds, compressed where Postgres compressed it, without the page's per-row overhead); and
+    ``compacted``, its size after ``VACUUM FULL`` (indexes and TOAST included)."""
     sizes = {}
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        for table in RUN_TABLES:
+        listed = await conn.execute(
+            "SELECT format('%I.%I', schemaname, relname) FROM pg_stat_user_tables"
+            " WHERE schemaname = 'fleet_runs' ORDER BY relname"
+        )
+        for (table,) in await listed.fetchall():
+            size = "SELECT pg_total_relation_size(%s::regclass)"
+            grown = await _scalar_on(conn, size, table)
+            live = await _scalar_on(conn, f"SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM {table} t")
             await conn.execute(f"VACUUM FULL {table}")
-            cursor = await conn.execute("SELECT pg_total_relation_size(%s::regclass)", (table,))
-            row = await cursor.fetchone()
-            assert row is not None
-            sizes[table] = int(row[0])
+            sizes[table] = {"grown": grown, "live": live, "compacted": await _scalar_on(conn, size, table)}
     return sizes
+
+
+async def _scalar_on(conn: psycopg.AsyncConnection[Any], query: str, *args: Any) -> int:
+    row = await (await conn.execute(query, args or None)).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def stop_workers(endpoints: dict[str, Any]) -> dict[str, dict[str, str]]:
@@ -227,7 +235,16 @@ async def pause_and_resume(
             if name.startswith("worker") and _running(pid)
         ]
         after = await disk_bytes(runs_db)
-        disk = {table: after[table] - before[table] for table in RUN_TABLES}
+        empty = {"grown": 0, "live": 0, "compacted": 0}
+        disk = {  # the growth is from the compacted state `before` left
+            table: {
+                "live": sizes["live"] - before.get(table, empty)["live"],
+                "compacted": sizes["compacted"] - before.get(table, empty)["compacted"],
+                "grown": sizes["grown"] - before.get(table, empty)["compacted"],
+            }
+            for table, sizes in after.items()
+        }
+        touched = {table: d for table, d in disk.items() if any(d.values())}  # what the paused runs wrote
         held = int(
             await _scalar(runs_db, "SELECT count(*) FROM fleet_runs.runs WHERE lease_owner IS NOT NULL")
         )
@@ -289,8 +306,16 @@ async def pause_and_resume(
         "effects_while_paused": effects_while_paused,
         "workers_alive_while_paused": alive,
         "leases_held_while_paused": held,
-        "disk_bytes_per_paused_run": round(sum(disk.values()) / n),
-        "disk_bytes_per_paused_run_by_table": {table: round(size / n) for table, size in disk.items()},
+        # the live bytes of the rows a paused run keeps, over every table it wrote to
+        "disk_bytes_per_paused_run": round(sum(d["live"] for d in touched.values()) / n),
+        "disk_compacted_bytes_per_paused_run": round(sum(d["compacted"] for d in touched.values()) / n),
+        "disk_growth_bytes_per_paused_run_before_vacuum": round(
+            sum(d["grown"] for d in touched.values()) / n
+        ),
+        "disk_bytes_per_paused_run_by_table": {
+            table.removeprefix("fleet_runs."): {key: round(size / n) for key, size in d.items()}
+            for table, d in sorted(touched.items(), key=lambda kv: -kv[1]["live"])
+        },
         "approvals_s": round(approvals_s, 1),
         "queued_without_workers": queued,
         "resume_s": round(resume_s, 1),

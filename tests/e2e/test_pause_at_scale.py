@@ -43,3 +43,11 @@ async def test_paused_runs_wait_with_no_worker_alive_and_each_resumes_once(refun
     assert report["max_attempts_at_tool"] == 1
     assert report["per_run_events"] == [(1, 1, 2)]
     assert report["disk_bytes_per_paused_run"] > 0
+    # every table the paused runs wrote to is counted (found in the schema, not listed by hand)
+    counted = report["disk_bytes_per_paused_run_by_table"]
+    assert {"runs", "events", "operations", "checkpoints"} <= set(counted), counted
+    assert all(sizes["live"] > 0 for sizes in counted.values()), counted
+    assert (
+        report["disk_growth_bytes_per_paused_run_before_vacuum"]
+        >= report["disk_compacted_bytes_per_paused_run"]
+    )
