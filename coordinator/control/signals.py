@@ -50,7 +50,6 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.client import JetStreamContext
 from psycopg.types.json import Jsonb
@@ -513,8 +512,8 @@ class SignalIngest:
             try:
                 messages = await subscription.fetch(16, timeout=5)
                 failed = 0
-            except NatsTimeout:
-                continue
+            except TimeoutError:  # nats' own, or the bare one its fetch raises when its first answer
+                continue  # came at the deadline: no message, not a failure
             except Exception:
                 failed += 1
                 log.warning("could not fetch signals", exc_info=True)

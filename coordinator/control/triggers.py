@@ -39,7 +39,6 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.client import JetStreamContext
 
@@ -163,8 +162,8 @@ class TriggerIngest:
             try:
                 messages = await subscription.fetch(self._batch, timeout=5)
                 failed = 0
-            except NatsTimeout:
-                continue
+            except TimeoutError:  # nats' own, or the bare one its fetch raises when its first answer
+                continue  # came at the deadline: no message, not a failure
             except Exception:  # the broker is away: try again shortly
                 failed += 1
                 log.warning("could not fetch events", exc_info=True)

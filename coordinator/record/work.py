@@ -36,7 +36,6 @@ from typing import NamedTuple
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -300,7 +299,7 @@ class TenantQueues:
             if message is not None:
                 return message
         if ringing is None or self._bell is None:  # no tenant has work: wait on the untenanted subject
-            with contextlib.suppress(NatsTimeout):
+            with contextlib.suppress(TimeoutError):
                 [message] = await (await self._subscription(RUN_SUBJECT)).fetch(1, timeout=IDLE_FETCH_S)
                 return message
             return None
@@ -316,7 +315,7 @@ class TenantQueues:
         """A message of ``subject``, through its consumer, waiting up to a turn for one."""
         subscription = await self._subscription(subject)
         wait_s = await self._turn_wait_s(subject)
-        with contextlib.suppress(NatsTimeout):
+        with contextlib.suppress(TimeoutError):
             [message] = await subscription.fetch(1, timeout=wait_s)
             return message
         return None
