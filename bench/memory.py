@@ -92,8 +92,10 @@ async def gated_memory(
         await client.close()
 
 
-async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str) -> dict[str, Any]:
-    batch, rounds, per_round = 128, 3, 1024
+async def writes(
+    embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str, rounds: int = 3, per_round: int = 1024
+) -> dict[str, Any]:
+    batch = 128
     governed_s, baseline_s = [], []
     for r in range(rounds):
         texts = notes(per_round, seed=r)
@@ -120,7 +122,7 @@ async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: 
     singles_g, singles_b = [], []
     store_g, store_b = await _open(root, embedder), await _open(root, embedder)
     async with gated_memory(store_g, embedder, scanner, nats_url) as memory:
-        for i, text in enumerate(notes(300, seed=99)):
+        for i, text in enumerate(notes(min(300, per_round), seed=99)):
             if i % 2:
                 started = time.perf_counter()
                 await memory.remember(CALLER, [Write("episodic", text)])
@@ -150,17 +152,22 @@ async def writes(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: 
     }
 
 
-async def recall(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str) -> dict[str, Any]:
-    """100,000 vectors in one tenant (the worst case of a tenant-confined search): 2,000 real
-    embeddings, each with 49 noisy neighbours, so that the index has real structure to find."""
+async def recall(
+    embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: str, vectors_in_all: int = VECTORS
+) -> dict[str, Any]:
+    """``vectors_in_all`` (100,000) vectors in one tenant (the worst case of a tenant-confined
+    search): one real embedding in 50 (2,000), each with 49 noisy neighbours, so that the index has
+    real structure to find."""
     import numpy as np
 
     rng = np.random.default_rng(7)
-    seeds = np.array(await embedder.embed(notes(2000, seed=1234)), dtype=np.float32)
+    seeds = np.array(
+        await embedder.embed(notes(min(2000, vectors_in_all // 50), seed=1234)), dtype=np.float32
+    )
     store = await _open(root, embedder)
     started = time.perf_counter()
     tiers = ("episodic", "semantic", "procedural")
-    for block in range(0, VECTORS, 5000):
+    for block in range(0, vectors_in_all, 5000):
         idx = np.arange(block, block + 5000)
         vectors = seeds[idx % len(seeds)] + rng.normal(0, 0.02, (len(idx), seeds.shape[1])).astype(np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -194,7 +201,7 @@ async def recall(embedder: LocalMiniLM, scanner: Scanner, root: Path, nats_url: 
     await store.close()
     g, b = statistics.median(gated) * 1000, statistics.median(baseline) * 1000
     return {
-        "vectors": VECTORS,
+        "vectors": vectors_in_all,
         "load_s": round(load_s, 1),
         "index_build_s": round(index_s, 1),
         "recall_p50_ms": round(g, 2),
@@ -269,7 +276,7 @@ def scanner_quality(scanner: Scanner) -> dict[str, Any]:
     return out
 
 
-def main() -> dict[str, Any]:
+def run(rounds: int = 3, per_round: int = 1024, vectors_in_all: int = VECTORS) -> dict[str, Any]:
     """The default model (int8 products), then the float one (``FLEET_EMBEDDINGS=local-exact``)."""
     scanner = Scanner()
     result: dict[str, Any] = {"benchmark": "memory"}
@@ -279,14 +286,19 @@ def main() -> dict[str, Any]:
             measured: dict[str, Any] = {"model": embedder.name}
             with tempfile.TemporaryDirectory() as tmp:
                 root = Path(tmp)
-                measured["writes"] = asyncio.run(writes(embedder, scanner, root, nats_url))
+                measured["writes"] = asyncio.run(writes(embedder, scanner, root, nats_url, rounds, per_round))
                 measured["retrieval"] = asyncio.run(retrieval(embedder, scanner, root, nats_url))
-                measured["recall"] = asyncio.run(recall(embedder, scanner, root, nats_url))
+                measured["recall"] = asyncio.run(recall(embedder, scanner, root, nats_url, vectors_in_all))
             if variant == "default":
                 result.update(measured)
             else:
                 result[variant] = measured
     result["scanner"] = scanner_quality(scanner)
+    return result
+
+
+def main() -> dict[str, Any]:
+    result = run()
     print(json.dumps(result, indent=2))
     return result
 

@@ -105,8 +105,8 @@ async def _approval_latency(layout: StackLayout, endpoints: dict[str, Any]) -> l
     return latencies
 
 
-async def _delivery_floor(nats_url: str) -> list[float]:
-    client = await connect(nats_url, "bench-delivery")
+async def _delivery_floor(endpoints: dict[str, Any]) -> list[float]:
+    client = await connect(endpoints["nats"], "bench-delivery", credentials=stack_admin(endpoints))
     try:
         return await delivery_latency(client, LATENCY_RUNS)
     finally:
@@ -118,7 +118,7 @@ def main(runs: int = RUNS) -> dict[str, Any]:
         bundle = refund_policy(Path(tmp))
         with running_stack(Path(tmp) / "fleet", FLEET_POLICY_DIR=str(bundle)) as (layout, endpoints):
             latency = asyncio.run(_approval_latency(layout, endpoints))
-            delivery = asyncio.run(_delivery_floor(endpoints["nats"]))
+            delivery = asyncio.run(_delivery_floor(endpoints))
             scale = asyncio.run(pause_and_resume(layout, endpoints, runs, timeout_s=3600))
     p50, floor = statistics.median(latency) * 1000, statistics.median(delivery) * 1000
     result = {

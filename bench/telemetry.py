@@ -72,12 +72,12 @@ async def _calls(url: str, n: int) -> list[float]:
     return samples
 
 
-async def _round(mode: str, otlp_url: str) -> list[float]:
+async def _round(mode: str, otlp_url: str, calls: int = CALLS) -> list[float]:
     tracing = telemetry.configure("bench", otlp_url) if mode == "on" else None
     try:
         async with serving(_server(), telemetry.with_metrics) as url:
-            await _calls(url, WARMUP)
-            return await _calls(url, CALLS)
+            await _calls(url, min(WARMUP, calls))
+            return await _calls(url, calls)
     finally:
         if tracing is not None:
             tracing.shutdown()
@@ -117,9 +117,9 @@ class _Sink:
             thread.join(timeout=5)
 
 
-def _in_a_process(mode: str, otlp_url: str) -> list[float]:
+def _in_a_process(mode: str, otlp_url: str, calls: int) -> list[float]:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.telemetry", mode, otlp_url],
+        [sys.executable, "-m", "bench.telemetry", mode, otlp_url, str(calls)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -129,14 +129,14 @@ def _in_a_process(mode: str, otlp_url: str) -> list[float]:
     return samples
 
 
-def main() -> dict[str, Any]:
+def run(rounds: int = ROUNDS, calls: int = CALLS) -> dict[str, Any]:
     """Both modes' p50 and p99 per call and their ratio."""
     off: list[float] = []
     on: list[float] = []
     with _Sink().serving() as sink:
-        for _ in range(ROUNDS):
-            off += _in_a_process("off", sink.url)
-            on += _in_a_process("on", sink.url)
+        for _ in range(rounds):
+            off += _in_a_process("off", sink.url, calls)
+            on += _in_a_process("on", sink.url, calls)
     off_p50, on_p50 = statistics.median(off), statistics.median(on)
     result = {
         "baseline": "the same call with tracing off",
@@ -150,12 +150,17 @@ def main() -> dict[str, Any]:
         "spans_per_call": SPANS_PER_CALL,
         "export_requests": sink.requests,
     }
+    return result
+
+
+def main() -> dict[str, Any]:
+    result = run()
     print(json.dumps(result, indent=2))
     return result
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3:
-        print(json.dumps(asyncio.run(_round(sys.argv[1], sys.argv[2]))))
+    if len(sys.argv) == 4:
+        print(json.dumps(asyncio.run(_round(sys.argv[1], sys.argv[2], int(sys.argv[3])))))
     else:
         main()

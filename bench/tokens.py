@@ -135,9 +135,9 @@ async def issuance(nats_url: str) -> dict[str, Any]:
         seal.signer = signer  # the registry's records are signed and verified, as it runs
         store = await RegistryStore.open(client, seal)
         await store.put_identity(
-            IdentityRecord(
+            IdentityRecord(  # a caller in its own name (a specialist may only exchange its callers' tokens)
                 id="bench-client",
-                kind="specialist",
+                kind="operator",
                 keys={client_key.kid: client_key.public_jwk()},
                 scopes=["agent:invoke"],
                 tenants=["*"],
@@ -203,7 +203,7 @@ async def issuance(nats_url: str) -> dict[str, Any]:
 async def _enrolled(layout: StackLayout, registry: str, http: httpx.AsyncClient) -> tuple[str, SigningKey]:
     operator = SigningKey.load_or_create(layout.key_file("operator"))
     identity, key = f"bench-{uuid.uuid4().hex[:8]}", SigningKey.generate()
-    spec = ServiceSpec(identity, "specialist", "x:y", scopes=("registry:read",))
+    spec = ServiceSpec(identity, "worker", "x:y", scopes=("registry:read",))  # a caller in its own name
     response = await http.post(
         registry + "/v1/enroll",
         json={
