@@ -21,8 +21,11 @@ The protocol, over a ``SOCK_SEQPACKET`` socket pair with the supervisor (one JSO
   that signal, as ``asyncio.subprocess`` reports it).
 
 The fork server holds no thread, no event loop and no connection when it forks: it only imports.
-It exits when the supervisor closes its end, and dies with the supervisor (``PR_SET_PDEATHSIG``);
-a service dies with the fork server the same way, so nothing outlives the supervisor.
+It exits when the supervisor closes its end. It is started with ``PR_SET_PDEATHSIG``: when the
+supervisor dies, the kernel sends it SIGTERM, and it sends SIGTERM to every service it forked before
+it exits, so nothing outlives the supervisor. Its own death (a crash, the OOM killer) takes no
+service with it: they keep running, and the supervisor still sees each one's end (through a pidfd)
+and can stop it, though not its exit code (:data:`UNKNOWN_CODE`), which only a parent reads.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 # Looked up once, before any fork.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 MAX_MESSAGE = 1 << 20  # a service's environment is a few KB
+UNKNOWN_CODE = 255  # a service's exit code once its fork server is gone (asyncio's for an unknown child)
 # Modules uvicorn imports only when a server starts, and the entry points' heavy imports: every
 # service would import them after the fork otherwise, each its own copy.
 LAZY_MODULES = (
@@ -106,6 +109,15 @@ def main(control_fd: int) -> int:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake the loop: reaped below
+    forked: set[int] = set()
+
+    def supervisor_gone(signum: int, frame: object) -> None:
+        for pid in forked:  # the services die with the supervisor, as its other children do
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, supervisor_gone)
     print(f"forkserver: ready, {len(sys.modules)} modules imported", flush=True)
     with selectors.DefaultSelector() as selector:
         selector.register(control, selectors.EVENT_READ)
@@ -115,7 +127,7 @@ def main(control_fd: int) -> int:
                 if key.fileobj is wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_r, 512)
-                    _reap(control)
+                    forked -= _reap(control)
                     continue
                 message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 2)
                 if not message:
@@ -126,6 +138,7 @@ def main(control_fd: int) -> int:
                 except OSError as exc:
                     _send(control, {"id": request["id"], "error": f"fork failed: {exc}"})
                 else:
+                    forked.add(pid)
                     _send(control, {"id": request["id"], "pid": pid})
                 finally:
                     for fd in fds:
@@ -137,14 +150,17 @@ def _send(control: socket.socket, message: dict[str, Any]) -> None:
         control.send(json.dumps(message).encode())
 
 
-def _reap(control: socket.socket) -> None:
+def _reap(control: socket.socket) -> set[int]:
+    """Reap every service that has ended, telling the supervisor its code; their pids."""
+    reaped: set[int] = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return reaped
         if pid == 0:
-            return
+            return reaped
+        reaped.add(pid)
         _send(control, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
@@ -183,10 +199,10 @@ def _exit(code: int) -> None:
 def _become(request: dict[str, Any], *, listen_fd: int, log_fd: int, closing: tuple[Any, ...]) -> int:
     """Turn this fresh child into the service ``request`` names."""
     os.setsid()  # its own session, as the supervisor's children have: a terminal's Ctrl-C is not for it
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # dies with the fork server, which dies with the supervisor
     _prctl(_PR_SET_NAME, request["name"].encode()[:15])  # what ps and top show
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     control_fd, wake_r, wake_w, selector = closing
     selector.close()
     for fd in (control_fd, wake_r, wake_w):
@@ -305,8 +321,8 @@ class ForkServer:
                 asked.set_result(answer["pid"])
 
     def _lost(self) -> None:
-        """The fork server exited: its services die with it (``PR_SET_PDEATHSIG``); each one's
-        exit is known by its pidfd, its code is not."""
+        """The fork server exited; its services run on. Each one's end is known by its pidfd from
+        now on, its code is not (``UNKNOWN_CODE``)."""
         self._gone = True
         self._loop.remove_reader(self._control.fileno())
         for asked in self._asked.values():
@@ -320,7 +336,7 @@ class ForkServer:
         def gone() -> None:
             self._loop.remove_reader(forked._pidfd)
             if not exit_code.done():
-                exit_code.set_result(-signal.SIGTERM)  # what its parent's death sends it
+                exit_code.set_result(UNKNOWN_CODE)
 
         self._loop.add_reader(forked._pidfd, gone)
 

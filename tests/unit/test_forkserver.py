@@ -14,11 +14,12 @@ import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from fleetctl.forkserver import ForkServer
+from fleetctl.forkserver import UNKNOWN_CODE, ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,8 +95,14 @@ def _written(path: Path, text: str = "", timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@dataclass
+class Running:
+    server: ForkServer
+    process: asyncio.subprocess.Process
+
+
 @pytest.fixture
-async def fork_server() -> AsyncIterator[ForkServer]:
+async def running() -> AsyncIterator[Running]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -107,9 +114,15 @@ async def fork_server() -> AsyncIterator[ForkServer]:
     )
     theirs.close()
     server = ForkServer(ours)
-    yield server
+    yield Running(server, process)
     server.close()
-    assert await asyncio.wait_for(process.wait(), 60) == 0  # it exits once its socket is closed
+    code = await asyncio.wait_for(process.wait(), 60)
+    assert code in (0, -signal.SIGKILL)  # it exits once its socket is closed (unless a test killed it)
+
+
+@pytest.fixture
+def fork_server(running: Running) -> ForkServer:
+    return running.server
 
 
 def test_what_the_fork_server_imports_starts_no_thread() -> None:
@@ -170,9 +183,27 @@ async def test_a_service_that_cannot_start_reports_its_code_and_says_why_in_its_
     assert "unknown service 'nobody'" in (tmp_path / "nobody.log").read_text()
 
 
+async def test_the_fork_server_s_death_takes_no_service_with_it(running: Running, tmp_path: Path) -> None:
+    """SIGKILL the fork server (a crash, the OOM killer): the service it forked runs on, and the
+    supervisor still sees its end and can stop it (its exit code, which only a parent reads, is not
+    known any more)."""
+    with socket.create_server(("127.0.0.1", 0)) as listening, (tmp_path / "sleeper.log").open("a") as log:
+        forked = await running.server.fork(
+            "sleeper", "sleeper", _env(tmp_path), listening.fileno(), log.fileno()
+        )
+        await asyncio.to_thread(_written, tmp_path / "sleeper.log", "sleeper up")
+        running.process.kill()
+        assert await running.process.wait() == -signal.SIGKILL
+        await asyncio.sleep(1)
+        assert not _gone(forked.pid, timeout_s=0) and forked.returncode is None
+        forked.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(forked.wait(), 30) == UNKNOWN_CODE
+        assert await asyncio.to_thread(_gone, forked.pid)
+
+
 STAND_IN = """
 import asyncio, json, socket, sys, os
-from fleetctl.forkserver import ForkServer
+from fleetctl.forkserver import UNKNOWN_CODE, ForkServer
 from fleetctl.supervisor import _die_with_parent
 
 async def main():
