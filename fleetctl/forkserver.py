@@ -16,7 +16,8 @@ The protocol, over a ``SOCK_SEQPACKET`` socket pair with the supervisor (one JSO
 
 * the supervisor sends ``{"id", "service", "name", "env"}`` with two descriptors attached: the
   service's listening socket and its log file (its stdout and stderr);
-* the fork server answers ``{"id", "pid"}`` (or ``{"id", "error"}``) once it has forked;
+* the fork server answers ``{"id", "pid"}`` with a pidfd of the service attached (opened before the
+  service can be reaped, so it can never name another process), or ``{"id", "error"}``;
 * and ``{"exited": pid, "code": code}`` when it has reaped a service (a negative code: killed by
   that signal, as ``asyncio.subprocess`` reports it).
 
@@ -42,7 +43,7 @@ import signal
 import socket
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _PR_SET_NAME = 15
@@ -139,15 +140,17 @@ def main(control_fd: int) -> int:
                     _send(control, {"id": request["id"], "error": f"fork failed: {exc}"})
                 else:
                     forked.add(pid)
-                    _send(control, {"id": request["id"], "pid": pid})
+                    pidfd = os.pidfd_open(pid)  # not reaped before this: the pid is still the service's
+                    _send(control, {"id": request["id"], "pid": pid}, pidfd)
+                    os.close(pidfd)
                 finally:
                     for fd in fds:
                         os.close(fd)
 
 
-def _send(control: socket.socket, message: dict[str, Any]) -> None:
+def _send(control: socket.socket, message: dict[str, Any], fd: int | None = None) -> None:
     with contextlib.suppress(OSError):  # the supervisor is gone: nobody to tell
-        control.send(json.dumps(message).encode())
+        socket.send_fds(control, [json.dumps(message).encode()], [] if fd is None else [fd])
 
 
 def _reap(control: socket.socket) -> set[int]:
@@ -235,10 +238,7 @@ class Forked:
 
     pid: int
     _exit: asyncio.Future[int]
-    _pidfd: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._pidfd = os.pidfd_open(self.pid)
+    _pidfd: int
 
     @property
     def returncode(self) -> int | None:
@@ -268,7 +268,7 @@ class ForkServer:
         self._control = control
         self._loop = asyncio.get_running_loop()
         self._next_id = 0
-        self._asked: dict[int, asyncio.Future[int]] = {}
+        self._asked: dict[int, asyncio.Future[tuple[int, int]]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._services: dict[int, Forked] = {}
         self._gone = False
@@ -291,24 +291,27 @@ class ForkServer:
                 break
             except BlockingIOError:  # the fork server is still importing and its queue is full
                 await asyncio.sleep(0.05)
-        pid = await asked
+        pid, pidfd = await asked
         exit_code = self._exits.setdefault(pid, self._loop.create_future())
-        forked = Forked(pid, exit_code)
+        forked = Forked(pid, exit_code, pidfd)
         self._services[pid] = forked
         return forked
 
     def _on_message(self) -> None:
         while True:
             try:
-                message = self._control.recv(MAX_MESSAGE)
+                message, fds, _, _ = socket.recv_fds(self._control, MAX_MESSAGE, 1)
             except BlockingIOError:
                 return
             except OSError:
-                message = b""
+                message, fds = b"", []
             if not message:
                 self._lost()
                 return
             answer = json.loads(message)
+            if "pid" not in answer:
+                for fd in fds:
+                    os.close(fd)
             if "exited" in answer:
                 exit_code = self._exits.setdefault(answer["exited"], self._loop.create_future())
                 if not exit_code.done():
@@ -318,7 +321,7 @@ class ForkServer:
             if "error" in answer:
                 asked.set_exception(OSError(answer["error"]))
             else:
-                asked.set_result(answer["pid"])
+                asked.set_result((answer["pid"], fds[0]))
 
     def _lost(self) -> None:
         """The fork server exited; its services run on. Each one's end is known by its pidfd from
