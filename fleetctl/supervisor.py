@@ -412,6 +412,9 @@ class Supervisor:
             forked = await self._forks.fork(
                 name, name, {**os.environ, **env}, sock.fileno(), log_file.fileno()
             )
+        except ConnectionError:
+            log_file.close()
+            raise ChildExited(f"the fork server exited:\n{self.layout.log_tail(FORK_SERVER)}") from None
         except BaseException:
             log_file.close()
             raise
