@@ -140,6 +140,18 @@ def _admission_text(admitted: dict[str, Any] | None) -> str:
     )
 
 
+def _submitted_disk(disk: dict[str, Any] | None, runs: int | None) -> str:
+    if not disk:
+        return ""
+    tables = ", ".join(f"`{table}` {sizes['live']:,} B" for table, sizes in disk["by_table"].items())
+    return (
+        f"A run a caller submits (over A2A or the run API) keeps more: its context, its run grant (the "
+        f"caller's authority, a signed token) and its task record. {runs:,} refund runs submitted that way "
+        f"and parked at the gate: {disk['live']:,} B live per run ({tables}), {disk['compacted']:,} B "
+        f"compacted, {disk['grown']:,} B grown before vacuum.\n\n"
+    )
+
+
 def _meets(result: dict[str, Any]) -> bool:
     return bool(result["ratio"] <= result["target_ratio"])
 
@@ -363,7 +375,8 @@ def write_doc(results: dict[str, Any]) -> None:
         f"{paused['disk_growth_bytes_per_paused_run_before_vacuum']:,} B grown per run.\n\n"
         "| table | live rows, bytes per run | compacted | grown before vacuum |\n|---|---|---|---|\n"
         f"{by_table}\n"
-        f"{disk_note}"
+        + _submitted_disk(paused.get("disk_per_submitted_paused_run"), paused.get("disk_submitted_runs"))
+        + f"{disk_note}"
         f"Approval to resumed step: {paused['latency_runs']} runs one at a time; the time from publishing "
         "the approval on\n"
         "`fleet.signals.<run>` to the commit of the resumed step's operation intent (Postgres `NOTIFY`):\n"

@@ -5,10 +5,13 @@ On a real local stack (NATS JetStream, Postgres, the coordinator, two worker pro
 and its cases MCP server, the shipped bundle plus a trigger rule for refund events):
 
 * scale (the scenario of ``fleetctl/testing/pauses.py``): ``RUNS`` refund runs pause at the approval
-  gate; every worker process is stopped; the disk the paused runs take is measured (the run tables
-  with indexes and TOAST, compacted, against before); ``RUNS`` approvals arrive over NATS with no
-  worker alive (each with a signal grant, asked for as it is sent); workers start again and every run resumes; refunds are counted at the tool.
-  Targets: every run resumes exactly once; disk per paused run <= 5 KB.
+  gate; every worker process is stopped; the disk the paused runs take is measured over every table
+  of the run schema they wrote to (their live rows' bytes; the tables compacted, with indexes and
+  TOAST; and their growth before vacuum, all against before); ``RUNS`` approvals arrive over NATS
+  with no worker alive (each with a signal grant, asked for as it is sent); workers start again and
+  every run resumes; refunds are counted at the tool. Then ``SUBMITTED_RUNS`` refund runs submitted
+  by a caller (which keep a context, a run grant and a task record too) park, for their disk.
+  Targets: every run resumes exactly once; disk per paused run <= 5 KB live.
 * approval -> resumed step durable: one paused run at a time, an approval published on
   ``fleet.signals.<run>``, and the time until the resumed step's operation intent is committed (the
   run is going again, and the approval can no longer be lost), announced by Postgres ``NOTIFY``.
@@ -38,11 +41,20 @@ from fleet.events import Event, publish_event
 from fleet.natsconn import connect
 from fleet.signal_client import SIGNALS_PREFIX, sign_signal
 from fleetctl.layout import StackLayout, stack_admin
-from fleetctl.testing.pauses import SUBJECT, TENANT, dsn, operator_signer, pause_and_resume, refund_policy
+from fleetctl.testing.pauses import (
+    SUBJECT,
+    TENANT,
+    dsn,
+    operator_signer,
+    pause_and_resume,
+    refund_policy,
+    submitted_paused_disk,
+)
 from fleetctl.testing.stack import running_stack
 
 RUNS = 10_000
 LATENCY_RUNS = 60
+SUBMITTED_RUNS = 200  # submitted by a caller, for their disk (with their context, grant and task record)
 DISK_TARGET_BYTES = 5 * 1024
 LATENCY_TARGET_MS = 25.0
 
@@ -120,12 +132,15 @@ def main(runs: int = RUNS) -> dict[str, Any]:
             latency = asyncio.run(_approval_latency(layout, endpoints))
             delivery = asyncio.run(_delivery_floor(endpoints))
             scale = asyncio.run(pause_and_resume(layout, endpoints, runs, timeout_s=3600))
+            submitted = asyncio.run(submitted_paused_disk(layout, endpoints, SUBMITTED_RUNS))
     p50, floor = statistics.median(latency) * 1000, statistics.median(delivery) * 1000
     result = {
         "benchmark": "pauses",
         **scale,
         "per_run_events": [list(row) for row in scale["per_run_events"]],
         "disk_target_bytes": DISK_TARGET_BYTES,
+        "disk_submitted_runs": SUBMITTED_RUNS,
+        "disk_per_submitted_paused_run": submitted,
         "latency_runs": LATENCY_RUNS,
         "approval_to_resumed_p50_ms": round(p50, 2),
         "approval_to_resumed_p95_ms": round(sorted(latency)[int(len(latency) * 0.95) - 1] * 1000, 2),

@@ -119,6 +119,58 @@ async def _scalar_on(conn: psycopg.AsyncConnection[Any], query: str, *args: Any)
     return int(row[0])
 
 
+def _per_run(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], n: int) -> dict[str, Any]:
+    """What ``n`` runs added between two :func:`disk_bytes`, per run: in all and by table (each
+    table they wrote to). The growth before vacuum is from the compacted state ``before`` left."""
+    empty = {"grown": 0, "live": 0, "compacted": 0}
+    disk = {
+        table: {
+            "live": sizes["live"] - before.get(table, empty)["live"],
+            "compacted": sizes["compacted"] - before.get(table, empty)["compacted"],
+            "grown": sizes["grown"] - before.get(table, empty)["compacted"],
+        }
+        for table, sizes in after.items()
+    }
+    touched = {table: d for table, d in disk.items() if any(d.values())}
+    return {
+        "live": round(sum(d["live"] for d in touched.values()) / n),
+        "compacted": round(sum(d["compacted"] for d in touched.values()) / n),
+        "grown": round(sum(d["grown"] for d in touched.values()) / n),
+        "by_table": {
+            table.removeprefix("fleet_runs."): {key: round(size / n) for key, size in d.items()}
+            for table, d in sorted(touched.items(), key=lambda kv: -kv[1]["live"])
+        },
+    }
+
+
+async def submitted_paused_disk(layout: StackLayout, endpoints: dict[str, Any], n: int) -> dict[str, Any]:
+    """The disk of ``n`` refund runs submitted by a caller (the run API, which admits a run as A2A
+    does: the caller's context, its run grant, its task record) that park at the approval gate,
+    per run, as :func:`_per_run` counts it. They are left waiting."""
+    tenant = f"asked-{uuid.uuid4().hex[:8]}"
+    runs_db = dsn(layout, endpoints, "fleet")
+    before = await disk_bytes(runs_db)
+    async with httpx.AsyncClient(timeout=30) as http:
+        tokens = operator_token_client(layout, endpoints["registry"] + "/oauth/token", http)
+        token = await tokens.token("coordinator", tenant, ["agent:invoke"])
+        for i in range(n):
+            step = {
+                "id": "refund",
+                "skill": "issue-refund",
+                "input": {"subject": f"asked-{i}", "amount_cents": 20_000},
+            }
+            started = await http.post(
+                endpoints["coordinator"] + "/v1/runs",
+                json={"steps": [step]},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            started.raise_for_status()
+    waiting = "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state = 'waiting'"
+    await _until(runs_db, waiting, tenant, n, 300)
+    await asyncio.sleep(1)  # the workers' last writes of the parks (the pruning of checkpoints)
+    return _per_run(before, await disk_bytes(runs_db), n)
+
+
 def stop_workers(endpoints: dict[str, Any]) -> dict[str, dict[str, str]]:
     """Stop every worker process: SIGTERM, and SIGKILL for one still alive after 20 s (a worker
     busy with a backlog may take longer to drain than a pause should wait). Their environments,
@@ -234,17 +286,7 @@ async def pause_and_resume(
             for name, pid in endpoints["processes"].items()
             if name.startswith("worker") and _running(pid)
         ]
-        after = await disk_bytes(runs_db)
-        empty = {"grown": 0, "live": 0, "compacted": 0}
-        disk = {  # the growth is from the compacted state `before` left
-            table: {
-                "live": sizes["live"] - before.get(table, empty)["live"],
-                "compacted": sizes["compacted"] - before.get(table, empty)["compacted"],
-                "grown": sizes["grown"] - before.get(table, empty)["compacted"],
-            }
-            for table, sizes in after.items()
-        }
-        touched = {table: d for table, d in disk.items() if any(d.values())}  # what the paused runs wrote
+        disk = _per_run(before, await disk_bytes(runs_db), n)
         held = int(
             await _scalar(runs_db, "SELECT count(*) FROM fleet_runs.runs WHERE lease_owner IS NOT NULL")
         )
@@ -307,15 +349,10 @@ async def pause_and_resume(
         "workers_alive_while_paused": alive,
         "leases_held_while_paused": held,
         # the live bytes of the rows a paused run keeps, over every table it wrote to
-        "disk_bytes_per_paused_run": round(sum(d["live"] for d in touched.values()) / n),
-        "disk_compacted_bytes_per_paused_run": round(sum(d["compacted"] for d in touched.values()) / n),
-        "disk_growth_bytes_per_paused_run_before_vacuum": round(
-            sum(d["grown"] for d in touched.values()) / n
-        ),
-        "disk_bytes_per_paused_run_by_table": {
-            table.removeprefix("fleet_runs."): {key: round(size / n) for key, size in d.items()}
-            for table, d in sorted(touched.items(), key=lambda kv: -kv[1]["live"])
-        },
+        "disk_bytes_per_paused_run": disk["live"],
+        "disk_compacted_bytes_per_paused_run": disk["compacted"],
+        "disk_growth_bytes_per_paused_run_before_vacuum": disk["grown"],
+        "disk_bytes_per_paused_run_by_table": disk["by_table"],
         "approvals_s": round(approvals_s, 1),
         "queued_without_workers": queued,
         "resume_s": round(resume_s, 1),

@@ -19,7 +19,7 @@ from bench import batch, delegation, memory, pauses, scaling, telemetry, through
 from bench.throughput import Fleet
 from fleetctl.layout import StackLayout
 from fleetctl.testing.nats import embedded_nats
-from fleetctl.testing.pauses import refund_policy
+from fleetctl.testing.pauses import refund_policy, submitted_paused_disk
 from fleetctl.testing.stack import running_stack
 
 pytestmark = pytest.mark.e2e
@@ -80,6 +80,19 @@ def test_the_pauses_benchmark_s_approval_latency_runs(
     floor = asyncio.run(pauses._delivery_floor(endpoints))
     assert len(latencies) == 3 and all(s > 0 for s in latencies)
     assert len(floor) == 3
+
+
+def test_the_pauses_benchmark_counts_the_disk_of_runs_a_caller_submits(bench_stack: Running) -> None:
+    disk = asyncio.run(submitted_paused_disk(*bench_stack, 5))
+    # every table such a run writes to, found in the schema: a caller's run keeps its context, its
+    # grant and its task record besides what a triggered run keeps
+    assert {"runs", "events", "operations", "checkpoints", "run_grants", "a2a_tasks", "a2a_contexts"} <= set(
+        disk["by_table"]
+    ), disk
+    assert disk["live"] == pytest.approx(
+        sum(t["live"] for t in disk["by_table"].values()), abs=len(disk["by_table"])
+    )
+    assert 0 < disk["live"] <= disk["grown"]
 
 
 def test_the_scaling_benchmark_measures_a_point(
