@@ -29,6 +29,7 @@ from fleetctl.cli_common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, report_er
 from fleetctl.detached import print_endpoints, up_detached
 from fleetctl.help import with_examples
 from fleetctl.layout import StackLayout
+from fleetctl.serving import serve
 
 
 def _with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -702,31 +703,6 @@ def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
             policy_cli.decision_log(layout, follow=args.follow, as_json=args.json, limit=args.last)
         )
     return EXIT_USAGE
-
-
-def serve(service_id: str) -> int:
-    """Run one service of the platform's roster, or of the manifest ``$FLEET_MANIFEST`` names, in
-    this process."""
-    from deploy.local_stack import ServiceSpec, service
-    from fleet.settings import ServiceSettings
-
-    spec: ServiceSpec | None
-    try:
-        spec = service(service_id)
-    except KeyError:
-        manifest = FleetSettings().manifest
-        project = load_manifest(manifest) if manifest is not None else None
-        spec = next((s for s in project.services if s.id == service_id), None) if project else None
-        if project is not None and str(project.root) not in sys.path:
-            sys.path.insert(0, str(project.root))
-    if spec is None:
-        print(f"fleet: unknown service {service_id!r}", file=sys.stderr)
-        return EXIT_USAGE
-    module_name, _, function_name = spec.entry.partition(":")
-    entry = getattr(importlib.import_module(module_name), function_name)
-    settings = ServiceSettings.from_env(service_id)
-    asyncio.run(entry(settings))
-    return EXIT_OK
 
 
 async def up_foreground(

@@ -8,7 +8,7 @@ objects stay packed and untouched, and forks each service from that image: the p
 imported code are shared by every service until one of them writes to them (copy on write).
 
 Each service is still its own process, with its own identity (key file, enrollment token, tokens),
-its own listening socket, log, settings and database role, started by ``fleetctl.cli.serve`` as
+its own listening socket, log, settings and database role, started by ``fleetctl.serving.serve`` as
 ``fleet serve <id>`` would be; a service that crashes or is killed takes no other with it. Only the
 way it starts differs. Production runs one image per service and starts no fork server.
 
@@ -73,7 +73,7 @@ def preload() -> list[str]:
     are imported by its services after the fork). The modules that failed to import, with why:
     their services then import them, and fail, on their own."""
     from deploy.local_stack import stack_services
-    from fleetctl import cli  # noqa: F401  (what runs a service: fleetctl.cli.serve)
+    from fleetctl import serving  # noqa: F401  (what runs a service)
 
     failed = []
     entries = {spec.entry.partition(":")[0] for spec in stack_services(1)} - NOT_PRELOADED
@@ -224,7 +224,7 @@ def _become(request: dict[str, Any], *, listen_fd: int, log_fd: int, closing: tu
             sys.path.insert(0, entry)
     sys.argv = ["fleet", "serve", request["service"]]
     gc.enable()
-    from fleetctl.cli import serve
+    from fleetctl.serving import serve
 
     return serve(request["service"])
 

@@ -144,12 +144,13 @@ async def test_the_sandbox_needs_its_scope(stack: Stack) -> None:
 
 
 MEMORY_BOMB = """
-import os
+import os, time
 children = []
 for _ in range(5):
     pid = os.fork()
     if pid == 0:
         blocks = [b"\\x01" * (10 * 1024 * 1024) for _ in range(30)]  # 300 MB each, every page touched
+        time.sleep(3)  # all five hold theirs at once (a child that exits at once frees its share)
         os._exit(0)
     children.append(pid)
 print([os.waitpid(pid, 0)[1] for pid in children])
