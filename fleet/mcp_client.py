@@ -148,6 +148,9 @@ async def session(url: str, http: httpx2.AsyncClient) -> AsyncIterator[Client]:
 
 SESSION_MAX_AGE_S = 60.0  # how long a kept session (and the tool listing it validates with) is used
 SESSIONS_KEPT = 64  # sessions one pool keeps open at most (one per server; the oldest idle one goes)
+# A session left (dropped, aged out, or all closed) ends its SDK session; one whose close still waits
+# on a request that never answers (its caller long gone) is cut after this long.
+CLOSE_GRACE_S = 2.0
 
 
 @dataclass(eq=False)
@@ -199,7 +202,7 @@ class Sessions:
         finally:
             kept.users -= 1
             if kept.retired and kept.users == 0:
-                kept.done.set()
+                self._release(kept)
 
     async def _acquire(self, url: str, revision: str) -> _Kept:
         if self._closed:
@@ -249,11 +252,23 @@ class Sessions:
             del self._kept[kept.key]
         kept.retired = True
         if kept.users == 0:
-            kept.done.set()
+            self._release(kept)
+
+    @staticmethod
+    def _release(kept: _Kept) -> None:
+        """End the session: its task leaves the SDK session, or is cancelled after
+        ``CLOSE_GRACE_S`` if that waits on a request in flight (a hung server's)."""
+        if kept.done.is_set():
+            return
+        kept.done.set()
+        if kept.task is not None:
+            task = kept.task
+            asyncio.get_running_loop().call_later(CLOSE_GRACE_S, lambda: task.done() or task.cancel())
 
     async def aclose(self) -> None:
         """Close every session, the dropped ones still in use too (after the calls in flight on
-        them end)."""
+        them end; one whose close waits on a request that never answers is cut after
+        ``CLOSE_GRACE_S``)."""
         self._closed = True
         for kept in list(self._kept.values()):
             self._retire(kept)

@@ -195,3 +195,31 @@ async def test_closing_waits_for_a_dropped_session_still_in_use(server: tuple[st
         seen.release.set()
         assert await in_flight == {"value": "slow"}
         await asyncio.wait_for(closing, 10)
+
+
+async def test_a_session_its_caller_gave_up_on_does_not_hold_the_close() -> None:
+    """A server that takes the connection and never answers (hung): the caller's timeout ends its
+    call while the session is still opening, and the session's task, still waiting on the
+    handshake, is cut after CLOSE_GRACE_S, not left to the HTTP read timeout (a shutdown of a
+    toolbox waited 130 s on one)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # read nothing, answer nothing
+
+    hung = await asyncio.start_server(hang, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}/mcp"
+    try:
+        async with httpx2.AsyncClient(auth=mcp_client.ContextBearer(), timeout=600) as http:
+            sessions = mcp_client.Sessions(http)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await _call(sessions, url, "t", "hung")
+            started = asyncio.get_running_loop().time()
+            await asyncio.wait_for(sessions.aclose(), 60)
+            assert asyncio.get_running_loop().time() - started <= mcp_client.CLOSE_GRACE_S + 1.0
+    finally:
+        for writer in held:
+            writer.close()
+        hung.close()
+        await hung.wait_closed()
