@@ -169,6 +169,8 @@ class TriggerIngest:
                 log.warning("could not fetch events", exc_info=True)
                 await asyncio.sleep(backoff_s(failed, base_s=RETRY_DELAY_S / 4, cap_s=RETRY_DELAY_S * 4))
                 continue
+            if not messages:
+                continue
             outcomes = await self.settle(messages)
             for outcome in outcomes:
                 if isinstance(outcome, Exception):  # e.g. a dead letter that could not be published:
