@@ -11,8 +11,9 @@ and its cases MCP server, the shipped bundle plus a trigger rule for refund even
   with no worker alive (each with a signal grant, asked for as it is sent); workers start again and
   every run resumes; refunds are counted at the tool. Then ``SUBMITTED_RUNS`` refund runs submitted
   by a caller (which keep a context, a run grant and a task record too) park, for their disk.
-  The scale part's tenant has its event ingest rate raised (the shipped 100 a second per tenant
-  would spread 10,000 events over 80 s by policy, and dead-letter some as ``rate_limited``).
+  The scale part's tenant has its event ingest and token issue rates raised (the shipped 100 events
+  a second per tenant would spread 10,000 events over 80 s by policy and dead-letter some as
+  ``rate_limited``; its 10,000 approvals need a signal grant each, over the shipped 200 a second).
   Targets: every run resumes exactly once; disk per paused run <= 5 KB live.
 * approval -> resumed step durable: one paused run at a time, an approval published on
   ``fleet.signals.<run>``, and the time until the resumed step's operation intent is committed (the

@@ -59,19 +59,21 @@ RULE = {
 
 
 def refund_policy(root: Path, bulk_tenants: tuple[str, ...] = ()) -> Path:
-    """The shipped bundle plus the refund trigger rule; the event ingest rate of ``bulk_tenants``
-    raised out of the way, as an operator sizes it for a tenant that sends its events in bulk (the
-    shipped 100 a second, burst 2,000, would spread 10,000 events over 80 s by policy alone, and
-    put some back until they are dead-lettered as ``rate_limited``)."""
+    """The shipped bundle plus the refund trigger rule; the event ingest and token issue rates of
+    ``bulk_tenants`` raised out of the way, as an operator sizes them for a tenant that works in
+    bulk (the shipped 100 events a second, burst 2,000, would spread 10,000 events over 80 s by
+    policy alone and dead-letter some as ``rate_limited``; 10,000 approvals need a signal grant
+    each, over the shipped 200 tokens a second)."""
     bundle = root / "fleet"
     shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
     data = json.loads((bundle / "data.json").read_text())
     data["config"]["triggers"] = [RULE, *data["config"]["triggers"]]
     for tenant in bulk_tenants:
-        data["config"]["limits"]["fair"]["event_ingest"]["tenants"][tenant] = {
-            "per_second": 100_000,
-            "burst": 100_000,
-        }
+        for limit in ("event_ingest", "token_issue"):
+            data["config"]["limits"]["fair"][limit]["tenants"][tenant] = {
+                "per_second": 100_000,
+                "burst": 100_000,
+            }
     (bundle / "data.json").write_text(json.dumps(data))
     return bundle
 
