@@ -140,6 +140,10 @@ def _admission_text(admitted: dict[str, Any] | None) -> str:
     )
 
 
+def _bytes(n: int | None) -> str:
+    return "(not measured)" if n is None else f"{n:,}"
+
+
 def _submitted_disk(disk: dict[str, Any] | None, runs: int | None) -> str:
     if not disk:
         return ""
@@ -176,6 +180,8 @@ def write_doc(results: dict[str, Any]) -> None:
     disk_note = DISK_NOTE + (WHY_DISK_MISSES if disk > paused["disk_target_bytes"] else "")
     by_table = "".join(
         f"| `{table}` | {size['live']:,} | {size['compacted']:,} | {size['grown']:,} |\n"
+        if isinstance(size, dict)
+        else f"| `{table}` | | {size:,} (measured before live rows were counted) | |\n"
         for table, size in paused.get("disk_bytes_per_paused_run_by_table", {}).items()
     )
     crash = batched["crash"]
@@ -371,8 +377,8 @@ def write_doc(results: dict[str, Any]) -> None:
         "where Postgres compressed it, without the page's per-row overhead), the tables' size after\n"
         "`VACUUM FULL` (indexes and TOAST included, so each row's index entries too), and their growth\n"
         "before any vacuum (dead rows of pruned checkpoints and free space included): "
-        f"{disk:,} B live, {paused['disk_compacted_bytes_per_paused_run']:,} B compacted, "
-        f"{paused['disk_growth_bytes_per_paused_run_before_vacuum']:,} B grown per run.\n\n"
+        f"{disk:,} B live, {_bytes(paused.get('disk_compacted_bytes_per_paused_run'))} B compacted, "
+        f"{_bytes(paused.get('disk_growth_bytes_per_paused_run_before_vacuum'))} B grown per run.\n\n"
         "| table | live rows, bytes per run | compacted | grown before vacuum |\n|---|---|---|---|\n"
         f"{by_table}\n"
         + _submitted_disk(paused.get("disk_per_submitted_paused_run"), paused.get("disk_submitted_runs"))
