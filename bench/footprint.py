@@ -31,7 +31,7 @@ import httpx
 from bench._cpu import cpu_by_tree, pss_by_tree
 from bench.cost import IN_FLIGHT, _bounded, _Stack
 from fleetctl.layout import StackLayout
-from fleetctl.testing.e2e import TWO_STEPS
+from fleetctl.testing.e2e import TWO_STEPS, fleet
 from fleetctl.testing.stack import capacity_bundle
 from policy import DEFAULT_BUNDLE_DIR
 
@@ -39,18 +39,6 @@ ROUNDS = 2
 RUNS = 40
 TARGET_PSS_MB = 1200
 WAYS = {"forked": "true", "own interpreter": "false"}
-
-
-def _fleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fleetctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
 
 
 def _start(data_dir: Path, env: dict[str, str]) -> dict[str, float]:
@@ -120,7 +108,7 @@ def _round(way: str, runs: int, root: Path) -> dict[str, Any]:
         load = asyncio.run(_load(layout, endpoints, runs))
         loaded = pss_by_tree(_roots(endpoints))
     finally:
-        _fleet("down", "--data-dir", str(data_dir), env=env)
+        fleet("down", "--data-dir", str(data_dir), env=env, timeout=300)
     return {
         **timing,
         "pss_idle_mb": _mb(idle),
