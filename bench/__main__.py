@@ -140,6 +140,16 @@ def _admission_text(admitted: dict[str, Any] | None) -> str:
     )
 
 
+def _failed_after_approval(failed: dict[str, int] | None) -> str:
+    if not failed:
+        return ""
+    codes = ", ".join(f"{n:,} `{code}`" for code, n in failed.items())
+    return (
+        f"runs that failed after their approval: {codes} (an approval grant lives 10 minutes: a run that "
+        "gets a worker later than that is refused at the tool, see gates.md); "
+    )
+
+
 def _bytes(n: int | None) -> str:
     return "(not measured)" if n is None else f"{n:,}"
 
@@ -175,6 +185,7 @@ def write_doc(results: dict[str, Any]) -> None:
         and paused["max_attempts_at_tool"] == 1
         and paused["effects_while_paused"] == 0
         and paused["per_run_events"] == [[1, 1, 2]]
+        and not paused.get("failed_after_approval")
     )
     disk = paused["disk_bytes_per_paused_run"]
     disk_note = DISK_NOTE + (WHY_DISK_MISSES if disk > paused["disk_target_bytes"] else "")
@@ -368,7 +379,9 @@ def write_doc(results: dict[str, Any]) -> None:
         "no worker to take them), and two new worker processes\n"
         f"resumed them all in {paused['resume_s']} s. At the tool: {paused['refunds']:,} refunds for "
         f"{paused['distinct_subjects']:,} subjects, each with its approval, the\n"
-        f"most attempts on one {paused['max_attempts_at_tool']}; every run logged one approval, one end "
+        f"most attempts on one {paused['max_attempts_at_tool']}; "
+        + _failed_after_approval(paused.get("failed_after_approval"))
+        + "every run logged one approval, one end "
         "and two operations (the gated call and the\n"
         "approved one).\n\n"
         "Disk per paused run, divided by the runs once they all waited (the worker prunes a parked run to\n"

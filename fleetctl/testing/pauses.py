@@ -323,9 +323,16 @@ async def pause_and_resume(
 
         restarted = start_workers(layout, environments)
         started = time.perf_counter()
-        completed = "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state = 'completed'"
-        await _until(runs_db, completed, tenant, n, timeout_s)
+        ended = "SELECT count(*) FROM fleet_runs.runs WHERE tenant = %s AND state IN ('completed', 'failed')"
+        await _until(runs_db, ended, tenant, n, timeout_s)
         resume_s = time.perf_counter() - started
+        failed = await _all(  # a run that failed after its approval, by the code it failed with
+            runs_db,
+            "SELECT coalesce(e.payload->'error'->'cause'->'cause'->>'code', e.payload->'error'->>'code'), count(*)"
+            " FROM fleet_runs.runs r JOIN fleet_runs.events e ON e.run_id = r.run_id AND e.type = 'run.failed'"
+            " WHERE r.tenant = %s AND r.state = 'failed' GROUP BY 1",
+            tenant,
+        )
 
         refunds = await _all(
             data_db,
@@ -366,6 +373,7 @@ async def pause_and_resume(
         "approvals_s": round(approvals_s, 1),
         "queued_without_workers": queued,
         "resume_s": round(resume_s, 1),
+        "failed_after_approval": {str(code): int(count) for code, count in failed},
         "refunds": refunds[0],
         "distinct_subjects": refunds[1],
         "max_attempts_at_tool": refunds[2],

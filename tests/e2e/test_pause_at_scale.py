@@ -41,6 +41,7 @@ async def test_paused_runs_wait_with_no_worker_alive_and_each_resumes_once(refun
     # operations (the gated call and the approved one).
     assert report["refunds"] == report["distinct_subjects"] == report["refunds_with_approval"] == RUNS
     assert report["max_attempts_at_tool"] == 1
+    assert report["failed_after_approval"] == {}
     assert report["per_run_events"] == [(1, 1, 2)]
     assert report["disk_bytes_per_paused_run"] > 0
     # every table the paused runs wrote to is counted (found in the schema, not listed by hand)
