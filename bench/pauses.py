@@ -137,10 +137,11 @@ def main(runs: int = RUNS) -> dict[str, Any]:
         with running_stack(Path(tmp) / "fleet", FLEET_POLICY_DIR=str(bundle)) as (layout, endpoints):
             latency = asyncio.run(_approval_latency(layout, endpoints))
             delivery = asyncio.run(_delivery_floor(endpoints))
+            # before the scale part, which ends with the stack's workers stopped
+            submitted = asyncio.run(submitted_paused_disk(layout, endpoints, SUBMITTED_RUNS))
             scale = asyncio.run(
                 pause_and_resume(layout, endpoints, runs, timeout_s=3600, tenant=SCALE_TENANT)
             )
-            submitted = asyncio.run(submitted_paused_disk(layout, endpoints, SUBMITTED_RUNS))
     p50, floor = statistics.median(latency) * 1000, statistics.median(delivery) * 1000
     result = {
         "benchmark": "pauses",
