@@ -19,7 +19,7 @@ from bench import batch, delegation, memory, pauses, scaling, telemetry, through
 from bench.throughput import Fleet
 from fleetctl.layout import StackLayout
 from fleetctl.testing.nats import embedded_nats
-from fleetctl.testing.pauses import refund_policy, submitted_paused_disk
+from fleetctl.testing.pauses import dsn, refund_policy, submitted_paused_disk
 from fleetctl.testing.stack import running_stack
 
 pytestmark = pytest.mark.e2e
@@ -41,11 +41,6 @@ def bench_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         yield running
 
 
-def _dsn(layout: StackLayout, endpoints: dict[str, Any], database: str = "fleet") -> str:
-    password = (layout.keys_dir / "postgres-password.secret").read_text().strip()
-    return f"postgresql://postgres:{password}@127.0.0.1:{endpoints['postgres_port']}/{database}"
-
-
 def test_the_tokens_benchmark_runs(bench_stack: Running, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tokens, "VERIFY_ROUNDS", 1)
     monkeypatch.setattr(tokens, "VERIFY_PER_ROUND", 50)
@@ -65,7 +60,7 @@ def test_the_delegation_benchmark_runs(bench_stack: Running, monkeypatch: pytest
     monkeypatch.setattr(delegation, "CALLS", 4)
     monkeypatch.setattr(delegation, "ROUNDS", 1)
     layout, endpoints = bench_stack
-    result = asyncio.run(delegation.measure(layout, endpoints, _dsn(layout, endpoints)))
+    result = asyncio.run(delegation.measure(layout, endpoints, dsn(layout, endpoints, "fleet")))
     assert result["baseline_ms_per_step"] > 0 and result["fleet_ms_per_step"] > 0
     assert set(result["breakdown_ms"]) >= {"delegator_call_with_operation_id", "ledger_intent_and_result"}
 
@@ -109,7 +104,7 @@ def test_the_scaling_benchmark_measures_a_point(
 
     point = asyncio.run(measure())
     assert point["runs_per_s"] > 0 and point["stack_cpu_ms_per_run"] > 0
-    assert point["cpu_ms_per_run_by_process"]["worker-1"] >= 0
+    assert sum(ms for name, ms in point["cpu_ms_per_run_by_process"].items() if name.startswith("worker")) > 0
     assert "specialists and MCP servers" in point["cpu_ms_per_run_by_role"]
 
 
