@@ -323,15 +323,26 @@ def _cache_dir() -> Path:
     return Path(base) / "agent-fleet" / "models"
 
 
+# Weights at least this large are kept outside the model file, each at an offset of a page.
+EXTERNAL_WEIGHT_BYTES = 1024
+WEIGHT_ALIGNMENT = 4096
+
+
 def _int8_compute_model(source: Path, cache: Path) -> Path:
     """The model with int8 matrix products (onnxruntime's dynamic quantization of the same weights,
     a scale per output channel), made once per machine and kept in ``cache`` under a name that says
-    what it was made from."""
+    what it was made from.
+
+    Its weights are in a file beside it (ONNX external data, each tensor page-aligned), which
+    onnxruntime maps into memory instead of copying into each session: the memory server's three
+    sessions share one copy (about 45 MB less), and so do the servers of one machine, at the same
+    speed and with the same vectors."""
     import onnxruntime as ort
 
-    key = hashlib.sha256(f"{MINILM_SHA256}:{ort.__version__}:per-channel".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{MINILM_SHA256}:{ort.__version__}:per-channel:mapped".encode()).hexdigest()[:16]
     target = cache / f"all-MiniLM-L6-v2-int8-per-channel-{key}.onnx"
-    if target.exists():
+    weights = target.with_name(target.name + ".weights")
+    if target.exists() and weights.exists():
         return target
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -351,8 +362,33 @@ def _int8_compute_model(source: Path, cache: Path) -> Path:
             quantize_dynamic(str(folded), str(made), weight_type=QuantType.QInt8, per_channel=True)
         finally:
             logging.disable(logging.NOTSET)
-        os.replace(made, target)  # whole or not at all: another process may be making it too
+        mapped = Path(tmp) / target.name
+        _weights_outside(made, mapped, weights.name)
+        # Whole or not at all (another process may be making it too): the weights first, then the
+        # model that names them, whose presence says both are there.
+        os.replace(mapped.with_name(weights.name), weights)
+        os.replace(mapped, target)
     return target
+
+
+def _weights_outside(model: Path, target: Path, location: str) -> None:
+    """Save ``model`` as ``target`` with its large weights in ``location`` beside it, each at a
+    page-aligned offset (so that onnxruntime can map them rather than read them)."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    proto = onnx.load(str(model))
+    with target.with_name(location).open("wb") as out:
+        for tensor in proto.graph.initializer:
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_WEIGHT_BYTES:
+                continue
+            out.write(b"\0" * (-out.tell() % WEIGHT_ALIGNMENT))
+            offset = out.tell()
+            out.write(tensor.raw_data)
+            set_external_data(tensor, location, offset, len(tensor.raw_data))
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+    onnx.save_model(proto, str(target))
 
 
 class _EmbeddingSettings(Protocol):

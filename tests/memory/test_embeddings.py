@@ -125,11 +125,16 @@ async def test_the_default_model_is_derived_once_and_close_to_the_exact_one(tmp_
         "Call the vendor.",
     ]
     vectors = await fast.embed(texts)
-    [derived] = os.listdir(tmp_path)
+    derived, weights = sorted(os.listdir(tmp_path))
+    assert weights == derived + ".weights"
     made_at = os.stat(tmp_path / derived).st_mtime_ns
     again = LocalMiniLM(cache_dir=tmp_path)
     assert await again.embed(texts[1:2]) == vectors[1:2]  # the same file, and a text alone = in a batch
-    assert os.stat(tmp_path / derived).st_mtime_ns == made_at and os.listdir(tmp_path) == [derived]
+    assert os.stat(tmp_path / derived).st_mtime_ns == made_at
+    assert sorted(os.listdir(tmp_path)) == [derived, weights]
+    # the weights are mapped from their file (one copy, shared by the sessions), not read into each
+    with open("/proc/self/maps") as maps:  # noqa: ASYNC230 - a file of the kernel, read at once
+        assert str(tmp_path / weights) in maps.read()
     exact = await LocalMiniLM(exact=True).embed(texts)
     assert all(cosine(v, e) > 0.97 for v, e in zip(vectors, exact, strict=True))
     assert fast.name.endswith("-per-channel") and fast.dim == 384
