@@ -20,6 +20,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.record.grant_storage import pack_grant, unpack_grant
 from coordinator.record.notifier import NOTIFY_CHANNEL, RunNotifier
 from fleet.errors import ErrorCode, FleetError
 from fleet.redact import redact, redact_async
@@ -189,10 +190,19 @@ CREATE TABLE IF NOT EXISTS fleet_runs.batch_items (
 -- A caller's own runs (see coordinator.record.access), newest first.
 CREATE INDEX IF NOT EXISTS runs_by_owner ON fleet_runs.runs (tenant, owner, created_at DESC);
 -- A run's grant (see coordinator.grants): never in the event log, the run's record or an API answer.
+-- Packed (see coordinator.record.grant_storage).
 CREATE TABLE IF NOT EXISTS fleet_runs.run_grants (
     run_id      text PRIMARY KEY REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE,
-    grant_token text NOT NULL
+    grant_token bytea NOT NULL
 );
+-- A table made before grants were packed keeps them as text: the same bytes, which read as a token.
+DO $$ BEGIN
+    IF EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'fleet_runs'
+               AND table_name = 'run_grants' AND column_name = 'grant_token' AND data_type = 'text') THEN
+        ALTER TABLE fleet_runs.run_grants ALTER COLUMN grant_token TYPE bytea
+            USING convert_to(grant_token, 'UTF8');
+    END IF;
+END $$;
 """
 
 _FENCED_APPEND = """
@@ -460,7 +470,8 @@ class PostgresRunStore:
             created = await _create(conn, run_id, tenant, owner, recorded, plan)
             if created is not None and grant is not None:
                 await conn.execute(
-                    "INSERT INTO fleet_runs.run_grants (run_id, grant_token) VALUES (%s, %s)", (run_id, grant)
+                    "INSERT INTO fleet_runs.run_grants (run_id, grant_token) VALUES (%s, %s)",
+                    (run_id, pack_grant(grant)),
                 )
         return created or await self.get_run(run_id, tenant)
 
@@ -523,7 +534,7 @@ class PostgresRunStore:
                 "SELECT grant_token FROM fleet_runs.run_grants WHERE run_id = %s", (run_id,)
             )
             row = await cursor.fetchone()
-        return str(row[0]) if row is not None else None
+        return unpack_grant(row[0]) if row is not None else None
 
     async def add_batch_item(
         self,

@@ -13,6 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from coordinator.record.notifier import RunNotifier
 from coordinator.record.runs import NewRun, PostgresRunStore, RunNotFound, RunState, StaleLease
+from fleet.keys import SigningKey
 
 
 @pytest.fixture
@@ -274,3 +275,47 @@ async def test_the_runs_waiting_for_events_are_found_for_many_events_at_once(
     assert found[from_crm] == [("w1", "event:a")]  # w2 waits for erp's alone
     assert found[("globex", closed, "x", "erp")] == [("w3", "event:c")]  # its tenant's runs only
     assert await store.awaiting_events([]) == {}
+
+
+async def test_a_run_grant_is_stored_packed_and_read_back_whole(store: PostgresRunStore, pg_dsn: str) -> None:
+    key = SigningKey.generate()
+    grant = key.sign(
+        {"sub": "alice", "run_id": "g1", "token_use": "run_grant", "tenant": "acme"}, typ="run-grant+jwt"
+    )
+    await store.create_run("g1", "acme", "alice", {}, grant=grant)
+    assert await store.run_grant("g1") == grant
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        row = await (await conn.execute("SELECT grant_token FROM fleet_runs.run_grants")).fetchone()
+    assert row is not None and len(row[0]) < 0.6 * len(grant) and grant.encode() not in row[0]
+    assert await store.run_grant("nobody") is None
+
+
+async def test_grants_stored_as_text_before_packing_are_read_after_the_upgrade(pg_dsn: str) -> None:
+    key = SigningKey.generate()
+    grant = key.sign({"sub": "alice", "run_id": "old"}, typ="run-grant+jwt")
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        await conn.execute(
+            "CREATE SCHEMA fleet_runs;"
+            " CREATE TABLE fleet_runs.runs (run_id text PRIMARY KEY, tenant text NOT NULL, owner text NOT NULL,"
+            "  state text NOT NULL, reason text, request jsonb NOT NULL, plan jsonb, last_seq bigint NOT NULL DEFAULT 0,"
+            "  lease_owner text, lease_epoch bigint NOT NULL DEFAULT 0, lease_expires_at timestamptz,"
+            "  cancel_requested boolean NOT NULL DEFAULT false, created_at timestamptz NOT NULL DEFAULT now(),"
+            "  updated_at timestamptz NOT NULL DEFAULT now());"
+            " CREATE TABLE fleet_runs.run_grants (run_id text PRIMARY KEY"
+            "  REFERENCES fleet_runs.runs (run_id) ON DELETE CASCADE, grant_token text NOT NULL);"
+        )
+        await conn.execute(
+            "INSERT INTO fleet_runs.runs (run_id, tenant, owner, state, request) VALUES ('old', 'acme', 'alice', 'waiting', '{}')"
+        )
+        await conn.execute("INSERT INTO fleet_runs.run_grants VALUES ('old', %s)", (grant,))
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        pg_dsn, min_size=1, max_size=2, open=False, kwargs={"autocommit": True}
+    )
+    async with pool:
+        store = PostgresRunStore(pool)
+        await store.setup()
+        await store.setup()
+        assert await store.run_grant("old") == grant
+        fresh = key.sign({"sub": "alice", "run_id": "new"}, typ="run-grant+jwt")
+        await store.create_run("new", "acme", "alice", {}, grant=fresh)
+        assert await store.run_grant("new") == fresh
