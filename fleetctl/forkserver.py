@@ -52,8 +52,12 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 MAX_MESSAGE = 1 << 20  # a service's environment is a few KB
 UNKNOWN_CODE = 255  # a service's exit code once its fork server is gone (asyncio's for an unknown child)
-# Modules uvicorn imports only when a server starts, and the entry points' heavy imports: every
-# service would import them after the fork otherwise, each its own copy.
+# Modules the services import only once they run: every service would import them after the fork
+# otherwise, each its own copy (found with PYTHONPROFILEIMPORTTIME=1, which the services inherit:
+# their logs list what each imported after the fork). Uvicorn's, when a server starts; httpx's
+# transport (httpcore with HTTP/2, and anyio's sockets) when a client makes its first connection;
+# truststore, for a client's TLS context; the Rego engine, when policy first loads; LangGraph's
+# tracers, at a worker's first run; _strptime, at the first date parsed; and a codec.
 LAZY_MODULES = (
     "uvicorn.lifespan.on",
     "uvicorn.loops.auto",
@@ -61,6 +65,20 @@ LAZY_MODULES = (
     "uvicorn.protocols.http.auto",
     "uvicorn.protocols.http.h11_impl",
     "uvicorn.protocols.websockets.auto",
+    "httpcore",
+    "h2.connection",
+    "anyio._core._sockets",
+    "anyio._core._streams",
+    "anyio.streams.tls",
+    "anyio.streams.stapled",
+    "httpcore2",
+    "truststore",
+    "regorus",
+    "langchain_core.tracers.context",
+    "langchain_core.tracers.stdout",
+    "langchain_core.tracers.run_collector",
+    "_strptime",
+    "encodings.utf_16_be",
 )
 # Entry modules whose imports start threads (onnxruntime, spaCy and the Qdrant client each start one):
 # a fork copies no thread but every lock a thread may hold, so they are imported after the fork, by
