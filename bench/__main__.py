@@ -109,7 +109,10 @@ DISK_NOTE = (
     "fleet's own checkpointer: one compressed row per checkpoint, where LangGraph's Postgres saver\n"
     'takes three tables and about 5.9 KB for the same pause (see the architecture\'s "Checkpoints").\n'
     "Postgres does not compress values this small, so the checkpointer does (zlib, with a dictionary\n"
-    "of what checkpoints repeat), and the run records each thing once.\n\n"
+    "of what checkpoints repeat), and so does the run grant's table (see below). One thing is recorded\n"
+    "twice: what a gated step asked (the approval request, with the tool call's arguments and their\n"
+    "hash) is in the operation's result in the ledger, which a resumed run replays, and in the wait\n"
+    "record, which approvers, signals and the run API read; about 400 bytes of the run's row.\n\n"
 )
 WHY_DISK_MISSES = "It misses the target: the table above says where the bytes are.\n\n"
 
@@ -170,7 +173,9 @@ def _submitted_disk(disk: dict[str, Any] | None, runs: int | None) -> str:
     tables = ", ".join(f"`{table}` {sizes['live']:,} B" for table, sizes in disk["by_table"].items())
     return (
         f"A run a caller submits (over A2A or the run API) keeps more: its context, its run grant (the "
-        f"caller's authority, a signed token) and its task record. {runs:,} refund runs submitted that way "
+        f"caller's authority, a signed token of about 830 characters, kept packed: its header and claims "
+        f"deflated against a dictionary of what grants repeat, losslessly) and its task record (the "
+        f"caller's message). {runs:,} refund runs submitted that way "
         f"and parked at the gate: {disk['live']:,} B live per run ({tables}), {disk['compacted']:,} B "
         f"compacted, {disk['grown']:,} B grown before vacuum.\n\n"
     )
