@@ -41,19 +41,20 @@ def _b64encode(raw: bytes) -> str:
 
 def pack_grant(token: str) -> bytes:
     """``token`` as stored: packed if that loses nothing, else its text."""
-    parts = token.split(".")
-    if len(parts) == 3:
-        try:
-            header, claims, signature = (_b64decode(part) for part in parts)
-        except ValueError:
-            header = claims = signature = b""
-        if header and claims and len(header) < 1 << 16 and len(claims) < 1 << 16:
-            deflate = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY_V1)
-            body = deflate.compress(_LENGTHS.pack(len(header), len(claims)) + header + claims + signature)
-            packed = bytes([PACKED_V1]) + body + deflate.flush()
-            if unpack_grant(packed) == token:
-                return packed
-    return token.encode("utf-8")
+    packed = _packed(token)
+    return packed if packed is not None and unpack_grant(packed) == token else token.encode("utf-8")
+
+
+def _packed(token: str) -> bytes | None:
+    try:
+        header, claims, signature = (_b64decode(part) for part in token.split("."))
+    except ValueError:  # not three parts, or not base64
+        return None
+    if not header or not claims or len(header) >= 1 << 16 or len(claims) >= 1 << 16:
+        return None
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, _DICTIONARY_V1)
+    body = deflate.compress(_LENGTHS.pack(len(header), len(claims)) + header + claims + signature)
+    return bytes([PACKED_V1]) + body + deflate.flush()
 
 
 def unpack_grant(stored: bytes) -> str:
