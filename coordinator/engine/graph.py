@@ -466,7 +466,9 @@ def gate_of(result: Any) -> dict[str, Any] | None:
         if kind == "approval"
         else "the step needs input"
     )
-    # ``asked``: the rest of what the result says (the ledger keeps the result whole)
+    # ``asked``: the rest of what the result says. The ledger keeps the result whole, and the run's
+    # wait record does not keep this copy: it is derived again from there, by the same rule
+    # (``fleet_runs.wait_of``), where the run is read.
     asked = {k: v for k, v in result.items() if k not in (said, "status", "user_input_required")}
     return {"type": kind, "why": why, "asked": asked}
 

@@ -189,6 +189,33 @@ CREATE TABLE IF NOT EXISTS fleet_runs.batch_items (
 );
 -- A caller's own runs (see coordinator.record.access), newest first.
 CREATE INDEX IF NOT EXISTS runs_by_owner ON fleet_runs.runs (tenant, owner, created_at DESC);
+-- A run's wait record as it is read: what a gated step asked is kept once, in the ledger's result of
+-- the operation that asked (see stored_wait), and put back here by the rule of the graph's gate_of.
+-- PL/pgSQL, so that only a record that names its operation reads the ledger (whose table the
+-- ledger's own setup makes).
+CREATE OR REPLACE FUNCTION fleet_runs.wait_of(wait jsonb) RETURNS jsonb
+LANGUAGE plpgsql STABLE PARALLEL SAFE AS $fn$
+DECLARE
+    result jsonb;
+    said text;
+BEGIN
+    IF jsonb_typeof(wait->'detail') IS DISTINCT FROM 'object' OR wait->'detail' ? 'asked'
+        OR NOT (wait->'detail' ? 'op_id') OR wait->>'type' NOT IN ('approval', 'input') THEN
+        RETURN wait;
+    END IF;
+    SELECT op.result INTO result FROM fleet_runs.operations AS op WHERE op.op_id = wait->'detail'->>'op_id';
+    IF jsonb_typeof(result) IS DISTINCT FROM 'object' THEN
+        RETURN jsonb_set(wait, '{detail,asked}', '{}');
+    END IF;
+    SELECT k INTO said FROM unnest(ARRAY['why', 'question', 'message', 'reason']) WITH ORDINALITY AS w(k, n)
+        WHERE jsonb_typeof(result->k) = 'string' ORDER BY n LIMIT 1;
+    result := result - 'status' - 'user_input_required';
+    IF said IS NOT NULL THEN
+        result := result - said;
+    END IF;
+    RETURN jsonb_set(wait, '{detail,asked}', result);
+END
+$fn$;
 -- A run's grant (see coordinator.grants): never in the event log, the run's record or an API answer.
 -- Packed (see coordinator.record.grant_storage).
 CREATE TABLE IF NOT EXISTS fleet_runs.run_grants (
@@ -232,7 +259,7 @@ FROM inserted, bump
 
 _RUN_COLUMNS = (
     "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, cancel_requested,"
-    " wait, created_at, updated_at, answers"
+    " fleet_runs.wait_of(wait) AS wait, created_at, updated_at, answers"
 )
 
 
@@ -265,7 +292,7 @@ async def fenced_append(
             "payload": Jsonb(logged(payload)),
             "channel": NOTIFY_CHANNEL,
             "relaxed_commit": None if durable else "off",
-            "wait": Jsonb(dict(wait)) if wait is not None else None,
+            "wait": Jsonb(stored_wait(wait)) if wait is not None else None,
         },
     )
     row = await cursor.fetchone()
@@ -388,6 +415,27 @@ def wait_requests(wait: Mapping[str, Any]) -> list[dict[str, Any]]:
     first = {key: value for key, value in detail.items() if key != "others"}
     first.update({key: wait[key] for key in ON_THE_WAIT if wait.get(key) is not None})
     return [first, *(dict(r) for r in detail.get("others") or [])]
+
+
+# The gates whose request says what the step asked (``detail.asked``): the rest of the result of the
+# operation that asked (``detail.op_id``), which the ledger keeps.
+GATE_WAITS = ("approval", "input")
+
+
+def stored_wait(wait: Mapping[str, Any]) -> dict[str, Any]:
+    """A wait record as the run's row keeps it: what a gate asked is left out, since the ledger
+    holds it (the result of the operation that asked, less the why, ``status`` and
+    ``user_input_required``: see :func:`coordinator.engine.graph.gate_of`), and every read of the
+    run (``fleet_runs.wait_of``) puts it back from there. About 400 bytes of a parked run's row."""
+    detail = wait.get("detail")
+    if (
+        wait.get("type") not in GATE_WAITS
+        or not isinstance(detail, Mapping)
+        or not isinstance(detail.get("op_id"), str)
+        or "asked" not in detail
+    ):
+        return dict(wait)
+    return {**wait, "detail": {k: v for k, v in detail.items() if k != "asked"}}
 
 
 def _awaits(wait: dict[str, Any], wait_type: str, awaited: str | None) -> bool:

@@ -6,11 +6,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.engine.graph import gate_of
 from coordinator.record.operations import Ledger, OperationConflict, OpStatus, operation_id
-from coordinator.record.runs import Lease, PostgresRunStore, RunState, StaleLease
+from coordinator.record.runs import Lease, PostgresRunStore, RunState, StaleLease, wait_requests
 from fleet.errors import FleetError
 
 
@@ -111,3 +114,60 @@ async def test_a_person_resolves_an_operation_only_while_the_run_waits(
     assert (last.type, last.actor, last.payload["note"]) == ("operation.resolved", "alice", "seen")
     with pytest.raises(FleetError):  # answered already
         await ledger.resolve("r1", "acme", op.op_id, "failed", "alice")
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        {  # an approval: the why under "why", the request beside it
+            "status": "pending_approval",
+            "why": "refunds over 100 need a person",
+            "approval_request": {"server": "mcp-cases", "tool": "refund", "args_sha256": "ab" * 32},
+            "amount": 250.5,
+        },
+        {"user_input_required": True, "question": "which account?", "choices": ["a", "b"], "why": 3},
+        {"status": "input_required", "details": [{"k": "v"}]},  # no why at all
+    ],
+)
+async def test_what_a_gate_asked_is_kept_once_and_read_back_whole(
+    stores: tuple[PostgresRunStore, Ledger], pg_dsn: str, result: dict[str, Any]
+) -> None:
+    """The run's wait record leaves out what the gated step asked (the ledger holds the result it
+    came from) and every read of the run derives it again, by the same rule as the graph's gate."""
+    store, ledger = stores
+    lease = await leased_run(store)
+    op, _ = await ledger.record_intent(
+        lease, "w1", step_id="s1", kind="a2a", target="case-desk", args={"n": 1}
+    )
+    await ledger.record_outcome(lease, "w1", op.op_id, OpStatus.SUCCEEDED, result=result)
+    gate = gate_of(result)
+    assert gate is not None
+    wait = {
+        "type": gate["type"],
+        "awaited": "approval:s1:0",
+        "deadline": "2030-01-01T00:00:00+00:00",
+        "detail": {"step": "s1", "op_id": op.op_id, "why": gate["why"], "asked": gate["asked"]},
+    }
+    await store.transition(lease, RunState.WAITING, "w1", {}, wait=wait)
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        row = await (await conn.execute("SELECT wait FROM fleet_runs.runs WHERE run_id = 'r1'")).fetchone()
+    assert row is not None and "asked" not in row[0]["detail"]  # not stored twice
+    read = (await store.get_run("r1", "acme")).wait
+    assert read == wait
+    assert (await store.list_runs("acme"))[0].wait == wait
+    assert [r.get("asked") for r in wait_requests(read or {})] == [gate["asked"]]
+
+
+async def test_a_wait_record_that_names_no_operation_is_kept_as_it_is(
+    stores: tuple[PostgresRunStore, Ledger], pg_dsn: str
+) -> None:
+    """Old records (which hold what was asked) and waits of other kinds read as they were written."""
+    store, _ = stores
+    lease = await leased_run(store)
+    wait = {"type": "approval", "awaited": "approval:s1:0", "detail": {"step": "s1", "asked": {"x": 1}}}
+    await store.transition(lease, RunState.WAITING, "w1", {}, wait=wait)
+    assert (await store.get_run("r1", "acme")).wait == wait
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        written = {"type": "approval", "awaited": "a", "detail": {"op_id": "op-x", "asked": {"y": 2}}}
+        await conn.execute("UPDATE fleet_runs.runs SET wait = %s WHERE run_id = 'r1'", (Jsonb(written),))
+    assert (await store.get_run("r1", "acme")).wait == written
