@@ -62,6 +62,7 @@ def test_the_delegation_benchmark_runs(bench_stack: Running, monkeypatch: pytest
     layout, endpoints = bench_stack
     result = asyncio.run(delegation.measure(layout, endpoints, dsn(layout, endpoints, "fleet")))
     assert result["baseline_ms_per_step"] > 0 and result["fleet_ms_per_step"] > 0
+    assert result["bare_round_trip_ms"] > 0 and result["target_ratio"] == 1.3
     assert set(result["breakdown_ms"]) >= {"delegator_call_with_operation_id", "ledger_intent_and_result"}
 
 
