@@ -109,10 +109,10 @@ DISK_NOTE = (
     "fleet's own checkpointer: one compressed row per checkpoint, where LangGraph's Postgres saver\n"
     'takes three tables and about 5.9 KB for the same pause (see the architecture\'s "Checkpoints").\n'
     "Postgres does not compress values this small, so the checkpointer does (zlib, with a dictionary\n"
-    "of what checkpoints repeat), and so does the run grant's table (see below). One thing is recorded\n"
-    "twice: what a gated step asked (the approval request, with the tool call's arguments and their\n"
-    "hash) is in the operation's result in the ledger, which a resumed run replays, and in the wait\n"
-    "record, which approvers, signals and the run API read; about 400 bytes of the run's row.\n\n"
+    "of what checkpoints repeat), and so does the run grant's table (see below). What a gated step\n"
+    "asked (the approval request, with the tool call's arguments and their hash) is kept once, in the\n"
+    "operation's result in the ledger; the wait record names the operation, and every read of the run\n"
+    "derives it from there (it was kept twice before: about 400 bytes of the run's row).\n\n"
 )
 WHY_DISK_MISSES = "It misses the target: the table above says where the bytes are.\n\n"
 
