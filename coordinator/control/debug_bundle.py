@@ -30,7 +30,7 @@ PACKAGES = (
     "a2a-sdk",
     "mcp",
     "langgraph",
-    "langgraph-checkpoint-postgres",
+    "langgraph-checkpoint",
     "nats-py",
     "psycopg",
 )
