@@ -409,7 +409,7 @@ def _segment(part: str) -> bytes:
 def decode_es256(
     token: str,
     key: ec.EllipticCurvePublicKey,
-    audience: str,
+    audience: str | tuple[str, ...],
     issuer: str,
     leeway: int,
     required: Iterable[str],
@@ -421,7 +421,8 @@ def decode_es256(
     claims, ``iat``, ``nbf``, ``exp``, ``iss``, ``aud``, ``sub``, ``jti``), done directly with
     ``cryptography``: PyJWT checks each segment's alphabet in Python, a character at a time, which
     costs more than the signature. ``tests/unit/test_tokens.py`` holds the two to the same answers.
-    ``header``: the token's header, if the caller has read it already (it is signed over as sent)."""
+    ``header``: the token's header, if the caller has read it already (it is signed over as sent).
+    ``audience``: the audience the token must name, or several of which it must name one."""
     claims = _verified_claims(token, key, header)
     for claim in required:
         if claims.get(claim) is None:
@@ -481,11 +482,11 @@ def _times(claims: dict[str, Any]) -> dict[str, int]:
     return times
 
 
-def _check_audience(named: Any, audience: str) -> None:
+def _check_audience(named: Any, audience: str | tuple[str, ...]) -> None:
     audiences = [named] if isinstance(named, str) else named
     if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences) or not audiences:
         raise AuthError("token lacks the aud claim" if not named else "token is not meant for this service")
-    if audience not in audiences:
+    if not any(wanted in audiences for wanted in ((audience,) if isinstance(audience, str) else audience)):
         raise AuthError("token is not meant for this service")
 
 

@@ -19,6 +19,7 @@ from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from nats.aio.client import Client as NATS
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -26,6 +27,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from fleet import telemetry, transport
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 audit = logging.getLogger("fleet.audit")
 
 MCP_PATH = "/mcp"
+PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"  # RFC 9728
 # What a tool tells its callers about retrying it (MCP tool annotations): the client retries a call
 # whose outcome it did not see only when the tool says a repeat is harmless.
 READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False)
@@ -467,16 +471,38 @@ def build_app(
     mcp: MCPServer,
     readiness: Readiness,
     lifespan: Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]],
+    scopes: Mapping[str, Sequence[str]] | None = None,
 ) -> Starlette:
-    """The Starlette app of an MCP server: ``/healthz`` (open) and ``/mcp`` (token required).
+    """The Starlette app of an MCP server: ``/healthz`` (open), ``/mcp`` (token required) and, for
+    a server with a resource URL (:func:`auth_settings`), its RFC 9728 protected-resource metadata
+    (open): the resource, the registry as its authorization server, and the scopes its tools declare
+    (``scopes``, by tool name).
 
     ``lifespan`` must enter ``mcp.session_manager.run()`` (mounted apps get no lifespan of their own).
     """
     mcp_app = mcp.streamable_http_app(streamable_http_path=MCP_PATH, stateless_http=True, json_response=True)
-    return Starlette(
-        routes=[Route("/healthz", readiness.endpoint), Mount("/", app=mcp_app)],
-        lifespan=lifespan,
-    )
+    routes: list[Route | Mount] = [Route("/healthz", readiness.endpoint)]
+    auth = mcp.settings.auth
+    if auth is not None and auth.resource_server_url is not None:
+        metadata = ProtectedResourceMetadata(
+            resource=auth.resource_server_url,
+            authorization_servers=[auth.issuer_url],
+            scopes_supported=sorted({scope for named in (scopes or {}).values() for scope in named}) or None,
+            resource_name=getattr(mcp, "server_id", None) or mcp.name,
+        ).model_dump(mode="json", exclude_none=True)
+        # The registry's issuer exactly as its own metadata says it (RFC 8414 3.3 compares the
+        # strings): its URL without the slash pydantic adds to a bare origin.
+        metadata["authorization_servers"] = [str(auth.issuer_url).rstrip("/")]
+
+        async def protected_resource(request: Request) -> Response:
+            return JSONResponse(metadata, headers={"Cache-Control": "max-age=3600"})
+
+        # Where RFC 9728 puts it for the resource's path, and at the root, where clients look when
+        # a 401 names no metadata (both ahead of the SDK's own route, which knows no scopes).
+        routes.append(Route(f"{PROTECTED_RESOURCE_PATH}{MCP_PATH}", protected_resource))
+        routes.append(Route(PROTECTED_RESOURCE_PATH, protected_resource))
+    routes.append(Mount("/", app=mcp_app))
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 async def serve_mcp(app: Starlette, settings: ServiceSettings) -> None:
@@ -548,7 +574,7 @@ def tool_server_app(
             await stack.enter_async_context(start_in_background(readiness, start))
             yield
 
-    return build_app(mcp, readiness, lifespan)
+    return build_app(mcp, readiness, lifespan, tools)
 
 
 class TracedMCPServer(MCPServer):
@@ -681,10 +707,14 @@ def fleet_mcp_server(
 
 
 def auth_settings(settings: ServiceSettings) -> AuthSettings:
+    """Tokens come from the registry; the server is the resource at its public ``/mcp`` URL, which
+    its 401s name (``resource_metadata`` in ``WWW-Authenticate``, RFC 9728) so that a standard MCP
+    client finds the registry from there. The audience of a token is checked by the fleet's own
+    verifier (the server's id), so the SDK's check of the resource is left off."""
     return AuthSettings(
         issuer_url=AnyHttpUrl(settings.registry_url),
-        resource_server_url=None,
-        validate_token_resource=False,  # the verifier checks the audience itself
+        resource_server_url=AnyHttpUrl(settings.public_url.rstrip("/") + MCP_PATH),
+        validate_token_resource=False,
     )
 
 

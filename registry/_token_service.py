@@ -162,7 +162,11 @@ class TokenService:
         *,
         policy: PolicyEngine,
         external: Iterable[ExternalTokenVerifier] = (),
+        issuer_url: str = "",
     ) -> None:
+        """``token_url``: the token endpoint, which a client assertion may name as its audience;
+        ``issuer_url``: the registry's URL as its RFC 8414 metadata names it (its ``issuer``), which
+        an assertion may name instead (RFC 7523, as standard clients such as the MCP SDK's do)."""
         self._store = store
         self._policy = policy
         self._external = {v.issuer.issuer: v for v in external}
@@ -170,6 +174,9 @@ class TokenService:
         self.key = key  # the issuer's signing key; replaced when the registry rotates it
         self._issuer = issuer
         self._token_url = token_url
+        root = issuer_url.rstrip("/")
+        # Who an assertion may be addressed to: the token endpoint, or this server by its issuer URL.
+        self._assertion_audiences = (token_url, root, root + "/") if root else (token_url,)
         self._revocations = revocations
         self._identities: dict[str, tuple[float, IdentityRecord]] = {}
         self._rereads: dict[str, asyncio.Lock] = {}  # by identity id (identities that exist only)
@@ -266,9 +273,11 @@ class TokenService:
     ) -> IssuedToken:
         if grant_type == TOKEN_EXCHANGE:
             return await self._exchange(client, client_kid, form)
-        audience = form.get("audience", "")
-        tenant = form.get("tenant", "")
+        audience = await self._audience(form)
+        tenant = form.get("tenant", "") or _only_tenant(client)
         scopes = sorted(set(form.get("scope", "").split()))
+        if form.get("resource") and not form.get("audience"):
+            scopes = _within_enrollment(client, scopes)
         if form.get("requested_token_type") == SIGNAL_GRANT_TYPE:
             return await self._signal_grant(client, client_kid, tenant, scopes, form)
         if form.get("requested_token_type") == APPROVAL_GRANT_TYPE:
@@ -288,6 +297,20 @@ class TokenService:
                 raise OAuthError("invalid_request", "only the coordinator's workers name a run_id")
             extra["run_id"] = run_id
         return self._sign(client.id, client.id, audience, tenant, scopes, client_kid, extra)
+
+    async def _audience(self, form: Mapping[str, str]) -> str:
+        """The audience a client-credentials token is asked for: ``audience`` (the fleet's clients
+        name the service), or the MCP server whose registered endpoint is the RFC 8707
+        ``resource`` (what a standard MCP client sends, from the server's RFC 9728 metadata). Both,
+        if given, must name the same server."""
+        audience, resource = form.get("audience", ""), form.get("resource", "")
+        if not resource:
+            return audience
+        wanted = resource.rstrip("/")
+        named = [m.audience for m in await self._store.mcp_servers() if m.url.rstrip("/") == wanted]
+        if len(named) != 1 or (audience and audience != named[0]):
+            raise OAuthError("invalid_target", f"resource {resource!r} is no MCP server of this fleet")
+        return named[0]
 
     async def _exchange(
         self, client: IdentityRecord, client_kid: str, form: Mapping[str, str]
@@ -602,9 +625,16 @@ class TokenService:
         client_id = unverified.get("sub")
         if not isinstance(client_id, str) or unverified.get("iss") != client_id:
             raise OAuthError("invalid_client", "assertion iss and sub must name the client", 401)
-        kid = str(header.get("kid"))
-        identity = await self._identity(client_id, kid)
-        jwk = identity.usable_keys(time.time()).get(kid) if identity else None
+        named = header.get("kid")
+        identity = await self._identity(client_id, named if isinstance(named, str) else None)
+        usable = identity.usable_keys(time.time()) if identity else {}
+        if isinstance(named, str):
+            kid = named
+        elif identity is not None and len(usable) != 1:
+            raise OAuthError("invalid_client", "the assertion must name the client's key (kid)", 401)
+        else:  # RFC 7523 needs no kid (the MCP SDK's assertions carry none): the client's one key
+            kid = next(iter(usable), "")
+        jwk = usable.get(kid)
         if identity is None or jwk is None:
             raise OAuthError("invalid_client", "unknown client or key (or a retired one)", 401)
         if self._revocations is not None and self._revocations.check(kid):
@@ -621,7 +651,9 @@ class TokenService:
                 self._client_keys.clear()
             key = self._client_keys[kid] = public_key_from_jwk(jwk)
         try:
-            claims = decode_es256(assertion, key, self._token_url, client_id, LEEWAY_S, ASSERTION_CLAIMS)
+            claims = decode_es256(
+                assertion, key, self._assertion_audiences, client_id, LEEWAY_S, ASSERTION_CLAIMS
+            )
         except AuthError as exc:
             raise OAuthError("invalid_client", f"client assertion rejected: {exc.message}", 401) from exc
         if int(claims["exp"]) - int(claims["iat"]) > MAX_ASSERTION_LIFETIME_S:
@@ -744,3 +776,22 @@ def actors_of(act: Mapping[str, Any] | None) -> list[str]:
         chain.append(str(act.get("sub", "")))
         act = act.get("act")
     return chain
+
+
+def _only_tenant(client: IdentityRecord) -> str:
+    """The tenant a client-credentials request that names none is for: the client's one tenant, if
+    its enrollment allows exactly one (a standard OAuth client knows no ``tenant`` parameter); else
+    none, and the request is refused as it always was."""
+    return client.tenants[0] if len(client.tenants) == 1 and client.tenants[0] != "*" else ""
+
+
+def _within_enrollment(client: IdentityRecord, scopes: list[str]) -> list[str]:
+    """What a standard client's request (one that names its target by ``resource``) gets of the
+    scopes it asks for: those its enrollment allows (RFC 6749 3.3: the answer's ``scope`` says
+    which). Such a client asks for every scope the server's metadata lists, whatever it needs; the
+    fleet's own clients name the ``audience`` and are refused anything beyond their enrollment.
+    None of them allowed is still a refusal."""
+    allowed = [scope for scope in scopes if client.allows_scope(scope)]
+    if scopes and not allowed:
+        raise OAuthError("invalid_scope", f"none of the scopes asked for is granted to {client.id}")
+    return allowed

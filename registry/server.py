@@ -34,7 +34,14 @@ from fleet.revocations import Revocations, record_revocation
 from fleet.service import always_ready, configure_logging, problem_response, serve_app
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import MasterSecret
-from fleet.tokens import ACCESS_TOKEN_TYPE, Claims, ExternalTokenVerifier, TokenVerifier, bearer_token
+from fleet.tokens import (
+    ACCESS_TOKEN_TYPE,
+    TOKEN_EXCHANGE,
+    Claims,
+    ExternalTokenVerifier,
+    TokenVerifier,
+    bearer_token,
+)
 from policy.live import LivePolicy, enforcing, live_policy
 from registry import _producers as producers
 from registry._callout import BusAuthority
@@ -192,6 +199,47 @@ async def token(request: Request, state: RegistryState) -> Response:
             "expires_in": issued.expires_in,
             "scope": issued.scope,
         },
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def authorization_server_metadata(settings: ServiceSettings) -> dict[str, object]:
+    """The registry's RFC 8414 metadata: what a standard OAuth client needs to get a token here. The
+    registry issues tokens to machines only (client credentials with a private_key_jwt assertion,
+    and token exchange, RFC 8693); its authorization endpoint exists because common clients (the
+    MCP SDK's among them) require the member, and it refuses every request. ``issuer`` is the URL
+    the metadata is found under; the tokens themselves name the fleet's issuer (``iss``,
+    ``FLEET_ISSUER``), which the fleet's verifiers check."""
+    base = settings.public_url.rstrip("/")
+    return {
+        "issuer": base,
+        "authorization_endpoint": f"{base}/oauth/authorize",
+        "token_endpoint": f"{base}/oauth/token",
+        "jwks_uri": f"{base}/.well-known/jwks.json",
+        "response_types_supported": [],
+        "grant_types_supported": ["client_credentials", TOKEN_EXCHANGE],
+        "token_endpoint_auth_methods_supported": ["private_key_jwt"],
+        "token_endpoint_auth_signing_alg_values_supported": ["ES256"],
+    }
+
+
+def _metadata_route(metadata: dict[str, object]) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return JSONResponse(metadata, headers={"Cache-Control": "max-age=3600"})
+
+    return endpoint
+
+
+async def authorize(request: Request) -> Response:
+    """No authorization code or implicit grant here: every request is refused (RFC 6749 4.1.2.1,
+    answered directly: no redirect URI is trusted, since no client registered one)."""
+    return JSONResponse(
+        {
+            "error": "unsupported_response_type",
+            "error_description": "this server issues tokens to machines only: client credentials with"
+            " a private_key_jwt assertion, or token exchange, at the token endpoint",
+        },
+        status_code=400,
         headers={"Cache-Control": "no-store"},
     )
 
@@ -538,6 +586,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
                             ExternalTokenVerifier(issuer, http, revocations=revocations)
                             for issuer in settings.external_issuers
                         ],
+                        issuer_url=settings.public_url,
                     ),
                     enrollment=Enrollment(store, operator_key),
                     verifier=TokenVerifier(
@@ -576,6 +625,11 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/healthz", always_ready(settings.service_id, "registry").endpoint),
         Route("/.well-known/jwks.json", _route(jwks)),
         Route("/oauth/token", _route(token), methods=["POST"]),
+        Route("/oauth/authorize", authorize, methods=["GET", "POST"]),
+        Route(
+            "/.well-known/oauth-authorization-server",
+            _metadata_route(authorization_server_metadata(settings)),
+        ),
         Route("/v1/enroll", _route(enroll), methods=["POST"]),
         Route("/v1/records", _route(records)),
         Route("/v1/agents", _route(list_agents)),
