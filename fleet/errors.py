@@ -82,6 +82,7 @@ class ErrorCode(StrEnum):
     RATE_LIMITED = "rate_limited"
     BODY_TOO_LARGE = "body_too_large"  # a request body over the service's cap (fleet.bodylimit)
     MANIFEST_INVALID = "manifest_invalid"  # a fleet manifest (fleet.toml) that cannot be run
+    POLICY_QUERY_INVALID = "policy_query_invalid"  # a Rego query that does not parse (fleet policy eval)
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -90,6 +91,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.POLICY_DENIED: 403,
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.MANIFEST_INVALID: 400,
+    ErrorCode.POLICY_QUERY_INVALID: 400,
     ErrorCode.CARD_INVALID: 400,
     ErrorCode.PUSH_URL_REFUSED: 400,
     ErrorCode.TOO_LARGE: 413,

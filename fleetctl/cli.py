@@ -274,7 +274,15 @@ def _parser() -> argparse.ArgumentParser:
     ptest.add_argument("-v", "--verbose", action="store_true", help="list every test, not only failures")
     ptest.add_argument("--coverage", action="store_true", help="the policies' lines the tests reach")
     ptest.add_argument("--json", action="store_true")
-    peval = policy_sub.add_parser("eval", help="evaluate a query (e.g. data.fleet.tools.decision)")
+    pfmt = policy_sub.add_parser(
+        "fmt", help="lay the bundle's Rego modules out uniformly (a subset of opa fmt)"
+    )
+    pfmt.add_argument("dir", nargs="?", type=Path, default=None, help="default: the installed bundle")
+    pfmt.add_argument("--check", action="store_true", help="change nothing; exit 1 if a module would change")
+    pfmt.add_argument("--json", action="store_true")
+    peval = policy_sub.add_parser(
+        "eval", help="a rule's value (data.fleet.tools.decision) or any Rego query's results, as opa eval"
+    )
     peval.add_argument("query")
     peval.add_argument("--json", action="store_true", help="accepted for symmetry: eval always prints JSON")
     peval.add_argument("--input", type=Path, default=None, help="a JSON file: the input document")
@@ -685,6 +693,8 @@ def _policy(args: argparse.Namespace, layout: StackLayout) -> int:
         return policy_cli.test(args.dir, verbose=args.verbose, coverage=args.coverage, as_json=args.json)
     if which == "eval":
         return policy_cli.evaluate(args.query, args.input, args.dir)
+    if which == "fmt":
+        return policy_cli.format_bundle(args.dir, check=args.check, as_json=args.json)
     if which in ("push", "rollback"):
         signing = policy_cli.Signing(args.key, args.certificate)
         if which == "rollback":

@@ -62,6 +62,7 @@ _EXIT_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHENTICATED: EXIT_REFUSED,
     ErrorCode.INVALID_REQUEST: EXIT_USAGE,
     ErrorCode.MANIFEST_INVALID: EXIT_USAGE,
+    ErrorCode.POLICY_QUERY_INVALID: EXIT_USAGE,
 }
 
 # How a run's end state maps to the exit code of a command that waited for it.

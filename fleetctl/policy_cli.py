@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import getpass
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -36,17 +38,20 @@ from fleet.bodylimit import BodySizeLimit
 from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.natsconn import connect, stream_replicas
-from fleetctl.cli_common import report_error
+from fleetctl.cli_common import emit, report_error
 from fleetctl.layout import StackLayout
 from policy import (
+    DEFAULT_BUNDLE_DIR,
     Bundle,
     PolicyError,
+    PolicyQueryError,
     PolicySigner,
     PushVerifier,
     RegorusEngine,
     certify_author,
     public_jwk_from_file,
 )
+from policy.formatting import format_module
 from policy.live import DECISIONS_STREAM, last_push, push, pushed, rollback, statuses
 from policy.testing import RegoTestResult, run_bundle_tests
 
@@ -112,7 +117,50 @@ def test(directory: Path | None, *, verbose: bool, coverage: bool, as_json: bool
     return EXIT_FAILED if failed or not results else EXIT_OK
 
 
+def format_bundle(directory: Path | None, *, check: bool, as_json: bool) -> int:
+    """``fleet policy fmt``: lay out every ``*.rego`` under the bundle (:mod:`policy.formatting`),
+    or with ``check`` only say which would change (exit 1 if any, for CI). A module whose syntax
+    tree the layout would change is left as it is and named (``kept``); one that does not parse is
+    ``policy_unavailable``, and nothing is written."""
+    root = directory or DEFAULT_BUNDLE_DIR
+    try:
+        modules = [(path, path.read_text()) for path in sorted(root.rglob("*.rego"))]
+        results = [(path, text, format_module(str(path.relative_to(root)), text)) for path, text in modules]
+    except OSError as exc:
+        return report_error(PolicyError(f"cannot read the bundle at {root}: {exc}"), as_json=as_json)
+    except PolicyError as exc:
+        return report_error(exc, as_json=as_json)
+    changed = [path for path, text, done in results if done.text != text]
+    kept = [path for path, _, done in results if done.kept]
+    if not check:
+        for path, text, done in results:
+            if done.text != text:
+                path.write_text(done.text)
+    names = {
+        "changed": [str(p.relative_to(root)) for p in changed],
+        "kept": [str(p.relative_to(root)) for p in kept],
+    }
+    verb = "would change" if check else "formatted"
+    emit(
+        {**names, "modules": len(results), "check": check},
+        as_json=as_json,
+        text="\n".join(
+            [*(f"{verb} {name}" for name in names["changed"])]
+            + [f"left as it is (a change would alter its syntax tree): {name}" for name in names["kept"]]
+            + [f"{len(results)} modules, {len(changed)} {verb}"]
+        ),
+    )
+    return EXIT_FAILED if check and changed else EXIT_OK
+
+
+_RULE_PATH = re.compile(r"data(\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
 def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int:
+    """``fleet policy eval``: a rule's value (``data.fleet.tools.decision``: ``{"result": value}``),
+    or any Rego query's results as ``opa eval`` gives them (``{"results": [{"expressions",
+    "bindings"}, ...]}``: none if it holds no way). A query that does not parse is
+    ``policy_query_invalid`` (exit 2); a bundle that cannot be evaluated, ``policy_unavailable``."""
     try:
         document = json.loads(input_file.read_text()) if input_file else {}
     except (OSError, ValueError) as exc:
@@ -120,11 +168,15 @@ def evaluate(query: str, input_file: Path | None, directory: Path | None) -> int
         return EXIT_USAGE
     try:
         engine = RegorusEngine(_load(directory))
-        value = engine.evaluate(query.removeprefix("data."), document)
-    except PolicyError as exc:
-        report_error(exc, as_json=False)
-        return EXIT_FAILED
-    print(json.dumps({"result": value, "revision": engine.revision}, indent=2))
+        if _RULE_PATH.fullmatch(query.strip()):
+            answer: dict[str, Any] = {
+                "result": engine.evaluate(query.strip().removeprefix("data."), document)
+            }
+        else:
+            answer = {"query": query, "results": engine.query(query, document)}
+    except (PolicyError, PolicyQueryError) as exc:
+        return report_error(exc, as_json=False)
+    print(json.dumps({**answer, "revision": engine.revision}, indent=2))
     return EXIT_OK
 
 
@@ -352,6 +404,19 @@ async def status(layout: StackLayout, *, as_json: bool) -> int:
     return EXIT_OK
 
 
+def _clock_time(timestamp: Any) -> str:
+    """The local time of day of a decision's ``timestamp`` (RFC 3339; epoch seconds in records
+    written before it was), or ``?`` if it says neither."""
+    try:
+        if isinstance(timestamp, int | float):
+            moment = dt.datetime.fromtimestamp(float(timestamp), dt.UTC)
+        else:
+            moment = dt.datetime.fromisoformat(str(timestamp).replace("Z", "+00:00"))
+    except (ValueError, OverflowError, OSError):
+        return "?"
+    return moment.astimezone().strftime("%H:%M:%S")
+
+
 async def decision_log(layout: StackLayout, *, follow: bool, as_json: bool, limit: int) -> int:
     from nats.js.api import ConsumerConfig, DeliverPolicy
     from nats.js.errors import NotFoundError
@@ -361,7 +426,7 @@ async def decision_log(layout: StackLayout, *, follow: bool, as_json: bool, limi
             print(json.dumps(record), flush=True)
             return
         allow = record.get("result", {}).get("allow") if isinstance(record.get("result"), dict) else None
-        when = time.strftime("%H:%M:%S", time.localtime(float(record.get("timestamp", 0))))
+        when = _clock_time(record.get("timestamp"))
         print(
             f"{when} {record['requested_by']:<16} {record['path']:<28} allow={allow} "
             f"{record['decision_id']} rev={record['bundles']['fleet']['revision']}",

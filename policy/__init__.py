@@ -7,7 +7,7 @@ are signed (:class:`PolicySigner`) and verified against the operator's key (:cla
 from policy._bundle import DEFAULT_BUNDLE_DIR, Bundle
 from policy._signing import PolicySigner, PushRefused, PushVerifier, certify_author, public_jwk_from_file
 from policy.engine import Decision, PolicyEngine
-from policy.errors import PolicyError
+from policy.errors import PolicyError, PolicyQueryError
 from policy.regorus_engine import RegorusEngine
 from policy.testing import RegoTestResult, run_tests
 
@@ -17,6 +17,7 @@ __all__ = [
     "Decision",
     "PolicyEngine",
     "PolicyError",
+    "PolicyQueryError",
     "PolicySigner",
     "PushRefused",
     "PushVerifier",

@@ -8,3 +8,10 @@ class PolicyError(FleetError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.POLICY_UNAVAILABLE, message, retryable=True)
+
+
+class PolicyQueryError(FleetError):
+    """A query that does not parse: the asker's mistake, not the policy's (``policy_query_invalid``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.POLICY_QUERY_INVALID, message)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -64,6 +65,12 @@ STATUS_EVERY_S = 15.0
 STATUS_TTL_S = 60.0
 
 EngineFactory = Callable[[Bundle], Awaitable[PolicyEngine]]
+
+
+def rfc3339_now() -> str:
+    """Now as the decision log writes its ``timestamp``: RFC 3339 in UTC with microseconds, as OPA's
+    decision log does (it writes nanoseconds; Python's clock gives microseconds)."""
+    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def bundle_message(
@@ -304,7 +311,7 @@ class LivePolicy:
                     "path": decision.query.replace(".", "/"),
                     "input_sha256": digest,
                     "result": decision.result,
-                    "timestamp": time.time(),
+                    "timestamp": rfc3339_now(),
                     "metrics": {"timer_server_handler_ns": int(seconds * 1e9)},
                     "requested_by": self.service_id,
                 }

@@ -28,7 +28,7 @@ from typing import Any
 
 from policy._bundle import Bundle
 from policy.engine import Decision
-from policy.errors import PolicyError
+from policy.errors import PolicyError, PolicyQueryError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ def _drop_orphans() -> None:
     """Drop the engines handed to this thread (it created them)."""
     if _ORPHANS:
         _ORPHANS.pop(threading.get_ident(), None)
+
+
+QUERY_SOURCE = "--> <query.rego>"  # where regorus places an error in the query's own text
 
 
 def _first_line(exc: BaseException) -> str:
@@ -159,6 +162,24 @@ class RegorusEngine:
                 if len(memo) > MEMO_SIZE:
                     del memo[next(iter(memo))]  # the oldest
         return json.loads(result)
+
+    def query(self, query: str, input_document: dict[str, Any]) -> list[dict[str, Any]]:
+        """The results of a whole Rego query (``x := data.fleet.tools.decision; x.allow``), as
+        ``opa eval`` gives them: one per way the query holds, each with its ``expressions`` (their
+        values) and ``bindings`` (its variables'); empty if it holds no way. A query that does not
+        parse, or goes wrong in its own text, is :class:`PolicyQueryError`; anything else that goes
+        wrong (in the bundle) is :class:`PolicyError`."""
+        engine = self._engine()
+        try:
+            engine.set_input_json(json.dumps(input_document))
+            answer = json.loads(engine.eval_query_as_json(query))
+        except RuntimeError as exc:
+            text = str(exc).split("\n\nStack backtrace")[0].strip()
+            if text.startswith(QUERY_SOURCE):
+                raise PolicyQueryError(f"the query is not valid Rego: {text}") from exc
+            raise PolicyError(f"cannot evaluate the query: {_first_line(exc)}") from exc
+        results = answer.get("result", [])
+        return results if isinstance(results, list) else []
 
     async def decide(
         self, path: str, input_document: dict[str, Any], *, log_decision: bool = True

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -176,6 +178,10 @@ async def test_every_decision_is_logged_with_a_hash_of_its_input_never_the_input
     assert record["path"] == "fleet/tools/decision" and record["requested_by"] == "logger"
     assert record["bundles"] == {"fleet": {"revision": revision}}
     assert record["result"]["allow"] is True and record["metrics"]["timer_server_handler_ns"] > 0
+    # RFC 3339 in UTC, as OPA writes it (not epoch seconds)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", record["timestamp"]), record["timestamp"]
+    logged_at = dt.datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00"))
+    assert abs((dt.datetime.now(dt.UTC) - logged_at).total_seconds()) < 60
     assert record["input_sha256"] == records[1]["input_sha256"] and len(record["input_sha256"]) == 64
     assert "4111" not in json.dumps(records)
 
