@@ -43,7 +43,7 @@ from coordinator.record.operations import Ledger
 from coordinator.record.runs import PostgresRunStore
 from fleet import telemetry, transport
 from fleet.a2a_support import (
-    RPC_PATH,
+    A2A_PATHS,
     a2a_app,
     a2a_body_limit,
     build_card,
@@ -281,7 +281,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
                 start=executor.start_from_api,
             ),
         ],
-        protected_prefixes=(RPC_PATH, RUNS_PREFIX),
+        protected_prefixes=(*A2A_PATHS, RUNS_PREFIX),
     )
 
 

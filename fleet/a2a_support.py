@@ -17,6 +17,7 @@ from a2a.server.routes import (
     DefaultServerCallContextBuilder,
     create_agent_card_routes,
     create_jsonrpc_routes,
+    create_rest_routes,
 )
 from a2a.types import (
     AgentCapabilities,
@@ -50,6 +51,8 @@ from fleet.settings import ServiceSettings
 from fleet.tokens import BearerVerifier, Claims, bearer_token
 
 RPC_PATH = "/a2a/jsonrpc"
+REST_PATH = "/a2a/rest"  # A2A's HTTP+JSON binding: /a2a/rest/message:send, /a2a/rest/tasks/{id}, ...
+A2A_PATHS = (RPC_PATH, REST_PATH)  # the A2A surface, on either binding
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +173,11 @@ class BearerAuthMiddleware:
         app: ASGIApp,
         verifier: BearerVerifier,
         required_scope: str,
-        protected_prefixes: tuple[str, ...] = (RPC_PATH,),
+        protected_prefixes: tuple[str, ...] = A2A_PATHS,
         rpc_verifier: BearerVerifier | None = None,
     ) -> None:
-        """``rpc_verifier``: another verifier for the A2A JSON-RPC path only (the coordinator's,
-        which also takes outside issuers' tokens there, and nowhere else)."""
+        """``rpc_verifier``: another verifier for the A2A surface only, on either binding (the
+        coordinator's, which also takes outside issuers' tokens there, and nowhere else)."""
         self._app = app
         self._verifier = verifier
         self._rpc_verifier = rpc_verifier or verifier
@@ -187,7 +190,7 @@ class BearerAuthMiddleware:
             return
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
-        verifier = self._rpc_verifier if scope["path"].startswith(RPC_PATH) else self._verifier
+        verifier = self._rpc_verifier if scope["path"].startswith(A2A_PATHS) else self._verifier
         try:
             claims = await verifier.verify(bearer_token(authorization), required_scopes=[self._scope])
         except FleetError as exc:
@@ -280,8 +283,10 @@ def build_card(
         name=name,
         description=description,
         version=version,
+        # In the order of preference: JSON-RPC first, as the fleet's own clients speak it.
         supported_interfaces=[
-            AgentInterface(url=base_url + RPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0")
+            AgentInterface(url=base_url + RPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0"),
+            AgentInterface(url=base_url + REST_PATH, protocol_binding="HTTP+JSON", protocol_version="1.0"),
         ],
         capabilities=AgentCapabilities(streaming=streaming, extensions=list(extensions)),
         default_input_modes=list(input_modes),
@@ -315,6 +320,14 @@ def build_card(
     )
 
 
+def rest_routes(handler: DefaultRequestHandler) -> list[BaseRoute]:
+    """The HTTP+JSON binding's routes under ``REST_PATH``. Not its optional ``/{tenant}/...`` form:
+    a2a-sdk 1.3 mounts that at the root whatever the prefix, where it would take every other route
+    of the app; a caller's tenant is its token's here, never a path segment."""
+    routes = create_rest_routes(handler, context_builder=ClaimsContextBuilder(), path_prefix=REST_PATH)
+    return [route for route in routes if isinstance(route, Route) and route.path.startswith(REST_PATH)]
+
+
 def a2a_app(
     *,
     card: AgentCard,
@@ -324,16 +337,18 @@ def a2a_app(
     required_scope: str,
     lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]],
     extra_routes: Sequence[BaseRoute] = (),
-    protected_prefixes: tuple[str, ...] = (RPC_PATH,),
+    protected_prefixes: tuple[str, ...] = A2A_PATHS,
     rpc_verifier: BearerVerifier | None = None,
 ) -> Starlette:
-    """An A2A agent's app: ``/healthz`` and the card are public; JSON-RPC (and any other
-    ``protected_prefixes``) need a token for this agent."""
+    """An A2A agent's app: ``/healthz`` and the card are public; the A2A surface on both its
+    bindings, JSON-RPC (``RPC_PATH``) and HTTP+JSON (``REST_PATH``), one handler and one task store
+    behind both (and any other ``protected_prefixes``) need a token for this agent."""
     app = Starlette(
         routes=[
             Route("/healthz", readiness.endpoint),
             *create_agent_card_routes(card),
             *create_jsonrpc_routes(handler, rpc_url=RPC_PATH, context_builder=ClaimsContextBuilder()),
+            *rest_routes(handler),
             *extra_routes,
         ],
         lifespan=lifespan,

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from fleet import mcp_client, telemetry, transport
 from fleet.a2a_support import (
-    RPC_PATH,
+    A2A_PATHS,
     a2a_app,
     a2a_body_limit,
     build_card,
@@ -918,7 +918,7 @@ def build_specialist_app(
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
         extra_routes=[*operation_routes(journal, executor), tools_route(tools)],
-        protected_prefixes=(RPC_PATH, OPERATIONS_PATH, TOOLS_PATH),
+        protected_prefixes=(*A2A_PATHS, OPERATIONS_PATH, TOOLS_PATH),
     )
 
 
