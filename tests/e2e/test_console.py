@@ -96,6 +96,9 @@ async def test_an_operator_approves_a_paused_run_in_the_browser_and_sees_it_comp
     await waiting.click()
     await expect(page.locator('[data-testid="wait"]')).to_contain_text("approval:refund:0")
     await expect(page.locator('[data-testid="timeline"] li').first).to_be_visible()
+    # The plan as a graph, its gated step waiting at the gate.
+    step = page.locator('[data-testid="plan-graph"] [data-step="refund"]')
+    await expect(step).to_have_attribute("data-state", "waiting", timeout=SEEN_WITHIN_MS)
     await screenshot(page, "run-waiting", tmp_path)
     await page.get_by_role("button", name="Approve").click()
     await expect(page.locator('[data-testid="signal-status"]')).to_have_text("approve: applied")
@@ -103,6 +106,9 @@ async def test_an_operator_approves_a_paused_run_in_the_browser_and_sees_it_comp
         "completed", timeout=SEEN_WITHIN_MS
     )
     await expect(page.locator('[data-testid="timeline"]')).to_contain_text("run.completed")
+    # The graph moved with the run, live: the step is done, with the agent that did it.
+    await expect(step).to_have_attribute("data-state", "completed", timeout=SEEN_WITHIN_MS)
+    await expect(step).to_contain_text("case-desk")
     await screenshot(page, "run-completed", tmp_path)
 
     await page.goto(f"{stack.endpoints['console']}/#/")

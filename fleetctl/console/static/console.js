@@ -240,17 +240,119 @@ function timelineItem(event) {
       json(payload)));
 }
 
+// ---- a run's plan as a graph -------------------------------------------------------------------
+
+const SVG = "http://www.w3.org/2000/svg";
+const STEP_STATE = {
+  "step.started": "working", "step.completed": "completed", "step.failed": "failed", "step.blocked": "blocked",
+};
+const NODE_W = 190;
+const NODE_H = 58;
+
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+// A plan step's id as the events name it: a gated step's later calls are `<step>~<n>`, a batch's `<step>@<i>`.
+const stepOf = (name) => String(name || "").split(/[~@]/)[0];
+
+// The plan (its shape: the latest event that carries `steps`) and what became of each step, from the events.
+function planState(events, run) {
+  let steps = [];
+  const seen = new Map();
+  for (const event of events) {
+    const payload = event.payload || {};
+    if (Array.isArray(payload.steps)) steps = payload.steps;
+    const state = STEP_STATE[event.type];
+    if (!state || !payload.step) continue;
+    const id = stepOf(payload.step);
+    const known = seen.get(id) || {};
+    seen.set(id, {
+      ...known, state, agent: payload.agent || known.agent,
+      started: known.started || (state === "working" ? event.ts : undefined),
+      ended: ENDED.has(state) ? event.ts : undefined,
+    });
+  }
+  const waitingAt = run && run.state === "waiting" && run.wait ? stepOf((run.wait.detail || {}).step || run.wait.step) : null;
+  if (waitingAt && seen.has(waitingAt)) seen.get(waitingAt).state = "waiting";
+  if (run && (run.state === "canceled" || run.state === "failed")) {
+    for (const step of seen.values()) if (step.state === "working") step.state = run.state;
+  }
+  return { steps, seen };
+}
+
+function duration(from, to) {
+  if (!from) return "";
+  const ms = (to ? new Date(to) : new Date()) - new Date(from);
+  return ms < 1000 ? `${Math.max(ms, 0)} ms` : `${(ms / 1000).toFixed(1)} s`;
+}
+
+// Steps in columns by depth (the longest chain of `after` before them), edges from each step it waits for.
+function planGraph(events, run) {
+  const { steps, seen } = planState(events, run);
+  if (!steps.length) return el("p", { class: "empty" }, "No plan yet.");
+  const byId = new Map(steps.map((step) => [step.id, step]));
+  const depth = new Map();
+  const depthOf = (id, trail = new Set()) => {
+    if (depth.has(id)) return depth.get(id);
+    if (trail.has(id)) return 0; // a cycle is refused before a run starts; never loop here
+    trail.add(id);
+    const after = (byId.get(id) || {}).after || [];
+    const found = after.length ? 1 + Math.max(...after.map((a) => depthOf(a, trail))) : 0;
+    depth.set(id, found);
+    return found;
+  };
+  const columns = [];
+  for (const step of steps) (columns[depthOf(step.id)] ||= []).push(step);
+  const at = new Map();
+  columns.forEach((column, x) => (column || []).forEach((step, y) => at.set(step.id, { x: 16 + x * (NODE_W + 48), y: 16 + y * (NODE_H + 22) })));
+  const width = 32 + columns.length * (NODE_W + 48) - 48;
+  const height = 32 + Math.max(...columns.map((c) => (c || []).length)) * (NODE_H + 22) - 22;
+  const edges = steps.flatMap((step) => (step.after || []).filter((a) => at.has(a)).map((a) => {
+    const from = at.get(a);
+    const to = at.get(step.id);
+    return svg("path", {
+      class: "edge", "marker-end": "url(#arrow)",
+      d: `M${from.x + NODE_W},${from.y + NODE_H / 2} C${from.x + NODE_W + 24},${from.y + NODE_H / 2} ${to.x - 24},${to.y + NODE_H / 2} ${to.x},${to.y + NODE_H / 2}`,
+    });
+  }));
+  const nodes = steps.map((step) => {
+    const { x, y } = at.get(step.id);
+    const found = seen.get(step.id) || { state: "pending" };
+    const time = duration(found.started, found.ended);
+    return svg("g", { class: `node node-${found.state}`, "data-step": step.id, "data-state": found.state, transform: `translate(${x},${y})` },
+      svg("title", {}, `${step.id}: ${step.skill || ""} (${found.state})`),
+      svg("rect", { width: NODE_W, height: NODE_H, rx: 8 }),
+      svg("text", { x: 10, y: 18, class: "node-id" }, step.id),
+      svg("text", { x: 10, y: 35 }, [step.skill, found.agent].filter(Boolean).join(" · ")),
+      svg("text", { x: 10, y: 51, class: "node-state" }, [found.state, time].filter(Boolean).join(" · ")));
+  });
+  return svg("svg", { class: "plan-graph", "data-testid": "plan-graph", width, height, viewBox: `0 0 ${width} ${height}` },
+    svg("defs", {}, svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto" },
+      svg("path", { d: "M0,0 L10,5 L0,10 z" }))),
+    edges, nodes);
+}
+
 async function showRun(view, runId) {
   const header = el("section", { class: "run-head" });
   const waitSlot = el("div");
   const actionSlot = el("div");
   const status = el("p", { class: "signal-status", "data-testid": "signal-status" });
   const timeline = el("ol", { class: "timeline", "data-testid": "timeline" });
+  const graph = el("section", { class: "plan" });
+  let lastRun = null;
+  const drawPlan = () => graph.replaceChildren(el("h3", {}, "Plan"), planGraph(events, lastRun));
   const operations = el("section", { class: "operations" });
   const artifacts = el("section", { class: "artifacts" });
   const bundle = el("button", { type: "button", onclick: () => downloadBundle(runId) }, "Download debug bundle");
   view.replaceChildren(
-    el("p", {}, el("a", { href: "#/" }, "← all runs")), header, waitSlot, actionSlot, status,
+    el("p", {}, el("a", { href: "#/" }, "← all runs")), header, waitSlot, actionSlot, status, graph,
     el("div", { class: "run-body" },
       el("section", {}, el("h3", {}, "Timeline"), timeline),
       el("div", {}, artifacts, operations, el("section", {}, el("h3", {}, "Debug"), bundle))),
@@ -274,6 +376,8 @@ async function showRun(view, runId) {
   async function load() {
     try {
       const run = await api(`/api/runs/${encodeURIComponent(runId)}`);
+      lastRun = run;
+      drawPlan();
       header.replaceChildren(
         el("h2", {}, "Run ", el("code", {}, run.run_id), " ", stateBadge(run.state)),
         el("p", {}, `tenant ${run.tenant} · started by ${run.owner} · ${when(run.created_at)}`,
@@ -305,6 +409,7 @@ async function showRun(view, runId) {
     if (events.some((e) => e.seq === event.seq)) return;
     events.push(event);
     timeline.append(timelineItem(event));
+    drawPlan();
     const found = artifactsOf(events);
     artifacts.replaceChildren(el("h3", {}, "Artifacts"), found.length
       ? el("ul", { "data-testid": "artifacts" }, found.map((a) => el("li", {}, a.ref
