@@ -42,6 +42,7 @@ from coordinator.record.notifier import RunNotifier
 from coordinator.record.operations import Ledger
 from coordinator.record.runs import PostgresRunStore
 from fleet import telemetry, transport
+from fleet.a2a_grpc import GrpcBinding
 from fleet.a2a_support import (
     A2A_PATHS,
     a2a_app,
@@ -149,6 +150,8 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         event_hooks=transport.hooks(),
     )
     delegator = Delegator(registry, http, engine=engine)  # routing policy, before a run is accepted
+    a2a_verifier = registry.federated_verifier()  # outside callers: over A2A only, on any binding
+    grpc = GrpcBinding.bind(settings, a2a_verifier, INVOKE_SCOPE)
     card = build_card(
         name="Fleet coordinator",
         description="Plans work and delegates each step to a specialist agent of the fleet.",
@@ -157,6 +160,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         skills=[*SKILLS, *workflow_skills(settings.workflows)],
         token_url=registry.token_url,
         required_scope=INVOKE_SCOPE,
+        grpc_url=grpc.url if grpc else None,
     )
     card = with_fleet_capabilities(card, settings.public_url, settings.service_id)
     extended = extended_card(card, settings.event_retention_s)
@@ -264,7 +268,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
         handler=handler,
         readiness=readiness,
         verifier=registry.verifier(),
-        rpc_verifier=registry.federated_verifier(),  # outside callers: over A2A only
+        rpc_verifier=a2a_verifier,
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
         extra_routes=[
@@ -282,6 +286,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
             ),
         ],
         protected_prefixes=(*A2A_PATHS, RUNS_PREFIX),
+        grpc=grpc,
     )
 
 

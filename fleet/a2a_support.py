@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from a2a.server.context import ServerCallContext
 from a2a.server.jsonrpc_models import InvalidRequestError, JSONParseError, JSONRPCError
@@ -53,6 +53,9 @@ from fleet.tokens import BearerVerifier, Claims, bearer_token
 RPC_PATH = "/a2a/jsonrpc"
 REST_PATH = "/a2a/rest"  # A2A's HTTP+JSON binding: /a2a/rest/message:send, /a2a/rest/tasks/{id}, ...
 A2A_PATHS = (RPC_PATH, REST_PATH)  # the A2A surface, on either binding
+
+if TYPE_CHECKING:
+    from fleet.a2a_grpc import GrpcBinding
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +277,7 @@ def build_card(
     streaming: bool = True,
     extensions: Sequence[AgentExtension] = (),
     input_modes: Sequence[str] = ("text/plain", "application/json"),
+    grpc_url: str | None = None,
 ) -> AgentCard:
     """An unsigned card for an agent served at ``base_url`` behind bearer-JWT auth.
 
@@ -287,6 +291,11 @@ def build_card(
         supported_interfaces=[
             AgentInterface(url=base_url + RPC_PATH, protocol_binding="JSONRPC", protocol_version="1.0"),
             AgentInterface(url=base_url + REST_PATH, protocol_binding="HTTP+JSON", protocol_version="1.0"),
+            *(
+                [AgentInterface(url=grpc_url, protocol_binding="GRPC", protocol_version="1.0")]
+                if grpc_url
+                else []
+            ),
         ],
         capabilities=AgentCapabilities(streaming=streaming, extensions=list(extensions)),
         default_input_modes=list(input_modes),
@@ -339,10 +348,14 @@ def a2a_app(
     extra_routes: Sequence[BaseRoute] = (),
     protected_prefixes: tuple[str, ...] = A2A_PATHS,
     rpc_verifier: BearerVerifier | None = None,
+    grpc: GrpcBinding | None = None,
 ) -> Starlette:
     """An A2A agent's app: ``/healthz`` and the card are public; the A2A surface on both its
     bindings, JSON-RPC (``RPC_PATH``) and HTTP+JSON (``REST_PATH``), one handler and one task store
-    behind both (and any other ``protected_prefixes``) need a token for this agent."""
+    behind both (and any other ``protected_prefixes``) need a token for this agent. ``grpc``: the
+    gRPC binding (:mod:`fleet.a2a_grpc`), started and stopped with the app."""
+    if grpc is not None:
+        lifespan = _with_grpc(lifespan, grpc, handler)
     app = Starlette(
         routes=[
             Route("/healthz", readiness.endpoint),
@@ -363,6 +376,23 @@ def a2a_app(
         rpc_verifier=rpc_verifier,
     )
     return app
+
+
+def _with_grpc(
+    lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]],
+    grpc: GrpcBinding,
+    handler: DefaultRequestHandler,
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def serving(app: Starlette) -> AsyncIterator[None]:
+        async with lifespan(app):
+            await grpc.start(handler)
+            try:
+                yield
+            finally:
+                await grpc.stop()
+
+    return serving
 
 
 def sign_card(card: AgentCard, key: SigningKey, jku: str | None = None) -> AgentCard:

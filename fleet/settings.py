@@ -105,6 +105,13 @@ class ServiceSettings(BaseSettings):
     tls_ca_file: Path | None = Field(
         default=None, description="the CA that signed the bus's (and the services') TLS certificates"
     )
+    a2a_grpc_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="an A2A service: also serve A2A's gRPC binding on this port (0: any free one), named"
+        " in its card (fleet.a2a_grpc); none: JSON-RPC and HTTP+JSON only",
+    )
     tls_cert_file: Path | None = Field(default=None, description="serve HTTPS with this certificate (PEM)")
     tls_key_file: Path | None = Field(default=None, description="and this key (PEM)")
     pg_dsn: str = ""

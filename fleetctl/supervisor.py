@@ -67,6 +67,7 @@ PORT_ATTEMPTS = 3
 STOP_TIMEOUT_S = 10.0
 FORK_SERVER = "forkserver"
 INFRASTRUCTURE = (FORK_SERVER, "nats", "postgres")  # stopped after the services, in reverse
+A2A_KINDS = ("coordinator", "specialist")  # the services that speak A2A (and so serve its gRPC binding too)
 _PR_SET_PDEATHSIG = 1
 # Looked up once, here: loading a library between fork and exec is not safe.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -508,6 +509,8 @@ class Supervisor:
             "FLEET_PUBLIC_URL": url,
             "FLEET_ENROLLMENT_TOKEN": enrollment_token(operator, spec),
         }
+        if spec.kind in A2A_KINDS:
+            env["FLEET_A2A_GRPC_PORT"] = "0"  # A2A's gRPC binding too, on a port of its own choosing
         self.layout.write_service_env(
             spec.id, {k: v for k, v in env.items() if k not in ("FLEET_LISTEN_FD", "FLEET_ENROLLMENT_TOKEN")}
         )

@@ -121,12 +121,28 @@ def verify_card_signature(card: AgentCard, identity: IdentityRecord) -> None:
 
 
 def _check_interfaces(card: AgentCard, base_url: str) -> str:
+    """Every interface of the card on the host the agent registered: the HTTP bindings at its
+    registered scheme and port, a gRPC one on the same scheme and host at a port of its own. The
+    first interface is where the agent is called."""
     registered = urlsplit(base_url)
     for interface in card.supported_interfaces:
         url = urlsplit(interface.url)
+        if interface.protocol_binding == "GRPC":
+            try:
+                port = url.port
+            except ValueError:
+                port = None
+            if (url.scheme, url.hostname) != (registered.scheme, registered.hostname) or not port:
+                raise _invalid(
+                    f"card gRPC interface {interface.url} is not on the registered host "
+                    f"{registered.scheme}://{registered.hostname}"
+                )
+            continue
         if (url.scheme, url.netloc) != (registered.scheme, registered.netloc):
             raise _invalid(
                 f"card interface {interface.url} is not on the registered host "
                 f"{registered.scheme}://{registered.netloc}"
             )
+    if card.supported_interfaces[0].protocol_binding == "GRPC":
+        raise _invalid("the card's first interface (where the fleet calls it) must be an HTTP binding")
     return str(card.supported_interfaces[0].url)

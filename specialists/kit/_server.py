@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from fleet import mcp_client, telemetry, transport
+from fleet.a2a_grpc import GrpcBinding
 from fleet.a2a_support import (
     A2A_PATHS,
     a2a_app,
@@ -867,6 +868,8 @@ def build_specialist_app(
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), event_hooks=transport.hooks())
     mcp_http = mcp_http_client()
     registry = RegistryClient(settings, http)
+    verifier = registry.verifier()
+    grpc = GrpcBinding.bind(settings, verifier, INVOKE_SCOPE)
     card = build_card(
         name=name,
         description=description,
@@ -877,6 +880,7 @@ def build_specialist_app(
         required_scope=INVOKE_SCOPE,
         extensions=[operations_extension(settings.public_url), skills_extension(skills)],
         input_modes=["application/json"],  # a data part {"skill": ID, "input": {...}}; no free text
+        grpc_url=grpc.url if grpc else None,
     )
     journal = Journal(settings.local_state_dir() / "operations.sqlite")
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
@@ -914,11 +918,12 @@ def build_specialist_app(
         card=card,
         handler=handler,
         readiness=readiness,
-        verifier=registry.verifier(),
+        verifier=verifier,
         required_scope=INVOKE_SCOPE,
         lifespan=lifespan,
         extra_routes=[*operation_routes(journal, executor), tools_route(tools)],
         protected_prefixes=(*A2A_PATHS, OPERATIONS_PATH, TOOLS_PATH),
+        grpc=grpc,
     )
 
 

@@ -96,6 +96,8 @@ def contract(*scenarios: dict[str, Any]) -> dict[str, Any]:
             "url": "${A2A_PROOF_AGENT_URL}",
             "transport": "JSONRPC",
             "timeout": 30,
+            # the gRPC binding is on a port of its own on the same host: another origin to a2a-proof
+            "allow_cross_origin_interfaces": True,
             "headers": {"Authorization": "Bearer ${A2A_PROOF_TOKEN}"},
         },
         "card": {

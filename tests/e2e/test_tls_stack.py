@@ -10,11 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import grpc
+import grpc.aio
 import httpx
 import nats
 import pytest
+from a2a.types import GetTaskRequest, a2a_pb2_grpc
 from nats.errors import NoServersError
 
+from fleet.a2a_grpc import grpc_target
 from fleet.natsconn import connect
 from fleetctl.layout import StackLayout, stack_admin
 from fleetctl.testing.e2e import Stack, clean_env, fleet, stop_stack
@@ -63,6 +67,29 @@ def test_every_service_answers_https_only_with_a_certificate_of_the_stacks_ca(tl
         host_port = services[name].removeprefix("https://")
         with httpx.Client(timeout=10) as http, pytest.raises(httpx.HTTPError):
             http.get(f"http://{host_port}/healthz")
+
+
+async def test_a2a_over_grpc_is_tls_only_on_the_stacks_ca(tls_stack: Stack) -> None:
+    """The coordinator's gRPC binding serves TLS with its certificate (its card says https), and a
+    call on a plaintext channel gets nowhere."""
+    services: dict[str, str] = tls_stack.endpoints["services"]
+    trusting = ssl.create_default_context(cafile=str(_ca(tls_stack)))
+    async with httpx.AsyncClient(verify=trusting, timeout=10) as http:
+        card = (await http.get(services["coordinator"] + "/.well-known/agent-card.json")).json()
+    address = next(i["url"] for i in card["supportedInterfaces"] if i["protocolBinding"] == "GRPC")
+    assert address.startswith("https://127.0.0.1:"), address
+    credentials = grpc.ssl_channel_credentials(root_certificates=_ca(tls_stack).read_bytes())
+    async with grpc.aio.secure_channel(grpc_target(address), credentials) as channel:
+        stub = a2a_pb2_grpc.A2AServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # TLS held: the bearer check answers
+            await stub.GetTask(GetTaskRequest(id="nothing"), metadata=(("a2a-version", "1.0"),))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with grpc.aio.insecure_channel(grpc_target(address)) as plain:
+        with pytest.raises(grpc.aio.AioRpcError) as unreachable:
+            await a2a_pb2_grpc.A2AServiceStub(plain).GetTask(
+                GetTaskRequest(id="nothing"), metadata=(("a2a-version", "1.0"),), timeout=5
+            )
+        assert unreachable.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def test_the_bus_takes_tls_clients_only(tls_stack: Stack) -> None:
