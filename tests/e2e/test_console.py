@@ -145,6 +145,12 @@ async def test_the_fleet_pages_show_agents_mcp_servers_policy_and_memory(
     await page.goto(f"{base}/#/agents")
     for agent in stack.endpoints["specialists"]:
         await expect(page.locator("main table")).to_contain_text(agent)
+    # The fleet as a picture: every specialist with the registry's word on its health, every MCP server.
+    picture = page.locator('[data-testid="fleet-graph"]')
+    for agent in stack.endpoints["specialists"]:
+        await expect(picture.locator(f'[data-agent="{agent}"]')).to_have_attribute("data-status", "healthy")
+    for server in stack.endpoints["mcp_servers"]:
+        await expect(picture.locator(f'[data-mcp="{server}"]')).to_be_visible()
     await screenshot(page, "agents", tmp_path)
     await page.goto(f"{base}/#/mcp")
     for server in stack.endpoints["mcp_servers"]:

@@ -252,7 +252,7 @@ const NODE_H = 58;
 function svg(tag, attrs = {}, ...children) {
   const node = document.createElementNS(SVG, tag);
   for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -440,9 +440,54 @@ async function downloadBundle(runId) {
 
 // ---- the fleet ----------------------------------------------------------------------------------
 
+// The fleet as a picture: the coordinator, the agents it delegates to (coloured by the registry's
+// word on their health) and the MCP servers registered with their tools.
+function fleetGraph(agents, servers) {
+  const coordinators = agents.filter((a) => a.kind === "coordinator");
+  const others = agents.filter((a) => a.kind !== "coordinator");
+  const columns = [
+    // The coordinator is no agent of the registry's: drawn as where runs enter, with no health claimed.
+    coordinators.length ? coordinators : [{ id: "coordinator", kind: "coordinator", status: "entry", skills: [] }],
+    others, servers.map((m) => ({ ...m, kind: "mcp_server" })),
+  ];
+  const rowH = NODE_H + 14;
+  const height = 32 + Math.max(...columns.map((c) => c.length), 1) * rowH;
+  const x = [16, 16 + NODE_W + 120, 16 + 2 * (NODE_W + 120)];
+  const y = (column, i) => 16 + i * rowH + (height - 32 - columns[column].length * rowH) / 2;
+  const from = { x: x[0] + NODE_W, y: y(0, 0) + NODE_H / 2 };
+  const edges = others.map((a, i) => svg("path", {
+    class: "edge", "marker-end": "url(#arrow)",
+    d: `M${from.x},${from.y} C${from.x + 60},${from.y} ${x[1] - 60},${y(1, i) + NODE_H / 2} ${x[1]},${y(1, i) + NODE_H / 2}`,
+  }));
+  const node = (column, i, item) => {
+    const health = item.kind === "mcp_server" ? "registered" : (item.status || "unknown");
+    const what = item.kind === "mcp_server"
+      ? `${(item.tools || []).length} tools: ${(item.tools || []).map((t) => t.name).join(", ")}`
+      : item.kind === "coordinator" ? "plans and delegates"
+        : `${item.kind}${item.external ? " · outside" : ""} · ${(item.skills || []).length} skills`;
+    return svg("g", {
+      class: `node node-${health === "healthy" || health === "registered" ? "completed" : health === "entry" ? "pending" : "failed"}`,
+      [item.kind === "mcp_server" ? "data-mcp" : "data-agent"]: item.id, "data-status": health,
+      transform: `translate(${x[column]},${y(column, i)})`,
+    },
+    svg("title", {}, `${item.id}: ${health}`),
+    svg("rect", { width: NODE_W, height: NODE_H, rx: 8 }),
+    svg("text", { x: 10, y: 18, class: "node-id" }, item.id),
+    svg("text", { x: 10, y: 35 }, what.length > 27 ? `${what.slice(0, 26)}…` : what),
+    svg("text", { x: 10, y: 51, class: "node-state" }, health));
+  };
+  const width = x[2] + NODE_W + 16;
+  return svg("svg", { class: "plan-graph", "data-testid": "fleet-graph", width, height, viewBox: `0 0 ${width} ${height}` },
+    svg("defs", {}, svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto" },
+      svg("path", { d: "M0,0 L10,5 L0,10 z" }))),
+    edges, columns.map((column, c) => column.map((item, i) => node(c, i, item))));
+}
+
 async function showAgents(view) {
-  const { agents } = await api("/api/agents");
-  view.replaceChildren(el("h2", {}, "Agents"), table(
+  const [{ agents }, mcp] = await Promise.all([api("/api/agents"), api("/api/mcp-servers")]);
+  view.replaceChildren(el("h2", {}, "The fleet"),
+    el("section", { class: "plan" }, fleetGraph(agents, mcp.mcp_servers || [])),
+    el("h2", {}, "Agents"), table(
     ["agent", "kind", "version", "status", "skills", "endpoint"],
     agents.map((a) => [a.id, a.kind, a.version, `${a.status}${a.status_reason ? ` (${a.status_reason})` : ""}`,
       a.skills.map((s) => s.id).join(", "), el("code", {}, a.url)]),
