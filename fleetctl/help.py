@@ -48,7 +48,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "keys enrollment-token": ("fleet keys enrollment-token partner-agent --external --skill translate",),
     "policy": ("fleet policy test", "fleet policy push ./my-bundle --note 'refund threshold 500'"),
     "policy test": ("fleet policy test", "fleet policy test ./my-bundle"),
-    "policy eval": ("fleet policy eval data.fleet.tools.decision --input call.json",),
+    "policy eval": (
+        "fleet policy eval data.fleet.tools.decision --input call.json",
+        "fleet policy eval 'd := data.fleet.tools.decision; not d.allow' --input call.json",
+    ),
+    "policy fmt": ("fleet policy fmt ./my-bundle", "fleet policy fmt --check ./my-bundle"),
     "policy push": ("fleet policy push ./my-bundle --note 'refund threshold 500' --wait 30",),
     "policy rollback": ("fleet policy rollback",),
     "policy authorize": ("fleet policy authorize ada --key ada.jwk.json --days 90",),

@@ -1,5 +1,6 @@
-"""Runs, from outside: started over A2A (JSON-RPC ``SendMessage``), followed and answered through the
-coordinator's run API."""
+"""Runs, from outside: started over A2A (``SendMessage`` on the JSON-RPC binding, or the HTTP+JSON
+one), followed and answered through the coordinator's run API. (gRPC, A2A's third binding, needs
+grpcio, which this client does not bring: use a2a-sdk's client for it.)"""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from fleet_client._errors import FleetClientError
 from fleet_client._tokens import TokenSource
 
 RPC_PATH = "/a2a/jsonrpc"
+REST_PATH = "/a2a/rest"
+BINDINGS = ("JSONRPC", "HTTP+JSON")  # the A2A bindings this client speaks, as cards name them
 A2A_VERSION = "1.0"
 ENDED = frozenset({"completed", "failed", "canceled", "rejected"})
 RECONNECTS = 8  # drops in a row without an event before the coordinator is taken to be gone
 
 
 class FleetClient:
-    """A client of one fleet's coordinator, acting in ``tenant`` with tokens from ``tokens``."""
+    """A client of one fleet's coordinator, acting in ``tenant`` with tokens from ``tokens``, over
+    A2A's ``binding`` (``JSONRPC`` or ``HTTP+JSON``)."""
 
     def __init__(
         self,
@@ -31,7 +35,13 @@ class FleetClient:
         tenant: str,
         scopes: tuple[str, ...] = ("agent:invoke",),
         http: httpx.AsyncClient | None = None,
+        binding: str = "JSONRPC",
     ) -> None:
+        if binding not in BINDINGS:
+            raise FleetClientError(
+                "invalid_request", f"binding {binding!r} is not one of {', '.join(BINDINGS)}"
+            )
+        self.binding = binding
         self.base_url = coordinator_url.rstrip("/")
         self.tenant = tenant
         self.scopes = scopes
@@ -73,26 +83,27 @@ class FleetClient:
         )
         if not parts:
             raise FleetClientError("invalid_request", "a run needs a plan or text")
-        body = {
-            "jsonrpc": "2.0",
-            "id": uuid.uuid4().hex,
-            "method": "SendMessage",
-            "params": {
-                "message": {"messageId": uuid.uuid4().hex, "role": "ROLE_USER", "parts": parts},
-                "configuration": {"returnImmediately": True},
-            },
+        request = {
+            "message": {"messageId": uuid.uuid4().hex, "role": "ROLE_USER", "parts": parts},
+            "configuration": {"returnImmediately": True},
         }
-        response = await self._request("POST", RPC_PATH, json=body)
-        answer = response.json()
+        if self.binding == "HTTP+JSON":
+            task = (await self._request("POST", f"{REST_PATH}/message:send", json=request)).json().get("task")
+        else:
+            task = await self._send_rpc(request)
+        if not isinstance(task, dict) or not isinstance(task.get("id"), str):
+            raise FleetClientError("internal", f"the coordinator answered no task: {task!r:.300}")
+        return str(task["id"])
+
+    async def _send_rpc(self, request: dict[str, Any]) -> Any:
+        body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": "SendMessage", "params": request}
+        answer = (await self._request("POST", RPC_PATH, json=body)).json()
         if "error" in answer:
             error = answer["error"] if isinstance(answer["error"], dict) else {}
             raise FleetClientError.from_envelope(
                 error.get("data"), "invalid_request", str(error.get("message", error))
             )
-        task = answer.get("result", {}).get("task")
-        if not isinstance(task, dict) or not isinstance(task.get("id"), str):
-            raise FleetClientError("internal", f"the coordinator answered no task: {answer!r:.300}")
-        return str(task["id"])
+        return answer.get("result", {}).get("task")
 
     # ---------------------------------------------------------------------- reading
     async def get(self, run_id: str) -> dict[str, Any]:

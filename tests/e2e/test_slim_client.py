@@ -40,12 +40,13 @@ DRIVER = textwrap.dedent(
     import asyncio, json, sys
     from fleet_client import ClientCredentials, FleetClient, FleetClientError
 
-    coordinator, key_file, tenant = sys.argv[1:4]
+    coordinator, key_file, tenant, binding = sys.argv[1:5]
     plan = {"steps": [{"id": "refund", "skill": "issue-refund", "input": {"subject": "Contoso", "amount_cents": 25000}}]}
 
     async def main():
         tokens = await ClientCredentials.from_card(coordinator, "operator", key_file)
-        async with FleetClient(coordinator, tokens, tenant=tenant, scopes=("agent:invoke", "runs:approve")) as fleet:
+        scopes = ("agent:invoke", "runs:approve")
+        async with FleetClient(coordinator, tokens, tenant=tenant, scopes=scopes, binding=binding) as fleet:
             run_id = await fleet.start(plan=plan)
             waiting = await fleet.wait(run_id)
             answer = await fleet.approve(run_id, note="checked", awaited=waiting["wait"]["awaited"])
@@ -139,7 +140,10 @@ def test_what_it_downloads_is_a_few_mb(client_env: Path, tmp_path: Path) -> None
     assert sum(files.values()) < MAX_DOWNLOAD_MB * 2**20, files
 
 
-def test_it_drives_a_run_from_start_to_approval_to_result(client_env: Path, stack: Stack) -> None:
+@pytest.mark.parametrize("binding", ["JSONRPC", "HTTP+JSON"])
+def test_it_drives_a_run_from_start_to_approval_to_result(
+    client_env: Path, stack: Stack, binding: str
+) -> None:
     tenant = f"t{uuid.uuid4().hex[:10]}"
     env = outside_env()
     if stack.endpoints.get("tls_trust"):
@@ -152,6 +156,7 @@ def test_it_drives_a_run_from_start_to_approval_to_result(client_env: Path, stac
             stack.endpoints["coordinator"],
             str(stack.layout.key_file("operator")),
             tenant,
+            binding,
         ],
         capture_output=True,
         text=True,
