@@ -20,6 +20,7 @@ from a2a.types import (
     SendMessageConfiguration,
     SendMessageRequest,
     SubscribeToTaskRequest,
+    Task,
     TaskState,
     a2a_pb2_grpc,
 )
@@ -95,18 +96,25 @@ async def test_a_task_made_over_json_rpc_is_read_followed_and_canceled_over_anot
         assert again.status.state == TaskState.TASK_STATE_CANCELED
 
 
-async def test_rest_takes_the_same_tokens_and_keeps_tenants_apart(stack: Stack) -> None:
+async def one_tenants_task(stack: Stack, binding: str) -> tuple[Task, str]:
+    """A task started over ``binding``, which another tenant cannot see there, canceled by its
+    owner; the task and the owner's token."""
     owner = stack.token("coordinator", tenant=fresh_tenant())
     request = SendMessageRequest(
         message=user_message(data=SLOW_STEPS), configuration=SendMessageConfiguration(return_immediately=True)
     )
-    async with client_on(stack, "HTTP+JSON", streaming=False) as rest:
-        task = [r async for r in rest.send_message(request, context=as_tenant(owner))][-1].task
+    async with client_on(stack, binding, streaming=False) as client:
+        task = [r async for r in client.send_message(request, context=as_tenant(owner))][-1].task
         assert task.id
         other = stack.token("coordinator", tenant=fresh_tenant())
         with pytest.raises(TaskNotFoundError):
-            await rest.get_task(GetTaskRequest(id=task.id), context=as_tenant(other))
-        await rest.cancel_task(CancelTaskRequest(id=task.id), context=as_tenant(owner))
+            await client.get_task(GetTaskRequest(id=task.id), context=as_tenant(other))
+        await client.cancel_task(CancelTaskRequest(id=task.id), context=as_tenant(owner))
+    return task, owner
+
+
+async def test_rest_takes_the_same_tokens_and_keeps_tenants_apart(stack: Stack) -> None:
+    task, _ = await one_tenants_task(stack, "HTTP+JSON")
     async with httpx.AsyncClient(timeout=30) as http:
         base = stack.endpoints["coordinator"] + REST_PATH
         bare = await http.get(f"{base}/tasks/{task.id}", headers={"A2A-Version": "1.0"})
@@ -127,17 +135,7 @@ async def test_rest_takes_the_same_tokens_and_keeps_tenants_apart(stack: Stack) 
 
 
 async def test_grpc_takes_the_same_tokens_keeps_tenants_apart_and_checks_the_version(stack: Stack) -> None:
-    owner = stack.token("coordinator", tenant=fresh_tenant())
-    request = SendMessageRequest(
-        message=user_message(data=SLOW_STEPS), configuration=SendMessageConfiguration(return_immediately=True)
-    )
-    async with client_on(stack, "GRPC", streaming=False) as over_grpc:
-        task = [r async for r in over_grpc.send_message(request, context=as_tenant(owner))][-1].task
-        assert task.id
-        other = stack.token("coordinator", tenant=fresh_tenant())
-        with pytest.raises(TaskNotFoundError):
-            await over_grpc.get_task(GetTaskRequest(id=task.id), context=as_tenant(other))
-        await over_grpc.cancel_task(CancelTaskRequest(id=task.id), context=as_tenant(owner))
+    task, owner = await one_tenants_task(stack, "GRPC")
     async with httpx.AsyncClient(timeout=30) as http:
         card = await fetch_card(http, stack.endpoints["coordinator"])
     address = next(i.url for i in card.supported_interfaces if i.protocol_binding == "GRPC")

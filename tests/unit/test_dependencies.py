@@ -22,18 +22,10 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from deploy.manifest import PLATFORM_PACKAGES
+
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = (
-    "fleet",
-    "fleetctl",
-    "coordinator",
-    "specialists",
-    "mcp_servers",
-    "registry",
-    "policy",
-    "memory",
-    "deploy",
-)
+SHIPPED = tuple(sorted(PLATFORM_PACKAGES))
 FIRST_PARTY = {*SHIPPED, "bench", "tests", "fleet_client", "conftest"}
 PROJECT = "agent-fleet"
 
