@@ -14,6 +14,8 @@ Every route reaches only the runs the caller's principal started, unless policy
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -28,7 +30,7 @@ from coordinator.control.signals import SignalDesk, parse_signal
 from coordinator.control.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
 from coordinator.record.access import Reach, RunAccess, RunAction
 from coordinator.record.operations import Ledger
-from coordinator.record.runs import PostgresRunStore, Run, RunState, event_json
+from coordinator.record.runs import FOLLOW_POLL_S, PostgresRunStore, Run, RunState, event_json
 from fleet.a2a_support import request_claims
 from fleet.errors import ErrorCode, FleetError
 from fleet.service import problem_response
@@ -38,6 +40,7 @@ from policy import PolicyEngine
 RUNS_PREFIX = "/v1/"
 RESOLVE_SCOPE = "runs:resolve"
 MAX_LISTED = 500
+CHANGES_COALESCE_S = 0.25  # a run-changes stream reads the list at most this often
 INVOKE_SCOPE = "agent:invoke"
 # What starts a run (the A2A surface's admission, given by the composition root): the request's
 # body and the caller's claims; the run's id.
@@ -152,6 +155,41 @@ class RunApi:
             return _error(exc)
         runs = await self.store.list_runs(within.tenant, limit, state, owner=within.owner)
         return JSONResponse({"runs": [_run_json(r) for r in runs]})
+
+    async def changes(self, request: Request) -> Response:
+        """``GET /v1/runs/changes``: the tenant's newest runs as ``list_runs`` gives them (same
+        ``?limit=`` and ``?state=``), as server-sent events: one ``runs`` event at once, and another
+        whenever the list changed. The stream is woken by the runs database's notifications (no
+        poll), and reads the list again at most every ``CHANGES_COALESCE_S``, so a burst of commits
+        costs one read; it takes a stream slot like a run's events."""
+        try:
+            limit, state = _listing(request)
+            within = await self.reach(request)
+            slot = await self.streams.slots.take(request_claims(request), "run changes")
+        except StreamLimitReached as exc:
+            return exc.response()
+        except FleetError as exc:
+            return _error(exc)
+
+        async def stream() -> AsyncGenerator[str]:
+            sent: list[tuple[str, str, int]] | None = None
+            with self.streams.notifier.watch() as wakeup:
+                while True:
+                    wakeup.arm()  # before reading: a commit after the read wakes the wait below
+                    runs = await self.store.list_runs(within.tenant, limit, state, owner=within.owner)
+                    seen = [(r.run_id, r.state.value, r.last_seq) for r in runs]
+                    if seen != sent:
+                        sent = seen
+                        yield f"event: runs\ndata: {json.dumps({'runs': [_run_json(r) for r in runs]})}\n\n"
+                    await wakeup.wait(FOLLOW_POLL_S)
+                    await asyncio.sleep(CHANGES_COALESCE_S)
+
+        return HeldStream(
+            with_keepalives(stream(), self.streams.keepalive_s),
+            slot,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store"},
+        )
 
     async def get_run(self, request: Request) -> Response:
         try:
@@ -288,6 +326,7 @@ def run_routes(
     return [
         Route("/v1/runs", api.start_run, methods=["POST"]),
         Route("/v1/runs", api.list_runs, methods=["GET"]),
+        Route("/v1/runs/changes", api.changes),
         Route("/v1/runs/{run_id}/signals", api.signal, methods=["POST"]),
         Route("/v1/runs/{run_id}/signals", api.signals, methods=["GET"]),
         Route("/v1/runs/{run_id}/decision", api.decide, methods=["POST"]),

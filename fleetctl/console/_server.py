@@ -144,16 +144,32 @@ class _Api:
         """A run's event stream, relayed as it comes (the browser's ``EventSource`` reconnects
         with ``Last-Event-ID``, which goes to the coordinator unchanged)."""
         try:
+            path = f"/v1/runs/{_segment(request.path_params['run_id'])}/events"
+        except FleetError as exc:
+            return _error(exc)
+        return await self._relay_stream(request, path)
+
+    async def changes(self, request: Request) -> Response:
+        """The tenant's newest runs, pushed whenever they change (the lanes' feed)."""
+        return await self._relay_stream(request, "/v1/runs/changes")
+
+    async def _relay_stream(self, request: Request, path: str) -> Response:
+        """A server-sent event stream of the coordinator's run API, relayed as it comes, in the
+        signed-in person's name."""
+        try:
             person = await self._sessions.person(request)
             token = await self._sessions.token_for(person, self._backends.coordinator_id, RUN_SCOPES)
-            url = f"{self._backends.coordinator}/v1/runs/{_segment(request.path_params['run_id'])}/events"
         except FleetError as exc:
             return _error(exc)
         headers = {"authorization": f"Bearer {token}"}
         if cursor := request.headers.get("last-event-id"):
             headers["last-event-id"] = cursor
         upstream = self._http.build_request(
-            "GET", url, headers=headers, params=dict(request.query_params), timeout=STREAM_TIMEOUT
+            "GET",
+            self._backends.coordinator + path,
+            headers=headers,
+            params=dict(request.query_params),
+            timeout=STREAM_TIMEOUT,
         )
         try:
             response = await self._http.send(upstream, stream=True)
@@ -171,7 +187,7 @@ class _Api:
 
         async def relay() -> AsyncIterator[str]:
             # Without the ``event:`` lines: a browser's EventSource hands only untyped events to
-            # one handler, and each event's data names its type anyway.
+            # one handler, and each event's data says what it is anyway.
             try:
                 async for line in response.aiter_lines():
                     if not line.startswith("event:"):
@@ -378,6 +394,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/api/me", api.me),
         Route("/api/policy", api.policy),
         Route("/api/memory/audit", api.memory),
+        Route("/api/runs/changes", api.changes),
         Route("/api/runs/{run_id}/events", api.events),
         Route("/api/runs", api.run_api),
         Route("/api/runs/{run_id}", api.run_api),

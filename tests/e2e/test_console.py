@@ -16,6 +16,7 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -85,6 +86,8 @@ async def test_an_operator_approves_a_paused_run_in_the_browser_and_sees_it_comp
     link = await asyncio.to_thread(sign_in_link, stack, tenant)
 
     page = await browser.new_page(viewport={"width": 1400, "height": 900})
+    polled: list[str] = []  # the lanes are pushed over a stream, never listed again by a timer
+    page.on("request", lambda r: polled.append(r.url) if urlsplit(r.url).path == "/api/runs" else None)
     await page.goto(link)
     await page.wait_for_url(f"{stack.endpoints['console']}/")
     await expect(page.locator("#who")).to_have_text(f"operator @ {tenant}")
@@ -116,6 +119,7 @@ async def test_an_operator_approves_a_paused_run_in_the_browser_and_sees_it_comp
     await expect(done).to_be_visible(timeout=SEEN_WITHIN_MS)
     await expect(page.locator(f'[data-lane="input"] [data-run-id="{run_id}"]')).to_have_count(0)
     await screenshot(page, "lanes-completed", tmp_path)
+    assert polled == [], polled
 
     # The approval is the person's, made through the console: the coordinator recorded the signer
     # as the operator, acting through the console.

@@ -129,27 +129,38 @@ async function showLanes(view) {
   view.replaceChildren(flight, el("div", { class: "lanes" }, Object.values(lanes)));
   let timer = null;
   let stopped = false;
-  async function refresh() {
+  function render(runs) {
+    const sorted = [...runs].sort((a, b) => b.updated_at.localeCompare(a.updated_at));
+    for (const [name, node] of Object.entries(lanes)) {
+      const here = sorted.filter((r) => lane(r) === name);
+      node.replaceChildren(
+        el("h2", {}, titles[name], " ", el("span", { class: "count" }, String(here.length))),
+        ...(here.length ? here.map(runCard) : [el("p", { class: "empty" }, "Nothing here.")]),
+      );
+    }
+    const inFlight = sorted.filter((r) => lane(r) === "flight").length;
+    flight.textContent = `${inFlight} run${inFlight === 1 ? "" : "s"} in flight (working, or waiting on a timer, a batch or an event).`;
+    banner("");
+  }
+  // Polled only when the pushed feed cannot be had (refused, e.g. every stream slot taken).
+  async function poll() {
     try {
-      const { runs } = await api("/api/runs");
-      const sorted = [...runs].sort((a, b) => b.updated_at.localeCompare(a.updated_at));
-      for (const [name, node] of Object.entries(lanes)) {
-        const here = sorted.filter((r) => lane(r) === name);
-        node.replaceChildren(
-          el("h2", {}, titles[name], " ", el("span", { class: "count" }, String(here.length))),
-          ...(here.length ? here.map(runCard) : [el("p", { class: "empty" }, "Nothing here.")]),
-        );
-      }
-      const inFlight = sorted.filter((r) => lane(r) === "flight").length;
-      flight.textContent = `${inFlight} run${inFlight === 1 ? "" : "s"} in flight (working, or waiting on a timer, a batch or an event).`;
-      banner("");
+      render((await api("/api/runs")).runs);
     } catch (error) {
       if (error.status !== 401) banner(`Could not load runs: ${error.message} [${error.code}]`);
     }
-    if (!stopped) timer = setTimeout(refresh, LANE_POLL_MS);
+    if (!stopped) timer = setTimeout(poll, LANE_POLL_MS);
   }
-  leaveView = () => { stopped = true; clearTimeout(timer); };
-  await refresh();
+  // The lanes are pushed: the coordinator sends the tenant's runs at once and whenever they change.
+  let source = new EventSource("/api/runs/changes");
+  source.addEventListener("message", (message) => render(JSON.parse(message.data).runs));
+  source.onerror = () => {
+    if (source && source.readyState === EventSource.CLOSED && !stopped) {
+      source = null;
+      poll();
+    }
+  };
+  leaveView = () => { stopped = true; clearTimeout(timer); if (source) source.close(); };
 }
 
 // ---- one run ------------------------------------------------------------------------------------
