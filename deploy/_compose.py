@@ -14,6 +14,7 @@ from deploy._topology import (
     BOOTSTRAP,
     BUS_ADMIN_DIR,
     ENROLL,
+    GRPC_PORT,
     IDENTITY_DIR,
     IMAGE,
     NATS_IMAGE,
@@ -54,6 +55,7 @@ START_AFTER = {  # the tiers of ``fleet up``: a tier starts once the one before 
     "console": ("coordinator",),
 }
 PUBLISHED = {"coordinator": 8700, "registry": 8701, "console": 8702}
+PUBLISHED_GRPC = {"coordinator": 8710}  # A2A's gRPC binding of the services callers reach
 
 
 def _healthcheck() -> Doc:
@@ -124,6 +126,8 @@ def _compose_service(unit: Deployed) -> Doc:
     }
     if spec.kind in PUBLISHED:
         service["ports"] = [f"127.0.0.1:{PUBLISHED[spec.kind]}:{PORT}"]
+        if spec.kind in PUBLISHED_GRPC:
+            service["ports"].append(f"127.0.0.1:{PUBLISHED_GRPC[spec.kind]}:{GRPC_PORT}")
     if spec.makes_namespaces:
         # bubblewrap makes user, mount and pid namespaces: Docker's default seccomp and AppArmor
         # profiles forbid that. Better: a gVisor runtime (``runtime: runsc``), as in Kubernetes.

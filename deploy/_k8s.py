@@ -7,11 +7,13 @@ import copy
 from collections.abc import Sequence
 
 from deploy._topology import (
+    A2A_KINDS,
     BOOTSTRAP,
     BUS_ADMIN_DIR,
     DNS_NAMESPACE,
     ENROLL,
     FRONT_DOORS,
+    GRPC_PORT,
     IDENTITY_DIR,
     IMAGE,
     INFRA_PORTS,
@@ -163,7 +165,10 @@ def _service_container(unit: Deployed) -> Doc:
         "name": "service",
         "image": IMAGE,
         "command": serve_command(unit),
-        "ports": [{"name": "http", "containerPort": PORT}],
+        "ports": [
+            {"name": "http", "containerPort": PORT},
+            *([{"name": "grpc", "containerPort": GRPC_PORT}] if unit.spec.kind in A2A_KINDS else []),
+        ],
         "env": _k8s_env(unit),
         "volumeMounts": _mounts(unit),
         # /healthz answers 503 until the service has checked its enrollment and registered, 200
@@ -232,7 +237,10 @@ def fleet_docs(unit: Deployed) -> list[Doc]:
     component = unit.spec.kind.replace("_", "-")
     docs = [deployment(unit)]
     if unit.spec.kind != "worker":
-        docs.append(service(unit.name, component, [{"name": "http", "port": PORT, "targetPort": "http"}]))
+        ports = [{"name": "http", "port": PORT, "targetPort": "http"}]
+        if unit.spec.kind in A2A_KINDS:
+            ports.append({"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"})
+        docs.append(service(unit.name, component, ports))
     if unit.spec.kind == "specialist":
         docs.append(pvc(f"state-{unit.name}", component, "1Gi"))
     docs.append(network_policy(unit))
@@ -413,6 +421,9 @@ def network_policy(unit: Deployed) -> Doc:
         sources.append(namespace_peer(INGRESS_NAMESPACE))
     if sources:
         ingress.append({"from": sources, "ports": [tcp(PORT)]})
+    if spec.kind in FRONT_DOORS and spec.kind in A2A_KINDS:
+        # A2A's gRPC binding, for callers outside (the fleet's own hops all speak JSON-RPC)
+        ingress.append({"from": [namespace_peer(INGRESS_NAMESPACE)], "ports": [tcp(GRPC_PORT)]})
     by_port: dict[int, list[str]] = {}
     for target in calls(spec, unit.roster):
         by_port.setdefault(port_of(target), []).append(pod_name(target, unit.roster))

@@ -29,6 +29,8 @@ POSTGRES_IMAGE = "postgres:18-bookworm"  # the major version of the embedded-pos
 QDRANT_IMAGE = "qdrant/qdrant:v1.20.0-unprivileged"  # the version of the qdrant-client pin
 OPA_IMAGE = "openpolicyagent/opa:1.4.2-static"
 PORT = 8080
+GRPC_PORT = 8090  # A2A's gRPC binding, on the services that speak A2A (fleet.a2a_grpc)
+A2A_KINDS = ("coordinator", "specialist")
 OPA_PORT = 8181
 PART_OF = "agent-fleet"
 
@@ -151,6 +153,7 @@ def environment(unit: Deployed, platform: Platform) -> dict[str, str]:
         "FLEET_HOST": "0.0.0.0",
         "FLEET_PORT": str(PORT),
         "FLEET_PUBLIC_URL": public_url(unit, platform),
+        **({"FLEET_A2A_GRPC_PORT": str(GRPC_PORT)} if spec.kind in A2A_KINDS else {}),
         "FLEET_NATS_URL": nats_url(platform),
         "FLEET_NATS_REPLICAS": "1" if platform == "compose" else str(NATS_NODES),
         "FLEET_LOG_LEVEL": "info",

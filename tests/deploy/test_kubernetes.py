@@ -18,6 +18,7 @@ import yaml
 from coordinator.record import work
 from deploy import keygen, render
 from deploy._bus import NATS_AUTH_INCLUDE, NATS_CLUSTER_INCLUDE
+from deploy.local_stack import SERVICES
 from fleet.buskeys import FLEET_ACCOUNT, REGISTRY_KEYS
 from tests.deploy._files import (
     K8S,
@@ -31,6 +32,7 @@ from tests.deploy._files import (
 )
 
 DOCS = k8s_docs()
+KIND_OF = {spec.id: spec.kind for spec in SERVICES}
 
 
 def _id(item: tuple[str, Doc]) -> str:
@@ -276,7 +278,14 @@ def test_every_service_container_is_probed_on_healthz() -> None:
             http = container.doc[probe]["httpGet"]
             assert http["path"] == "/healthz" and http["port"] == "http", (container.workload, probe)
             assert http["scheme"] == "HTTPS", (container.workload, probe)  # the service serves TLS only
-        assert container.doc["ports"] == [{"name": "http", "containerPort": 8080}]
+        assert container.doc["ports"][0] == {"name": "http", "containerPort": 8080}
+        # A2A's gRPC binding, on the services that speak A2A only, on the port their settings name
+        speaks_a2a = KIND_OF.get(container.workload) in ("coordinator", "specialist")
+        assert container.env.get("FLEET_A2A_GRPC_PORT") == ("8090" if speaks_a2a else None), (
+            container.workload
+        )
+        grpc = [{"name": "grpc", "containerPort": 8090}] if speaks_a2a else []
+        assert container.doc["ports"][1:] == grpc, container.workload
 
 
 def _sidecars(spec: Doc) -> dict[str, Any]:
