@@ -22,9 +22,11 @@ The protocol, over a ``SOCK_SEQPACKET`` socket pair with the supervisor (one JSO
   that signal, as ``asyncio.subprocess`` reports it).
 
 The fork server holds no thread, no event loop and no connection when it forks: it only imports.
-It exits when the supervisor closes its end. It is started with ``PR_SET_PDEATHSIG``: when the
+It exits when the supervisor closes its end (which the supervisor does once it has stopped its
+services; any still running get SIGTERM). It is started with ``PR_SET_PDEATHSIG``: when the
 supervisor dies, the kernel sends it SIGTERM, and it sends SIGTERM to every service it forked before
-it exits, so nothing outlives the supervisor. Its own death (a crash, the OOM killer) takes no
+it exits, so nothing outlives the supervisor (the dying supervisor's socket may close first: either
+way the services end). Its own death (a crash, the OOM killer) takes no
 service with it: they keep running, and the supervisor still sees each one's end (through a pidfd)
 and can stop it, though not its exit code (:data:`UNKNOWN_CODE`), which only a parent reads.
 """
@@ -130,10 +132,13 @@ def main(control_fd: int) -> int:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # only to wake the loop: reaped below
     forked: set[int] = set()
 
-    def supervisor_gone(signum: int, frame: object) -> None:
+    def end_services() -> None:
         for pid in forked:  # the services die with the supervisor, as its other children do
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+
+    def supervisor_gone(signum: int, frame: object) -> None:
+        end_services()
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, supervisor_gone)
@@ -150,7 +155,11 @@ def main(control_fd: int) -> int:
                     continue
                 message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 2)
                 if not message:
-                    return 0  # the supervisor is done with us
+                    # The supervisor is done with us: it stopped its services first, so any still
+                    # here outlived it. Its death closes this socket before the kernel sends the
+                    # parent-death signal, and whichever comes first, they end with it.
+                    end_services()
+                    return 0
                 request = json.loads(message)
                 try:
                     pid = _fork(request, fds, closing=(control.fileno(), wake_r, wake_w, selector))
