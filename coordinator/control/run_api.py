@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from coordinator.control.debug_bundle import bundle
 from coordinator.control.signals import SignalDesk, parse_signal
-from coordinator.control.streams import HeldStream, StreamLimitReached, Streams, with_keepalives
+from coordinator.control.streams import HeldStream, StreamLimitReached, Streams, StreamSlot, with_keepalives
 from coordinator.record.access import Reach, RunAccess, RunAction
 from coordinator.record.operations import Ledger
 from coordinator.record.runs import FOLLOW_POLL_S, PostgresRunStore, Run, RunState, event_json
@@ -184,8 +184,12 @@ class RunApi:
                     await wakeup.wait(FOLLOW_POLL_S)
                     await asyncio.sleep(CHANGES_COALESCE_S)
 
+        return self._sse(stream(), slot)
+
+    def _sse(self, stream: AsyncGenerator[str], slot: StreamSlot) -> HeldStream:
+        """A server-sent event stream that holds its stream slot until it ends, with keep-alives."""
         return HeldStream(
-            with_keepalives(stream(), self.streams.keepalive_s),
+            with_keepalives(stream, self.streams.keepalive_s),
             slot,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store"},
@@ -217,12 +221,7 @@ class RunApi:
             async for event in events:
                 yield f"id: {event.seq}\nevent: {event.type}\ndata: {event_json(event)}\n\n"
 
-        return HeldStream(
-            with_keepalives(stream(), self.streams.keepalive_s),
-            slot,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store"},
-        )
+        return self._sse(stream(), slot)
 
     async def debug_bundle(self, request: Request) -> Response:
         try:

@@ -193,7 +193,7 @@ CREATE INDEX IF NOT EXISTS runs_by_owner ON fleet_runs.runs (tenant, owner, crea
 -- the operation that asked (see stored_wait), and put back here by the rule of the graph's gate_of.
 -- PL/pgSQL, so that only a record that names its operation reads the ledger (whose table the
 -- ledger's own setup makes).
-CREATE OR REPLACE FUNCTION fleet_runs.wait_of(wait jsonb) RETURNS jsonb
+CREATE OR REPLACE FUNCTION fleet_runs.wait_of(wait jsonb, of_run text) RETURNS jsonb
 LANGUAGE plpgsql STABLE PARALLEL SAFE AS $fn$
 DECLARE
     result jsonb;
@@ -203,7 +203,9 @@ BEGIN
         OR NOT (wait->'detail' ? 'op_id') OR wait->>'type' NOT IN ('approval', 'input') THEN
         RETURN wait;
     END IF;
-    SELECT op.result INTO result FROM fleet_runs.operations AS op WHERE op.op_id = wait->'detail'->>'op_id';
+    -- the run's own operation only: a record naming another run's reads as asking nothing
+    SELECT op.result INTO result FROM fleet_runs.operations AS op
+        WHERE op.op_id = wait->'detail'->>'op_id' AND op.run_id = of_run;
     IF jsonb_typeof(result) IS DISTINCT FROM 'object' THEN
         RETURN jsonb_set(wait, '{detail,asked}', '{}');
     END IF;
@@ -259,7 +261,7 @@ FROM inserted, bump
 
 _RUN_COLUMNS = (
     "run_id, tenant, owner, state, reason, request, plan, last_seq, lease_epoch, cancel_requested,"
-    " fleet_runs.wait_of(wait) AS wait, created_at, updated_at, answers"
+    " fleet_runs.wait_of(wait, run_id) AS wait, created_at, updated_at, answers"
 )
 
 

@@ -171,3 +171,28 @@ async def test_a_wait_record_that_names_no_operation_is_kept_as_it_is(
         written = {"type": "approval", "awaited": "a", "detail": {"op_id": "op-x", "asked": {"y": 2}}}
         await conn.execute("UPDATE fleet_runs.runs SET wait = %s WHERE run_id = 'r1'", (Jsonb(written),))
     assert (await store.get_run("r1", "acme")).wait == written
+
+
+async def test_a_wait_record_naming_another_runs_operation_reads_nothing_of_it(
+    stores: tuple[PostgresRunStore, Ledger],
+) -> None:
+    """What an approver is shown (and the approval grant's argument hash) comes from the run's own
+    ledger only: a wait record that names another run's operation gets nothing from it."""
+    store, ledger = stores
+    other = await leased_run(store, "r2")
+    op, _ = await ledger.record_intent(
+        other, "w1", step_id="s1", kind="a2a", target="case-desk", args={"n": 1}
+    )
+    asked = {"approval_request": {"server": "mcp-cases", "tool": "refund", "args_sha256": "cd" * 32}}
+    await ledger.record_outcome(
+        other, "w1", op.op_id, OpStatus.SUCCEEDED, result={"status": "pending_approval", **asked}
+    )
+    lease = await leased_run(store)
+    wait = {
+        "type": "approval",
+        "awaited": "approval:s1:0",
+        "detail": {"step": "s1", "op_id": op.op_id, "asked": asked},
+    }
+    await store.transition(lease, RunState.WAITING, "w1", {}, wait=wait)
+    read = (await store.get_run("r1", "acme")).wait
+    assert read is not None and read["detail"]["asked"] == {}

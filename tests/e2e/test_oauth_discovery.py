@@ -146,8 +146,9 @@ def assertion(client_id: str, key: SigningKey, audience: str, **header: Any) -> 
 
 async def test_what_the_standard_path_does_not_let_through(stack: Stack) -> None:
     """An assertion for another server, a resource that is no MCP server of the fleet, a client of
-    several tenants that names none, a resource and an audience that disagree, and scopes none of
-    which the client holds: each refused with its OAuth error."""
+    several tenants that names none, a resource and an audience that disagree, scopes none of
+    which the client holds, and an assertion naming no key from a client that holds two: each
+    refused with its OAuth error."""
     registry = stack.endpoints["registry"]
     url = stack.endpoints["mcp_servers"]["mcp-sql"]
     async with httpx.AsyncClient(timeout=30) as http:
@@ -183,3 +184,25 @@ async def test_what_the_standard_path_does_not_let_through(stack: Stack) -> None
             400,
             "invalid_scope",
         )
+        # A client holding two keys (a rotation's grace) must name the one it signs with.
+        fresh = SigningKey.generate()
+        rotate = f"{registry}/v1/identities/{one}/keys"
+        now = int(time.time())
+        proof = one_key.sign(
+            {"iss": one, "sub": one, "aud": rotate, "iat": now, "exp": now + 60, "jti": uuid.uuid4().hex,
+             "new_kid": fresh.kid}
+        )  # fmt: skip
+        rotated = await http.post(rotate, json={"public_jwk": fresh.public_jwk(), "proof": proof})
+        assert rotated.status_code == 200, rotated.text
+        assert error(await ask(one, fresh, resource=url, scope="sql:query")) == (401, "invalid_client")
+        named = await http.post(
+            registry + "/oauth/token",
+            data={
+                "grant_type": "client_credentials",
+                "client_assertion_type": ASSERTION_TYPE,
+                "client_assertion": assertion(one, fresh, registry, kid=fresh.kid),
+                "resource": url,
+                "scope": "sql:query",
+            },
+        )
+        assert named.status_code == 200, named.text
