@@ -20,6 +20,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from fleet.events import EVENTS_DUPLICATE_WINDOW_S
 from fleet.natsconn import patiently, replicas
+from fleet.telemetry import METRICS_MAX_AGE_S, METRICS_MAX_PER_SOURCE, METRICS_STREAM, METRICS_SUBJECTS
 
 DAY_S = 24 * 3600.0
 
@@ -31,6 +32,7 @@ class StreamSpec:
     max_age_s: float | None
     duplicate_window_s: float = 3600.0
     work_queue: bool = False
+    max_msgs_per_subject: int = -1  # -1: no limit but the age
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,14 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("FLEET_SIGNALS", "fleet.signals.>", 30 * DAY_S),
     StreamSpec("FLEET_DECISIONS", "fleet.decisions.>", 30 * DAY_S),
     StreamSpec("FLEET_AUDIT", "fleet.audit.>", 90 * DAY_S),
+    # Each process's metrics snapshots (fleet.telemetry): a few hours, and at most that many per
+    # process at the fastest interval it may choose, whatever one publisher does.
+    StreamSpec(
+        METRICS_STREAM,
+        METRICS_SUBJECTS,
+        METRICS_MAX_AGE_S,
+        max_msgs_per_subject=METRICS_MAX_PER_SOURCE,
+    ),
 )
 
 BUCKETS: tuple[BucketSpec, ...] = (
@@ -80,6 +90,7 @@ async def provision(client: NATS) -> list[str]:
             storage=StorageType.FILE,
             duplicate_window=stream.duplicate_window_s,
             max_age=stream.max_age_s,
+            max_msgs_per_subject=stream.max_msgs_per_subject,
             num_replicas=r,
         )
         wanted.append((stream.name, partial(js.stream_info, stream.name), partial(js.add_stream, config)))

@@ -40,10 +40,18 @@ class EventLog:
     """One stream's records from this process, published in batches on ``subject``."""
 
     def __init__(
-        self, stream: str, subjects: str, subject: str, *, max_age_s: float, max_pending: int
+        self,
+        stream: str,
+        subjects: str,
+        subject: str,
+        *,
+        max_age_s: float,
+        max_pending: int,
+        max_msgs_per_subject: int = -1,
     ) -> None:
         self.stream, self.subjects, self.subject = stream, subjects, subject
         self._max_age_s = max_age_s
+        self._max_per_subject = max_msgs_per_subject
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(max_pending)
 
     def record(self, record: dict[str, Any]) -> str:
@@ -69,7 +77,13 @@ class EventLog:
     async def publishing(self, client: NATS) -> AsyncIterator[None]:
         """Publish the queued records while the context is open (the stream is made if missing)."""
         js = client.jetstream()
-        await ensure_stream(js, self.stream, self.subjects, max_age_s=self._max_age_s)
+        await ensure_stream(
+            js,
+            self.stream,
+            self.subjects,
+            max_age_s=self._max_age_s,
+            max_msgs_per_subject=self._max_per_subject,
+        )
         task = asyncio.create_task(self._publish(js))
         try:
             yield

@@ -254,9 +254,11 @@ async def ensure_stream(
     *,
     max_age_s: float,
     duplicate_window_s: float = DUPLICATE_WINDOW_S,
+    max_msgs_per_subject: int = -1,
 ) -> None:
     """A file-backed JetStream stream over ``subjects`` that drops a message whose ``Nats-Msg-Id``
-    it has seen within ``duplicate_window_s``; created if missing, its window set if it differs."""
+    it has seen within ``duplicate_window_s`` (and keeps at most ``max_msgs_per_subject`` per
+    subject, -1: any); created if missing, its window set if it differs."""
 
     async def get_or_create() -> None:
         try:
@@ -270,6 +272,7 @@ async def ensure_stream(
                     storage=StorageType.FILE,
                     duplicate_window=duplicate_window_s,
                     max_age=max_age_s,
+                    max_msgs_per_subject=max_msgs_per_subject,
                     num_replicas=replicas(js),
                 )
             )

@@ -134,6 +134,13 @@ class ServiceSettings(BaseSettings):
     opa_url: str = Field(default="", description="the OPA server of the opa engine, http(s)://host:port")
     opa_token: str = Field(default="", description="a bearer token for that OPA server, if it wants one")
     policy_timeout_s: float = Field(default=2.0, gt=0, description="a decision not made by then is a denial")
+    metrics_every_s: float = Field(
+        default=15.0,
+        ge=0.5,
+        le=300.0,
+        description="how often the process publishes its metrics' snapshot on fleet.metrics.<process>"
+        " (the console's charts)",
+    )
     log_level: str = "info"
     max_body_bytes: int = Field(
         default=1024 * 1024,

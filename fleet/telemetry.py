@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,14 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet.errors import FleetError
+from fleet.eventlog import EventLog
+from fleet.natsconn import subject_token
+
 __all__ = [
     "MEMORY_WRITES",
     "METRICS_PATH",
+    "METRICS_STREAM",
     "POLICY_DECISIONS",
     "RUNS",
     "RUNS_WAITING",
@@ -45,10 +51,12 @@ __all__ = [
     "inject",
     "invoke_agent_span",
     "on_scrape",
+    "publishing_metrics",
     "record_memory_write",
     "record_policy_decision",
     "record_queue_lag",
     "record_usage",
+    "snapshot",
     "with_metrics",
 ]
 
@@ -378,3 +386,106 @@ def with_metrics(app: ASGIApp) -> ASGIApp:
         await send({"type": "http.response.body", "body": body})
 
     return serve
+
+
+# ------------------------------------------------------------------------------ the metrics' history
+# What the console charts over time (runs by state, queue lag, tool latency, policy decisions): every
+# process that enforces policy publishes a snapshot of its share of these metrics on
+# fleet.metrics.<process> every METRICS_EVERY_S. The stream keeps a few hours; Prometheus, scraping
+# /metrics, is where the fleet's long history lives (docs/operations.md).
+METRICS_STREAM = "FLEET_METRICS"
+METRICS_SUBJECTS = "fleet.metrics.>"
+METRICS_MAX_AGE_S = 6 * 3600.0
+METRICS_EVERY_S = 15.0
+METRICS_MAX_PER_SOURCE = int(METRICS_MAX_AGE_S / 0.5)  # at the fastest interval settings allow
+METRICS_MAX_PENDING = 8  # snapshots waiting for a broker that is away; older ones are not worth keeping
+_BOOT = time.time()  # a counter whose process restarted starts again from 0: the reader sees boot change
+
+
+def _histogram(metric: Histogram) -> dict[str, Any] | None:
+    """``metric``'s cumulative bucket counts and sum, summed over its labels (None if nothing was
+    observed): ``{"le": [...], "counts": [...], "sum": s}``, ``+Inf`` last."""
+    counts: dict[str, float] = {}
+    total = 0.0
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = sample.labels["le"]
+                counts[le] = counts.get(le, 0.0) + sample.value
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+    if not counts or not counts.get("+Inf"):
+        return None
+    order = sorted(counts, key=lambda le: float("inf") if le == "+Inf" else float(le))
+    return {"le": order, "counts": [counts[le] for le in order], "sum": total}
+
+
+_VALUE_SUFFIX = {"counter": "_total", "gauge": "", "histogram": "_count"}
+
+
+def _by_label(metric: Counter | Gauge | Histogram, label: str) -> dict[str, float]:
+    """``metric``'s values (a histogram's: its counts) summed by ``label``."""
+    values: dict[str, float] = {}
+    for family in metric.collect():
+        name = family.name + _VALUE_SUFFIX[family.type]
+        for sample in family.samples:
+            if sample.name == name and label in sample.labels:
+                key = sample.labels[label]
+                values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def snapshot() -> dict[str, Any]:
+    """This process's share of the charted metrics, as they stand (families it has none of are left
+    out): ``runs`` and ``queue`` (gauges, fleet-wide, from a coordinator), ``queue_lag`` and
+    ``tool_calls`` (histograms, see :func:`_histogram`), ``tool_errors`` and ``policy`` (counters)."""
+    taken: dict[str, Any] = {
+        "runs": _by_label(RUNS, "state"),
+        "queue": _by_label(WORK_QUEUE, "status"),
+        "queue_lag": _histogram(WORK_QUEUE_LAG),
+        "tool_calls": _histogram(TOOL_CALL_SECONDS),
+        "tool_errors": sum(
+            n for outcome, n in _by_label(TOOL_CALL_SECONDS, "outcome").items() if outcome != "ok"
+        ),
+        "policy": _by_label(POLICY_DECISIONS, "result"),
+    }
+    return {k: v for k, v in taken.items() if v}
+
+
+@contextlib.asynccontextmanager
+async def publishing_metrics(
+    client: Any, service_id: str, every_s: float = METRICS_EVERY_S
+) -> AsyncIterator[None]:
+    """Publish this process's :func:`snapshot` on ``fleet.metrics.<service_id>`` at once, every
+    ``every_s`` while the context is open, and as it closes (``client``: its NATS connection). A
+    broker that is away loses snapshots, never blocks the process."""
+    history = EventLog(
+        METRICS_STREAM,
+        METRICS_SUBJECTS,
+        f"fleet.metrics.{subject_token(service_id)}",
+        max_age_s=METRICS_MAX_AGE_S,
+        max_pending=METRICS_MAX_PENDING,
+        max_msgs_per_subject=METRICS_MAX_PER_SOURCE,
+    )
+
+    def publish() -> None:
+        try:
+            history.record({"source": service_id, "boot": _BOOT, "at": time.time(), **snapshot()})
+        except FleetError:
+            log.debug("a metrics snapshot of %s was dropped: the broker is away", service_id)
+
+    async def publish_forever() -> None:
+        while True:
+            await _refresh_all()
+            publish()
+            await asyncio.sleep(every_s)
+
+    async with history.publishing(client):
+        task = asyncio.create_task(publish_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            publish()  # what it counted since the last one (gauges as they were last refreshed)

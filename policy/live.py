@@ -212,12 +212,15 @@ class LivePolicy:
         engine_name: str = "embedded",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         verifier: PushVerifier | None = None,
+        metrics_every_s: float = telemetry.METRICS_EVERY_S,
     ) -> None:
         """``engine``: the engine of the bundle this process starts with, or that bundle (its engine
         is made by :meth:`follow`, unless the fleet has pushed one; until then every decision is
         refused); ``make_engine`` makes the engine of a bundle (:class:`PolicyError` if it does not
-        compile); ``verifier`` checks each push's signature (without one, every push is refused)."""
+        compile); ``verifier`` checks each push's signature (without one, every push is refused);
+        ``metrics_every_s``: how often :func:`enforcing` publishes the process's metrics."""
         self.service_id = service_id
+        self.metrics_every_s = metrics_every_s
         self._verifier = verifier
         self._pushed_at = 0.0  # when the push in force was signed (0: the bundle started with)
         self._author: str | None = None
@@ -526,17 +529,33 @@ def live_policy(settings: ServiceSettings) -> LivePolicy:
 
         RegorusEngine(bundle)  # a bundle that does not compile fails the start here, not at first use
         return LivePolicy(
-            settings.service_id, on_opa, bundle, engine_name="opa", timeout_s=timeout_s, verifier=verifier
+            settings.service_id,
+            on_opa,
+            bundle,
+            engine_name="opa",
+            timeout_s=timeout_s,
+            verifier=verifier,
+            metrics_every_s=settings.metrics_every_s,
         )
     return LivePolicy(
-        settings.service_id, _embedded, RegorusEngine(bundle), timeout_s=timeout_s, verifier=verifier
+        settings.service_id,
+        _embedded,
+        RegorusEngine(bundle),
+        timeout_s=timeout_s,
+        verifier=verifier,
+        metrics_every_s=settings.metrics_every_s,
     )
 
 
 @contextlib.asynccontextmanager
 async def enforcing(policy: LivePolicy, client: NATS) -> AsyncIterator[LivePolicy]:
-    """Follow the fleet's pushes and keep the decision log while the context is open."""
-    async with policy.decisions.publishing(client):
+    """Follow the fleet's pushes, keep the decision log and publish the process's metrics (see
+    :func:`fleet.telemetry.publishing_metrics`) while the context is open: every process that
+    enforces policy is a fleet service on the bus."""
+    async with (
+        policy.decisions.publishing(client),
+        telemetry.publishing_metrics(client, policy.service_id, policy.metrics_every_s),
+    ):
         try:
             await policy.follow(client)
             yield policy

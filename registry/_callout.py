@@ -519,6 +519,8 @@ def registry_rights(principal: Principal) -> dict[str, Any]:
         "$JS.API.STREAM.NAMES",
         f"fleet.decisions.{me}",
         "$JS.API.STREAM.INFO.FLEET_DECISIONS",
+        f"fleet.metrics.{me}",
+        "$JS.API.STREAM.INFO.FLEET_METRICS",
         "$JS.API.CONSUMER.CREATE.KV_fleet-revocations",
         "$JS.FC.KV_fleet-revocations.>",
         "$JS.API.STREAM.INFO.KV_fleet-policy",

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.service import Readiness, configure_logging, problem_response, serve_app, start_in_background
 from fleet.settings import ServiceSettings
+from fleetctl.console._charts import MetricsHistory, series, window_of
 from fleetctl.console._feeds import memory_audit, policy_view
 from fleetctl.console._session import Person, Sessions, SignOuts
 from registry.client import RegistryClient
@@ -78,6 +80,7 @@ class _Api:
         self._registry = registry
         self._http = http
         self._backends = backends
+        self._history = MetricsHistory()
 
     async def _call(
         self,
@@ -228,6 +231,19 @@ class _Api:
             return JSONResponse(await policy_view(self._nats()))
         except FleetError as exc:
             return _error(exc)
+
+    async def metrics(self, request: Request) -> Response:
+        """``/api/metrics?window=15m|1h|6h``: the fleet's charts over time (see
+        :mod:`fleetctl.console._charts`), for a sign-in that may read the fleet's records
+        (``registry:read``): the metrics name no tenant."""
+        try:
+            person = await self._sessions.person(request)
+            _require(person, "registry:read")
+            window_s = window_of(request.query_params.get("window"))
+            await self._history.refresh(self._nats())
+        except FleetError as exc:
+            return _error(exc)
+        return JSONResponse(series(self._history.samples, time.time(), window_s))
 
     async def memory(self, request: Request) -> Response:
         """The memory audit of the sign-in's tenant: for a sign-in that may read its runs."""
@@ -394,6 +410,7 @@ def build_app(settings: ServiceSettings) -> Starlette:
         Route("/api/me", api.me),
         Route("/api/policy", api.policy),
         Route("/api/memory/audit", api.memory),
+        Route("/api/metrics", api.metrics),
         Route("/api/runs/changes", api.changes),
         Route("/api/runs/{run_id}/events", api.events),
         Route("/api/runs", api.run_api),

@@ -152,6 +152,9 @@ def stop_stack(stack: Stack) -> None:
     assert result.returncode == 0, result.stderr
 
 
+# Every process publishes its metrics each second (not 15): the console's charts move within a test.
+FAST_METRICS = {"FLEET_METRICS_EVERY_S": "1"}
+
 # Webhook receivers of the tests listen on loopback, which the coordinator refuses unless allowed.
 TEST_PUSH_HOSTS = {"FLEET_PUSH_ALLOWED_HOSTS": "127.0.0.1"}
 

@@ -12,6 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from coordinator.record import work
+from fleet import telemetry
 from fleet.artifacts import NatsArtifactStore
 from fleet.buscatalog import BUCKETS, OBJECT_STORES, STREAMS, provision
 from fleet.events import ensure_event_streams, ensure_stream
@@ -47,6 +48,8 @@ async def by_services(client: NATS) -> None:
     await work.ensure_stream(js)
     await ensure_stream(js, DECISIONS_STREAM, "fleet.decisions.>", max_age_s=DECISIONS_MAX_AGE_S)
     await ensure_stream(js, "FLEET_AUDIT", "fleet.audit.>", max_age_s=AUDIT_MAX_AGE_S)
+    async with telemetry.publishing_metrics(client, "catalog-check", every_s=60):
+        pass  # makes the metrics stream as a service does
     await key_value(client, RECORDS_BUCKET, history=5)
     await key_value(client, NONCES_BUCKET, history=1, ttl_s=NONCE_TTL_S)
     await key_value(client, REVOCATIONS_BUCKET, history=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetctl.testing.e2e import TEST_PUSH_HOSTS, Stack, clean_env, start_stack, stop_stack
+from fleetctl.testing.e2e import FAST_METRICS, TEST_PUSH_HOSTS, Stack, clean_env, start_stack, stop_stack
 from tests.e2e.identities import Impostor, PartnerIdp
 from tests.e2e.webhooks import WebhookReceiver
 
@@ -40,7 +40,9 @@ def stack(
         "FLEET_EXTERNAL_ISSUERS": json.dumps([partner_idp.config()]),
         "FLEET_OUTBOX_DESTINATIONS": json.dumps(webhooks.destinations()),
     }
-    running = start_stack(tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS, **outside))
+    running = start_stack(
+        tmp_path_factory.mktemp("stack"), env=clean_env(**TEST_PUSH_HOSTS, **FAST_METRICS, **outside)
+    )
     yield running
     stop_stack(running)
 

@@ -301,6 +301,20 @@ async def test_an_mcp_server_cannot_write_another_server_s_audit(stack: Stack, p
     assert await probe.refused("fleet.audit.tools.mcp-outbox")
 
 
+async def test_a_process_cannot_publish_another_s_metrics(stack: Stack, probe: Probe) -> None:
+    # The console's charts read fleet.metrics.<process>: a process that forged the coordinator's
+    # snapshot could draw any run counts; each publishes under its own name only.
+    client = await connect_as(probe, stack, "mcp-sql")
+    await client.publish("fleet.metrics.coordinator", b'{"source": "coordinator", "runs": {"failed": 1e9}}')
+    assert await probe.refused("fleet.metrics.coordinator")
+
+
+async def test_a_specialist_publishes_no_metrics_at_all(stack: Stack, probe: Probe) -> None:
+    client = await connect_as(probe, stack, "stats")  # enforces no policy: nothing of its is charted
+    await client.publish("fleet.metrics.stats", b'{"source": "stats"}')
+    assert await probe.refused("fleet.metrics.stats")
+
+
 # ------------------------------------------------------------------------------ a worker's, the console's
 async def test_a_worker_cannot_purge_the_events(stack: Stack, probe: Probe) -> None:
     client = await connect_as(probe, stack, "worker-1")

@@ -22,7 +22,8 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
-from fleetctl.testing.e2e import Stack, fleet
+from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.mcp import call, error_in
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.run_helpers import paused_at_gate, run_when
 
@@ -65,6 +66,14 @@ def sign_in_link(stack: Stack, tenant: str) -> str:
     assert answer["console"] == stack.endpoints["console"]
     link: str = answer["sign_in"]
     return link
+
+
+async def signed_in(stack: Stack, browser: Browser, tenant: str, *, height: int = 900) -> Page:
+    """A page of the console, signed in as the operator of ``tenant`` with the link it printed."""
+    page = await browser.new_page(viewport={"width": 1400, "height": height})
+    await page.goto(await asyncio.to_thread(sign_in_link, stack, tenant))
+    await page.wait_for_url(f"{stack.endpoints['console']}/")
+    return page
 
 
 def screenshots_dir(tmp_path: Path) -> Path:
@@ -140,10 +149,7 @@ async def test_an_operator_approves_a_paused_run_in_the_browser_and_sees_it_comp
 async def test_the_fleet_pages_show_agents_mcp_servers_policy_and_memory(
     stack: Stack, browser: Browser, tmp_path: Path
 ) -> None:
-    tenant = fresh_tenant()
-    page = await browser.new_page(viewport={"width": 1400, "height": 900})
-    await page.goto(await asyncio.to_thread(sign_in_link, stack, tenant))
-    await page.wait_for_url(f"{stack.endpoints['console']}/")
+    page = await signed_in(stack, browser, fresh_tenant())
     base = stack.endpoints["console"]
 
     await page.goto(f"{base}/#/agents")
@@ -165,6 +171,61 @@ async def test_the_fleet_pages_show_agents_mcp_servers_policy_and_memory(
     await screenshot(page, "policy", tmp_path)
     await page.goto(f"{base}/#/memory")
     await expect(page.locator("main h2")).to_have_text("Memory audit")
+
+
+async def legend_value(page: Page, chart: str, series: str) -> float:
+    """What a chart's legend says of ``series`` (its latest value or its window's total), 0 if none."""
+    item = page.locator(f'[data-testid="{chart}"] [data-series="{series}"]')
+    if await item.count() == 0:
+        return 0.0
+    return float(await item.get_attribute("data-value") or 0)
+
+
+async def shows_at_least(page: Page, chart: str, series: str, wanted: float) -> None:
+    """Wait until the chart's legend shows at least ``wanted`` for ``series`` (the page redraws
+    itself every few seconds)."""
+    await page.wait_for_function(
+        """([chart, series, wanted]) => {
+            const item = document.querySelector(`[data-testid="${chart}"] [data-series="${series}"]`);
+            return item !== null && Number(item.dataset.value || 0) >= wanted;
+        }""",
+        arg=[chart, series, wanted],
+        timeout=SEEN_WITHIN_MS,
+    )
+
+
+async def test_the_activity_charts_show_the_runs_the_test_made(
+    stack: Stack, browser: Browser, tmp_path: Path
+) -> None:
+    page = await signed_in(stack, browser, fresh_tenant(), height=1100)
+    await page.goto(f"{stack.endpoints['console']}/#/activity/15m")
+    await expect(page.locator('[data-testid="chart-runs"] svg.plot')).to_be_visible(timeout=SEEN_WITHIN_MS)
+    completed = await legend_value(page, "chart-runs", "completed")
+    started = await legend_value(page, "chart-starts", "started")
+    calls = await legend_value(page, "chart-tool-calls", "calls")
+    denied = await legend_value(page, "chart-policy", "deny")
+
+    made = 3
+    token = stack.token("coordinator", tenant="acme")  # a tenant with invoices to total
+    for _ in range(made):
+        outcome = await send(stack, user_message(data=TWO_STEPS), token=token)
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    # And a tool call that policy refuses: a token without the tool's scope.
+    unscoped = stack.token("mcp-sql", tenant="acme", scopes=())
+    refused = error_in(await call(stack, "mcp-sql", unscoped, "query", {"sql": "SELECT 1"}))
+    assert refused.code == "policy_denied"
+
+    # The charts move by at least what this test did (the shared stack may be doing more meanwhile):
+    # the runs it made, now completed and started by a worker, their tool calls (the totals step
+    # queries the SQL server) and the refusal.
+    await shows_at_least(page, "chart-runs", "completed", completed + made)
+    await shows_at_least(page, "chart-starts", "started", started + made)
+    await shows_at_least(page, "chart-tool-calls", "calls", calls + made)
+    await shows_at_least(page, "chart-policy", "deny", denied + 1)
+    latency = page.locator('[data-testid="chart-tools"] [data-series="p95_s"]')
+    assert float(await latency.get_attribute("data-value") or 0) > 0
+    await expect(page.locator('[data-testid="chart-tools"] path.series')).not_to_have_count(0)
+    await screenshot(page, "activity", tmp_path)
 
 
 async def sign_in(http: httpx.AsyncClient, base: str, token: str) -> httpx.Response:

@@ -1,5 +1,5 @@
-// The operator console: three live lanes of runs, a page per run, and the fleet's agents, MCP
-// servers, policy and memory audit. Every datum goes into the page as text (never as HTML).
+// The operator console: three live lanes of runs, a page per run, the fleet's agents, MCP
+// servers, policy and memory audit, and charts of the fleet over time. Every datum goes into the page as text (never as HTML).
 "use strict";
 
 const HUMAN_WAITS = new Set(["approval", "input", "budget", "needs_human"]);
@@ -540,6 +540,128 @@ async function showMemory(view) {
   ) : el("p", { class: "empty" }, "No memory operations yet."));
 }
 
+// ---- the fleet over time ------------------------------------------------------------------------
+
+// Charts of what every process of the fleet published as its metrics (the console keeps the last
+// hours): runs by state, the work queue, tool calls and policy decisions, per interval of the window.
+const CHART_WINDOWS = ["15m", "1h", "6h"];
+const CHART_REFRESH_MS = 10000;
+const CHART = { w: 560, h: 170, left: 48, right: 10, top: 10, bottom: 22 };
+const COLORS = {
+  submitted: "#98a2b3", working: "#2e5bff", waiting: "#b54708", input_required: "#dc6803",
+  completed: "#067647", failed: "#b42318", canceled: "#667085", rejected: "#7a271a",
+  pending: "#2e5bff", started: "#98a2b3", p50_s: "#2e5bff", p95_s: "#b54708", calls: "#98a2b3",
+  errors: "#b42318", allow: "#067647", deny: "#b42318", unavailable: "#b54708",
+};
+
+function niceMax(value) {
+  if (!(value > 0)) return 1;
+  const power = 10 ** Math.floor(Math.log10(value));
+  return [1, 2, 2.5, 5, 10].map((m) => m * power).find((m) => m >= value);
+}
+
+function clock(seconds) {
+  return new Date(seconds * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+}
+
+function amount(value, unit) {
+  if (value === null || value === undefined) return "–";
+  if (unit === "s") return value < 1 ? `${Math.round(value * 1000)} ms` : `${value.toFixed(2)} s`;
+  return String(Math.round(value * 100) / 100);
+}
+
+// rows: [{ name, values, bars }]; a line breaks where a value is missing (null).
+// A row's legend shows its latest value, or with `total` its sum over the window.
+function chart(testid, title, times, rows, { unit = "" } = {}) {
+  const plotted = rows.filter((r) => r.values.some((v) => v !== null && v !== undefined));
+  const top = niceMax(Math.max(0, ...plotted.flatMap((r) => r.values.filter((v) => v !== null))));
+  const { w, h, left, right, top: pad, bottom } = CHART;
+  const slot = (w - left - right) / Math.max(times.length, 1);
+  const x = (i) => left + (i + 0.5) * slot;
+  const y = (v) => h - bottom - (v / top) * (h - pad - bottom);
+  const barRows = plotted.filter((r) => r.bars);
+  const drawn = plotted.map((row) => {
+    if (row.bars) {
+      const k = barRows.indexOf(row);
+      const width = Math.max(1, (slot * 0.8) / barRows.length);
+      return row.values.map((v, i) => (v ? svg("rect", {
+        class: "bar", fill: COLORS[row.name] || "#667085", x: x(i) - slot * 0.4 + k * width, y: y(v),
+        width, height: h - bottom - y(v),
+      }, svg("title", {}, `${clock(times[i])} ${row.name}: ${amount(v, unit)}`)) : null));
+    }
+    const known = (i) => row.values[i] !== null && row.values[i] !== undefined;
+    let d = "";
+    const dots = [];
+    row.values.forEach((v, i) => {
+      if (!known(i)) return;
+      d += `${known(i - 1) ? "L" : "M"}${x(i).toFixed(1)},${y(v).toFixed(1)}`;
+      if (!known(i - 1) && !known(i + 1)) dots.push(svg("circle", { cx: x(i), cy: y(v), r: 2.5, fill: COLORS[row.name] || "#667085" }));
+    });
+    return [svg("path", { class: "series", d, stroke: COLORS[row.name] || "#667085" }), dots];
+  });
+  const grid = [0, top / 2, top].map((v) => [
+    svg("line", { class: "grid", x1: left, x2: w - right, y1: y(v), y2: y(v) }),
+    svg("text", { class: "tick", x: left - 6, y: y(v) + 4, "text-anchor": "end" }, amount(v, unit)),
+  ]);
+  const axis = times.length ? [
+    svg("text", { class: "tick", x: left, y: h - 6 }, clock(times[0] - (times[1] - times[0] || 0))),
+    svg("text", { class: "tick", x: w - right, y: h - 6, "text-anchor": "end" }, clock(times[times.length - 1])),
+  ] : [];
+  const legend = rows.map((row) => {
+    const seen = row.values.filter((v) => v !== null && v !== undefined);
+    const value = row.total ? seen.reduce((a, b) => a + b, 0) : (seen.length ? seen[seen.length - 1] : null);
+    return el("span", { class: "legend-item", "data-series": row.name, "data-value": value === null ? "" : String(value) },
+      svg("svg", { class: "swatch", width: 10, height: 10, "aria-hidden": "true" }, svg("rect", { width: 10, height: 10, rx: 2, fill: COLORS[row.name] || "#667085" })), `${row.name.replace(/_s$/, "")} ${amount(value, row.unit || unit)}`);
+  });
+  return el("section", { class: "chart", "data-testid": testid },
+    el("h3", {}, title),
+    svg("svg", { class: "plot", width: w, height: h, viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": title }, grid, axis, drawn),
+    el("div", { class: "legend" }, legend));
+}
+
+async function showActivity(view, windowName) {
+  const chosen = CHART_WINDOWS.includes(windowName) ? windowName : "1h";
+  const picker = el("p", { class: "windows" }, "Window: ", CHART_WINDOWS.map((name) => el("a", {
+    href: `#/activity/${name}`, class: name === chosen ? "active" : "",
+  }, name)));
+  const board = el("div", { class: "charts" });
+  const note = el("p", { class: "empty" });
+  view.replaceChildren(el("h2", {}, "The fleet over time"), picker, board, note);
+  let timer = null;
+  let stopped = false;
+  async function draw() {
+    try {
+      const m = await api(`/api/metrics?window=${chosen}`);
+      const states = Object.entries(m.runs).map(([name, values]) => ({ name, values }));
+      const policy = ["deny", "unavailable", "allow"].filter((r) => m.policy[r]).map((name) => ({ name, values: m.policy[name], bars: name !== "allow", total: true }));
+      board.replaceChildren(
+        chart("chart-runs", "Runs by state", m.times, states),
+        chart("chart-queue", "Work queue: lag from submission to a worker", m.times, [
+          { name: "p50_s", values: m.queue.p50_s, unit: "s" }, { name: "p95_s", values: m.queue.p95_s, unit: "s" },
+        ], { unit: "s" }),
+        chart("chart-starts", "Runs started by a worker, and waiting in the queue", m.times, [
+          { name: "started", values: m.queue.started, bars: true, total: true }, { name: "pending", values: m.queue.pending },
+        ]),
+        chart("chart-tools", "Tool call latency", m.times, [
+          { name: "p50_s", values: m.tools.p50_s, unit: "s" }, { name: "p95_s", values: m.tools.p95_s, unit: "s" },
+        ], { unit: "s" }),
+        chart("chart-tool-calls", "Tool calls and errors", m.times, [
+          { name: "calls", values: m.tools.calls, bars: true, total: true },
+          { name: "errors", values: m.tools.errors, bars: true, total: true },
+        ]),
+        chart("chart-policy", "Policy decisions refused", m.times, policy.filter((r) => r.bars)),
+      );
+      note.textContent = `${m.sources.length} processes reported; one interval is ${amount(m.step_s, "s")}. Legends: the latest value (runs, latency, waiting) or the window's total (started, calls, refusals).`;
+      banner("");
+    } catch (error) {
+      if (error.status !== 401) banner(`Could not load the charts: ${error.message} [${error.code}]`);
+    }
+    if (!stopped) timer = setTimeout(draw, CHART_REFRESH_MS);
+  }
+  leaveView = () => { stopped = true; clearTimeout(timer); };
+  await draw();
+}
+
 // ---- routing ------------------------------------------------------------------------------------
 
 async function route() {
@@ -557,6 +679,7 @@ async function route() {
     else if (parts[0] === "mcp") await showMcp(view);
     else if (parts[0] === "policy") await showPolicy(view);
     else if (parts[0] === "memory") await showMemory(view);
+    else if (parts[0] === "activity") await showActivity(view, parts[1]);
     else await showLanes(view);
   } catch (error) {
     if (error.status !== 401) banner(`${error.message} [${error.code}]`);

@@ -35,10 +35,13 @@ revocations := {
 	"$JS.FC.KV_fleet-revocations.>",
 }
 
-# Enforcing policy: following pushes, reporting status, the decision log (its own subject only).
+# Enforcing policy: following pushes, reporting status, the decision log and the metrics' history
+# (its own subjects only).
 enforcing := {
 	"$JS.API.STREAM.INFO.FLEET_DECISIONS",
 	sprintf("fleet.decisions.%s", [p.token]),
+	"$JS.API.STREAM.INFO.FLEET_METRICS",
+	sprintf("fleet.metrics.%s", [p.token]),
 	"$JS.API.STREAM.INFO.KV_fleet-policy",
 	"$JS.API.STREAM.MSG.GET.KV_fleet-policy",
 	"$JS.API.STREAM.NAMES",
@@ -106,7 +109,7 @@ mcp_server_pub := (((revocations | enforcing) | kv_writing("fleet-run-tool-calls
 	sprintf("fleet.audit.tools.%s", [p.token]),
 })
 
-console_pub := ((((revocations | kv_writing("fleet-console-signouts")) | kv_reading("fleet-policy-status")) | reading("FLEET_DECISIONS")) | reading("FLEET_AUDIT"))
+console_pub := (((((revocations | kv_writing("fleet-console-signouts")) | kv_reading("fleet-policy-status")) | reading("FLEET_DECISIONS")) | reading("FLEET_AUDIT")) | reading("FLEET_METRICS"))
 
 # The operator's CLI: events for any tenant (it is the operator), policy pushes and rollbacks, the
 # policy status and decision log, the memory audit, signals and approval requests.
