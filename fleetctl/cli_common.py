@@ -165,8 +165,19 @@ class ServiceClient:
 
 
 def stack_running(layout: StackLayout) -> bool:
-    """True while a supervisor holds the data dir's lock (asked without taking it)."""
-    return stacklock.holder(layout.lock_file) is not None
+    """True while a supervisor holds the data dir's lock (asked without taking it), or when the
+    data dir names a deployment elsewhere (:func:`remote`)."""
+    return remote(layout) or stacklock.holder(layout.lock_file) is not None
+
+
+def remote(layout: StackLayout) -> bool:
+    """Whether the data dir names a deployment that runs elsewhere (compose, Kubernetes, other
+    hosts): its ``endpoints.json`` says ``"remote": true`` and gives the deployment's URLs, the CA
+    its certificates chain to, and the operator's key beside it (``keys/operator.pem``, the
+    deployment's root key, which its registry enrolls as the operator). The CLI reaches it over the
+    network; nothing here starts or stops it."""
+    endpoints = layout.read_endpoints()
+    return bool(endpoints and endpoints.get("remote") is True)
 
 
 def operator_bus_credentials(endpoints: dict[str, Any]) -> Credentials:

@@ -28,6 +28,7 @@ from fleetctl.cli_common import (
     operator_bus_credentials,
     operator_client,
     operator_token_client,
+    remote,
     running_endpoints,
     stack_running,
 )
@@ -41,6 +42,11 @@ DOWN_TIMEOUT_S = 60.0
 
 def down(layout: StackLayout, *, as_json: bool = False) -> int:
     """Ask the supervisor holding the data dir's lock to stop, and wait until it has."""
+    if remote(layout):
+        raise FleetError(
+            ErrorCode.INVALID_REQUEST,
+            f"{layout.home} names a deployment that runs elsewhere: stop it with its own tooling",
+        )
     pid = stacklock.holder(layout.lock_file)
     if pid is None:
         text = f"fleet: no stack is running on {layout.home}"

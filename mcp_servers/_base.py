@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -19,6 +20,7 @@ from mcp.server.auth.provider import AccessToken, TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.types import CallToolResult, InputRequiredResult, ToolAnnotations
 from nats.aio.client import Client as NATS
@@ -480,9 +482,15 @@ def build_app(
 
     ``lifespan`` must enter ``mcp.session_manager.run()`` (mounted apps get no lifespan of their own).
     """
-    mcp_app = mcp.streamable_http_app(streamable_http_path=MCP_PATH, stateless_http=True, json_response=True)
-    routes: list[Route | Mount] = [Route("/healthz", readiness.endpoint)]
     auth = mcp.settings.auth
+    public = str(auth.resource_server_url) if auth is not None and auth.resource_server_url else None
+    mcp_app = mcp.streamable_http_app(
+        streamable_http_path=MCP_PATH,
+        stateless_http=True,
+        json_response=True,
+        transport_security=addressed_as(public),
+    )
+    routes: list[Route | Mount] = [Route("/healthz", readiness.endpoint)]
     if auth is not None and auth.resource_server_url is not None:
         metadata = ProtectedResourceMetadata(
             resource=auth.resource_server_url,
@@ -503,6 +511,22 @@ def build_app(
         routes.append(Route(PROTECTED_RESOURCE_PATH, protected_resource))
     routes.append(Mount("/", app=mcp_app))
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def addressed_as(public_url: str | None) -> TransportSecuritySettings | None:
+    """The MCP SDK's DNS-rebinding check, for a server whose public URL is ``public_url``: a request
+    must be addressed (``Host``) to that name, or to this machine's loopback (a local stack, a
+    health probe), and come from no other web origin. The SDK's own default admits loopback names
+    only, which refused every request to a deployed server by its service name (``mcp-sql:8080``);
+    None: no public URL known, the SDK's default."""
+    if public_url is None:
+        return None
+    parts = urlsplit(public_url)
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=[parts.netloc, "127.0.0.1:*", "localhost:*", "[::1]:*"],
+        allowed_origins=[f"{parts.scheme}://{parts.netloc}"],
+    )
 
 
 async def serve_mcp(app: Starlette, settings: ServiceSettings) -> None:

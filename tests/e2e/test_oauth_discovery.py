@@ -206,3 +206,22 @@ async def test_what_the_standard_path_does_not_let_through(stack: Stack) -> None
             },
         )
         assert named.status_code == 200, named.text
+
+
+async def test_a_request_addressed_to_another_name_is_refused_by_the_rebinding_check(stack: Stack) -> None:
+    # The MCP SDK's DNS-rebinding check stays on: a server admits requests addressed to its public
+    # name (here the local stack's loopback URL; deployed, its service name: the hosts test) and no
+    # other, so a page on another site whose name resolves here cannot reach it through a browser.
+    url = stack.endpoints["mcp_servers"]["mcp-sql"]
+    token = stack.token("mcp-sql", scopes=("sql:query",))
+    request = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    headers = {"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        rebound = await http.post(url, json=request, headers={**headers, "Host": "attacker.example:80"})
+        assert rebound.status_code == 421
+        foreign = await http.post(
+            url, json=request, headers={**headers, "Origin": "https://attacker.example"}
+        )
+        assert foreign.status_code == 403
+        addressed = await http.post(url, json=request, headers=headers)
+        assert addressed.status_code == 200, addressed.text
