@@ -21,6 +21,7 @@ from bench import (
     events,
     footprint,
     memory,
+    netfaults,
     pauses,
     policy_plane,
     scaling,
@@ -80,6 +81,7 @@ BENCHMARKS = {
     "abuse": abuse.main,
     "cost": cost.main,
     "footprint": footprint.main,
+    "netfaults": netfaults.main,
 }
 
 
@@ -275,6 +277,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (abuse.summary_row(results["abuse"]) + "\n" if "abuse" in results else "")
         + (cost.summary_row(results["cost"]) + "\n" if "cost" in results else "")
         + (footprint.summary_row(results["footprint"]) + "\n" if "footprint" in results else "")
+        + (netfaults.summary_row(results["netfaults"]) + "\n" if "netfaults" in results else "")
         + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
@@ -466,6 +469,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (abuse.section(results["abuse"]) if "abuse" in results else "")
         + (cost.section(results["cost"]) if "cost" in results else "")
         + (footprint.section(results["footprint"]) if "footprint" in results else "")
+        + (netfaults.section(results["netfaults"]) if "netfaults" in results else "")
     )
 
 

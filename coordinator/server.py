@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 from a2a.types import AgentSkill
-from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -41,7 +40,7 @@ from coordinator.record.checkpoints import CompactCheckpointer
 from coordinator.record.notifier import RunNotifier
 from coordinator.record.operations import Ledger
 from coordinator.record.runs import PostgresRunStore
-from fleet import telemetry, transport
+from fleet import pgpool, telemetry, transport
 from fleet.a2a_grpc import GrpcBinding
 from fleet.a2a_support import (
     A2A_PATHS,
@@ -165,14 +164,12 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     card = with_fleet_capabilities(card, settings.public_url, settings.service_id)
     extended = extended_card(card, settings.event_retention_s)
     card = sign_card(card, registry.key, jku=registry.own_keys_url)
-    run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn, max_size=RUN_POOL_SIZE, open=False, kwargs={"autocommit": True}
-    )
+    run_pool = pgpool.pool(settings.pg_dsn, max_size=RUN_POOL_SIZE, kwargs={"autocommit": True})
     runs = PostgresRunStore(run_pool)
     # Triggered runs are admitted on connections of their own: an event flood (a tenant's 10,000
     # events, 16 admitted at once) queues behind these, not in front of the callers' requests.
-    ingest_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn, min_size=1, max_size=INGEST_POOL_SIZE, open=False, kwargs={"autocommit": True}
+    ingest_pool = pgpool.pool(
+        settings.pg_dsn, min_size=1, max_size=INGEST_POOL_SIZE, kwargs={"autocommit": True}
     )
     # The process's one LISTEN connection: every stream, cancel and the push dispatcher share it.
     notifier = RunNotifier(settings.pg_dsn)
@@ -228,6 +225,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
     )
     readiness = Readiness(settings.service_id, "coordinator")
     jobs: list[Callable[[], Coroutine[Any, Any, None]]] = [lambda: dispatcher.run(notifier)]
+    jobs.append(executor.resubmit_forever)
     jobs.append(lambda: TriggerIngest(submitter.client, PostgresRunStore(ingest_pool), engine).run())
     grants = registry.verifier(grant=SIGNAL_GRANT)
     jobs.append(lambda: SignalIngest(submitter.client, desk, grants).run())

@@ -14,6 +14,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
+from fleet import pgpool
 from fleet.settings import ServiceSettings
 from mcp_servers._base import ToolGate, tool_server_app
 from registry import RegistryClient
@@ -62,11 +63,10 @@ def database_tool_app(
     process knows (set anew at every start, after ``prepare`` has made the schema with the service's
     own login). ``more``: other resources the tools need, entered after the pool."""
     password = secrets.token_urlsafe(24)
-    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+    pool = pgpool.pool(
         make_conninfo(settings.pg_dsn, user=role, password=password),
         min_size=1,
         max_size=WRITER_POOL_SIZE,
-        open=False,
         kwargs={"prepare_threshold": None},
         reset=discard_session_state,
     )

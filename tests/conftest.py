@@ -17,9 +17,9 @@ from psycopg.conninfo import make_conninfo
 
 from deploy.infra import as_user, prepare_postgres
 
-# The folders whose tests start a whole stack (or a cluster of them): marked e2e, so that
+# The folders whose tests start a whole stack (or a cluster of them, or hosts of namespaces): marked e2e, so that
 # ``-m "not e2e"`` (``scripts/dev fast``) runs the rest, which start at most NATS or Postgres.
-STACK_FOLDERS = ("e2e", "cluster")
+STACK_FOLDERS = ("e2e", "cluster", "netlab")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -3,7 +3,10 @@ to the workers, and relay the run's progress and result to the caller."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,16 +34,36 @@ from coordinator.engine.delegation import Delegator
 from coordinator.engine.workflows import workflow_name
 from coordinator.planning.plan import Planner, Step, plan_request
 from coordinator.record import work
-from coordinator.record.runs import PostgresRunStore
+from coordinator.record.runs import PostgresRunStore, RunNotFound
 from fleet import telemetry
 from fleet.a2a_support import a2a_error, claims_of
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
+from fleet.retry import backoff_s
 from fleet.tokens import Claims
 from policy import PolicyEngine
 
 log = logging.getLogger(__name__)
 
 MAX_TEXT = 20_000  # the words of a run started through the run API
+
+
+MAX_UNQUEUED = 10_000  # runs waiting to be queued again at once (beyond, the workers' sweep)
+RESUBMIT_BACKOFF_S = 1.0
+RESUBMIT_CAP_S = 8.0
+RESUBMIT_FOR_S = 90.0  # then the sweep (which looks at runs stranded for 120 s)
+_IDEMPOTENT_RUNS = uuid.UUID("6f1c2c1e-5b1a-4c52-9a44-5a0c8f3d2b71")
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def idempotent_run_id(claims: Claims, key: str) -> str:
+    """The run id of ``key`` for its caller: the same for the same tenant, subject and key, another
+    for anyone else's (a key is the caller's own namespace). ``invalid_request`` unless the key is
+    1-255 printable characters."""
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not key.isprintable():
+        raise FleetError(
+            ErrorCode.INVALID_REQUEST, f"Idempotency-Key: 1 to {MAX_IDEMPOTENCY_KEY} printable characters"
+        )
+    return str(uuid.uuid5(_IDEMPOTENT_RUNS, "\n".join((claims.tenant, claims.sub, key))))
 
 
 class RunNotGranted(FleetError):
@@ -116,6 +139,9 @@ class CoordinatorExecutor(AgentExecutor):
         self._desk = desk
         self._planner = planner
         self._workflows = workflows  # the registered workflows' names
+        # Runs made while their work message could not be queued (the bus cut off): queued again
+        # soon by resubmit_forever, rather than by the workers' sweep for stranded runs minutes later.
+        self._unqueued: asyncio.Queue[tuple[str, str, float]] = asyncio.Queue(MAX_UNQUEUED)
 
     async def _plan(self, message: Message, tenant: str) -> list[Step]:
         """Plan and check that every skill has a specialist (or workflow), before the run is
@@ -183,13 +209,45 @@ class CoordinatorExecutor(AgentExecutor):
         await self._tasks.save(task, call)  # its context id, before the task is shown to anyone
         try:
             await self._submit(task.id, "", claims.tenant)
-        except Exception:  # the run is durable already: the workers' sweep re-submits it
-            log.warning("could not submit run %s; the stranded-run sweep will", task.id, exc_info=True)
+        except Exception:  # the run is durable already: queued again soon (or by the workers' sweep)
+            log.warning("could not submit run %s; trying again shortly", task.id, exc_info=True)
+            with contextlib.suppress(asyncio.QueueFull):  # full: the stranded-run sweep takes it
+                self._unqueued.put_nowait((task.id, claims.tenant, time.monotonic()))
         return task
 
-    async def start_from_api(self, body: dict[str, Any], claims: Claims) -> str:
+    async def resubmit_forever(self) -> None:
+        """Queue again the work of runs made while the bus did not take it, backing off from a
+        second, for ``RESUBMIT_FOR_S`` each; after that the workers' sweep for stranded runs does
+        (a run of a partitioned coordinator waited minutes for it, seen across hosts)."""
+        while True:
+            run_id, tenant, since = await self._unqueued.get()
+            tries = 0
+            while True:
+                tries += 1
+                await asyncio.sleep(backoff_s(tries, base_s=RESUBMIT_BACKOFF_S, cap_s=RESUBMIT_CAP_S))
+                try:
+                    await self._submit(run_id, "", tenant)
+                    log.info("run %s queued after %d tries", run_id, tries)
+                    break
+                except Exception as exc:
+                    if time.monotonic() - since > RESUBMIT_FOR_S:
+                        log.warning("run %s still not queued (%s); the stranded-run sweep will", run_id, exc)
+                        break
+
+    async def start_from_api(
+        self, body: dict[str, Any], claims: Claims, idempotency_key: str | None = None
+    ) -> tuple[str, bool]:
         """A run the run API was asked for (``POST /v1/runs``: ``{"steps": [...]}``, ``{"workflow",
-        "input"}`` or ``{"text"}``), admitted as an A2A request is; its id."""
+        "input"}`` or ``{"text"}``), admitted as an A2A request is: its id, and whether it was made
+        now. With ``idempotency_key`` the run's id is derived from the caller (tenant, subject) and
+        the key, so a request sent again (a client that lost the answer) gets the run the first one
+        made, and only one run is ever made for it (:func:`idempotent_run_id`)."""
+        run_id = idempotent_run_id(claims, idempotency_key) if idempotency_key is not None else None
+        if run_id is not None:
+            try:
+                return (await self._runs.get_run(run_id, claims.tenant, owner=claims.sub)).run_id, False
+            except RunNotFound:
+                pass
         text = body.get("text", "")
         if not isinstance(text, str) or len(text) > MAX_TEXT:
             raise FleetError(ErrorCode.INVALID_REQUEST, f"text is a string of at most {MAX_TEXT} characters")
@@ -200,9 +258,9 @@ class CoordinatorExecutor(AgentExecutor):
                 ErrorCode.INVALID_REQUEST,
                 'send {"steps": [...]}, {"workflow": NAME, "input": {...}} or {"text": ...}',
             )
-        message = Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=parts)
+        message = Message(role=Role.ROLE_USER, message_id=uuid.uuid4().hex, parts=parts, task_id=run_id or "")
         task = await self.admit(message, claims, ServerCallContext(state={"claims": claims}))
-        return str(task.id)
+        return str(task.id), True
 
     async def _start(
         self, context: RequestContext, event_queue: EventQueue, claims: Claims, span: Span

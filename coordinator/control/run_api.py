@@ -44,7 +44,7 @@ CHANGES_COALESCE_S = 0.25  # a run-changes stream reads the list at most this of
 INVOKE_SCOPE = "agent:invoke"
 # What starts a run (the A2A surface's admission, given by the composition root): the request's
 # body and the caller's claims; the run's id.
-StartRun = Callable[[dict[str, Any], Claims], Awaitable[str]]
+StartRun = Callable[[dict[str, Any], Claims, str | None], Awaitable[tuple[str, bool]]]
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +134,21 @@ class RunApi:
     async def start_run(self, request: Request) -> Response:
         """Start a run: ``{"steps": [...]}``, ``{"workflow": NAME, "input": {...}}`` or ``{"text":
         ...}``, admitted as an A2A request is (a task of the caller's, the same plan checks); 202
-        with its id. Needs scope ``agent:invoke``, as A2A does."""
+        with its id. Needs scope ``agent:invoke``, as A2A does. With an ``Idempotency-Key`` header
+        the request may be sent again safely: one run is made for the key (of this caller), and a
+        repeat answers 200 with that run's id and state (``Idempotent-Replayed: true``)."""
         claims = request_claims(request)
         try:
             if INVOKE_SCOPE not in claims.scopes:
                 raise FleetError(ErrorCode.FORBIDDEN, f"starting a run needs scope {INVOKE_SCOPE}")
             if self.start is None:
                 raise FleetError(ErrorCode.NOT_FOUND, "this coordinator starts runs over A2A only")
-            run_id = await self.start(await _json_body(request), claims)
+            key = request.headers.get("idempotency-key")
+            run_id, made = await self.start(await _json_body(request), claims, key)
+            if not made:
+                run = await self.store.get_run(run_id, claims.tenant, owner=claims.sub)
+                headers = {"Idempotent-Replayed": "true"}
+                return JSONResponse({"run_id": run_id, "state": run.state.value}, headers=headers)
         except FleetError as exc:
             return _error(exc)
         return JSONResponse({"run_id": run_id, "state": RunState.SUBMITTED.value}, status_code=202)

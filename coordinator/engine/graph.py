@@ -27,6 +27,7 @@ from coordinator.engine.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.engine.workflows import Workflow, run_workflow, workflow_name
 from coordinator.planning.plan import RESERVED_INPUT, UNTRUSTED, dependencies, resolve_input
 from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
+from fleet import pgpool
 from fleet.approvals import POLICY_APPROVER, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import args_hash
@@ -100,7 +101,7 @@ def _failure(step: PlanStep, exc: FleetError) -> StepFailed:
 def checkpoint_pool(dsn: str, max_size: int) -> AsyncConnectionPool[Any]:
     """A connection pool of its own for the checkpointer (not yet opened): checkpoint saves run in
     the background and must not wait behind the run's other writes."""
-    return AsyncConnectionPool(dsn, max_size=max_size, open=False, kwargs={"autocommit": True})
+    return pgpool.pool(dsn, max_size=max_size, kwargs={"autocommit": True})
 
 
 def ready_steps(state: GraphState) -> list[PlanStep]:

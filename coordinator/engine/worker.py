@@ -32,7 +32,6 @@ from nats.errors import Error as NatsError
 from nats.js.client import JetStreamContext
 from nats.js.errors import Error as JetStreamError
 from opentelemetry.trace import SpanKind
-from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -54,7 +53,7 @@ from coordinator.record.runs import (
     RunState,
     StaleLease,
 )
-from fleet import telemetry, transport
+from fleet import pgpool, telemetry, transport
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
 from fleet.outbound import guarded_client
@@ -77,8 +76,10 @@ T = TypeVar("T")
 # operation or a gap.
 RELAXED_EVENTS = frozenset({EventType.STEP_PROGRESS, EventType.STEP_STARTED, EventType.STEP_COMPLETED})
 FETCH_RETRY_S = 0.5  # after a failed pull (the broker failing over), before the next
+INFRA_RETRY_S = 1.0  # a run that hit infrastructure trouble is tried again after this, doubling
 # A run whose work message comes back this often and still finds the control plane unavailable
-# fails (with the lease's delay between deliveries: about ten minutes at the default 15 s lease).
+# fails (with the delay between deliveries backing off to the lease's: about ten minutes at the default
+# 15 s lease).
 MAX_UNAVAILABLE_DELIVERIES = 40
 DEFAULT_MAX_IN_FLIGHT = 4  # a tenant's runs advanced at once when policy names no cap
 DEFAULT_SHARED_IN_FLIGHT = 2  # ... while another tenant has work, when policy names no share
@@ -259,8 +260,11 @@ class RunWorker:
                     await self.handle(message)
                 except Exception:  # infrastructure trouble: keep consuming, let the run be retried
                     log.exception("could not advance the run of message %r; retrying later", message.data)
+                    # Soon at first (a database restarting, a node of the bus moving), backing off to
+                    # the lease's life: a lease this worker could not release is waited out anyway.
+                    delay = backoff_s(_deliveries(message), base_s=INFRA_RETRY_S, cap_s=self._ttl)
                     with contextlib.suppress(Exception):
-                        await message.nak(delay=self._ttl)
+                        await message.nak(delay=delay)
 
     async def handle(self, message: Msg) -> None:
         run_id = message.data.decode()
@@ -656,9 +660,7 @@ def build_worker_app(settings: WorkerSettings) -> Starlette:
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), event_hooks=transport.hooks())
     registry = RegistryClient(settings, http)
     pool_for_checkpoints = checkpoint_pool(settings.pg_dsn, max_size=settings.concurrency + 2)
-    run_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-        settings.pg_dsn, max_size=settings.concurrency + 2, open=False, kwargs={"autocommit": True}
-    )
+    run_pool = pgpool.pool(settings.pg_dsn, max_size=settings.concurrency + 2, kwargs={"autocommit": True})
     saver = CompactCheckpointer(pool_for_checkpoints)
     store = PostgresRunStore(run_pool)
     ledger = Ledger(run_pool)

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,7 @@ class NetFleet:
             raise ValueError(f"not placed on any host: {', '.join(missing)}")
         self.lab = NetLab([*self.placement, OPERATOR_HOST], work_dir=work_dir / "lab")
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._postgres: tuple[list[str], str | None] = ([], None)
 
     # ------------------------------------------------------------------ paths
     @property
@@ -269,6 +271,7 @@ class NetFleet:
             hba.write(f"host all all {self.lab.address('postgres').rsplit('.', 1)[0]}.0/24 scram-sha-256\n")
         argv = list(launch.argv)
         argv[argv.index("-h") + 1] = f"{self.lab.address('postgres')},127.0.0.1"
+        self._postgres = (argv, launch.user)
         host = self.host_of("postgres")
         self.processes["postgres"] = self.lab.spawn(
             host, argv, log=self.logs / "postgres.log", user=launch.user
@@ -281,17 +284,65 @@ class NetFleet:
             "PG_FLEET_PASSWORD_FILE": str(self.secrets / "postgres" / "fleet-password"),
             "PG_FLEET_DATA_PASSWORD_FILE": str(self.secrets / "postgres" / "fleet_data-password"),
         }
-        deadline = time.monotonic() + 60
-        while self.lab.run(host, [str(_pg_bin() / "pg_isready"), "-h", "postgres"]).returncode != 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError("Postgres did not start (logs/postgres.log)")
-            time.sleep(0.3)
+        self._wait_postgres()
         init = self.deploy_dir / "k8s" / "postgres" / "init.sh"
         result = subprocess.run(
             self.lab.command(host, ["sh", str(init)]), env=env, capture_output=True, text=True, timeout=60
         )
         if result.returncode != 0 and "already exists" not in result.stderr:
             raise RuntimeError(f"init.sh failed: {result.stderr[-2000:]}")
+
+    def _wait_postgres(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        host = self.host_of("postgres")
+        while self.lab.run(host, [str(_pg_bin() / "pg_isready"), "-h", "postgres"]).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("Postgres did not start (logs/postgres.log)")
+            time.sleep(0.2)
+
+    def restart_postgres(self) -> float:
+        """Restart Postgres as an operator would (a fast shutdown: every session is cut, what
+        was committed is kept), then start it again; the seconds it did not answer."""
+        process = self.processes["postgres"]
+        stopped = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+        argv, user = self._postgres
+        self.processes["postgres"] = self.lab.spawn(
+            self.host_of("postgres"), argv, log=self.logs / "postgres.log", user=user
+        )
+        self._wait_postgres()
+        return time.monotonic() - stopped
+
+    def nats_leader(self) -> str:
+        """The NATS node that leads the JetStream cluster now (``nats-<n>.nats``), as every node's
+        monitoring endpoint says."""
+        ask = (
+            "import json, urllib.request, sys\n"
+            "for node in sys.argv[1:]:\n"
+            "    try:\n"
+            "        jsz = json.load(urllib.request.urlopen(f'http://{node}:8222/jsz', timeout=3))\n"
+            "        print(jsz['meta_cluster']['leader']); break\n"
+            "    except Exception: pass\n"
+        )
+        answer = self.lab.run(OPERATOR_HOST, [sys.executable, "-c", ask, *NATS_HOSTS]).stdout.strip()
+        if not answer:
+            raise RuntimeError("no NATS node names a leader")
+        return f"{answer}.nats"
+
+    def postgres_dsn(self) -> str:
+        """libpq keywords (no database) of the deployment's superuser, from the operator's host."""
+        password = (self.secrets / "postgres" / "postgres-password").read_text().strip()
+        return f"host=postgres port=5432 user=postgres password={password}"
+
+    def operator_env(self) -> dict[str, str]:
+        """The environment of a command on the operator's host."""
+        return {
+            "PATH": f"{Path(sys.executable).parent}:{SYSTEM_PATH}",
+            "HOME": "/tmp",
+            "PYTHONPATH": str(REPO),
+            "SSL_CERT_FILE": str(self.secrets / "tls-ca" / "trust.pem"),
+        }
 
     def _start_nats(self) -> None:
         config_dir = self.work_dir / "nats-config"
@@ -388,12 +439,7 @@ class NetFleet:
 
     def fleet_cli(self, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
         """``fleet ARGS`` on the operator's host (trusting the deployment's CA)."""
-        env = {
-            "PATH": f"{Path(sys.executable).parent}:{SYSTEM_PATH}",
-            "HOME": "/tmp",
-            "PYTHONPATH": str(REPO),
-            "SSL_CERT_FILE": str(self.secrets / "tls-ca" / "trust.pem"),
-        }
+        env = self.operator_env()
         return subprocess.run(
             self.lab.command(OPERATOR_HOST, [str(Path(sys.executable).parent / "fleet"), *args]),
             env=env,

@@ -9,8 +9,9 @@ so it is also where the faults are made:
 
 * **partition**: frames between a host and others are dropped, silently, as a cut cable or a
   firewall's DROP would: connections stall until their own timeouts, nothing is refused;
-* **latency and loss** on a host's link: each frame into or out of the host waits ``delay_ms`` (in
-  order) and is lost with probability ``loss``;
+* **latency and loss** on a host's link: each frame the host sends waits ``delay_ms`` (in order)
+  and is lost with probability ``loss``, as ``tc netem`` on its interface would do (a round trip
+  through the host takes ``delay_ms`` longer);
 * **a host's processes killed at once** (:meth:`NetLab.kill_host`: SIGKILL to every process in its
   namespace, as a power cut would).
 
@@ -21,7 +22,8 @@ on the machines this project is built on) nor a firewall tool: only ``ip`` (ipro
 Names are hosts' names in ``/etc/netns/<namespace>/hosts`` (which ``ip netns exec`` mounts over
 ``/etc/hosts``): a process finds another host, or a service given an address of its own on a host
 (:meth:`NetLab.alias`), by name, as in the compose file. :meth:`NetLab.down` removes every namespace
-and hosts file it made and stops the switch; :func:`sweep` removes what a killed earlier run left.
+and hosts file it made and stops the switch; :func:`sweep` removes what a lab whose owner was
+killed left (the switch's pid file names the owner).
 """
 
 from __future__ import annotations
@@ -84,24 +86,45 @@ def _remove_namespace(name: str) -> None:
 
 
 def sweep(prefix: str = PREFIX) -> list[str]:
-    """Remove the namespaces (and their processes and hosts files) that a lab left behind, e.g. one
-    whose test process was killed: those named ``<prefix><lab>-<host>`` whose lab's switch is gone."""
+    """Remove what labs whose owner is gone left behind (e.g. a test process killed mid-run): their
+    switch, and the namespaces named ``<prefix><lab>-<host>`` with their processes and hosts files."""
     left = []
     for name in namespaces():
         if not name.startswith(prefix) or "-" not in name:
             continue
         lab = name.split("-", 1)[0]
-        if not _switch_alive(lab):
-            _remove_namespace(name)
-            left.append(name)
+        if _owner_alive(lab):
+            continue
+        _remove_namespace(name)
+        left.append(name)
+    for pid_file in Path("/run").glob(f"{prefix}*-switch.pid"):
+        lab = pid_file.name.removesuffix("-switch.pid")
+        if not _owner_alive(lab):
+            switch, _ = _pids(pid_file)
+            if switch is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(switch, signal.SIGKILL)
+            pid_file.unlink(missing_ok=True)
     return left
 
 
-def _switch_alive(lab: str) -> bool:
-    pid_file = Path("/run") / f"{lab}-switch.pid"
+def _pids(pid_file: Path) -> tuple[int | None, int | None]:
+    """The switch's pid and its owner's, as the switch wrote them."""
     try:
-        os.kill(int(pid_file.read_text()), 0)
+        switch, owner = (int(word) for word in pid_file.read_text().split())
     except (OSError, ValueError):
+        return None, None
+    return switch, owner
+
+
+def _owner_alive(lab: str) -> bool:
+    """Whether the process that made lab ``lab`` still runs (if it does not, nothing will clean up)."""
+    _, owner = _pids(Path("/run") / f"{lab}-switch.pid")
+    if owner is None:
+        return False
+    try:
+        os.kill(owner, 0)
+    except OSError:
         return False
     return True
 
@@ -183,6 +206,7 @@ class NetLab:
                 if pipe is not None:
                     pipe.close()
             self._switch = None
+            (Path("/run") / f"{self.lab}-switch.pid").unlink(missing_ok=True)
         if self._switch_log is not None:
             self._switch_log.close()
             self._switch_log = None
@@ -300,8 +324,8 @@ class NetLab:
         self._control({"op": "heal"})
 
     def link(self, host: str, *, delay_ms: float = 0.0, loss: float = 0.0) -> None:
-        """Each frame into or out of ``host`` waits ``delay_ms`` and is lost with probability ``loss``
-        (0, 0: a clean link again)."""
+        """Each frame ``host`` sends waits ``delay_ms`` and is lost with probability ``loss``, as
+        ``tc netem`` on its interface (0, 0: a clean link again)."""
         if not 0 <= delay_ms <= MAX_DELAY_MS or not 0 <= loss <= 1:
             raise ValueError("delay_ms: 0 to 10,000; loss: 0 to 1")
         self._control({"op": "link", "host": host, "delay_ms": delay_ms, "loss": loss})
@@ -338,8 +362,8 @@ class _Port:
 
 class Switch:
     """A learning Ethernet switch over TAP devices, with a partition table and per-port latency
-    and loss. Frames between two ports wait for both ports' delays; frames of one pair keep their
-    order (each is written at its time, and a pair's frames all wait the same)."""
+    and loss on what a port's host sends. Frames from one port keep their order (each is written
+    at its time, and all of a port's frames wait the same)."""
 
     def __init__(self, ports: Mapping[str, int]) -> None:
         self.ports = {host: _Port(host, fd) for host, fd in ports.items()}
@@ -389,12 +413,10 @@ class Switch:
     def _forward(self, source: _Port, target: _Port, frame: bytes) -> None:
         if frozenset((source.host, target.host)) in self.cut:
             return
-        loss = 1 - (1 - source.loss) * (1 - target.loss)
-        if loss and random.random() < loss:
+        if source.loss and random.random() < source.loss:
             return
-        delay = source.delay_s + target.delay_s
-        if delay and self._loop is not None:
-            self._loop.call_later(delay, _write, target.fd, frame)
+        if source.delay_s and self._loop is not None:
+            self._loop.call_later(source.delay_s, _write, target.fd, frame)
         else:
             _write(target.fd, frame)
 
@@ -423,7 +445,7 @@ def _serve_switch(lab: str, ports: Sequence[str]) -> None:
         _ip("-n", namespace, "link", "set", device, "name", "eth0")
         _ip("-n", namespace, "link", "set", "eth0", "up")  # a TAP that is down reads EBADFD
     pid_file = Path("/run") / f"{lab}-switch.pid"
-    pid_file.write_text(str(os.getpid()))
+    pid_file.write_text(f"{os.getpid()} {os.getppid()}")  # the switch, and who owns the lab
     switch = Switch(fds)
 
     async def serve() -> None:
@@ -459,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     switch = commands.add_parser("switch", help="the switch process of a lab (started by NetLab)")
     switch.add_argument("lab")
     switch.add_argument("ports", nargs="+", help="host=namespace")
-    commands.add_parser("sweep", help="remove what labs whose switch is gone left behind")
+    commands.add_parser("sweep", help="remove what labs whose owner is gone left behind")
     args = parser.parse_args(argv)
     if args.command == "switch":
         _serve_switch(args.lab, args.ports)

@@ -34,6 +34,7 @@ from starlette.applications import Starlette
 
 from fleet.approvals import ApprovalRequest
 from fleet.errors import ErrorCode, FleetError
+from fleet.pgpool import db_failure
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -48,7 +49,7 @@ from mcp_servers._base import (
     serve_mcp,
     use_grant,
 )
-from mcp_servers._pg import database_tool_app, pg_message
+from mcp_servers._pg import database_tool_app
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class CaseTools:
                 )
                 existing = await cursor.fetchone()
         except psycopg.Error as exc:
-            raise FleetError(ErrorCode.TOOL_FAILED, f"could not open the case: {pg_message(exc)}") from exc
+            raise db_failure(exc, "could not open the case") from exc
         assert existing is not None
         return CaseResult(case_id=int(existing[0]), created=False)
 
@@ -248,7 +249,7 @@ class CaseTools:
                     key: (int(case_id), bool(created)) for key, case_id, created in await cursor.fetchall()
                 }
         except psycopg.Error as exc:
-            raise FleetError(ErrorCode.TOOL_FAILED, f"could not open the cases: {pg_message(exc)}") from exc
+            raise db_failure(exc, "could not open the cases") from exc
         return BulkResult(
             cases=[
                 BulkCase(subject=subject, case_id=rows[key][0], created=rows[key][1])
@@ -305,7 +306,7 @@ class CaseTools:
                 )
                 row = await cursor.fetchone()
         except psycopg.Error as exc:
-            raise FleetError(ErrorCode.TOOL_FAILED, f"could not refund: {pg_message(exc)}") from exc
+            raise db_failure(exc, "could not refund") from exc
         assert row is not None
         return _refund("refunded", int(row[0]), True, "", approval.approver if approval else None)
 
@@ -345,7 +346,7 @@ class CaseTools:
                 )
                 row = await cursor.fetchone()
         except psycopg.Error as exc:
-            raise FleetError(ErrorCode.TOOL_FAILED, f"could not post the note: {pg_message(exc)}") from exc
+            raise db_failure(exc, "could not post the note") from exc
         assert row is not None
         return NoteResult(note_id=int(row[0]))
 

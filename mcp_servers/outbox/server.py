@@ -48,6 +48,7 @@ from fleet.approvals import ApprovalRequest
 from fleet.artifacts import NatsArtifactStore, parse_ref
 from fleet.errors import ErrorCode, FleetError
 from fleet.natsconn import connect, service_credentials
+from fleet.pgpool import db_failure
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
@@ -63,7 +64,7 @@ from mcp_servers._base import (
     serve_mcp,
     use_grant,
 )
-from mcp_servers._pg import database_tool_app, pg_message
+from mcp_servers._pg import database_tool_app
 from registry import RegistryClient
 
 log = logging.getLogger(__name__)
@@ -409,9 +410,7 @@ def build_server(
                 key=key,
             )
         except psycopg.Error as exc:
-            raise FleetError(
-                ErrorCode.TOOL_FAILED, f"the operation was not recorded: {pg_message(exc)}"
-            ) from exc
+            raise db_failure(exc, "the operation was not recorded") from exc
 
     @mcp.tool(annotations=KEYED_WRITE)
     async def post_webhook(

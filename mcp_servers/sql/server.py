@@ -36,7 +36,9 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import Field
 from starlette.applications import Starlette
 
+from fleet import pgpool
 from fleet.errors import ErrorCode, FleetError
+from fleet.pgpool import connection_lost, db_failure
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from mcp_servers._base import (
@@ -152,6 +154,14 @@ def _reason(exc: psycopg.Error) -> str:
     return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
 
 
+def _refused(exc: psycopg.Error, doing: str) -> FleetError:
+    """``invalid_request`` with Postgres's reason, or ``dependency_unavailable`` (retryable) when
+    the database went away rather than refused the statement."""
+    if connection_lost(exc):
+        return db_failure(exc, doing)
+    return FleetError(ErrorCode.INVALID_REQUEST, f"{doing}: {_reason(exc)}")
+
+
 def _result_detail(exc: psycopg.Error) -> tuple[str, str, str]:
     """Rows and bytes within the cap, and the bytes of the row past it (``fleet_sql.query_rows``)."""
     rows, kept, row_bytes, *_ = [*(exc.diag.message_detail or "").split(), "?", "?", "?"]
@@ -186,11 +196,10 @@ class TenantPools:
 
     async def _open(self, tenant: str) -> AsyncConnectionPool[Any]:
         role = await self._ensure_role(tenant)
-        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        pool = pgpool.pool(
             make_conninfo(self._settings.pg_dsn, user=role, password=role_password(self._secret, role)),
             min_size=1,
             max_size=self._settings.sql_connections_per_tenant,
-            open=False,
             kwargs={"prepare_threshold": None},
             reset=discard_session_state,
             name=f"tenant-{role}",
@@ -325,14 +334,12 @@ class SqlTools:
                 " and information_schema",
             ) from exc
         except psycopg.Error as exc:
-            raise FleetError(
-                ErrorCode.INVALID_REQUEST, f"the database refused the statement: {_reason(exc)}"
-            ) from exc
+            raise _refused(exc, "the database refused the statement") from exc
 
     def _refusal(self, exc: psycopg.Error, tenant: str, caller: str) -> FleetError:
         """The tool's answer to a query the database stopped."""
         if exc.sqlstate != RESULT_TOO_LARGE_SQLSTATE:
-            return FleetError(ErrorCode.INVALID_REQUEST, f"the database refused the query: {_reason(exc)}")
+            return _refused(exc, "the database refused the query")
         cap = self._settings.sql_max_result_bytes
         rows, kept, row_bytes = _result_detail(exc)
         log.warning(
@@ -390,9 +397,7 @@ class SqlTools:
                 try:
                     await cursor.execute(statement, binary=True)
                 except psycopg.Error as exc:
-                    raise FleetError(
-                        ErrorCode.INVALID_REQUEST, f"the database refused the statement: {_reason(exc)}"
-                    ) from exc
+                    raise _refused(exc, "the database refused the statement") from exc
                 tag = (cursor.statusmessage or "").split(" ", 1)[0]
                 if tag not in WRITE_TAGS:
                     raise FleetError(
@@ -401,7 +406,7 @@ class SqlTools:
                 rows = max(cursor.rowcount, 0)
                 await conn.execute("SELECT fleet_sql.finish_write(%s, %s)", (key, rows))
         except psycopg.Error as exc:
-            raise FleetError(ErrorCode.TOOL_FAILED, f"the write did not happen: {_reason(exc)}") from exc
+            raise db_failure(exc, "the write did not happen") from exc
         return WriteResult(idempotency_key=key, row_count=rows, replayed=False)
 
     async def write_status(self, tenant: str, key: str) -> WriteStatus:

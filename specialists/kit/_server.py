@@ -265,8 +265,11 @@ class Toolbox:
         gateway's 502/503/504) is made again, at most ``CALL_ATTEMPTS`` times in all, when it cannot
         have reached the tool or the tool is ``idempotent`` or ``read_only`` in the catalog; else it
         raises :class:`OutcomeUnknown` (``OUTCOME_UNKNOWN``: reconcile before calling again). A tool's
-        error answer is never repeated: it raises ``TOOL_FAILED`` with the
-        tool's own error (read from the answer's envelope) as its ``cause``."""
+        error answer raises ``TOOL_FAILED`` with the tool's own error (read from the answer's
+        envelope) as its ``cause``; it is repeated first only when the error says a repeat may
+        succeed (``retryable``, e.g. the tool's database was restarting) and the tool is idempotent
+        or read-only: at most ``CALL_ATTEMPTS`` answers in all, each after the wait the error asks
+        for (at most ``MAX_RETRY_AFTER_S``), else at once."""
         if self._meter is not None:
             self._meter.spend_tool_call(f"{server_id}/{tool}")
         server = await self.catalog.server(server_id)
@@ -286,7 +289,7 @@ class Toolbox:
         try:
             with span:
                 async with asyncio.timeout(timeout_s):
-                    result = await self._call_with_retries(server, tool, arguments, grant)
+                    result = await self._answered(server, tool, arguments, grant)
                 answered = True
         finally:
             _current_grant.reset(reset)
@@ -302,6 +305,34 @@ class Toolbox:
                 cause=error,
             )
         return dict(result.structured_content or {})
+
+    async def _answered(
+        self, server: McpServerRecord, tool: str, arguments: dict[str, Any], grant: _Grant
+    ) -> CallToolResult:
+        """The tool's answer, asked again while it is a retryable error of a repeatable tool."""
+        for attempt in range(1, CALL_ATTEMPTS + 1):
+            result = await self._call_with_retries(server, tool, arguments, grant)
+            error = error_of(result)
+            wait_s = (error.retry_after_s or 0) if error is not None else 0
+            stopping = self._calls is not None and self._calls.cancel_requested
+            if (
+                error is None
+                or not error.retryable
+                or wait_s > MAX_RETRY_AFTER_S
+                or not _repeatable(server, tool)
+                or attempt == CALL_ATTEMPTS
+                or stopping
+            ):
+                return result
+            log.warning(
+                "%s/%s answered %s (retryable), attempt %d: asking again",
+                server.id,
+                tool,
+                error.code,
+                attempt,
+            )
+            await asyncio.sleep(max(wait_s, backoff_s(attempt, base_s=RETRY_BACKOFF_S)))
+        raise AssertionError("unreachable")
 
     async def _call_with_retries(
         self, server: McpServerRecord, tool: str, arguments: dict[str, Any], grant: _Grant
@@ -351,6 +382,7 @@ class Toolbox:
 
 CALL_ATTEMPTS = 3  # a call cut in transit is made at most this often, when that is safe
 RETRY_BACKOFF_S = 0.2  # before the second attempt (jittered), doubling after
+MAX_RETRY_AFTER_S = 5  # a retryable answer that asks for a longer wait is the caller's to retry
 _GATEWAY_STATUSES = frozenset({502, 503, 504})
 # Failures of a request that never left this process: the server cannot have served it.
 _NOT_SENT: tuple[type[Exception], ...] = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +180,32 @@ def test_exporting_a_run_of_another_tenant_finds_nothing(stack: Stack, tmp_path:
     assert result.returncode == 5  # not found
     assert "no run no-such-run" in result.stderr
     assert result.stderr.strip().endswith("[not_found]")
+
+
+async def test_a_run_started_again_with_its_idempotency_key_is_made_once(stack: Stack) -> None:
+    # A client that lost the answer (a timeout, a partition) sends the request again with the same
+    # key: one run, whatever arrives twice or at once; the key is its caller's own.
+    url = f"{stack.endpoints['coordinator']}/v1/runs"
+    token = stack.token("coordinator", tenant="acme")
+    key = {"Idempotency-Key": f"invoices-{uuid.uuid4()}"}
+    auth = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(timeout=60) as http:
+        answers = await asyncio.gather(
+            *(http.post(url, json=TWO_STEPS, headers={**auth, **key}) for _ in range(4))
+        )
+        run_ids = {a.json()["run_id"] for a in answers}
+        assert len(run_ids) == 1, [a.text for a in answers]
+        assert {a.status_code for a in answers} <= {200, 202}
+        again = await http.post(url, json=TWO_STEPS, headers={**auth, **key})
+        assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+        assert again.json()["run_id"] in run_ids
+        (run_id,) = run_ids
+        events = parse_sse((await read_events(stack, run_id, token)).text)
+        submitted = [e for e in events if e["type"] == "run.submitted"]
+        assert len(submitted) == 1
+        # The same key from another caller is another request: its own run.
+        other = stack.token("coordinator", tenant="globex")
+        theirs = await http.post(url, json=TWO_STEPS, headers={"Authorization": f"Bearer {other}", **key})
+        assert theirs.status_code == 202 and theirs.json()["run_id"] != run_id
+        bad = await http.post(url, json=TWO_STEPS, headers={**auth, "Idempotency-Key": "x" * 256})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"

@@ -1,7 +1,10 @@
 """The fleet across hosts: the compose deployment run on four network namespaces (three hosts with a
 NATS node each, Postgres on one, the services spread over them, and the operator's machine), every
 service on its own address and certificate, over TLS, found by its service name; the demo, run by
-the ``fleet`` CLI from the operator's host against the deployment, passes.
+the ``fleet`` CLI from the operator's host against the deployment, passes; and a steady workload of
+refunds keeps going through each fault (a worker's host cut off, the NATS leader's host cut off,
+200 ms on the coordinator's link, a Postgres restart) with nothing lost or duplicated, checked
+afterwards against the run store and the tool's own records.
 
 Two things only a real network found, each checked here: MCP servers refused every request addressed
 to their service name (the MCP SDK's DNS-rebinding check admitted loopback names only), and the CLI
@@ -12,10 +15,18 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bench import netfaults
+from fleetctl.testing.netfaults import FAULTS, Shape, clean, run_fault
 from fleetctl.testing.netfleet import OPERATOR_HOST, NetFleet
+
+# The suite's short form of the faults benchmark (`python -m bench netfaults` runs it long).
+SHORT = Shape(runs=10, interval_s=0.5, lead_s=2.0, hold_s=5.0, deadline_s=300.0)
+RESULTS: list[dict[str, Any]] = []  # each fault's, for the benchmark's page (the last test)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +65,30 @@ def test_a_deployment_is_not_stopped_from_the_cli(fleet: NetFleet) -> None:
     down = fleet.fleet_cli("down", "--data-dir", str(fleet.operator_dir()), "--json")
     assert down.returncode != 0 and "invalid_request" in down.stdout + down.stderr
     assert fleet.lab.run(OPERATOR_HOST, ["true"]).returncode == 0
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_runs_with_effects_survive_the_fault_with_nothing_lost_or_duplicated(
+    fleet: NetFleet, fault: str, tmp_path: Path
+) -> None:
+    result = run_fault(fleet, fault, SHORT, tmp_path)
+    RESULTS.append(result)
+    check, timeline = result["check"], result["timeline"]
+    assert check["asked"] == check["accepted"] == SHORT.runs, check
+    assert check["completed"] == check["refunds"] == SHORT.runs, check  # every run ended done, once
+    assert clean(result), check  # nothing lost or duplicated, no gap or reordering in any event log
+    # The fault was felt: runs waited for the partition or the slow link to end, or Postgres was away.
+    if fault == "postgres-restart":
+        assert result["made_s"] > 0.1
+    else:
+        assert timeline["runs_delayed"] >= 1, timeline
+
+
+def test_the_benchmark_page_reports_each_fault_it_ran() -> None:
+    assert [r["fault"] for r in RESULTS] == list(FAULTS)  # the faults above ran, in this process
+    summary = netfaults.summarize(RESULTS, SHORT)
+    assert summary["all_clean"] and len(summary["faults"]) == len(FAULTS)
+    section = netfaults.section(summary)
+    for fault in FAULTS:
+        assert f"| {fault} |" in section and f"**{fault}**" in section
+    assert "0 lost, 0 duplicated" in netfaults.summary_row(summary)
