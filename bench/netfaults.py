@@ -119,7 +119,7 @@ def section(result: dict[str, Any]) -> str:
         f"{rows}\n"
         "Delayed: a run that took over twice the baseline and a second more, from being asked for to "
         "being seen completed. Recovered: from the heal until the last run in flight during the fault "
-        "ended. The timelines (seconds from the fault; each run asked, accepted, ended):\n\n"
+        "ended. The timelines (seconds from the fault; each run: asked → seen ended):\n\n"
         f"{timelines}"
     )
 
