@@ -118,7 +118,9 @@ def _compose_service(unit: Deployed) -> Doc:
             {"type": "volume", "source": f"state-{spec.id}", "target": STATE_DIR},
         ],
         "read_only": True,
-        "tmpfs": ["/tmp"],
+        # Docker mounts a tmpfs noexec: the sandbox server runs bubblewrap and its launcher from its
+        # runtime folder under /tmp (seen failing to start in a container), so its /tmp allows exec.
+        "tmpfs": ["/tmp:exec" if spec.makes_namespaces else "/tmp"],
         "networks": networks,
         "depends_on": _compose_depends(unit),
         "healthcheck": _healthcheck(),
@@ -131,7 +133,9 @@ def _compose_service(unit: Deployed) -> Doc:
     if spec.makes_namespaces:
         # bubblewrap makes user, mount and pid namespaces: Docker's default seccomp and AppArmor
         # profiles forbid that. Better: a gVisor runtime (``runtime: runsc``), as in Kubernetes.
-        service["security_opt"] = ["seccomp=unconfined", "apparmor=unconfined"]
+        # and Docker masks paths of /proc, under which the kernel refuses bubblewrap a proc of its own
+        # ("Can't mount proc": seen in a container): systempaths=unconfined leaves /proc unmasked.
+        service["security_opt"] = ["seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"]
     return service
 
 
