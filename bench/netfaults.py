@@ -59,6 +59,7 @@ def summarize(results: list[dict[str, Any]], shape: Shape) -> dict[str, Any]:
                 "runs_delayed": t["runs_delayed"],
                 "slowest_s": t["slowest_s"],
                 "recovered_s": t["recovered_s"],
+                "demo_passed": result.get("demo_passed"),
                 "clean": clean(result),
                 "runs": t["runs"],
             }
@@ -79,16 +80,13 @@ def summarize(results: list[dict[str, Any]], shape: Shape) -> dict[str, Any]:
 
 def summary_row(result: dict[str, Any]) -> str:
     faults = result["faults"]
-    lost = sum(f["lost"] for f in faults)
-    duplicated = sum(f["duplicated"] for f in faults)
-    gaps = sum(f["gaps"] for f in faults)
-    runs = sum(f["asked"] for f in faults)
-    worst = max(f["recovered_s"] for f in faults)
-    verdict = "meets" if result["all_clean"] else "MISSES"
     return (
-        f"| runs through 4 faults between hosts (partitions, latency, a Postgres restart) | | "
-        f"| {runs} runs: {lost} lost, {duplicated} duplicated, {gaps} event-log gaps; recovered within "
-        f"{worst} s of each heal | | 0 lost, 0 duplicated, no gap ({verdict}) |"
+        f"| runs through {len(faults)} faults between hosts (partitions, latency, a Postgres restart), the "
+        f"demo during each | | | {sum(f['asked'] for f in faults)} runs: {sum(f['lost'] for f in faults)} lost, "
+        f"{sum(f['duplicated'] for f in faults)} duplicated, {sum(f['gaps'] for f in faults)} event-log gaps; "
+        f"demos passed: {sum(1 for f in faults if f.get('demo_passed'))}/{len(faults)}; recovered within "
+        f"{max(f['recovered_s'] for f in faults)} s of each heal | "
+        f"| 0 lost, 0 duplicated, no gap ({'meets' if result['all_clean'] else 'MISSES'}) |"
     )
 
 
@@ -97,7 +95,7 @@ def section(result: dict[str, Any]) -> str:
     rows = "".join(
         f"| {f['fault']} | {f['target_host']} | {f['fault_s']} s | {f['completed']}/{f['asked']} | {f['lost']} "
         f"| {f['duplicated']} | {f['gaps']} | {f['baseline_median_s']} s | {f['runs_delayed']} | {f['slowest_s']} s "
-        f"| {f['recovered_s']} s |\n"
+        f"| {f['recovered_s']} s | {'passed' if f.get('demo_passed') else 'FAILED' if f.get('demo_passed') is False else 'not run'} |\n"
         for f in faults_of(result)
     )
     timelines = "".join(_timeline(f) for f in faults_of(result))
@@ -109,13 +107,14 @@ def section(result: dict[str, Any]) -> str:
         "([deployment](deployment.md#across-hosts-the-namespaces-harness)). For each fault, its own tenant "
         f"asks for {shape['runs']} refund runs, one each {shape['interval_s']} s, from the operator's host "
         f"(an `Idempotency-Key` each, sent again while unanswered); the fault starts {shape['lead_s']} s in "
-        f"and is held {shape['hold_s']} s (a restart is over when Postgres answers again). Afterwards a "
+        f"and is held {shape['hold_s']} s (a restart is over when Postgres answers again), while `fleet demo` "
+        "runs from the operator's host, started with the workload. Afterwards a "
         "checker reads the run store (runs, event logs, the operations ledger) and the refund tool's own "
         "table: a lost run is one the client had accepted that did not complete with its refund; a "
         "duplicate is a subject refunded twice, a run with two refunds, or a run nobody asked for.\n\n"
         "| fault | host | held | completed | lost | duplicated | log gaps | baseline (median) | delayed "
-        "| slowest | recovered after the heal |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| slowest | recovered after the heal | demo during it |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         f"{rows}\n"
         "Delayed: a run that took over twice the baseline and a second more, from being asked for to "
         "being seen completed. Recovered: from the heal until the last run in flight during the fault "

@@ -30,8 +30,10 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.object_store import ObjectStore
 
 from fleet.errors import ErrorCode, FleetError
-from fleet.natsconn import replicas
+from fleet.natsconn import patiently, replicas
 from fleet.tenant_keys import TenantKey
+
+BUS_PATIENCE_S = 15.0  # how long an artifact waits for the bus to answer before the call fails
 
 ARTIFACTS_BUCKET = "fleet_artifacts"
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
@@ -121,10 +123,18 @@ class NatsArtifactStore:
             )
         digest = hashlib.sha256(data).hexdigest()
         ref = ArtifactRef(digest, len(data), media_type)
-        if not await self.exists(key, digest):
+        if not await patiently(
+            "looking up an artifact", lambda: self.exists(key, digest), patience_s=BUS_PATIENCE_S
+        ):
             name = object_name(key, digest)
             sealed = key.seal(SEAL_PURPOSE, name, data)
-            await self._store.put(name, sealed, meta=ObjectMeta(name=name, description="sealed"))
+            # Safe to repeat: the same name gets the same content. A stream without a leader for a
+            # moment (a node of the bus coming back from a partition) answers no one: wait for it.
+            await patiently(
+                "storing an artifact",
+                lambda: self._store.put(name, sealed, meta=ObjectMeta(name=name, description="sealed")),
+                patience_s=BUS_PATIENCE_S,
+            )
         return ref
 
     async def get(self, key: TenantKey, sha256: str) -> bytes:

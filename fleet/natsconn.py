@@ -173,6 +173,10 @@ def server_urls(url: str) -> list[str]:
 CONNECT_PATIENCE_S = 60.0  # how long a first connection is tried before the caller is told why not
 
 
+PING_INTERVAL_S = 5  # a silent server is left for another within about 15 s
+MAX_OUTSTANDING_PINGS = 3
+
+
 async def connect(
     url: str,
     name: str,
@@ -185,8 +189,9 @@ async def connect(
     The first connection is tried for ``patience_s`` (a server starting, the registry restarting
     while it refuses credentials, each failure logged), then fails with the last reason: no server
     answering, a certificate this side does not trust, or refused credentials (nats-py alone would
-    try forever). Once connected it follows the cluster: a node going away moves the connection to
-    another, and publishes wait for it; a connection the bus closes (its time is up, see
+    try forever). Once connected it follows the cluster: a node going away, or going silent (a
+    partition: no answer to ``MAX_OUTSTANDING_PINGS`` pings ``PING_INTERVAL_S`` apart), moves the
+    connection to another, and publishes wait for it; a connection the bus closes (its time is up, see
     :mod:`registry._callout`) comes back with fresh credentials.
 
     ``replicas``: the replicas of every stream, KV bucket and object store created through this
@@ -214,6 +219,10 @@ async def connect(
                 allow_reconnect=True,
                 # The order of a cluster's URLs should not decide which node every process lands on.
                 dont_randomize=False,
+                # A node cut off by a partition answers nothing (no reset): without pings of its own
+                # the client would wait nats-py's 2 minutes x 2 before moving to another node.
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 error_cb=on_error,
                 **(credentials.connect_options() if credentials is not None else {}),
             ),

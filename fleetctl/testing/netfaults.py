@@ -6,7 +6,8 @@ the fleet up across hosts (:mod:`fleetctl.testing.netfleet`), and for each fault
 workload of its own tenant from the operator's host (:mod:`fleetctl.testing.netload`), makes the
 fault after ``lead`` seconds, holds it ``hold`` seconds, heals it, waits for every run to end and
 runs the checker. It writes each fault's timeline and the checker's report, tears everything down
-(every namespace it made), and exits 1 if any run was lost or duplicated or any event log has a gap.
+(every namespace it made), and exits 1 if any run was lost or duplicated, any event log has a gap,
+or the demo failed.
 
 The faults (``FAULTS``):
 
@@ -14,6 +15,10 @@ The faults (``FAULTS``):
 * ``nats-leader-partition``: the host of the JetStream meta leader, found when the fault starts;
 * ``coordinator-latency``: 200 ms more on everything the coordinator's host sends;
 * ``postgres-restart``: Postgres shut down (fast: sessions cut) and started again, under load.
+
+Each fault's workload also runs ``fleet demo`` from the operator's host, started with the workload so
+that the fault finds its runs under way (the night's two batch runs, the sandbox, the outbox, the
+memory gate, an approval); it must pass.
 
 The suite runs it short (``tests/netlab/test_faults.py``); ``python -m bench netfaults`` runs it
 long and publishes the timelines.
@@ -51,6 +56,7 @@ class Shape:
     lead_s: float = 4.0
     hold_s: float = 12.0
     deadline_s: float = 600.0
+    with_demo: bool = True  # fleet demo from the operator's host, its runs under way at the fault
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,18 @@ def run_fault(fleet: NetFleet, name: str, shape: Shape, work_dir: Path) -> dict[
         env=fleet.operator_env(),
         log=fleet.logs / f"load-{name}.log",
     )
+    # The demo starts with the workload, so that the fault finds its runs under way.
+    demo = (
+        fleet.lab.spawn(
+            OPERATOR_HOST,
+            [str(Path(sys.executable).parent / "fleet"), "demo", "--data-dir", str(fleet.operator_dir()),
+             "--auto-approve", "--timeout", str(shape.deadline_s)],
+            env=fleet.operator_env(),
+            log=fleet.logs / f"demo-{name}.log",
+        )
+        if shape.with_demo
+        else None
+    )  # fmt: skip
     started = time.time()
     time.sleep(shape.lead_s)
     fault = _fault(fleet, name)
@@ -124,6 +142,10 @@ def run_fault(fleet: NetFleet, name: str, shape: Shape, work_dir: Path) -> dict[
     healed_at = time.time()
     if driver.wait(timeout=shape.deadline_s + 60) != 0:
         raise RuntimeError(f"the workload of {name} failed (logs/load-{name}.log)")
+    demo_passed = None
+    if demo is not None:
+        finished = demo.wait(timeout=shape.deadline_s + 60) == 0
+        demo_passed = finished and "demo: OK" in (fleet.logs / f"demo-{name}.log").read_text()
     history = json.loads(history_file.read_text())
     checked = fleet.lab.run(
         OPERATOR_HOST,
@@ -156,6 +178,7 @@ def run_fault(fleet: NetFleet, name: str, shape: Shape, work_dir: Path) -> dict[
             "hold_s": shape.hold_s,
         },
         "made_s": round(made_s, 2),
+        "demo_passed": demo_passed,
         "timeline": timeline(history, started, fault_at, healed_at),
         "check": json.loads(report_file.read_text()),
     }
@@ -198,9 +221,11 @@ def timeline(
 
 
 def clean(result: dict[str, Any]) -> bool:
-    """Whether the checker found nothing lost, duplicated, missing from or out of order in a log."""
+    """Whether the checker found nothing lost, duplicated, missing from or out of order in a log,
+    and the demo run during the fault (if one was) passed."""
     check = result["check"]
-    return not (check["lost"] or check["duplicated"] or check["gaps"] or check["reordered"])
+    demo_failed = result.get("demo_passed") is False
+    return not (check["lost"] or check["duplicated"] or check["gaps"] or check["reordered"] or demo_failed)
 
 
 def run_all(work_dir: Path, shape: Shape, faults: Sequence[str] = FAULTS) -> dict[str, Any]:

@@ -348,20 +348,26 @@ class NetFleet:
         config_dir = self.work_dir / "nats-config"
         config_dir.mkdir(parents=True, exist_ok=True)
         (config_dir / "nats.conf").write_text(nats_config())
-        for n, node in enumerate(NATS_HOSTS):
-            binds = [
-                Bind(config_dir, "/etc/nats/config", True),
-                Bind(self.secrets / "nats", "/etc/nats/auth", True),
-                Bind(self._dir(f"nats-data-{n}"), "/data", False),
-                Bind(self._dir(f"nats-pid-{n}"), "/var/run/nats", False),
-            ]
-            argv = self._launch(binds, [nats_server_binary(), "--config", "/etc/nats/config/nats.conf"])
-            env = {"POD_NAME": f"nats-{n}", "PATH": SYSTEM_PATH}
-            self.processes[node] = self.lab.spawn(
-                self.host_of(node), argv, env=env, log=self.logs / f"nats-{n}.log"
-            )
-        self._wait_healthy(
-            [f"http://{node}:{NATS_MONITOR_PORT}/healthz?js-enabled-only=true" for node in NATS_HOSTS]
+        for node in NATS_HOSTS:
+            self._start_nats_node(node)
+        self._wait_healthy([self._nats_health(node) for node in NATS_HOSTS])
+
+    def _nats_health(self, node: str) -> str:
+        return f"http://{node}:{NATS_MONITOR_PORT}/healthz?js-enabled-only=true"
+
+    def _start_nats_node(self, node: str) -> None:
+        """Start (or start again, on its own store) NATS node ``node`` (``nats-<n>.nats``)."""
+        n = NATS_HOSTS.index(node)
+        binds = [
+            Bind(self.work_dir / "nats-config", "/etc/nats/config", True),
+            Bind(self.secrets / "nats", "/etc/nats/auth", True),
+            Bind(self._dir(f"nats-data-{n}"), "/data", False),
+            Bind(self._dir(f"nats-pid-{n}"), "/var/run/nats", False),
+        ]
+        argv = self._launch(binds, [nats_server_binary(), "--config", "/etc/nats/config/nats.conf"])
+        env = {"POD_NAME": f"nats-{n}", "PATH": SYSTEM_PATH}
+        self.processes[node] = self.lab.spawn(
+            self.host_of(node), argv, env=env, log=self.logs / f"nats-{n}.log"
         )
 
     def _dir(self, name: str) -> Path:

@@ -42,9 +42,9 @@ from pydantic import Field, field_validator
 from starlette.applications import Starlette
 from typing_extensions import TypedDict  # pydantic nests these only from typing_extensions on 3.11
 
-from fleet.artifacts import ArtifactRef, NatsArtifactStore
+from fleet.artifacts import BUS_PATIENCE_S, ArtifactRef, NatsArtifactStore
 from fleet.errors import ErrorCode, FleetError
-from fleet.natsconn import connect, key_value, service_credentials
+from fleet.natsconn import connect, key_value, patiently, service_credentials
 from fleet.service import configure_logging
 from fleet.settings import ServiceSettings
 from fleet.tenant_keys import TenantKey
@@ -263,12 +263,21 @@ class Workspaces:
                 {"sha256": ref.sha256, "size": ref.size, "run_id": run_id, "at": time.time()}
             ).encode(),
         )
-        try:
+
+        async def write() -> None:
             if previous is None:
                 await self._heads.create(name, value)
             else:
                 await self._heads.update(name, value, last=previous.revision)
+
+        try:
+            # A bucket without a leader for a moment (a node of the bus back from a partition)
+            # answers no one: wait for it rather than fail the call.
+            await patiently("saving the workspace's head", write, patience_s=BUS_PATIENCE_S)
         except KeyWrongLastSequenceError as exc:
+            if await self._head_is(name, value):
+                self._remember(ref.sha256, data)  # a repeat of a write that had been taken
+                return ref
             raise FleetError(
                 ErrorCode.CONFLICT,
                 "another call of this run changed the workspace at the same time; nothing of"
@@ -276,6 +285,13 @@ class Workspaces:
             ) from exc
         self._remember(ref.sha256, data)
         return ref
+
+    async def _head_is(self, name: str, value: bytes) -> bool:
+        try:
+            entry = await self._heads.get(name)
+        except KeyNotFoundError:
+            return False
+        return entry.value == value
 
     def _remember(self, sha256: str, data: bytes) -> None:
         path = self._cache / sha256

@@ -2,9 +2,9 @@
 NATS node each, Postgres on one, the services spread over them, and the operator's machine), every
 service on its own address and certificate, over TLS, found by its service name; the demo, run by
 the ``fleet`` CLI from the operator's host against the deployment, passes; and a steady workload of
-refunds keeps going through each fault (a worker's host cut off, the NATS leader's host cut off,
-200 ms on the coordinator's link, a Postgres restart) with nothing lost or duplicated, checked
-afterwards against the run store and the tool's own records.
+refunds, and the demo, keep going through each fault (a worker's host cut off, the NATS leader's
+host cut off, 200 ms on the coordinator's link, a Postgres restart) with nothing lost or
+duplicated, checked afterwards against the run store and the tool's own records.
 
 Two things only a real network found, each checked here: MCP servers refused every request addressed
 to their service name (the MCP SDK's DNS-rebinding check admitted loopback names only), and the CLI
@@ -77,6 +77,7 @@ def test_runs_with_effects_survive_the_fault_with_nothing_lost_or_duplicated(
     assert check["asked"] == check["accepted"] == SHORT.runs, check
     assert check["completed"] == check["refunds"] == SHORT.runs, check  # every run ended done, once
     assert clean(result), check  # nothing lost or duplicated, no gap or reordering in any event log
+    assert result["demo_passed"], "the demo run during the fault failed (logs/demo-<fault>.log)"
     # The fault was felt: runs waited for the partition or the slow link to end, or Postgres was away.
     if fault == "postgres-restart":
         assert result["made_s"] > 0.1
