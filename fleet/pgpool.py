@@ -38,8 +38,9 @@ async def at_rest_and_alive(conn: psycopg.AsyncConnection[Any]) -> None:
     is merely refused would be put back and handed out again)."""
     if conn.closed or conn.broken:
         raise psycopg.OperationalError("the connection is closed")
-    readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
-    if readable:
+    waiting = select.poll()  # not select(): a busy process has descriptors past its 1024 limit
+    waiting.register(conn.pgconn.socket, select.POLLIN)
+    if waiting.poll(0):
         await conn.close()
         raise psycopg.OperationalError("the server spoke to a connection at rest: it is going away")
 
