@@ -15,15 +15,25 @@ from collections.abc import Iterator
 import pytest
 
 from deploy import image
-from fleetctl.testing.containers import ContainerFleet, docker
+from fleetctl.testing.containers import ContainerFleet, docker, ensure_docker
 
 
 @pytest.fixture(scope="module")
-def built() -> str:
-    """The image, built from this tree (the base and the dependencies are cached between builds)."""
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Docker's daemon: the machine's, or one started for these tests and stopped after them."""
     assert os.geteuid() == 0, "building the image (debootstrap, chroot) and running Docker need root"
     for tool in ("docker", "dockerd", "debootstrap"):
         assert shutil.which(tool), f"{tool} is missing (scripts/dev test installs docker.io and debootstrap)"
+    started = ensure_docker(tmp_path_factory.mktemp("dockerd") / "dockerd.log")
+    yield
+    if started is not None:
+        started.terminate()
+        started.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def built(daemon: None) -> str:
+    """The image, built from this tree (the base and the dependencies are cached between builds)."""
     return image.build()
 
 
