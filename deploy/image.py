@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,56 +57,60 @@ def _chroot(root: Path, *argv: str) -> None:
     _run("chroot", root, *argv, env=env, stdout=subprocess.DEVNULL)
 
 
-def base(cache: Path) -> Path:
-    """The Debian base with the Dockerfile's user and folders (made once)."""
-    key = hashlib.sha256(f"{SUITE} {MIRROR} {' '.join(PACKAGES)} {UID}".encode()).hexdigest()[:12]
-    root = cache / f"base-{key}"
+def _made_once(root: Path, make: Callable[[Path], None]) -> Path:
+    """``root``, made by ``make`` in a folder beside it first (renamed when complete, so a build
+    stopped half way leaves nothing that looks made); kept once made."""
     if (root / ".complete").exists():
         return root
     shutil.rmtree(root, ignore_errors=True)
-    making = cache / f"base-{key}.making"
+    making = root.with_name(root.name + ".making")
     shutil.rmtree(making, ignore_errors=True)
-    _run("debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, making, MIRROR)
-    _chroot(making, "groupadd", "--system", "--gid", str(UID), "fleet")
-    _chroot(
-        making, "useradd", "--system", "--uid", str(UID), "--gid", "fleet", "--home-dir", "/home/fleet",
-        "--create-home", "--shell", "/usr/sbin/nologin", "fleet",
-    )  # fmt: skip
-    for folder in ("var/lib/fleet", "run/fleet/identity", "run/fleet/enrollment", "run/fleet/secrets"):
-        (making / folder).mkdir(parents=True, exist_ok=True)
-        shutil.chown(making / folder, UID, UID)
-    shutil.chown(making / "run/fleet", UID, UID)
-    _run("rm", "-rf", making / "var/cache/apt/archives", making / "var/lib/apt/lists")
+    make(making)
     (making / ".complete").touch()
     making.rename(root)
     return root
+
+
+def base(cache: Path) -> Path:
+    """The Debian base with the Dockerfile's user and folders (made once)."""
+    key = hashlib.sha256(f"{SUITE} {MIRROR} {' '.join(PACKAGES)} {UID}".encode()).hexdigest()[:12]
+
+    def make(making: Path) -> None:
+        _run("debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, making, MIRROR)
+        _chroot(making, "groupadd", "--system", "--gid", str(UID), "fleet")
+        _chroot(
+            making, "useradd", "--system", "--uid", str(UID), "--gid", "fleet", "--home-dir", "/home/fleet",
+            "--create-home", "--shell", "/usr/sbin/nologin", "fleet",
+        )  # fmt: skip
+        for folder in ("var/lib/fleet", "run/fleet/identity", "run/fleet/enrollment", "run/fleet/secrets"):
+            (making / folder).mkdir(parents=True, exist_ok=True)
+            shutil.chown(making / folder, UID, UID)
+        shutil.chown(making / "run/fleet", UID, UID)
+        _run("rm", "-rf", making / "var/cache/apt/archives", making / "var/lib/apt/lists")
+
+    return _made_once(cache / f"base-{key}", make)
 
 
 def with_dependencies(cache: Path) -> Path:
     """The base with every pinned dependency in ``/opt/fleet`` (made once per pin set)."""
     pins = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + (REPO / "constraints.txt").read_bytes())
-    root = cache / f"deps-{pins.hexdigest()[:12]}"
-    if (root / ".complete").exists():
-        return root
-    shutil.rmtree(root, ignore_errors=True)
-    making = cache / f"{root.name}.making"
-    shutil.rmtree(making, ignore_errors=True)
-    _run("cp", "-a", base(cache), making)
-    wheels = making / "tmp" / "wheels"
-    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--constraint", REPO / "constraints.txt",
-         "--wheel-dir", wheels, REPO)  # fmt: skip
-    shutil.copy(REPO / "constraints.txt", making / "tmp" / "constraints.txt")
-    for project in wheels.glob("agent_fleet-*.whl"):
-        project.unlink()  # the project itself goes in last, built from the tree each time
-    _chroot(making, "python3", "-m", "venv", "/opt/fleet")
-    _chroot(
-        making, "/opt/fleet/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/tmp/wheels",
-        "--constraint", "/tmp/constraints.txt", *(f"/tmp/wheels/{w.name}" for w in sorted(wheels.glob("*.whl"))),
-    )  # fmt: skip
-    shutil.rmtree(wheels)
-    (making / ".complete").touch()
-    making.rename(root)
-    return root
+
+    def make(making: Path) -> None:
+        _run("cp", "-a", base(cache), making)
+        wheels = making / "tmp" / "wheels"
+        _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--constraint", REPO / "constraints.txt",
+             "--wheel-dir", wheels, REPO)  # fmt: skip
+        shutil.copy(REPO / "constraints.txt", making / "tmp" / "constraints.txt")
+        for project in wheels.glob("agent_fleet-*.whl"):
+            project.unlink()  # the project itself goes in last, built from the tree each time
+        _chroot(making, "python3", "-m", "venv", "/opt/fleet")
+        _chroot(
+            making, "/opt/fleet/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/tmp/wheels",
+            "--constraint", "/tmp/constraints.txt", *(f"/tmp/wheels/{w.name}" for w in sorted(wheels.glob("*.whl"))),
+        )  # fmt: skip
+        shutil.rmtree(wheels)
+
+    return _made_once(cache / f"deps-{pins.hexdigest()[:12]}", make)
 
 
 def build(tag: str = DEFAULT_TAG, cache: Path = DEFAULT_CACHE) -> str:

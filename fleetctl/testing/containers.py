@@ -120,15 +120,9 @@ class ContainerFleet(ComposeRun):
     def _mounts(self, volumes: Sequence[Mapping[str, Any]]) -> list[str]:
         args = []
         for volume in volumes:
+            source = self.volume_source(volume)
             if volume["type"] == "volume":
-                source = self.volumes / volume["source"]
-                subpath = (volume.get("volume") or {}).get("subpath")
-                if subpath:
-                    source = source / subpath
-                source.mkdir(parents=True, exist_ok=True)
-                shutil.chown(source, UID, UID)
-            else:
-                source = (self.deploy_dir / volume["source"]).resolve()
+                shutil.chown(source, UID, UID)  # the image's user writes its volumes
             mode = ",readonly" if volume.get("read_only") else ""
             args += ["--mount", f"type=bind,source={source},target={volume['target']}{mode}"]
         return args
@@ -210,19 +204,8 @@ class ContainerFleet(ComposeRun):
             "--entrypoint", NATS_SERVER,
         ]  # fmt: skip
         docker("run", "--detach", *args, self.image, *doc["command"])
-        deadline = time.monotonic() + 60
-        probe = [
-            "python3",
-            "-c",
-            "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8222/healthz?js-enabled-only=true', timeout=3)",
-        ]
-        while docker("exec", self.container("nats"), *probe, check=False, timeout=30).returncode != 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    "NATS did not start: "
-                    + docker("logs", self.container("nats"), check=False).stderr[-2000:]
-                )
-            time.sleep(0.5)
+        probe = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8222/healthz?js-enabled-only=true', timeout=3)"
+        self._wait_ready("nats", ["python3", "-c", probe], 60)
 
     def _start_postgres(self) -> None:
         """Postgres from the project's image: initialised as the Postgres image's entrypoint does
@@ -248,18 +231,15 @@ class ContainerFleet(ComposeRun):
             "--entrypoint", "sh",
         ]  # fmt: skip
         docker("run", "--detach", *args, self.image, "-c", script)
-        deadline = time.monotonic() + 120
-        while (
-            docker(
-                "exec", self.container("postgres"), f"{PG_BIN}/pg_isready", "-h", "127.0.0.1", check=False
-            ).returncode
-            != 0
-        ):
+        self._wait_ready("postgres", [f"{PG_BIN}/pg_isready", "-h", "127.0.0.1"], 120)
+
+    def _wait_ready(self, name: str, probe: Sequence[str], timeout_s: float) -> None:
+        """Run ``probe`` in ``name``'s container until it succeeds (its log in the error if not)."""
+        deadline = time.monotonic() + timeout_s
+        while docker("exec", self.container(name), *probe, check=False, timeout=30).returncode != 0:
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    "Postgres did not start: "
-                    + docker("logs", self.container("postgres"), check=False).stderr[-2000:]
-                )
+                logs = docker("logs", self.container(name), check=False)
+                raise RuntimeError(f"{name} did not start: {(logs.stdout + logs.stderr)[-2000:]}")
             time.sleep(0.5)
 
     # ------------------------------------------------------------------ the operator

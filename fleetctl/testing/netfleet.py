@@ -126,6 +126,18 @@ class ComposeRun:
             yield wave
             done |= set(wave)
 
+    def volume_source(self, volume: Mapping[str, Any]) -> Path:
+        """Where a compose volume entry's content is here: a named volume (or its ``subpath``) is a
+        folder of the work dir (made if missing); a bind is the path beside the compose file."""
+        if volume["type"] != "volume":
+            return (self.deploy_dir / str(volume["source"])).resolve()
+        source = self.volumes / str(volume["source"])
+        subpath = (volume.get("volume") or {}).get("subpath")
+        if subpath:
+            source = source / str(subpath)
+        source.mkdir(parents=True, exist_ok=True)
+        return source
+
     def environment(self, doc: Mapping[str, Any]) -> dict[str, str]:
         """A compose service's environment, with the embedded policy engine for OPA and the memory
         server's embedded store for Qdrant (neither image can be pulled here)."""
@@ -217,19 +229,7 @@ class NetFleet(ComposeRun):
 
     # ------------------------------------------------------------------ the parts
     def _binds(self, volumes: Iterable[Mapping[str, Any]]) -> list[Bind]:
-        binds = []
-        for volume in volumes:
-            if volume["type"] == "volume":
-                source = self.volumes / volume["source"]
-                subpath = (volume.get("volume") or {}).get("subpath")
-                if subpath:
-                    source = source / subpath
-            else:
-                source = (self.deploy_dir / volume["source"]).resolve()
-            if volume["type"] == "volume":
-                source.mkdir(parents=True, exist_ok=True)
-            binds.append(Bind(source, volume["target"], bool(volume.get("read_only"))))
-        return binds
+        return [Bind(self.volume_source(v), v["target"], bool(v.get("read_only"))) for v in volumes]
 
     def _argv(self, doc: Mapping[str, Any], command: Sequence[str] | None = None) -> list[str]:
         argv = [
