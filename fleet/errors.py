@@ -48,6 +48,11 @@ class ErrorCode(StrEnum):
     BUDGET_EXHAUSTED = "budget_exhausted"
     BAD_ANSWER = "specialist_bad_answer"
     LLM_UNAVAILABLE = "llm_unavailable"
+    # The model's endpoint answered 429 (rate limited) more often than policy lets the loop wait out.
+    LLM_RATE_LIMITED = "llm_rate_limited"
+    # An agent loop that repeats itself (the same call, the same output, too many calls in a turn):
+    # stopped by policy rather than let run on.
+    NON_CONVERGING = "non_converging"
     STACK_NOT_RUNNING = "stack_not_running"
     INSECURE_TRANSPORT = "insecure_transport"
     TENANT_KEY_REFUSED = "tenant_key_refused"
@@ -110,6 +115,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUDGET_EXHAUSTED: 429,
     ErrorCode.BAD_ANSWER: 502,
     ErrorCode.LLM_UNAVAILABLE: 503,
+    ErrorCode.LLM_RATE_LIMITED: 429,
+    ErrorCode.NON_CONVERGING: 422,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,
     ErrorCode.STACK_FAILED: 500,

@@ -2,17 +2,21 @@
 (``POST {base_url}/chat/completions``), the one LLM surface of the fleet: vLLM, llama.cpp, Ollama,
 LiteLLM and the hosted APIs all speak it.
 
-Every failure is a :class:`~fleet.errors.FleetError` with code ``llm_unavailable``: the endpoint
-could not be reached, did not answer in time or answered 5xx (``retryable``), refused the request
-(4xx), or answered something that is not a chat completion (named in the message). The API key is
-sent as a bearer token and never appears in a message or a log line.
+Every failure is a :class:`~fleet.errors.FleetError`: ``llm_rate_limited`` when the endpoint answered
+429 (``retryable``, with the wait its ``Retry-After`` asked for as ``retry_after_s``), else
+``llm_unavailable``: the endpoint could not be reached, did not answer in time or answered 5xx
+(``retryable``), refused the request (4xx), or answered something that is not a chat completion
+(named in the message). The API key is sent as a bearer token and never appears in a message or a
+log line.
 """
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +30,7 @@ from fleet.settings import ServiceSettings
 log = logging.getLogger(__name__)
 
 SNIPPET = 200  # how much of a bad answer an error message quotes
+MAX_RETRY_AFTER_S = 3600  # a Retry-After longer than this is read as this
 MAX_SCANNED = 20_000  # how much of it is scanned for secrets to quote that much
 
 
@@ -41,12 +46,18 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class ChatReply:
-    """One completion: the assistant's text, the tool calls it asked for, and the tokens it used
-    (prompt and completion together)."""
+    """One completion: the assistant's text, the tool calls it asked for, the tokens it used
+    (``usage``: prompt and completion together; and each, when the server said), the model that
+    answered (as it named itself, else as asked) and whether it stopped at the token limit
+    (``finish_reason`` ``length``: the answer is cut)."""
 
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     usage: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+    cut: bool = False
 
     def as_message(self) -> dict[str, Any]:
         """The reply as the assistant message of the conversation's next request."""
@@ -89,25 +100,31 @@ class ChatModel:
         tools: list[dict[str, Any]] | None = None,
         *,
         run_id: str = "",
+        max_tokens: int | None = None,
     ) -> ChatReply:
         """The model's next turn of the conversation ``messages``, offered ``tools`` (OpenAI
-        function specs) if any. Each call is a ``chat {model}`` span with the tokens it used (and
-        ``run_id``, the run it works for, if there is one yet)."""
+        function specs) if any, its answer held to ``max_tokens`` completion tokens if given. Each
+        call is a ``chat {model}`` span with the tokens it used (and ``run_id``, the run it works
+        for, if there is one yet)."""
         with telemetry.chat_span(self._model, run_id=run_id) as span:
-            reply, answer = await self._complete(messages, tools)
-            usage = answer.get("usage") if isinstance(answer, dict) else None
-            if isinstance(usage, dict):
-                telemetry.record_usage(
-                    span, _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-                )
+            reply = await self._complete(messages, tools, max_tokens)
+            if reply.prompt_tokens or reply.completion_tokens:
+                telemetry.record_usage(span, reply.prompt_tokens, reply.completion_tokens)
             return reply
 
+    @property
+    def model(self) -> str:
+        """The model this client asks for."""
+        return self._model
+
     async def _complete(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> tuple[ChatReply, Any]:
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, max_tokens: int | None
+    ) -> ChatReply:
         body: dict[str, Any] = {"model": self._model, "messages": messages}
         if tools:
             body["tools"] = tools
+        if max_tokens is not None:
+            body["max_tokens"] = max(1, max_tokens)
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         try:
             response = await self._http.post(
@@ -117,7 +134,16 @@ class ChatModel:
             raise self._unavailable(f"did not answer within {self._timeout_s:g} s") from exc
         except httpx.HTTPError as exc:
             raise self._unavailable(f"could not be reached ({type(exc).__name__})") from exc
-        if response.status_code >= 500 or response.status_code == 429:
+        if response.status_code == 429:
+            wait_s = retry_after_s(response.headers.get("retry-after"))
+            log.warning("the model at %s is rate limiting (429, Retry-After %s)", self._where, wait_s)
+            raise FleetError(
+                ErrorCode.LLM_RATE_LIMITED,
+                f"the model at {self._where} is rate limiting: {self._snippet(response.text)}",
+                retryable=True,
+                retry_after_s=wait_s,
+            )
+        if response.status_code >= 500:
             raise self._unavailable(f"answered HTTP {response.status_code}: {self._snippet(response.text)}")
         if response.status_code >= 400:
             raise self._unavailable(
@@ -128,7 +154,7 @@ class ChatModel:
             answer = response.json()
         except ValueError as exc:
             raise self._malformed(f"the body is not JSON: {self._snippet(response.text)}") from exc
-        return self._reply_of(answer), answer
+        return self._reply_of(answer)
 
     def _reply_of(self, answer: Any) -> ChatReply:
         choices = answer.get("choices") if isinstance(answer, dict) else None
@@ -144,7 +170,17 @@ class ChatModel:
         if not isinstance(raw_calls, list):
             raise self._malformed("the message's tool_calls is not a list")
         calls = tuple(self._tool_call_of(raw, index) for index, raw in enumerate(raw_calls))
-        return ChatReply(content, calls, _total_tokens(answer.get("usage")))
+        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+        named = answer.get("model")
+        return ChatReply(
+            content,
+            calls,
+            _total_tokens(usage),
+            prompt_tokens=_count(usage.get("prompt_tokens")) or 0,
+            completion_tokens=_count(usage.get("completion_tokens")) or 0,
+            model=named[:200] if isinstance(named, str) and named else self._model,
+            cut=choices[0].get("finish_reason") == "length",
+        )
 
     def _tool_call_of(self, raw: Any, index: int) -> ToolCall:
         function = raw.get("function") if isinstance(raw, dict) else None
@@ -191,6 +227,21 @@ def _total_tokens(usage: Any) -> int:
         return max(total, 0)
     parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
     return sum(p for p in parts if isinstance(p, int) and not isinstance(p, bool) and p > 0)
+
+
+def retry_after_s(value: str | None) -> int | None:
+    """The seconds an HTTP ``Retry-After`` asks to wait (delta-seconds or an HTTP date), at most
+    :data:`MAX_RETRY_AFTER_S`; None if it is absent or unreadable."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return min(int(text), MAX_RETRY_AFTER_S)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    return min(max(0, round(when.timestamp() - time.time())), MAX_RETRY_AFTER_S)
 
 
 def _count(value: Any) -> int | None:

@@ -46,6 +46,7 @@ class Entry:
     status: JournalStatus
     result: dict[str, Any] | None
     error: dict[str, Any] | None
+    usage: dict[str, Any] | None = None  # what the operation spent (the skill's BudgetMeter)
 
     @property
     def received(self) -> bool:
@@ -53,13 +54,16 @@ class Entry:
         return bool(self.args_hash)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body = {
             "operation_id": self.op_id,
             "status": self.status.value,
             "skill": self.skill,
             "result": self.result,
             "error": self.error,
         }
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body
 
 
 _SCHEMA = """
@@ -88,6 +92,9 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(operations)")}
+        if "usage" not in columns:  # a journal from before usage was kept
+            self._db.execute("ALTER TABLE operations ADD COLUMN usage TEXT")
         self._lock = threading.Lock()
         # Entries left running by an earlier process of this specialist were interrupted.
         self._boot = uuid.uuid4().hex
@@ -99,7 +106,7 @@ class Journal:
     def _row(self, tenant: str, op_id: str) -> Entry | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT op_id, tenant, skill, args_hash, status, result, error, boot FROM operations"
+                "SELECT op_id, tenant, skill, args_hash, status, result, error, boot, usage FROM operations"
                 " WHERE tenant = ? AND op_id = ?",
                 (tenant, op_id),
             ).fetchone()
@@ -116,6 +123,7 @@ class Journal:
             status,
             json.loads(row[5]) if row[5] else None,
             json.loads(row[6]) if row[6] else None,
+            json.loads(row[8]) if row[8] else None,
         )
 
     def get(self, tenant: str, op_id: str) -> Entry:
@@ -164,15 +172,17 @@ class Journal:
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> None:
         with self._lock:
             self._db.execute(
-                "UPDATE operations SET status = ?, result = ?, error = ?, updated = ?"
+                "UPDATE operations SET status = ?, result = ?, error = ?, usage = ?, updated = ?"
                 " WHERE tenant = ? AND op_id = ?",
                 (
                     status.value,
                     json.dumps(result) if result is not None else None,
                     json.dumps(error) if error is not None else None,
+                    json.dumps(usage) if usage is not None else None,
                     time.time(),
                     tenant,
                     op_id,

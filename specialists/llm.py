@@ -5,7 +5,9 @@ call the MCP tools this agent may use (each offered as a function ``<server>__<t
 with a JSON object, the skill's result. Each tool call goes through the skill's
 :class:`~specialists.kit.Toolbox` (the caller's authority, the task's budget, cooperative cancel);
 its answer is redacted (:func:`fleet.redact.redact`) before the model sees it, so a secret in a
-tool's answer never reaches a model. Every completion's tokens count against the task's budget.
+tool's answer never reaches a model. Every completion's tokens (and, priced by the caller's policy,
+their cost) count against the task's budget; the loop stops, or summarizes, at the limits of
+:mod:`specialists.loop_guard` as the caller's policy says.
 
 Memory is the fleet's to vouch for, not the model's: a ``trust`` the model passes to the memory
 server's writes is dropped before the call (the server takes none), and what the memory
@@ -15,6 +17,7 @@ block (:func:`memories_for_model`) that the system prompt says is data, never in
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -28,9 +31,11 @@ import httpx
 from fleet.errors import ErrorCode, FleetError
 from fleet.llm import ChatModel, ChatReply, ToolCall, from_settings, json_object_of
 from fleet.redact import redact
+from fleet.retry import backoff_s
 from fleet.settings import ServiceSettings
 from registry import McpServerRecord
-from specialists.skill import MEMORY_SERVER, Skill, SkillContext, SkillError
+from specialists.loop_guard import LoopGuard, Stop
+from specialists.skill import MEMORY_SERVER, BudgetMeter, Skill, SkillContext, SkillError
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +113,10 @@ def system_prompt(skill: Skill) -> str:
 
 
 class AgentLoop:
-    """Runs a skill with a model (the kit's ``Brain``): at most ``max_turns`` completions, each
-    followed by the tool calls it asked for, until the model answers without calling a tool."""
+    """Runs a skill with a model (the kit's ``Brain``): completions, each followed by the tool calls
+    it asked for, until the model answers without calling a tool, under the task's budget and the
+    caller's loop policy (:mod:`specialists.loop_guard`): at most ``max_turns`` completions (or
+    fewer, as the task's budget says)."""
 
     def __init__(self, model: ChatModel, max_turns: int = 8) -> None:
         self._model = model
@@ -117,23 +124,125 @@ class AgentLoop:
 
     async def run(self, skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
         """The skill's result: the model's final answer, a JSON object (``specialist_bad_answer``
-        if it is not one; ``budget_exhausted`` when the turns or the task's tokens run out)."""
+        if it is not one). At a limit, what the caller's :class:`LoopPolicy` says: the task stops
+        (``non_converging``, ``budget_exhausted``, with the reason in ``details``), or the model
+        answers from what it has (``summarize``). A model that keeps rate limiting ends it
+        ``llm_rate_limited`` (retryable)."""
         tools = offered_tools(await ctx.tools.available())
         specs = [tool.spec() for tool in tools.values()]
         messages = _opening(skill, ctx, payload)
-        for _ in range(self._max_turns):
-            reply = await self._model.complete(messages, specs or None, run_id=ctx.run_id)
-            ctx.budget.spend_tokens(reply.usage)
+        guard = LoopGuard(ctx.budget.budget, self._max_turns)
+        while True:
+            stop = guard.before_turn() or _spent(ctx.budget)
+            if stop is not None:
+                return await self._at_limit(stop, messages, ctx)
+            reply = await self._completion(messages, specs, ctx)
             if not reply.tool_calls:
+                if reply.cut:
+                    stop = Stop("context_limit", "the model's answer was cut at its token limit")
+                    return await self._at_limit(stop, messages, ctx)
                 return _result_of(reply)
+            stop = guard.after_reply(reply) or _spent(ctx.budget)  # its calls are then not made
+            if stop is not None:
+                return await self._at_limit(stop, messages, ctx)
             messages.append(reply.as_message())
+            spent: Stop | None = None
             for call in reply.tool_calls:
-                answer = await _call(tools, call, ctx)
+                if spent is None:
+                    try:
+                        answer = await _call(tools, call, ctx)
+                    except SkillError as exc:
+                        reason = exc.details.get("reason")
+                        if exc.code != ErrorCode.BUDGET_EXHAUSTED or not isinstance(reason, str):
+                            raise
+                        spent = Stop(reason, exc.message)
+                if spent is not None:  # the call is not made, and the model is told so
+                    answer = _error_answer(FleetError(ErrorCode.BUDGET_EXHAUSTED, f"not called: {spent.why}"))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
-        raise SkillError(
-            ErrorCode.BUDGET_EXHAUSTED,
-            f"{skill.id}: the model took its {self._max_turns} turns without a final answer",
+            if spent is not None:
+                return await self._at_limit(spent, messages, ctx)
+
+    async def _completion(
+        self, messages: list[dict[str, Any]], specs: list[dict[str, Any]] | None, ctx: SkillContext
+    ) -> ChatReply:
+        """The model's next reply, counted against the task's budget. A rate limit (429) or a
+        failure worth a retry is waited out as the loop's policy allows (the wait the model asks
+        for, else a backoff), then the task stops: ``llm_rate_limited`` or the model's own error."""
+        meter, policy = ctx.budget, ctx.budget.loop
+        retries = 0
+        while True:
+            left = meter.tokens_left()
+            bound = left if left is not None and left < COMPLETION_BOUND else None
+            try:
+                reply = await self._model.complete(
+                    messages, specs or None, run_id=ctx.run_id, max_tokens=bound
+                )
+            except FleetError as exc:
+                limited = exc.code == ErrorCode.LLM_RATE_LIMITED
+                meter.rate_limited += limited
+                if not (limited or (exc.code == ErrorCode.LLM_UNAVAILABLE and exc.retryable)):
+                    raise
+                wait_s = (
+                    exc.retry_after_s if exc.retry_after_s is not None else backoff_s(retries + 1, base_s=1.0)
+                )
+                if retries >= policy.rate_limit_retries or wait_s > policy.rate_limit_max_wait_s:
+                    if not limited:
+                        raise
+                    meter.stopped = "rate_limited"
+                    raise SkillError(
+                        ErrorCode.LLM_RATE_LIMITED,
+                        f"the model rate-limited this task {meter.rate_limited} time(s); it asks for"
+                        f" {wait_s:g} s more, and policy waits at most {policy.rate_limit_retries} times"
+                        f" {policy.rate_limit_max_wait_s:g} s",
+                        retryable=True,
+                        retry_after_s=round(wait_s),
+                        details={"reason": "rate_limited"},
+                    ) from exc
+                retries += 1
+                meter.llm_retries += 1
+                await asyncio.sleep(wait_s)
+                continue
+            meter.spend_completion(reply.model, reply.prompt_tokens, reply.completion_tokens, reply.usage)
+            return reply
+
+    async def _at_limit(
+        self, stop: Stop, messages: list[dict[str, Any]], ctx: SkillContext
+    ) -> dict[str, Any]:
+        """What the loop does at a limit, as the caller's policy says: stop (the task fails with the
+        reason) or summarize (one last turn, without tools, answered from what the model has)."""
+        meter = ctx.budget
+        meter.stopped = stop.reason
+        action = meter.loop.on_stuck if stop.stuck else meter.loop.on_spent
+        log.info(
+            "agent loop of run %s stopped: %s (%s); policy: %s", ctx.run_id, stop.reason, stop.why, action
         )
+        if action == "summarize":
+            closing = SUMMARIZE.format(why=stop.why)
+            reply = await self._completion([*messages, {"role": "user", "content": closing}], None, ctx)
+            meter.summarized = True
+            return _result_of(reply)
+        raise SkillError(stop.code, stop.why, details={"reason": stop.reason, "spent": meter.to_dict()})
+
+
+COMPLETION_BOUND = 4096  # below this many tokens left, a completion is asked to stay within them
+SUMMARIZE = (
+    "Stop here: {why}. Do not call any tool. Answer now with the skill's result, one JSON object,"
+    " from what you have found so far; say in it what is unfinished."
+)
+
+
+def _spent(meter: BudgetMeter) -> Stop | None:
+    """A stop if the task's tokens or money are spent."""
+    reason = meter.spent()
+    if not reason:
+        return None
+    if reason == "cost":
+        return Stop(
+            reason, f"the task's budget of ${meter.budget.max_cost_usd:g} is spent (${meter.cost_usd:.4f})"
+        )
+    return Stop(
+        reason, f"the task's budget of {meter.budget.max_llm_tokens} LLM tokens is spent ({meter.llm_tokens})"
+    )
 
 
 def _opening(skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> list[dict[str, Any]]:

@@ -56,7 +56,12 @@ class OutcomeUnknown(SkillError):
 
 @dataclass(frozen=True, slots=True)
 class TaskBudget:
-    """What one task of a skill may spend: tool calls, seconds and LLM tokens (None: no cap).
+    """What one task of a skill may spend, and where its agent loop stops (None: no cap).
+
+    Spending: tool calls, seconds, LLM tokens and money (``max_cost_usd``, priced by the caller's
+    :class:`LoopPolicy`). The agent loop (a skill with instructions): model turns (None: the
+    agent's ``FLEET_LLM_MAX_TURNS``), tool calls one turn may ask for, and how often the same call
+    (tool and arguments) or the same model output may come back before the loop is not converging.
 
     A skill declares its own; a caller may lower it for one task (message metadata
     ``fleet.budget``, the same keys), never raise it."""
@@ -64,34 +69,141 @@ class TaskBudget:
     max_tool_calls: int | None = 50
     max_seconds: float | None = 600.0
     max_llm_tokens: int | None = 50_000
+    max_cost_usd: float | None = None
+    max_turns: int | None = None
+    max_tool_calls_per_turn: int | None = 8
+    repeat_limit: int | None = 3
+    output_repeat_limit: int | None = 3
 
     def lowered(self, asked: Any) -> TaskBudget:
         """This budget, lowered to what ``asked`` (a caller's mapping) names; other keys ignored."""
         if not isinstance(asked, dict):
             return self
 
-        def lower(mine: Any, key: str) -> Any:
+        def lower(mine: Any, key: str, kind: type) -> Any:
             theirs = asked.get(key)
             if isinstance(theirs, bool) or not isinstance(theirs, int | float) or theirs <= 0:
                 return mine
-            return theirs if mine is None else min(mine, type(mine)(theirs))
+            return kind(theirs) if mine is None else min(mine, kind(theirs))
 
         return TaskBudget(
-            max_tool_calls=lower(self.max_tool_calls, "max_tool_calls"),
-            max_seconds=lower(self.max_seconds, "max_seconds"),
-            max_llm_tokens=lower(self.max_llm_tokens, "max_llm_tokens"),
+            **{
+                name: lower(getattr(self, name), name, kind)
+                for name, kind in (
+                    ("max_tool_calls", int),
+                    ("max_seconds", float),
+                    ("max_llm_tokens", int),
+                    ("max_cost_usd", float),
+                    ("max_turns", int),
+                    ("max_tool_calls_per_turn", int),
+                    ("repeat_limit", int),
+                    ("output_repeat_limit", int),
+                )
+            }
         )
+
+
+STUCK_ACTIONS = ("stop", "summarize", "ask")
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """What a model's tokens cost, in US dollars per million."""
+
+    input_per_mtok: float
+    output_per_mtok: float
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """The dollars ``prompt_tokens`` in and ``completion_tokens`` out cost."""
+        return (prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok) / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class LoopPolicy:
+    """What the caller's policy says the agent loop does at a limit (message metadata
+    ``fleet.loop``): ``on_stuck`` when it is not converging (the same call or output again, too
+    many calls in a turn), ``on_spent`` when a budget is spent (turns, tool calls, tokens, money):
+    ``stop`` (the task fails with the reason), ``summarize`` (one last turn without tools: the
+    model answers from what it has) or ``ask`` (a person decides: go on, summarize or stop).
+    ``prices``: per model, what its tokens cost (a model not listed costs ``default_price``, if
+    any). A model that answers 429 is waited out (its ``Retry-After``, at most
+    ``rate_limit_max_wait_s``) at most ``rate_limit_retries`` times, then the task stops
+    ``llm_rate_limited``. With no caller's policy, the loop stops at every limit."""
+
+    on_stuck: str = "stop"
+    on_spent: str = "stop"
+    prices: dict[str, Price] = field(default_factory=dict)
+    default_price: Price | None = None
+    rate_limit_retries: int = 3
+    rate_limit_max_wait_s: float = 30.0
+
+    def price_of(self, model: str) -> Price | None:
+        """What ``model``'s tokens cost, if the policy says."""
+        return self.prices.get(model, self.default_price)
+
+    @classmethod
+    def of(cls, asked: Any) -> LoopPolicy:
+        """The policy a caller sent (``fleet.loop``); what it does not say, or says wrongly, is
+        this class's default."""
+        if not isinstance(asked, dict):
+            return cls()
+        default = cls()
+
+        def action(key: str) -> str:
+            value = asked.get(key)
+            return value if value in STUCK_ACTIONS else str(getattr(default, key))
+
+        def number(key: str, most: float) -> float:
+            value = asked.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= most:
+                return float(value)
+            return float(getattr(default, key))
+
+        prices = asked.get("prices")
+        return cls(
+            on_stuck=action("on_stuck"),
+            on_spent=action("on_spent"),
+            prices={
+                str(model): found
+                for model, price in (prices.items() if isinstance(prices, dict) else [])
+                if (found := _price(price)) is not None
+            },
+            default_price=_price(asked.get("default_price")),
+            rate_limit_retries=int(number("rate_limit_retries", 20)),
+            rate_limit_max_wait_s=number("rate_limit_max_wait_s", 600),
+        )
+
+
+def _price(value: Any) -> Price | None:
+    if not isinstance(value, dict):
+        return None
+    parts = [value.get("input_per_mtok"), value.get("output_per_mtok")]
+    if not all(isinstance(p, int | float) and not isinstance(p, bool) and p >= 0 for p in parts):
+        return None
+    return Price(float(parts[0]), float(parts[1]))  # type: ignore[arg-type]
 
 
 class BudgetMeter:
     """One task's spending against its :class:`TaskBudget`; raises ``budget_exhausted`` before the
-    spend that would pass a cap (the tool call is then not made)."""
+    spend that would pass a cap (the tool call is then not made). ``loop``: what the caller's policy
+    says the agent loop does at a limit, and what tokens cost."""
 
-    def __init__(self, budget: TaskBudget) -> None:
+    def __init__(self, budget: TaskBudget, loop: LoopPolicy | None = None) -> None:
         self.budget = budget
+        self.loop = loop or LoopPolicy()
         self.tool_calls = 0
         self.llm_tokens = 0
+        self.tokens_in = 0
+        self.tokens_out = 0
+        self.cost_usd = 0.0
+        self.llm_calls = 0
+        self.rate_limited = 0  # answers of 429 from the model
+        self.llm_retries = 0  # completions asked again (after a 429 or a failure worth a retry)
+        self.models: set[str] = set()
         self.out_of_time = False  # set by the executor's watchdog when max_seconds passed
+        self.ran = False  # whether the skill ran (a repeat answered from the journal did not)
+        self.stopped: str = ""  # why the agent loop stopped at a limit, if it did
+        self.summarized = False  # whether it then answered from what it had
 
     def spend_tool_call(self, what: str) -> None:
         """Count one tool call (``what``); raises ``budget_exhausted`` instead if the cap is spent."""
@@ -100,22 +212,72 @@ class BudgetMeter:
             raise SkillError(
                 ErrorCode.BUDGET_EXHAUSTED,
                 f"the task's budget of {cap} tool calls is spent; {what} not called",
+                details={"reason": "tool_calls"},
             )
         self.tool_calls += 1
 
     def spend_tokens(self, tokens: int) -> None:
         """Count ``tokens`` a model used for this task; raises once the total passes the cap."""
         self.llm_tokens += max(0, tokens)
-        cap = self.budget.max_llm_tokens
-        if cap is not None and self.llm_tokens > cap:
+        self.check_tokens()
+
+    def spend_completion(self, model: str, prompt_tokens: int, completion_tokens: int, total: int) -> None:
+        """Count one completion of ``model``: its tokens (``total`` when the server gave no split)
+        and, priced by the loop's policy, its cost. Never raises: :meth:`spent` says what is over."""
+        self.llm_calls += 1
+        self.models.add(model)
+        self.tokens_in += max(0, prompt_tokens)
+        self.tokens_out += max(0, completion_tokens)
+        self.llm_tokens += max(0, total or prompt_tokens + completion_tokens)
+        price = self.loop.price_of(model)
+        if price is not None:
+            self.cost_usd += price.cost(max(0, prompt_tokens), max(0, completion_tokens))
+
+    def spent(self) -> str:
+        """The reason a spending cap is passed (``tokens``, ``cost``), or ""."""
+        if self.budget.max_llm_tokens is not None and self.llm_tokens > self.budget.max_llm_tokens:
+            return "tokens"
+        if self.budget.max_cost_usd is not None and self.cost_usd > self.budget.max_cost_usd:
+            return "cost"
+        return ""
+
+    def check_tokens(self) -> None:
+        """Raise ``budget_exhausted`` if the tokens or the money are spent."""
+        reason = self.spent()
+        if reason == "tokens":
             raise SkillError(
                 ErrorCode.BUDGET_EXHAUSTED,
-                f"the task's budget of {cap} LLM tokens is spent ({self.llm_tokens} used)",
+                f"the task's budget of {self.budget.max_llm_tokens} LLM tokens is spent ({self.llm_tokens} used)",
+                details={"reason": reason},
+            )
+        if reason == "cost":
+            raise SkillError(
+                ErrorCode.BUDGET_EXHAUSTED,
+                f"the task's budget of ${self.budget.max_cost_usd:g} is spent (${self.cost_usd:.4f} used)",
+                details={"reason": reason},
             )
 
+    def tokens_left(self) -> int | None:
+        """LLM tokens the task may still spend (None: no cap)."""
+        cap = self.budget.max_llm_tokens
+        return None if cap is None else max(0, cap - self.llm_tokens)
+
     def to_dict(self) -> dict[str, Any]:
-        """What the task has spent so far."""
-        return {"tool_calls": self.tool_calls, "llm_tokens": self.llm_tokens}
+        """What the task has spent so far (and, if its loop stopped at a limit, why)."""
+        spent: dict[str, Any] = {"tool_calls": self.tool_calls, "llm_tokens": self.llm_tokens}
+        if self.llm_calls:
+            spent.update(
+                tokens_in=self.tokens_in,
+                tokens_out=self.tokens_out,
+                llm_calls=self.llm_calls,
+                cost_usd=round(self.cost_usd, 6),
+                models=sorted(self.models),
+            )
+        if self.rate_limited or self.llm_retries:
+            spent.update(rate_limited=self.rate_limited, llm_retries=self.llm_retries)
+        if self.stopped:
+            spent.update(stopped=self.stopped, summarized=self.summarized)
+        return spent
 
 
 class InputRequired(Exception):  # not an error: the task asks its caller something
@@ -250,8 +412,10 @@ __all__ = [
     "Brain",
     "BudgetMeter",
     "InputRequired",
+    "LoopPolicy",
     "MemoryTools",
     "OutcomeUnknown",
+    "Price",
     "Skill",
     "SkillContext",
     "SkillError",

@@ -34,6 +34,7 @@ class Reply:
     status: int = 200
     body: Any = None
     hold: asyncio.Event | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
     def completion(self, number: int) -> Any:
         if self.body is not None:
@@ -69,9 +70,15 @@ def say(content: str, usage: int = 10) -> Reply:
     return Reply(content=content, usage=usage)
 
 
-def call(name: str, arguments: Any = None, usage: int = 10) -> Reply:
-    """A turn that calls one tool."""
-    return Reply(tool_calls=((name, {} if arguments is None else arguments),), usage=usage)
+def call(name: str, arguments: Any = None, usage: int = 10, content: str | None = None) -> Reply:
+    """A turn that calls one tool (saying ``content`` beside it, if given)."""
+    return Reply(content=content, tool_calls=((name, {} if arguments is None else arguments),), usage=usage)
+
+
+def rate_limited(retry_after: str | None = "0") -> Reply:
+    """A 429 answer, with a ``Retry-After`` unless it is None."""
+    headers = (("Retry-After", retry_after),) if retry_after is not None else ()
+    return Reply(status=429, body={"error": {"message": "slow down"}}, headers=headers)
 
 
 @dataclass
@@ -100,7 +107,9 @@ class ScriptedModel:
             reply = self.replies.pop(0)
             if reply.hold is not None:
                 await reply.hold.wait()
-            return JSONResponse(reply.completion(len(self.requests)), status_code=reply.status)
+            return JSONResponse(
+                reply.completion(len(self.requests)), status_code=reply.status, headers=dict(reply.headers)
+            )
 
         return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
 

@@ -65,11 +65,11 @@ from specialists.skill import (
     Brain,
     BudgetMeter,
     InputRequired,
+    LoopPolicy,
     OutcomeUnknown,
     Skill,
     SkillContext,
     SkillError,
-    TaskBudget,
 )
 from specialists.task_store import BoundedTaskStore
 
@@ -522,8 +522,9 @@ class SkillExecutor(AgentExecutor):
         try:
             updater = TaskUpdater(event_queue, task.id, task.context_id)
             budget = skill.budget.lowered(_metadata(context.message, BUDGET_METADATA_KEY))
-            outcome = await self._execute(updater, skill, claims, op_id, payload, running.calls, budget)
-            await _publish(updater, skill.id, outcome)
+            meter = BudgetMeter(budget, LoopPolicy.of(_metadata(context.message, LOOP_METADATA_KEY)))
+            outcome = await self._execute(updater, skill, claims, op_id, payload, running.calls, meter)
+            await _publish(updater, skill.id, outcome, meter.to_dict() if meter.ran else None)
             running.published = True
         finally:
             if self._by_task.get(task.id) is running:
@@ -538,7 +539,7 @@ class SkillExecutor(AgentExecutor):
         op_id: str | None,
         payload: dict[str, Any],
         calls: ToolCalls,
-        budget: TaskBudget,
+        meter: BudgetMeter,
     ) -> Outcome:
         await updater.start_work()
 
@@ -561,8 +562,8 @@ class SkillExecutor(AgentExecutor):
         )
         try:
             if op_id is not None:
-                return await self._run_once(skill, claims, op_id, payload, progress, calls, budget)
-            ctx = self._context(skill, claims, calls, progress, None, payload, budget)
+                return await self._run_once(skill, claims, op_id, payload, progress, calls, meter)
+            ctx = self._context(skill, claims, calls, progress, None, payload, meter)
             return await _run_stoppable(skill, ctx, payload, calls, brain=self._brain)
         finally:
             if beating is not None:
@@ -576,7 +577,7 @@ class SkillExecutor(AgentExecutor):
         payload: dict[str, Any],
         progress: Callable[[str], Awaitable[None]],
         calls: ToolCalls,
-        budget: TaskBudget,
+        meter: BudgetMeter,
     ) -> Outcome:
         """Run the operation unless the journal knows it: then answer with what it recorded."""
         digest = args_hash({"skill": skill.id, "input": payload})
@@ -602,12 +603,14 @@ class SkillExecutor(AgentExecutor):
 
         def record(outcome: Outcome) -> None:
             status, result, error = outcome
-            self._journal.finish(claims.tenant, op_id, status, result=result, error=error)
+            self._journal.finish(
+                claims.tenant, op_id, status, result=result, error=error, usage=meter.to_dict()
+            )
 
         key = (claims.tenant, op_id)
         self._by_operation[key] = calls
         try:
-            context = self._context(skill, claims, calls, progress, op_id, payload, budget)
+            context = self._context(skill, claims, calls, progress, op_id, payload, meter)
             return await _run_stoppable(skill, context, payload, calls, record, self._brain)
         finally:
             del self._by_operation[key]
@@ -620,9 +623,8 @@ class SkillExecutor(AgentExecutor):
         progress: Callable[[str], Awaitable[None]],
         op_id: str | None,
         payload: dict[str, Any],
-        budget: TaskBudget,
+        meter: BudgetMeter,
     ) -> SkillContext:
-        meter = BudgetMeter(budget)
         # A call after a person answered carries the recorded approval and, if they gave one, input.
         answer = payload.get("input") if isinstance(payload.get("approval"), dict) else None
         return SkillContext(
@@ -686,6 +688,7 @@ async def _run(
     skill: Skill, context: SkillContext, payload: dict[str, Any], brain: Brain | None = None
 ) -> Outcome:
     await hold_point("skill.start", skill.id)  # tests only: hold a skill before its first tool call
+    context.budget.ran = True
     limit = context.budget.budget.max_seconds
     try:
         async with asyncio.timeout(limit):
@@ -774,23 +777,29 @@ def _outcome_of(skill_task: asyncio.Task[Outcome], skill: Skill, calls: ToolCall
     return (JournalStatus.INTERRUPTED if skill.idempotent else JournalStatus.UNCERTAIN), None, stopped
 
 
-async def _publish(updater: TaskUpdater, skill_id: str, outcome: Outcome) -> None:
-    """End the task as the skill's outcome says."""
+async def _publish(
+    updater: TaskUpdater, skill_id: str, outcome: Outcome, usage: dict[str, Any] | None = None
+) -> None:
+    """End the task as the skill's outcome says, with what it spent (``usage``, if it ran here) in
+    the metadata of its last message or artifact (``fleet.usage``)."""
     status, result, error = outcome
+    metadata = {USAGE_METADATA_KEY: usage} if usage is not None else None
     if status == JournalStatus.SUCCEEDED and (result or {}).get("status") == ASKING:
         assert result is not None
         details = [new_data_part(d) for d in result.get("details", []) if isinstance(d, dict)]
         await updater.requires_input(
-            updater.new_agent_message([new_text_part(str(result["question"])), *details])
+            updater.new_agent_message([new_text_part(str(result["question"])), *details], metadata)
         )
         return
     if status == JournalStatus.SUCCEEDED:
-        await updater.add_artifact([new_data_part(result or {})], name=skill_id, last_chunk=True)
+        await updater.add_artifact(
+            [new_data_part(result or {})], name=skill_id, last_chunk=True, metadata=metadata
+        )
         await updater.complete()
         return
     assert error is not None
     text = str(error.get("message") or error.get("code"))
-    message = updater.new_agent_message([new_text_part(text), new_data_part({"error": error})])
+    message = updater.new_agent_message([new_text_part(text), new_data_part({"error": error})], metadata)
     if status == JournalStatus.CANCELED:
         await updater.cancel(message)
     else:
@@ -808,6 +817,8 @@ _ENDED = (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN
 
 
 BUDGET_METADATA_KEY = "fleet.budget"
+LOOP_METADATA_KEY = "fleet.loop"  # the caller's LoopPolicy: what the agent loop does at a limit
+USAGE_METADATA_KEY = "fleet.usage"  # what a task spent (BudgetMeter.to_dict), on its end
 
 
 def _metadata(message: Message | None, key: str) -> Any:

@@ -5,78 +5,25 @@ registry: what the model is offered and shown, what the skill answers, and how b
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from fleet.errors import ErrorCode, FleetError
-from fleet.llm import ChatModel
 from fleet.redact import MARK
-from fleet.tokens import Claims
-from specialists.cancellation import ToolCalls
-from specialists.kit import BudgetMeter, Skill, SkillContext, SkillError, TaskBudget
-from specialists.llm import MAX_NAME, AgentLoop, function_name, memories_for_model, without_trust
+from specialists.kit import SkillError, TaskBudget
+from specialists.llm import MAX_NAME, function_name, memories_for_model, without_trust
+from tests.llm.loop_run import Run, lookup_of
 from tests.llm.tool_plane import API_KEY, PASSWORD, ToolPlane, tool_plane
-from tests.llm_script import Reply, ScriptedModel, call, say, scripted_model
-
-
-async def _never(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
-    raise AssertionError("with a model configured, the agent loop runs the skill")
-
-
-SKILL = Skill(
-    "invoice-check",
-    "Check an invoice",
-    "Looks an invoice up and says whether it is over the approval limit",
-    _never,
-    instructions="You check invoices for the finance team. The approval limit is 1000.",
-)
+from tests.llm_script import call, say, scripted_model
 
 
 @pytest.fixture
 async def plane(registry_nats: str, tmp_path: Path) -> AsyncIterator[ToolPlane]:
     async with tool_plane(registry_nats, tmp_path) as running:
         yield running
-
-
-@dataclass
-class Run:
-    """One skill run by the loop, and what it reported."""
-
-    plane: ToolPlane
-    model: ScriptedModel
-    http: httpx.AsyncClient
-    budget: TaskBudget = field(default_factory=TaskBudget)
-    progress: list[str] = field(default_factory=list)
-
-    @property
-    def lookup(self) -> str:
-        return function_name(self.plane.server_id, "lookup_invoice")
-
-    @property
-    def void(self) -> str:
-        return function_name(self.plane.server_id, "void_invoice")
-
-    async def __call__(self, payload: dict[str, Any], max_turns: int = 8) -> dict[str, Any]:
-        meter = BudgetMeter(self.budget)
-        claims = Claims("operator", "acme", "ledger-agent", frozenset(), "jti", int(time.time()) + 300, {})
-
-        async def report(text: str) -> None:
-            self.progress.append(text)
-
-        tools = self.plane.toolbox.for_skill(ToolCalls(), None, meter)
-        ctx = SkillContext(claims, tools, report, "op-1", budget=meter)
-        loop = AgentLoop(ChatModel(self.model.base_url, "scripted-1", "", self.http), max_turns=max_turns)
-        return await loop.run(SKILL, ctx, payload)
-
-
-def lookup_of(plane: ToolPlane, number: str = "INV-7") -> Reply:
-    return call(function_name(plane.server_id, "lookup_invoice"), {"number": number})
 
 
 async def test_a_tool_call_then_a_final_json_answer_is_the_skills_result(
@@ -154,13 +101,24 @@ async def test_a_call_to_a_tool_not_offered_is_told_to_the_model_and_nothing_is_
 async def test_tokens_over_the_tasks_budget_end_the_skill_with_budget_exhausted(
     plane: ToolPlane, http: httpx.AsyncClient
 ) -> None:
-    async with scripted_model(call("nothing", {}, usage=60), say('{"ok": true}', usage=60)) as model:
+    flood = call(function_name(plane.server_id, "lookup_invoice"), {"number": "INV-7"}, usage=60)
+    replies = (call("nothing", {}, usage=60), flood, say('{"ok": true}'))
+    async with scripted_model(*replies) as model:
         run = Run(plane, model, http, TaskBudget(max_llm_tokens=100))
         with pytest.raises(SkillError) as caught:
             await run({})
     assert caught.value.code == ErrorCode.BUDGET_EXHAUSTED
-    assert "100 LLM tokens is spent (120 used)" in caught.value.message
-    assert len(model.requests) == 2
+    assert caught.value.details["reason"] == "tokens"
+    assert "100 LLM tokens is spent (120)" in caught.value.message
+    # The reply that passed the budget asked for a call: it was not made.
+    assert len(model.requests) == 2 and plane.served == []
+
+
+async def test_a_final_answer_that_passes_the_token_budget_is_still_the_result(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    async with scripted_model(call("nothing", {}, usage=60), say('{"ok": true}', usage=60)) as model:
+        assert await Run(plane, model, http, TaskBudget(max_llm_tokens=100))({}) == {"ok": True}
 
 
 async def test_a_model_that_keeps_calling_tools_past_its_turns_ends_with_budget_exhausted(

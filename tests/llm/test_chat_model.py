@@ -12,11 +12,11 @@ import pytest
 
 from coordinator.planning.llm_planner import llm_planner
 from fleet.errors import ErrorCode, FleetError
-from fleet.llm import ChatModel, ToolCall, from_settings, json_object_of
+from fleet.llm import MAX_RETRY_AFTER_S, ChatModel, ToolCall, from_settings, json_object_of, retry_after_s
 from fleet.settings import ServiceSettings
 from registry import RegistryClient
 from specialists.llm import llm_brain
-from tests.llm_script import Reply, ScriptedModel, call, say, scripted_model
+from tests.llm_script import Reply, ScriptedModel, call, rate_limited, say, scripted_model
 
 KEY = "sk-test-abcdefghijklmnopqrstuvwxyz012345"
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
@@ -47,6 +47,12 @@ async def test_a_completion_is_read_as_its_text_tool_calls_and_total_tokens(http
         ToolCall("call-1-1", "other", {}),
     )
     assert reply.usage == 42
+    assert (reply.prompt_tokens, reply.completion_tokens, reply.model, reply.cut) == (
+        21,
+        21,
+        "scripted-1",
+        False,
+    )
 
 
 async def test_the_request_names_the_model_offers_the_tools_and_sends_the_key_as_a_bearer(
@@ -194,3 +200,43 @@ async def test_without_a_base_url_there_is_no_model_brain_or_planner(
     assert isinstance(from_settings(configured, http), ChatModel)
     assert llm_brain(configured, http) is not None
     assert llm_planner(configured, http, RegistryClient(configured, http)) is not None
+
+
+async def test_a_429_is_llm_rate_limited_retryable_with_the_wait_it_asks_for(http: httpx.AsyncClient) -> None:
+    async with scripted_model(rate_limited("7"), rate_limited(None)) as server:
+        model = model_at(server, http)
+        for expected in (7, None):
+            with pytest.raises(FleetError) as caught:
+                await model.complete(HELLO)
+            error = caught.value
+            assert (error.code, error.retryable, error.retry_after_s) == (
+                ErrorCode.LLM_RATE_LIMITED,
+                True,
+                expected,
+            )
+            assert "slow down" in error.message and KEY not in error.message
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("12", 12),
+        ("999999", MAX_RETRY_AFTER_S),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0),  # a date gone by: no wait
+        ("soon", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_retry_after_is_read_as_seconds_or_a_date_and_bounded(
+    header: str | None, seconds: int | None
+) -> None:
+    assert retry_after_s(header) == seconds
+
+
+async def test_a_bound_on_the_answer_is_sent_as_max_tokens(http: httpx.AsyncClient) -> None:
+    async with scripted_model(say("{}"), say("{}")) as server:
+        model = model_at(server, http)
+        await model.complete(HELLO, max_tokens=300)
+        await model.complete(HELLO)
+    assert server.requests[0]["max_tokens"] == 300 and "max_tokens" not in server.requests[1]

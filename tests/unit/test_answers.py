@@ -14,7 +14,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import skill_traits, skills_extension
 from registry import AgentRecord
 from specialists.code_runner.agent import SKILLS as CODE_RUNNER
-from specialists.kit import BudgetMeter, SkillError, TaskBudget
+from specialists.kit import BudgetMeter, LoopPolicy, Price, SkillError, TaskBudget
 
 
 def _agent(skills: Any) -> AgentRecord:
@@ -89,3 +89,44 @@ def test_the_tool_call_over_the_budget_is_refused_before_it_is_made() -> None:
     meter.spend_tokens(900)
     with pytest.raises(SkillError, match="1000 LLM tokens is spent"):
         meter.spend_tokens(200)
+
+
+def test_a_caller_lowers_the_loops_limits_and_never_raises_them() -> None:
+    mine = TaskBudget(max_turns=20, max_tool_calls_per_turn=8, repeat_limit=3, max_cost_usd=2.0)
+    asked = {"max_turns": 50, "max_tool_calls_per_turn": 2, "repeat_limit": 0, "max_cost_usd": 0.5}
+    lowered = mine.lowered(asked)
+    assert (lowered.max_turns, lowered.max_tool_calls_per_turn, lowered.repeat_limit) == (20, 2, 3)
+    assert lowered.max_cost_usd == 0.5
+    assert TaskBudget().lowered({"max_turns": 5}).max_turns == 5  # no cap of its own: the caller's
+
+
+def test_a_callers_loop_policy_is_read_with_every_wrong_part_left_at_the_default() -> None:
+    assert LoopPolicy.of(None) == LoopPolicy()
+    policy = LoopPolicy.of(
+        {
+            "on_stuck": "summarize",
+            "on_spent": "launch",
+            "prices": {"m": {"input_per_mtok": 1, "output_per_mtok": 2}, "bad": {"input_per_mtok": -1}},
+            "default_price": {"input_per_mtok": 5, "output_per_mtok": 5},
+            "rate_limit_retries": True,
+            "rate_limit_max_wait_s": 10_000,
+        }
+    )
+    assert (policy.on_stuck, policy.on_spent) == ("summarize", "stop")
+    assert policy.prices == {"m": Price(1.0, 2.0)} and policy.price_of("other") == Price(5.0, 5.0)
+    assert (policy.rate_limit_retries, policy.rate_limit_max_wait_s) == (3, 30.0)
+
+
+def test_a_completion_is_priced_by_the_policys_table_and_the_money_is_a_budget() -> None:
+    meter = BudgetMeter(
+        TaskBudget(max_llm_tokens=None, max_cost_usd=1.0), LoopPolicy(prices={"m": Price(2.0, 10.0)})
+    )
+    meter.spend_completion("m", 100_000, 50_000, 0)
+    assert meter.cost_usd == pytest.approx(0.7) and meter.llm_tokens == 150_000 and meter.spent() == ""
+    meter.spend_completion("unpriced", 1_000_000, 1_000_000, 2_000_000)
+    assert meter.cost_usd == pytest.approx(0.7)  # a model with no price costs nothing known
+    meter.spend_completion("m", 100_000, 10_000, 110_000)
+    assert meter.spent() == "cost"
+    with pytest.raises(SkillError) as spent:
+        meter.check_tokens()
+    assert spent.value.details == {"reason": "cost"}

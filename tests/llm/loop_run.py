@@ -1,0 +1,68 @@
+"""The agent loop as the LLM tests run it: one skill with instructions, run by
+``specialists.llm.AgentLoop`` over a scripted model and the tool plane, with what it reported."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from fleet.llm import ChatModel
+from fleet.tokens import Claims
+from specialists.cancellation import ToolCalls
+from specialists.kit import BudgetMeter, LoopPolicy, Skill, SkillContext, TaskBudget
+from specialists.llm import AgentLoop, function_name
+from tests.llm.tool_plane import ToolPlane
+from tests.llm_script import Reply, ScriptedModel, call
+
+
+async def _never(ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("with a model configured, the agent loop runs the skill")
+
+
+SKILL = Skill(
+    "invoice-check",
+    "Check an invoice",
+    "Looks an invoice up and says whether it is over the approval limit",
+    _never,
+    instructions="You check invoices for the finance team. The approval limit is 1000.",
+)
+
+
+@dataclass
+class Run:
+    """One skill run by the loop, and what it reported."""
+
+    plane: ToolPlane
+    model: ScriptedModel
+    http: httpx.AsyncClient
+    budget: TaskBudget = field(default_factory=TaskBudget)
+    progress: list[str] = field(default_factory=list)
+    loop: LoopPolicy = field(default_factory=LoopPolicy)
+    meter: BudgetMeter | None = None
+
+    @property
+    def lookup(self) -> str:
+        return function_name(self.plane.server_id, "lookup_invoice")
+
+    @property
+    def void(self) -> str:
+        return function_name(self.plane.server_id, "void_invoice")
+
+    async def __call__(self, payload: dict[str, Any], max_turns: int = 8) -> dict[str, Any]:
+        meter = self.meter = BudgetMeter(self.budget, self.loop)
+        claims = Claims("operator", "acme", "ledger-agent", frozenset(), "jti", int(time.time()) + 300, {})
+
+        async def report(text: str) -> None:
+            self.progress.append(text)
+
+        tools = self.plane.toolbox.for_skill(ToolCalls(), None, meter)
+        ctx = SkillContext(claims, tools, report, "op-1", budget=meter)
+        loop = AgentLoop(ChatModel(self.model.base_url, "scripted-1", "", self.http), max_turns=max_turns)
+        return await loop.run(SKILL, ctx, payload)
+
+
+def lookup_of(plane: ToolPlane, number: str = "INV-7") -> Reply:
+    return call(function_name(plane.server_id, "lookup_invoice"), {"number": number})
