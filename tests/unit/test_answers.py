@@ -125,7 +125,7 @@ def test_a_completion_is_priced_by_the_policys_table_and_the_money_is_a_budget()
     assert meter.cost_usd == pytest.approx(0.7) and meter.llm_tokens == 150_000 and meter.spent() == ""
     meter.spend_completion("unpriced", 1_000_000, 1_000_000, 2_000_000)
     assert meter.cost_usd == pytest.approx(0.7)  # a model with no price costs nothing known
-    meter.spend_completion("m", 100_000, 10_000, 110_000)
+    meter.spend_completion("m", 100_000, 20_000, 120_000)
     assert meter.spent() == "cost"
     with pytest.raises(SkillError) as spent:
         meter.check_tokens()
