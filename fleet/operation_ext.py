@@ -34,6 +34,11 @@ from a2a.types import AgentCard, AgentExtension
 
 OPERATIONS_EXTENSION = "https://agent-fleet.dev/ext/operations/v1"
 OPERATION_METADATA_KEY = "fleet.operation_id"
+# A caller's limits for one task (lowered, never raised, by the agent: TaskBudget's keys), what its
+# agent loop does at a limit and what tokens cost (LoopPolicy), and, on the task's end, what it spent.
+BUDGET_METADATA_KEY = "fleet.budget"
+LOOP_METADATA_KEY = "fleet.loop"
+USAGE_METADATA_KEY = "fleet.usage"
 OPERATIONS_PATH = "/v1/operations"
 MAX_WAIT_S = 30.0
 

@@ -62,7 +62,7 @@ from a2a.client import (
 from a2a.helpers import get_data_parts, get_text_parts, new_data_part
 from a2a.types import AgentCard, Message, Role, SendMessageRequest, TaskState
 from a2a.utils.errors import A2AError
-from google.protobuf.json_format import ParseDict, ParseError
+from google.protobuf.json_format import MessageToDict, ParseDict, ParseError
 from opentelemetry.trace import SpanKind
 
 from coordinator.engine.egress import MAX_PATHS, keep_paths, leaf_paths
@@ -71,8 +71,11 @@ from fleet import telemetry
 from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import (
+    BUDGET_METADATA_KEY,
+    LOOP_METADATA_KEY,
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
+    USAGE_METADATA_KEY,
     cancel_url,
     skill_traits,
     status_url,
@@ -101,6 +104,7 @@ ASKING_STATES = {
 
 Progress = Callable[[str], Awaitable[None]]
 Activity = Callable[[], None]
+Usage = Callable[[dict[str, Any]], None]  # what a task says it spent, as it ends
 GrantLookup = Callable[[str], Awaitable[str | None]]  # a run's grant, by run id
 GRANTS_CACHED = 4096
 # States a stream may end in only because it was cut short: the agent may still be at it.
@@ -269,6 +273,8 @@ class Delegator:
         activity: Activity | None = None,
         run_id: str = "",
         step: str = "",
+        limits: TaskLimits | None = None,
+        usage: Usage | None = None,
     ) -> dict[str, Any]:
         """Run ``skill`` on ``agent``; return its result data or raise a step failure.
 
@@ -279,7 +285,8 @@ class Delegator:
         stream that ended before the task did. A refusal (4xx, a JSON-RPC error) and a task that
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
-        (see the module's doc)."""
+        (see the module's doc). ``limits``: the task's budget and loop policy, sent to a fleet
+        agent (an outside agent is told none of it); ``usage`` hears what the task says it spent."""
         sent = await self._egress(agent, skill, payload, tenant, progress) if agent.external else payload
         message = Message(
             role=Role.ROLE_USER,
@@ -288,6 +295,8 @@ class Delegator:
         )
         if operation_id is not None:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
+        if limits is not None and not agent.external:
+            message.metadata.update({BUDGET_METADATA_KEY: limits.budget, LOOP_METADATA_KEY: limits.loop})
         span = telemetry.invoke_agent_span(
             agent.id,
             kind=SpanKind.CLIENT,
@@ -299,7 +308,7 @@ class Delegator:
             step=step,
         )
         with span:
-            return await self._send(agent, skill, message, tenant, progress, activity, run_id)
+            return await self._send(agent, skill, message, tenant, progress, activity, run_id, usage)
 
     async def _send(
         self,
@@ -310,6 +319,7 @@ class Delegator:
         progress: Progress,
         activity: Activity | None,
         run_id: str,
+        usage: Usage | None = None,
     ) -> dict[str, Any]:
         client = self._client(agent)
         try:
@@ -320,7 +330,7 @@ class Delegator:
                 context = ClientCallContext(service_parameters=dict(headers))
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
-                    result = await _collect(stream, agent.id, progress, activity or _idle)
+                    result = await _collect(stream, agent.id, progress, activity or _idle, usage)
                     check_answer(agent, skill, result)
                     return await self._answer(agent, skill, tenant, result) if agent.external else result
                 except A2AClientError as exc:
@@ -678,7 +688,9 @@ def _card(agent: AgentRecord) -> AgentCard:
         raise FleetError(ErrorCode.SPECIALIST_FAILED, f"{agent.id} has an unreadable card") from exc
 
 
-async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Activity) -> dict[str, Any]:
+async def _collect(
+    stream: Any, agent_id: str, progress: Progress, activity: Activity, usage: Usage | None = None
+) -> dict[str, Any]:
     result: dict[str, Any] = {}
     state = TaskState.TASK_STATE_UNSPECIFIED
     last_text = ""
@@ -691,6 +703,7 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
             state = event.task.status.state
         elif kind == "status_update":
             state = event.status_update.status.state
+            _said_usage(event.status_update.status.message, usage)
             parts = event.status_update.status.message.parts
             text = " ".join(get_text_parts(parts))
             asked = get_data_parts(parts)
@@ -707,10 +720,34 @@ async def _collect(stream: Any, agent_id: str, progress: Progress, activity: Act
                 if state == TaskState.TASK_STATE_WORKING:
                     await progress(f"{agent_id}: {text}")
         elif kind == "artifact_update":
+            _said_usage(event.artifact_update.artifact, usage)
             for data in get_data_parts(event.artifact_update.artifact.parts):
                 if isinstance(data, dict):
                     result.update(data)
     return _ended(state, agent_id, result, last_text, error, asked)
+
+
+MAX_USAGE_CHARS = 4096  # what an agent's usage report may hold
+
+
+def _said_usage(carrier: Any, usage: Usage | None) -> None:
+    """Pass on what an agent said a task spent (``fleet.usage`` in a message's or an artifact's
+    metadata), if it said it as an object of bounded size. It is the agent's word: the run counts
+    it against its budget, and a hostile agent can understate it (see docs/budgets.md)."""
+    if usage is None or not carrier.HasField("metadata") or USAGE_METADATA_KEY not in carrier.metadata.fields:
+        return
+    said = MessageToDict(carrier.metadata).get(USAGE_METADATA_KEY)
+    if isinstance(said, dict) and len(json.dumps(said, default=str)) <= MAX_USAGE_CHARS:
+        usage(said)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskLimits:
+    """What a delegated task may spend and what its agent loop does at a limit: the metadata
+    ``fleet.budget`` (TaskBudget's keys) and ``fleet.loop`` (LoopPolicy's) of its message."""
+
+    budget: dict[str, Any]
+    loop: dict[str, Any]
 
 
 def _ended(

@@ -29,7 +29,13 @@ from typing import Any
 
 from langgraph.config import get_stream_writer
 
-from coordinator.engine.delegation import CallInterrupted, Delegator, Progress, skill_is_idempotent
+from coordinator.engine.delegation import (
+    CallInterrupted,
+    Delegator,
+    Progress,
+    TaskLimits,
+    skill_is_idempotent,
+)
 from coordinator.record.operations import Event, Ledger, Operation, OperationConflict, OpStatus
 from coordinator.record.runs import Lease, PostgresRunStore
 from fleet.crashpoints import crash_point
@@ -128,11 +134,13 @@ class StepDispatcher:
         announce: bool = False,
         completes: Callable[[dict[str, Any]], bool] | None = None,
         named: str | None = None,
+        limits: Callable[[AgentRecord], TaskLimits] | None = None,
     ) -> None:
         """``announce``: log the step's ``step.started`` (with where it went) and ``step.completed``
         (a plain step; a batch's calls are announced by the batch). ``completes``: whether a result
         completes the step (one that asks a person first does not: no ``step.completed`` yet).
-        ``named``: the agent the plan names for the step (see :meth:`Delegator.assign`)."""
+        ``named``: the agent the plan names for the step (see :meth:`Delegator.assign`).
+        ``limits``: what a task sent to an agent may spend, and what its loop does at a limit."""
         self._delegator = delegator
         self._ledger = scope.ledger
         self._lease = scope.lease
@@ -146,6 +154,9 @@ class StepDispatcher:
         self._announce = announce
         self._completes = completes
         self._named_agent = named
+        self._limits = limits
+        # What the agent said the operation spent (fleet.usage), once it said, as it said it.
+        self.usage: dict[str, Any] | None = None
         self._redispatches = 0
         self._tried: set[str] = set()  # agents this operation went to, in this attempt
         self._known: Operation | None = None
@@ -227,6 +238,7 @@ class StepDispatcher:
         _announce(self._opening(self._agent))
         if op.args_hash != args_hash(self._args):
             await self._needs_human(op, "the step was replayed with other arguments than were sent")
+        self.usage = op.usage
         if op.status == OpStatus.SUCCEEDED:
             result = dict(op.result or {})
             _announce(self._closing(result))
@@ -301,6 +313,9 @@ class StepDispatcher:
             nonlocal last
             last = loop.time()
 
+        def spent(said: dict[str, Any]) -> None:
+            self.usage = said
+
         call = asyncio.ensure_future(
             self._delegator.call(
                 agent,
@@ -312,6 +327,8 @@ class StepDispatcher:
                 activity=touched,
                 run_id=self._lease.run_id,
                 step=self._step_id,
+                limits=self._limits(agent) if self._limits is not None else None,
+                usage=spent,
             )
         )
         renewals = 0
@@ -432,6 +449,8 @@ class StepDispatcher:
                 await self._needs_human(op, f"{agent.id} cannot report on operations")
             assert status is not None
             log.info("operation %s at %s: %s", op.op_id, agent.id, status["status"])
+            if isinstance(status.get("usage"), dict):
+                self.usage = status["usage"]
             match status["status"]:
                 case "running":
                     if asyncio.get_running_loop().time() > deadline:
@@ -474,8 +493,16 @@ class StepDispatcher:
         error: dict[str, Any] | None = None,
         after: list[Event] | None = None,
     ) -> None:
+        usage = self.usage if status in (OpStatus.SUCCEEDED, OpStatus.FAILED) else None
         await self._ledger.record_outcome(
-            self._lease, self._actor, op.op_id, status, result=result, error=error, after=after or []
+            self._lease,
+            self._actor,
+            op.op_id,
+            status,
+            result=result,
+            error=error,
+            usage=usage,
+            after=after or [],
         )
 
     async def _needs_human(self, op: Operation, why: str) -> None:

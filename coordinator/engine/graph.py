@@ -22,6 +22,7 @@ from langgraph.runtime import Runtime
 from langgraph.types import Send, interrupt
 from psycopg_pool import AsyncConnectionPool
 
+from coordinator.engine import spending
 from coordinator.engine.delegation import Delegator
 from coordinator.engine.dispatch import NeedsHuman, RunScope, StepDispatcher
 from coordinator.engine.workflows import Workflow, run_workflow, workflow_name
@@ -61,7 +62,11 @@ class GraphState(TypedDict, total=False):
     # The mission budget and convergence limits, from policy when the run started (see budgets.rego),
     # and the accounting against them.
     limits: dict[str, Any]
-    tranche: dict[str, Any]  # {"number", "steps", "operations", "started_at"} at the tranche's start
+    # {"number", "steps", "operations", "llm_tokens", "cost_usd", "started_at"} at the tranche's start
+    tranche: dict[str, Any]
+    # The plain steps the last turn sent, each with the tokens and dollars it reserved (see
+    # coordinator.engine.spending); None: every ready step (a checkpoint from before reservations).
+    admitted: dict[str, dict[str, float]] | None
     calls: Annotated[list[str], operator.add]  # hashes of the calls sent, in order
     stop: dict[str, Any] | None  # why the run stopped early: {"reason", "why"}
     batches: Annotated[dict[str, int], _merge]  # items done, by batch step, as of the last checkpoint
@@ -80,6 +85,9 @@ class StepTask(TypedDict):
     approval: dict[str, Any]  # the deadline policy of a gate on the step's skill, fixed at the run's start
     facts: dict[str, Any]  # what the run computed that a gate may go by (see computed_facts)
     budget: NotRequired[dict[str, Any]]  # a workflow step's: the run's limits its calls count against
+    # a delegated step's: its agent loop's policy and the models' prices (from the run's limits), and
+    # what it reserved from the tranche
+    spend: NotRequired[dict[str, Any]]
     # a workflow step's: the deadline policy of gates on every skill, for its calls' own
     approvals: NotRequired[dict[str, Any]]
 
@@ -132,21 +140,47 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         return {}
     budget, convergence = limits["limits"], limits["convergence"]
     tranche = state["tranche"]
+    models = spending.totals(state.get("outcomes", []))
     used = {
         "max_steps": len(state.get("results", {})) - tranche["steps"],
         "max_operations": _operations(state) - tranche["operations"],
         "max_seconds": (now - dt.datetime.fromisoformat(tranche["started_at"])).total_seconds(),
+        "max_llm_tokens": models["llm_tokens"] - tranche.get("llm_tokens", 0),
+        "max_cost_usd": models["cost_usd"] - tranche.get("cost_usd", 0.0),
     }
-    spent = [f"{key} {budget[key]} reached" for key, value in used.items() if value >= budget[key]]
+    spent = [
+        f"{key} {budget[key]} reached"
+        for key, value in used.items()
+        if key in budget and value >= budget[key]
+    ]
     if spent:
-        return _spent(state, budget, spent, now)
+        update = _spent(state, budget, spent, now)
+        if "tranche" not in update:
+            return update
+        # A new tranche: what this turn sends is admitted against it.
+        return {**update, **check_budget({**state, **update}, now)}  # type: ignore[typeddict-item]
     if sum(step.get("wait") is None for step in ready) > convergence["max_calls_per_turn"]:
         why = f"{len(ready)} calls in one turn (more than {convergence['max_calls_per_turn']})"
         _emit(EventType.RUN_DEGRADED, RunDegraded(reason="non_converging", why=why), f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
     results = state.get("results", {})
     batches = state.get("batches", {})
-    calls = [step for step in ready if step.get("wait") is None]  # a timer calls nobody
+    # Before a fan-out, each plain step reserves what its task may spend; those that do not fit in
+    # what is left of the tranche wait for the next turn (a fan-out cannot pass the budget).
+    left = {
+        "operations": budget["max_operations"] - used["max_operations"],
+        "llm_tokens": budget["max_llm_tokens"] - used["max_llm_tokens"]
+        if "max_llm_tokens" in budget
+        else None,
+        "cost_usd": budget["max_cost_usd"] - used["max_cost_usd"] if "max_cost_usd" in budget else None,
+    }
+    plain = [step for step in ready if step.get("wait") is None and step.get("for_each") is None]
+    admitted = spending.admit(plain, limits, left)
+    calls = [  # a timer calls nobody; a plain step that waits for its turn calls nobody yet
+        step
+        for step in ready
+        if step.get("wait") is None and (step.get("for_each") is not None or step["id"] in admitted)
+    ]
     new = [_call_hash(step, results, batches.get(step["id"], 0)) for step in calls]
     counts = Counter([*state.get("calls", []), *new])
     repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
@@ -154,7 +188,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         why = f"the same call {convergence['repeat_limit']} times"
         _emit(EventType.RUN_DEGRADED, RunDegraded(reason="non_converging", why=why), f"not converging: {why}")
         return {"stop": {"reason": "non_converging", "why": why}}
-    return {"calls": new}
+    return {"calls": new, "admitted": admitted}
 
 
 def _spent(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.datetime) -> dict[str, Any]:
@@ -182,6 +216,7 @@ def _fresh_tranche(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         "number": state["tranche"]["number"] + 1,
         "steps": len(state.get("results", {})),
         "operations": _operations(state),
+        **spending.totals(state.get("outcomes", [])),
         "started_at": now.isoformat(),
     }
 
@@ -230,7 +265,7 @@ def _ask(state: GraphState, budget: dict[str, Any], spent: list[str], now: dt.da
     return {"stop": {"reason": "budget_exhausted", "why": f"{why} ({closed})"}}
 
 
-TRANCHE_LIMITS = ("max_steps", "max_operations", "max_seconds")
+TRANCHE_LIMITS = ("max_steps", "max_operations", "max_seconds", "max_llm_tokens", "max_cost_usd")
 DEFAULT_BATCH = {"call_size": 50, "checkpoint_every": 50}
 
 
@@ -641,6 +676,9 @@ def step_task(state: GraphState, step: PlanStep) -> StepTask:
         task["approvals"] = limits.get("approvals") or {}
         if limits.get("limits"):
             task["budget"] = {"max_operations": limits["limits"].get("max_operations")}
+    elif "loop" in limits:
+        reserved = (state.get("admitted") or {}).get(step["id"])
+        task["spend"] = {"loop": limits["loop"], "models": limits.get("models") or {}, "reserved": reserved}
     return task
 
 
@@ -657,8 +695,12 @@ def fan_out(state: GraphState) -> list[Send | str] | str:
     # Plain steps go to their own delegate task with what they need (the Send is checkpointed);
     # batch steps are advanced by the batch node, which reads the state instead, so that the
     # items are not written into every checkpoint.
+    admitted = state.get("admitted")
     targets: list[Send | str] = [
-        Send("delegate", step_task(state, step)) for step in ready if step.get("for_each") is None
+        Send("delegate", step_task(state, step))
+        for step in ready
+        if step.get("for_each") is None
+        and (admitted is None or step.get("wait") is not None or step["id"] in admitted)
     ]
     if any(step.get("for_each") is not None for step in ready):
         targets.append("batch")
@@ -726,6 +768,12 @@ class _Nodes:
         async def progress(text: str) -> None:
             _emit(EventType.STEP_PROGRESS, StepProgress(step=step["id"], text=text), text)
 
+        spend = task.get("spend")
+        limits = (
+            (lambda agent: spending.task_limits(spend, agent.id, spend.get("reserved")))
+            if spend is not None
+            else None
+        )
         dispatcher = StepDispatcher(
             self.delegator,
             scope,
@@ -737,7 +785,9 @@ class _Nodes:
             announce=True,  # started with the intent, completed with the result
             completes=_completes,
             named=step.get("agent"),
+            limits=limits,
         )
+        calls = [dispatcher]
         try:
             result = await _run_or_wait(dispatcher, step["id"])
             number = 0
@@ -765,7 +815,9 @@ class _Nodes:
                     announce=True,
                     completes=_completes,
                     named=step.get("agent"),
+                    limits=limits,
                 )
+                calls.append(dispatcher)
                 result = await _run_or_wait(dispatcher, step["id"], asked)
         except (StaleLease, CancelRequested, DependencyUnavailable):
             raise  # not the step's failure: this worker must stop writing
@@ -776,12 +828,23 @@ class _Nodes:
             _emit(EventType.STEP_FAILED, StepFailed(**_failure(step, exc), agent=dispatcher.agent_id))
             return {
                 "failure": _failure(step, exc),
-                "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "failed"}],
+                "outcomes": [_outcome(step, dispatcher.agent_id, "failed", calls, spend)],
             }
         return {
             "results": {step["id"]: result},
-            "outcomes": [{"step": step["id"], "agent": dispatcher.agent_id, "status": "completed"}],
+            "outcomes": [_outcome(step, dispatcher.agent_id, "completed", calls, spend)],
         }
+
+
+def _outcome(
+    step: PlanStep, agent: str, status: str, calls: list[StepDispatcher], spend: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A step's outcome as the run's state keeps it, with what its calls said they spent, priced."""
+    outcome: dict[str, Any] = {"step": step["id"], "agent": agent, "status": status}
+    usage = spending.of_calls([call.usage for call in calls], (spend or {}).get("models") or {})
+    if usage is not None:
+        outcome["usage"] = usage
+    return outcome
 
 
 def build_graph(

@@ -650,7 +650,7 @@ async def run_limits(engine: PolicyEngine, tenant: str) -> dict[str, Any]:
     if not approvals.allow:
         raise PolicyError(f"the approvals policy is invalid: {'; '.join(approvals.reasons)}")
     return {
-        **{key: decision.result[key] for key in ("limits", "convergence", "batch")},
+        **{key: decision.result[key] for key in ("limits", "convergence", "batch", "loop", "models")},
         "approvals": {key: approvals.result[key] for key in ("default", "skills")},
         "decisions": {"budgets": decision.decision_id, "approvals": approvals.decision_id},
     }

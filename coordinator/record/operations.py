@@ -63,11 +63,13 @@ CREATE TABLE IF NOT EXISTS fleet_runs.operations (
     updated_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS operations_by_run ON fleet_runs.operations (run_id, created_at);
+-- What the agent said the operation spent (tool calls, LLM tokens in and out, models), if it said.
+ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS usage jsonb;
 """
 
 _COLUMNS = (
     "op_id, run_id, step_id, kind, target, args_hash, args, status, result, error, attempts,"
-    " created_at, updated_at"
+    " created_at, updated_at, usage"
 )
 
 
@@ -119,7 +121,7 @@ _OUTCOME = f"""
 WITH {_FENCE},
 op AS (
     UPDATE fleet_runs.operations SET status = %(status)s, result = %(result)s, error = %(error)s,
-        updated_at = now()
+        usage = COALESCE(%(usage)s, usage), updated_at = now()
     WHERE op_id = %(op_id)s AND run_id = %(run_id)s AND EXISTS (SELECT 1 FROM fence)
     RETURNING {_COLUMNS}
 ),
@@ -154,6 +156,7 @@ class Operation:
     attempts: int
     created_at: dt.datetime
     updated_at: dt.datetime
+    usage: dict[str, Any] | None = None  # what the agent said it spent, as it said it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -168,6 +171,7 @@ class Operation:
             "attempts": self.attempts,
             "created_at": self.created_at.isoformat(),
             "updated_at": self.updated_at.isoformat(),
+            **({"usage": self.usage} if self.usage is not None else {}),
         }
 
 
@@ -277,10 +281,11 @@ class Ledger:
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        usage: dict[str, Any] | None = None,
         after: Sequence[Event] = (),
     ) -> None:
-        """Record what became of a pending operation (its result or error), with its event and
-        ``after`` logged behind it.
+        """Record what became of a pending operation (its result or error, and what the agent said
+        it spent: ``usage``, also on its event), with its event and ``after`` logged behind it.
 
         A result that came from the agent is committed without waiting for the WAL flush: every
         later durable write (the next intent, the checkpoint, the run's transition) flushes it
@@ -288,6 +293,8 @@ class Ledger:
         reconciled with the agent, which keeps its outcome. Anything a person or the wait
         machinery depends on (``needs_human``) is durable at once."""
         payload: dict[str, Any] = {"op_id": op_id, **({"error": error} if error is not None else {})}
+        if usage is not None:
+            payload["usage"] = usage
         relaxed = status in (OpStatus.SUCCEEDED, OpStatus.FAILED)
         async with self._pool.connection() as conn:
             cursor = await conn.execute(
@@ -299,6 +306,7 @@ class Ledger:
                     "status": status.value,
                     "result": Jsonb(result) if result is not None else None,
                     "error": Jsonb(error) if error is not None else None,
+                    "usage": Jsonb(usage) if usage is not None else None,
                     "events": _events((EventType.of_operation(status), payload), after=after),
                     "actor": actor,
                     "relaxed_commit": "off" if relaxed else None,

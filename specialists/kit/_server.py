@@ -46,9 +46,12 @@ from fleet.crashpoints import hold_point
 from fleet.errors import ErrorCode, FleetError
 from fleet.mcp_errors import error_of
 from fleet.operation_ext import (
+    BUDGET_METADATA_KEY,
+    LOOP_METADATA_KEY,
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
     OPERATIONS_PATH,
+    USAGE_METADATA_KEY,
     args_hash,
     operations_extension,
     skills_extension,
@@ -816,9 +819,6 @@ Outcome = tuple[JournalStatus, dict[str, Any] | None, dict[str, Any] | None]
 _ENDED = (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN, JournalStatus.CANCELED)
 
 
-BUDGET_METADATA_KEY = "fleet.budget"
-LOOP_METADATA_KEY = "fleet.loop"  # the caller's LoopPolicy: what the agent loop does at a limit
-USAGE_METADATA_KEY = "fleet.usage"  # what a task spent (BudgetMeter.to_dict), on its end
 
 
 def _metadata(message: Message | None, key: str) -> Any:
