@@ -9,7 +9,8 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,3 +135,33 @@ async def scripted_model(*replies: Reply) -> AsyncIterator[ScriptedModel]:
         server.should_exit = True
         await asyncio.wait_for(serving, STOP_TIMEOUT_S)
         sock.close()
+
+
+@contextlib.contextmanager
+def scripted_model_thread(*replies: Reply) -> Iterator[ScriptedModel]:
+    """A scripted model served from a thread of its own (its own event loop), for a stack that
+    outlives one test's loop (a module's fixture). Its ``replies`` and ``requests`` are plain lists
+    the test may change between runs; a ``hold`` does not work across threads."""
+    ready = threading.Event()
+    served: list[ScriptedModel] = []
+    loop = asyncio.new_event_loop()
+    stopping = asyncio.Event()
+
+    async def serve() -> None:
+        async with scripted_model(*replies) as model:
+            served.append(model)
+            ready.set()
+            await stopping.wait()
+
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(serve(),), name="scripted-model", daemon=True
+    )
+    thread.start()
+    if not ready.wait(STOP_TIMEOUT_S):
+        raise RuntimeError("the scripted model did not start")
+    try:
+        yield served[0]
+    finally:
+        loop.call_soon_threadsafe(stopping.set)
+        thread.join(STOP_TIMEOUT_S)
+        loop.close()

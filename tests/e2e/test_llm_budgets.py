@@ -1,0 +1,182 @@
+"""The agent loop under the fleet's policy, end to end: ``fleet up`` with a scripted model and a
+policy bundle whose loop limits and prices differ by tenant and agent. A model that repeats a call,
+floods tokens or answers 429 is stopped, summarizes or is throttled as its tenant's policy says,
+with the reason, and the step before it keeps its result; what each task spent is on its operation,
+priced by policy; a fan-out is sent only as far as the run's token budget covers it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from fleetctl.testing.e2e import Stack, all_events, clean_env, send, start_stack, stop_stack, user_message
+from policy import DEFAULT_BUNDLE_DIR
+from specialists.llm import SUMMARIZE
+from tests.e2e.run_helpers import operations
+from tests.llm_script import ScriptedModel, call, rate_limited, say, scripted_model_thread
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "scripted"
+RECALL = {"query": "Fabrikam", "limit": 3}
+ANSWER = {"query": "Fabrikam", "memories": []}
+LOOP_TENANTS = {
+    "stops": {"on_stuck": "stop", "on_spent": "stop"},
+    "summarizes": {"on_stuck": "summarize"},
+    "pays": {"max_cost_usd": 1.0, "on_spent": "stop"},
+    "throttled": {"rate_limit_retries": 1, "rate_limit_max_wait_s": 5, "on_spent": "stop"},
+    "tight": {"max_llm_tokens": 100},
+}
+# The researcher's own loop: the same call twice is already not converging (tenants above win).
+LOOP_AGENTS = {"researcher": {"repeat_limit": 2}}
+PRICES = {MODEL: {"input_per_mtok": 30.0, "output_per_mtok": 150.0}}
+BUDGETS = {"tight": {"max_llm_tokens": 250, "on_exhausted": "summarize"}}
+
+# A step with no model, then the researcher's recall, which its agent loop runs.
+FIRST_THEN_RECALL = {
+    "steps": [
+        {"id": "first", "skill": "sql-query", "input": {"sql": "SELECT 1 AS one"}},
+        {"id": "ask", "skill": "recall", "input": RECALL, "after": ["first"]},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def fleet_and_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, ScriptedModel]]:
+    bundle = tmp_path_factory.mktemp("policy") / "fleet"
+    shutil.copytree(DEFAULT_BUNDLE_DIR, bundle)
+    data = json.loads((bundle / "data.json").read_text())
+    data["config"]["loop"]["tenants"] = LOOP_TENANTS
+    data["config"]["loop"]["agents"] = LOOP_AGENTS
+    data["config"]["models"]["prices"] = PRICES
+    data["config"]["budgets"]["tenants"] = BUDGETS
+    (bundle / "data.json").write_text(json.dumps(data))
+    with scripted_model_thread() as model:
+        env = clean_env(
+            FLEET_LLM_BASE_URL=model.base_url,
+            FLEET_LLM_MODEL=MODEL,
+            FLEET_LLM_API_KEY="sk-test",
+            FLEET_POLICY_DIR=str(bundle),
+        )
+        stack = start_stack(tmp_path_factory.mktemp("stack"), env)
+        try:
+            yield stack, model
+        finally:
+            stop_stack(stack)
+
+
+async def _run(
+    stack: Stack, tenant: str, plan: dict[str, Any]
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    token = stack.token("coordinator", tenant=tenant)
+    outcome = await send(stack, user_message(data=plan), token=token)
+    events = await all_events(stack, outcome.task_id, token)
+    ops = {op["step_id"]: op for op in await operations(stack, outcome.task_id, token)}
+    return outcome, events, ops
+
+
+def _recall(limit: int = 3, usage: int = 10) -> Any:
+    return call("mcp-memory__recall", {**RECALL, "limit": limit}, usage=usage)
+
+
+async def test_a_repeated_call_is_stopped_by_the_tenants_policy_and_the_step_before_keeps_its_result(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    model.replies[:] = [_recall(), _recall(), say(json.dumps(ANSWER))]
+    outcome, events, ops = await _run(stack, "stops", FIRST_THEN_RECALL)
+    assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
+    failed = next(e for e in events if e["type"] == "step.failed")
+    assert failed["payload"]["step"] == "ask"
+    cause = failed["payload"]["cause"]
+    assert cause["code"] == "non_converging" and cause["details"]["reason"] == "repeated_call"
+    assert len(model.requests) == 2  # the second, repeated call was never made: the loop stopped
+    # The step before kept its result; the stopped one says what it spent and why it stopped.
+    assert ops["first"]["status"] == "succeeded"
+    usage = ops["ask"]["usage"]
+    assert (usage["stopped"], usage["tool_calls"], usage["llm_calls"]) == ("repeated_call", 1, 2)
+    assert usage["models"] == [MODEL]
+
+
+async def test_another_tenant_has_the_stuck_loop_summarize_and_the_run_completes(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    model.replies[:] = [_recall(), _recall(), say(json.dumps(ANSWER))]
+    outcome, _, ops = await _run(stack, "summarizes", FIRST_THEN_RECALL)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert outcome.result["steps"]["ask"] == ANSWER
+    last = model.requests[-1]
+    assert "tools" not in last
+    assert last["messages"][-1]["content"] == SUMMARIZE.format(
+        why="the model called mcp-memory__recall with the same arguments 2 times"
+    )
+    usage = ops["ask"]["usage"]
+    assert (usage["stopped"], usage["summarized"], usage["llm_calls"]) == ("repeated_call", True, 3)
+
+
+async def test_a_model_that_floods_tokens_is_stopped_by_what_they_cost(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    # 10,000 tokens in and out: $0.30 + $1.50 = $1.80 for one turn, past the tenant's $1.00 a task.
+    model.replies[:] = [_recall(usage=20_000), say(json.dumps(ANSWER))]
+    outcome, events, ops = await _run(stack, "pays", FIRST_THEN_RECALL)
+    assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
+    cause = next(e for e in events if e["type"] == "step.failed")["payload"]["cause"]
+    assert cause["code"] == "budget_exhausted" and cause["details"]["reason"] == "cost"
+    assert len(model.requests) == 1
+    usage = ops["ask"]["usage"]
+    assert usage["cost_usd"] == pytest.approx(1.8) and usage["tool_calls"] == 0
+    assert (usage["tokens_in"], usage["tokens_out"]) == (10_000, 10_000)
+    assert ops["first"]["status"] == "succeeded"
+
+
+async def test_a_model_that_keeps_answering_429_throttles_the_task_with_the_reason(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    model.replies[:] = [rate_limited("0"), rate_limited("0"), say(json.dumps(ANSWER))]
+    outcome, events, ops = await _run(stack, "throttled", FIRST_THEN_RECALL)
+    assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
+    cause = next(e for e in events if e["type"] == "step.failed")["payload"]["cause"]
+    assert (cause["code"], cause["retryable"], cause["details"]["reason"]) == (
+        "llm_rate_limited",
+        True,
+        "rate_limited",
+    )
+    assert len(model.requests) == 2
+    usage = ops["ask"]["usage"]
+    assert (usage["rate_limited"], usage["llm_retries"], usage.get("llm_calls", 0)) == (2, 1, 0)
+
+
+async def test_a_fan_out_is_sent_only_as_far_as_the_runs_token_budget_covers_it(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    # Four recalls at once, each task capped at 100 tokens by its loop, the run at 250: two are
+    # sent, then one with what is left; each spends 100, and the fourth is never sent.
+    model.replies[:] = [say(json.dumps(ANSWER), usage=100) for _ in range(4)]
+    wide = {
+        "steps": [{"id": f"r{n}", "skill": "recall", "input": {**RECALL, "limit": n + 1}} for n in range(4)]
+    }
+    outcome, events, ops = await _run(stack, "tight", wide)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert sorted(ops) == ["r0", "r1", "r2"]
+    exhausted = next(e for e in events if e["type"] == "budget.exhausted")
+    assert exhausted["payload"]["spent"] == ["max_llm_tokens 250 reached"]
+    order = [e["type"] for e in events if e["type"] in ("operation.intent", "operation.succeeded")]
+    assert order[:2] == ["operation.intent", "operation.intent"]  # the first turn: two at once
+    assert order.index("operation.intent", 2) > 2  # the third only after one of them ended
+    assert len(model.requests) == 3
+    caps = sorted(r.get("max_tokens", 0) for r in model.requests)
+    assert caps[0] == 50  # the third was sent with what was left (250 - 200), and asked to keep to it
