@@ -50,6 +50,8 @@ class ErrorCode(StrEnum):
     LLM_UNAVAILABLE = "llm_unavailable"
     # The model's endpoint answered 429 (rate limited) more often than policy lets the loop wait out.
     LLM_RATE_LIMITED = "llm_rate_limited"
+    # The model's endpoint refused a request as longer than its context window.
+    LLM_CONTEXT_EXCEEDED = "llm_context_exceeded"
     # An agent loop that repeats itself (the same call, the same output, too many calls in a turn):
     # stopped by policy rather than let run on.
     NON_CONVERGING = "non_converging"
@@ -116,6 +118,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BAD_ANSWER: 502,
     ErrorCode.LLM_UNAVAILABLE: 503,
     ErrorCode.LLM_RATE_LIMITED: 429,
+    ErrorCode.LLM_CONTEXT_EXCEEDED: 413,
     ErrorCode.NON_CONVERGING: 422,
     ErrorCode.DEPENDENCY_UNAVAILABLE: 503,
     ErrorCode.POLICY_UNAVAILABLE: 503,

@@ -145,6 +145,11 @@ class ChatModel:
             )
         if response.status_code >= 500:
             raise self._unavailable(f"answered HTTP {response.status_code}: {self._snippet(response.text)}")
+        if response.status_code == 400 and _CONTEXT_REFUSAL.search(response.text[:MAX_SCANNED]):
+            raise FleetError(
+                ErrorCode.LLM_CONTEXT_EXCEEDED,
+                f"the model at {self._where} refused the request as longer than its context: {self._snippet(response.text)}",
+            )
         if response.status_code >= 400:
             raise self._unavailable(
                 f"refused the request (HTTP {response.status_code}): {self._snippet(response.text)}",
@@ -249,6 +254,11 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+# How OpenAI, vLLM, llama.cpp, Ollama and LiteLLM word a request longer than the model's window.
+_CONTEXT_REFUSAL = re.compile(
+    r"context[_ ]length[_ ]exceeded|maximum context length|context window|exceeds? the context|too many tokens",
+    re.IGNORECASE,
+)
 _FENCED = re.compile(r"^```[a-zA-Z0-9_-]*\s*\n(?P<body>.*?)\n?```$", re.DOTALL)
 
 

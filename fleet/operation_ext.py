@@ -39,6 +39,9 @@ OPERATION_METADATA_KEY = "fleet.operation_id"
 BUDGET_METADATA_KEY = "fleet.budget"
 LOOP_METADATA_KEY = "fleet.loop"
 USAGE_METADATA_KEY = "fleet.usage"
+# An agent loop's progress notes (specialists.progress): sent by the agent as the task goes, kept by
+# the caller with the operation, and sent back with the operation if it is sent again.
+PROGRESS_METADATA_KEY = "fleet.progress"
 OPERATIONS_PATH = "/v1/operations"
 MAX_WAIT_S = 30.0
 

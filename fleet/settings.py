@@ -172,6 +172,11 @@ class ServiceSettings(BaseSettings):
     )
     llm_timeout_s: float = Field(default=60.0, gt=0, description="one chat completion may take this long")
     llm_max_turns: int = Field(default=8, gt=0, description="model turns of one skill's agent loop")
+    llm_context_tokens: int = Field(
+        default=32_000,
+        ge=1_000,
+        description="the model's context window: the agent loop compacts at 3/4 of it",
+    )
     external_issuers: list[ExternalIssuer] = Field(
         default_factory=list,
         description="identity providers outside the fleet whose tokens the coordinator accepts (JSON)",

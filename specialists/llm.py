@@ -33,9 +33,11 @@ from fleet.llm import ChatModel, ChatReply, ToolCall, from_settings, json_object
 from fleet.redact import redact
 from fleet.retry import backoff_s
 from fleet.settings import ServiceSettings
+from fleet.working_memory import prune
 from registry import McpServerRecord
 from specialists.loop_guard import LoopGuard, Stop
-from specialists.skill import MEMORY_SERVER, BudgetMeter, Skill, SkillContext, SkillError
+from specialists.progress import IDEMPOTENCY_ARGUMENT, Notes, call_key, keyed
+from specialists.skill import MEMORY_SERVER, BudgetMeter, OutcomeUnknown, Skill, SkillContext, SkillError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class OfferedTool:
     tool: str
     description: str
     scopes: tuple[str, ...]
+    read_only: bool = False
+    idempotent: bool = False
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI function spec. MCP records carry no input schema, so any object is accepted
@@ -94,7 +98,15 @@ def offered_tools(servers: list[McpServerRecord]) -> dict[str, OfferedTool]:
             if name in offered:
                 log.warning("tool %s/%s is not offered: its name clashes with another", server.id, tool.name)
                 continue
-            offered[name] = OfferedTool(name, server.id, tool.name, tool.description, tuple(tool.scopes))
+            offered[name] = OfferedTool(
+                name,
+                server.id,
+                tool.name,
+                tool.description,
+                tuple(tool.scopes),
+                tool.read_only,
+                tool.idempotent,
+            )
     return offered
 
 
@@ -116,115 +128,289 @@ class AgentLoop:
     """Runs a skill with a model (the kit's ``Brain``): completions, each followed by the tool calls
     it asked for, until the model answers without calling a tool, under the task's budget and the
     caller's loop policy (:mod:`specialists.loop_guard`): at most ``max_turns`` completions (or
-    fewer, as the task's budget says)."""
+    fewer, as the task's budget says). Its context is compacted (:meth:`_Task.compact`) when it
+    nears ``context_tokens``, the model's window, and its progress notes
+    (:mod:`specialists.progress`) are saved as it goes and taken up again when the task comes back
+    after a crash."""
 
-    def __init__(self, model: ChatModel, max_turns: int = 8) -> None:
+    def __init__(self, model: ChatModel, max_turns: int = 8, context_tokens: int = 32_000) -> None:
         self._model = model
         self._max_turns = max_turns
+        self._context_tokens = context_tokens
 
     async def run(self, skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> dict[str, Any]:
         """The skill's result: the model's final answer, a JSON object (``specialist_bad_answer``
         if it is not one). At a limit, what the caller's :class:`LoopPolicy` says: the task stops
         (``non_converging``, ``budget_exhausted``, with the reason in ``details``), or the model
         answers from what it has (``summarize``). A model that keeps rate limiting ends it
-        ``llm_rate_limited`` (retryable)."""
+        ``llm_rate_limited`` (retryable). Taken up from notes whose last call was cut, and that
+        call not safe to repeat, it ends ``outcome_unknown``."""
         tools = offered_tools(await ctx.tools.available())
-        specs = [tool.spec() for tool in tools.values()]
-        messages = _opening(skill, ctx, payload)
         guard = LoopGuard(ctx.budget.budget, self._max_turns)
-        while True:
-            stop = guard.before_turn() or _spent(ctx.budget)
-            if stop is not None:
-                return await self._at_limit(stop, messages, ctx)
-            reply = await self._completion(messages, specs, ctx)
-            if not reply.tool_calls:
-                if reply.cut:
-                    stop = Stop("context_limit", "the model's answer was cut at its token limit")
-                    return await self._at_limit(stop, messages, ctx)
-                return _result_of(reply)
-            stop = guard.after_reply(reply) or _spent(ctx.budget)  # its calls are then not made
-            if stop is not None:
-                return await self._at_limit(stop, messages, ctx)
-            messages.append(reply.as_message())
-            spent: Stop | None = None
-            for call in reply.tool_calls:
-                if spent is None:
-                    try:
-                        answer = await _call(tools, call, ctx)
-                    except SkillError as exc:
-                        reason = exc.details.get("reason")
-                        if exc.code != ErrorCode.BUDGET_EXHAUSTED or not isinstance(reason, str):
-                            raise
-                        spent = Stop(reason, exc.message)
-                if spent is not None:  # the call is not made, and the model is told so
-                    answer = _error_answer(FleetError(ErrorCode.BUDGET_EXHAUSTED, f"not called: {spent.why}"))
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
-            if spent is not None:
-                return await self._at_limit(spent, messages, ctx)
+        task = _Task(self._model, skill, ctx, payload, tools, guard, self._context_tokens)
+        task.resume(Notes.of(ctx.resume))
+        return await task.run()
 
-    async def _completion(
-        self, messages: list[dict[str, Any]], specs: list[dict[str, Any]] | None, ctx: SkillContext
+
+class _Task:
+    """One task's agent loop: its context, its guard and its progress notes."""
+
+    def __init__(
+        self,
+        model: ChatModel,
+        skill: Skill,
+        ctx: SkillContext,
+        payload: dict[str, Any],
+        tools: dict[str, OfferedTool],
+        guard: LoopGuard,
+        context_tokens: int,
+    ) -> None:
+        self._model = model
+        self.context_tokens = context_tokens
+        # A fresh context holds the notes and the latest exchanges in a quarter of the window.
+        self.fresh_chars = context_tokens * CHARS_PER_TOKEN // 4
+        self.notes_chars = self.fresh_chars // 2
+        self.ctx = ctx
+        self.meter = ctx.budget
+        self.tools = tools
+        self.specs = [tool.spec() for tool in tools.values()]
+        self.guard = guard
+        self.opening = _opening(skill, ctx, payload)
+        self.messages = list(self.opening)
+        self.notes = Notes()
+        self.remembered: set[str] = set()  # calls made before this context: answered from the notes
+        self.compacted_at = len(self.messages)  # nothing before this can be compacted away
+        self.last_prompt = 0  # the prompt tokens of the last completion (the context's size)
+        self.bounded = False  # whether the last completion was held to the tokens the task had left
+
+    def resume(self, notes: Notes | None) -> None:
+        """Go on from ``notes`` (the task came back after a crash): the context starts from them,
+        the calls they hold are answered from them, and a call they left pending is made again
+        only if that is safe (else ``outcome_unknown``)."""
+        if notes is None:
+            return
+        for cut in notes.cut_short():
+            offered = self.tools.get(cut.function)
+            safe = IDEMPOTENCY_ARGUMENT in cut.arguments or (
+                offered is not None and (offered.read_only or offered.idempotent)
+            )
+            if not safe:
+                raise OutcomeUnknown(
+                    f"the task was cut while it called {cut.function}, which is not safe to repeat: it may"
+                    " or may not have taken effect. Reconcile it before running the task again"
+                )
+        notes.calls = [call for call in notes.calls if call.done]
+        self.notes = notes
+        self.remembered = {call.key for call in notes.calls}
+        self.guard.resume(notes.turn, [call.key for call in notes.calls])
+        self.messages = [
+            *self.opening,
+            {"role": "user", "content": notes.for_model(max_chars=self.notes_chars)},
+        ]
+        self.compacted_at = len(self.messages)
+        self.meter.resumed = True
+
+    async def run(self) -> dict[str, Any]:
+        """The loop (see :meth:`AgentLoop.run`)."""
+        while True:
+            stop = self.guard.before_turn() or _spent(self.meter)
+            if stop is not None:
+                return await self.at_limit(stop)
+            if self.context_size() > self.context_tokens * COMPACT_AT:
+                await self.compact()
+            try:
+                reply = await self.completion(self.messages, self.specs)
+            except FleetError as exc:
+                if exc.code != ErrorCode.LLM_CONTEXT_EXCEEDED:
+                    raise
+                if not await self.compact():
+                    return await self.at_limit(
+                        Stop("context_limit", f"the model refused the context: {exc.message}")
+                    )
+                continue
+            if not reply.tool_calls:
+                if not reply.cut:
+                    return _result_of(reply)
+                if self.bounded:
+                    return await self.at_limit(
+                        Stop("tokens", "the answer was cut at the tokens the task had left")
+                    )
+                if not await self.compact():
+                    return await self.at_limit(
+                        Stop("context_limit", "the model's answer was cut at its token limit")
+                    )
+                continue
+            stop = self.guard.after_reply(reply) or _spent(self.meter)  # its calls are then not made
+            if stop is not None:
+                return await self.at_limit(stop)
+            spent = await self.make_calls(reply)
+            if spent is not None:
+                return await self.at_limit(spent)
+
+    def context_size(self) -> int:
+        """The context's size in tokens: as the model counted the last prompt, else about a
+        quarter of its characters."""
+        chars = sum(
+            len(str(m.get("content") or "")) + len(json.dumps(m.get("tool_calls", ""))) for m in self.messages
+        )
+        return max(self.last_prompt, chars // 4)
+
+    async def make_calls(self, reply: ChatReply) -> Stop | None:
+        """Make the calls ``reply`` asks for and tell the model their answers; a stop if the task's
+        calls ran out (the calls not made are answered so)."""
+        self.messages.append(reply.as_message())
+        spent: Stop | None = None
+        for call in reply.tool_calls:
+            if spent is None:
+                try:
+                    answer = await self.one_call(call)
+                except SkillError as exc:
+                    reason = exc.details.get("reason")
+                    if exc.code != ErrorCode.BUDGET_EXHAUSTED or not isinstance(reason, str):
+                        raise
+                    spent = Stop(reason, exc.message)
+            if spent is not None:  # the call is not made, and the model is told so
+                answer = _error_answer(FleetError(ErrorCode.BUDGET_EXHAUSTED, f"not called: {spent.why}"))
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
+        self.notes.turn = self.guard.turns
+        await self.save()
+        return spent
+
+    async def one_call(self, call: ToolCall) -> str:
+        """One call's answer: from the notes if it was made before this context, else the tool's,
+        recorded in the notes (saved first when the call has an effect)."""
+        key = call_key(call.name, call.arguments)
+        if key in self.remembered:
+            known = self.notes.answer_of(key)
+            if known is not None:
+                self.meter.from_notes += 1
+                return known
+        offered = self.tools.get(call.name)
+        self.notes.pending(key, call.name, redact(call.arguments)[0])
+        if offered is not None and not offered.read_only:
+            await self.save()  # the call's intent outlives this process
+        answer = await _call(self.tools, call, self.ctx, key)
+        self.notes.done(key, answer)
+        return answer
+
+    async def save(self) -> None:
+        """Save the progress notes where they outlive this process (the caller keeps them)."""
+        await self.ctx.save_progress(self.notes.to_json())
+
+    async def compact(self) -> bool:
+        """Make the context small again: the model writes its progress notes (a summary), and the
+        context becomes the opening, the notes and as much of the latest exchanges as fits in a
+        quarter of the window (:func:`fleet.working_memory.prune`); every call made so far is answered
+        from the notes if it comes again. False if there is nothing to compact."""
+        if len(self.messages) <= self.compacted_at:
+            return False
+        try:
+            written = await self.completion([*self.messages, {"role": "user", "content": COMPACT}], None)
+            self.notes.summary = written.content.strip()
+        except FleetError as exc:
+            if exc.code != ErrorCode.LLM_CONTEXT_EXCEEDED:
+                raise
+            log.info(
+                "run %s: the context is too large even to summarize; the notes keep the calls",
+                self.ctx.run_id,
+            )
+        self.notes.compactions += 1
+        self.meter.compactions += 1
+        self.remembered = {call.key for call in self.notes.calls if call.done}
+        # The notes, and as much of the latest exchanges as fits beside them.
+        notes = {"role": "user", "content": self.notes.for_model(max_chars=self.notes_chars)}
+        recent = self.messages[self.compacted_at :]
+        kept = prune([notes, *recent], turns=1, max_chars=self.fresh_chars)
+        self.messages = [*self.opening, *kept]
+        self.compacted_at = len(self.messages)
+        self.last_prompt = 0
+        await self.save()
+        return True
+
+    async def completion(
+        self, messages: list[dict[str, Any]], specs: list[dict[str, Any]] | None
     ) -> ChatReply:
         """The model's next reply, counted against the task's budget. A rate limit (429) or a
         failure worth a retry is waited out as the loop's policy allows (the wait the model asks
         for, else a backoff), then the task stops: ``llm_rate_limited`` or the model's own error."""
-        meter, policy = ctx.budget, ctx.budget.loop
+        meter, policy = self.meter, self.meter.loop
         retries = 0
         while True:
             left = meter.tokens_left()
             bound = left if left is not None and left < COMPLETION_BOUND else None
             try:
                 reply = await self._model.complete(
-                    messages, specs or None, run_id=ctx.run_id, max_tokens=bound
+                    messages, specs or None, run_id=self.ctx.run_id, max_tokens=bound
                 )
             except FleetError as exc:
-                limited = exc.code == ErrorCode.LLM_RATE_LIMITED
-                meter.rate_limited += limited
-                if not (limited or (exc.code == ErrorCode.LLM_UNAVAILABLE and exc.retryable)):
-                    raise
-                wait_s = (
-                    exc.retry_after_s if exc.retry_after_s is not None else backoff_s(retries + 1, base_s=1.0)
-                )
+                wait_s = _retry_wait(exc, retries, meter)
                 if retries >= policy.rate_limit_retries or wait_s > policy.rate_limit_max_wait_s:
-                    if not limited:
-                        raise
-                    meter.stopped = "rate_limited"
-                    raise SkillError(
-                        ErrorCode.LLM_RATE_LIMITED,
-                        f"the model rate-limited this task {meter.rate_limited} time(s); it asks for"
-                        f" {wait_s:g} s more, and policy waits at most {policy.rate_limit_retries} times"
-                        f" {policy.rate_limit_max_wait_s:g} s",
-                        retryable=True,
-                        retry_after_s=round(wait_s),
-                        details={"reason": "rate_limited"},
-                    ) from exc
+                    raise _gave_up(exc, wait_s, meter) from exc
                 retries += 1
                 meter.llm_retries += 1
                 await asyncio.sleep(wait_s)
                 continue
             meter.spend_completion(reply.model, reply.prompt_tokens, reply.completion_tokens, reply.usage)
+            self.last_prompt = reply.prompt_tokens
+            self.bounded = bound is not None
             return reply
 
-    async def _at_limit(
-        self, stop: Stop, messages: list[dict[str, Any]], ctx: SkillContext
-    ) -> dict[str, Any]:
+    async def at_limit(self, stop: Stop) -> dict[str, Any]:
         """What the loop does at a limit, as the caller's policy says: stop (the task fails with the
         reason) or summarize (one last turn, without tools, answered from what the model has)."""
-        meter = ctx.budget
+        meter = self.meter
         meter.stopped = stop.reason
         action = meter.loop.on_stuck if stop.stuck else meter.loop.on_spent
         log.info(
-            "agent loop of run %s stopped: %s (%s); policy: %s", ctx.run_id, stop.reason, stop.why, action
+            "agent loop of run %s stopped: %s (%s); policy: %s",
+            self.ctx.run_id,
+            stop.reason,
+            stop.why,
+            action,
         )
         if action == "summarize":
             closing = SUMMARIZE.format(why=stop.why)
-            reply = await self._completion([*messages, {"role": "user", "content": closing}], None, ctx)
+            reply = await self.completion([*self.messages, {"role": "user", "content": closing}], None)
             meter.summarized = True
             return _result_of(reply)
         raise SkillError(stop.code, stop.why, details={"reason": stop.reason, "spent": meter.to_dict()})
 
 
+def _retry_wait(exc: FleetError, retries: int, meter: BudgetMeter) -> float:
+    """How long to wait before asking the model again after ``exc``; raises ``exc`` if asking again
+    cannot help (only a 429 or a retryable failure can)."""
+    limited = exc.code == ErrorCode.LLM_RATE_LIMITED
+    meter.rate_limited += limited
+    if not (limited or (exc.code == ErrorCode.LLM_UNAVAILABLE and exc.retryable)):
+        raise exc
+    return float(exc.retry_after_s) if exc.retry_after_s is not None else backoff_s(retries + 1, base_s=1.0)
+
+
+def _gave_up(exc: FleetError, wait_s: float, meter: BudgetMeter) -> FleetError:
+    """The error a task stops with when policy waits no more for the model: the model's own, or,
+    for a rate limit, ``llm_rate_limited`` with the wait it asked for."""
+    if exc.code != ErrorCode.LLM_RATE_LIMITED:
+        return exc
+    meter.stopped = "rate_limited"
+    policy = meter.loop
+    return SkillError(
+        ErrorCode.LLM_RATE_LIMITED,
+        f"the model rate-limited this task {meter.rate_limited} time(s); it asks for {wait_s:g} s more,"
+        f" and policy waits at most {policy.rate_limit_retries} times {policy.rate_limit_max_wait_s:g} s",
+        retryable=True,
+        retry_after_s=round(wait_s),
+        details={"reason": "rate_limited"},
+    )
+
+
 COMPLETION_BOUND = 4096  # below this many tokens left, a completion is asked to stay within them
+COMPACT_AT = 0.75  # of the model's window: past this, the context is compacted before the next turn
+CHARS_PER_TOKEN = 4  # about, for English text and JSON
+COMPACT = (
+    "Your context is about to be cleared. Write your progress notes for yourself: what the task is,"
+    " what you have done and found so far (facts, numbers, ids), and what remains to do. Plain text,"
+    " at most 400 words. Do not call any tool."
+)
 SUMMARIZE = (
     "Stop here: {why}. Do not call any tool. Answer now with the skill's result, one JSON object,"
     " from what you have found so far; say in it what is unfinished."
@@ -258,16 +444,19 @@ def _opening(skill: Skill, ctx: SkillContext, payload: dict[str, Any]) -> list[d
     return messages
 
 
-async def _call(tools: dict[str, OfferedTool], call: ToolCall, ctx: SkillContext) -> str:
+async def _call(tools: dict[str, OfferedTool], call: ToolCall, ctx: SkillContext, key: str) -> str:
     """What the model is told a tool call answered: the tool's result, or its error as
-    ``{"error": {"code", "message", "retryable"}}`` (the tool's own, not the agent's wrapper), redacted and cut to :data:`MAX_TOOL_ANSWER` characters."""
+    ``{"error": {"code", "message", "retryable"}}`` (the tool's own, not the agent's wrapper),
+    redacted and cut to :data:`MAX_TOOL_ANSWER` characters. A call with an ``idempotency_key`` is
+    made with the key the loop derives for it (``key``: the call's, see
+    :func:`specialists.progress.keyed`)."""
     offered = tools.get(call.name)
     if offered is None:
         unknown = f"there is no tool {call.name!r}; call one of: {', '.join(tools)}"
         return _error_answer(FleetError(ErrorCode.INVALID_REQUEST, unknown))
     await ctx.progress(f"calling {offered.server_id}/{offered.tool}")
     memory = offered.server_id == MEMORY_SERVER
-    arguments = without_trust(call.arguments) if memory else call.arguments
+    arguments = keyed(without_trust(call.arguments) if memory else call.arguments, ctx.operation_id, key)
     try:
         result: Any = await ctx.tools.call(
             offered.server_id, offered.tool, arguments, tenant=ctx.tenant, scopes=offered.scopes
@@ -331,4 +520,6 @@ def _result_of(reply: ChatReply) -> dict[str, Any]:
 def llm_brain(settings: ServiceSettings, http: httpx.AsyncClient) -> AgentLoop | None:
     """The agent loop over the model the settings name, or None when no LLM is configured."""
     model = from_settings(settings, http)
-    return None if model is None else AgentLoop(model, max_turns=settings.llm_max_turns)
+    if model is None:
+        return None
+    return AgentLoop(model, max_turns=settings.llm_max_turns, context_tokens=settings.llm_context_tokens)

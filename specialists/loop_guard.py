@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fleet.errors import ErrorCode
 from fleet.llm import ChatReply
-from fleet.operation_ext import args_hash
+from specialists.progress import call_key
 from specialists.skill import TaskBudget
 
 STUCK_REASONS = frozenset({"repeated_call", "repeated_output", "calls_per_turn"})
@@ -50,12 +51,6 @@ class Stop:
         return ErrorCode.NON_CONVERGING if self.stuck else ErrorCode.BUDGET_EXHAUSTED
 
 
-def call_key(function: str, arguments: dict[str, object]) -> str:
-    """What makes two tool calls the same call: the function and the canonical hash of its
-    arguments."""
-    return f"{function}:{args_hash(arguments)}"
-
-
 class LoopGuard:
     """The turn-by-turn limits of one task's loop (``max_turns``: the agent's own cap on turns,
     lowered by the task's budget)."""
@@ -66,6 +61,11 @@ class LoopGuard:
         self.turns = 0
         self.calls: Counter[str] = Counter()  # each call made, by call_key
         self._outputs: Counter[str] = Counter()
+
+    def resume(self, turns: int, calls: Iterable[str]) -> None:
+        """Go on counting from where a task's notes left it: ``turns`` taken, ``calls`` made (keys)."""
+        self.turns = turns
+        self.calls.update(calls)
 
     def before_turn(self) -> Stop | None:
         """A stop if the loop may not ask the model again."""

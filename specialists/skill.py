@@ -204,6 +204,9 @@ class BudgetMeter:
         self.ran = False  # whether the skill ran (a repeat answered from the journal did not)
         self.stopped: str = ""  # why the agent loop stopped at a limit, if it did
         self.summarized = False  # whether it then answered from what it had
+        self.compactions = 0  # times the loop's context was compacted
+        self.resumed = False  # whether the loop went on from progress notes (after a crash)
+        self.from_notes = 0  # calls answered from the notes instead of made again
 
     def spend_tool_call(self, what: str) -> None:
         """Count one tool call (``what``); raises ``budget_exhausted`` instead if the cap is spent."""
@@ -277,6 +280,8 @@ class BudgetMeter:
             spent.update(rate_limited=self.rate_limited, llm_retries=self.llm_retries)
         if self.stopped:
             spent.update(stopped=self.stopped, summarized=self.summarized)
+        if self.compactions or self.resumed:
+            spent.update(compactions=self.compactions, resumed=self.resumed, from_notes=self.from_notes)
         return spent
 
 
@@ -333,6 +338,10 @@ class MemoryTools:
         return list(found.get("result", []))
 
 
+async def _no_notes(notes: dict[str, Any]) -> None:
+    """Progress notes with nowhere to go (a skill run outside the kit's executor)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SkillContext:
     """What a skill function gets besides its input."""
@@ -344,6 +353,10 @@ class SkillContext:
     budget: BudgetMeter = field(default_factory=lambda: BudgetMeter(TaskBudget()))
     # A person's answer to this skill's earlier question (see InputRequired), if this call carries one.
     answer: dict[str, Any] | None = None
+    # The progress notes of this operation, when it comes back after the process running it died
+    # (see specialists.progress), and where the agent loop saves them as it goes.
+    resume: dict[str, Any] | None = None
+    save_progress: Callable[[dict[str, Any]], Awaitable[None]] = field(default=_no_notes)
 
     @property
     def tenant(self) -> str:

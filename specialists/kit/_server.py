@@ -51,6 +51,7 @@ from fleet.operation_ext import (
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
     OPERATIONS_PATH,
+    PROGRESS_METADATA_KEY,
     USAGE_METADATA_KEY,
     args_hash,
     operations_extension,
@@ -526,7 +527,17 @@ class SkillExecutor(AgentExecutor):
             updater = TaskUpdater(event_queue, task.id, task.context_id)
             budget = skill.budget.lowered(_metadata(context.message, BUDGET_METADATA_KEY))
             meter = BudgetMeter(budget, LoopPolicy.of(_metadata(context.message, LOOP_METADATA_KEY)))
-            outcome = await self._execute(updater, skill, claims, op_id, payload, running.calls, meter)
+            resume = _metadata(context.message, PROGRESS_METADATA_KEY)
+            outcome = await self._execute(
+                updater,
+                skill,
+                claims,
+                op_id,
+                payload,
+                running.calls,
+                meter,
+                resume if isinstance(resume, dict) else None,
+            )
             await _publish(updater, skill.id, outcome, meter.to_dict() if meter.ran else None)
             running.published = True
         finally:
@@ -543,13 +554,24 @@ class SkillExecutor(AgentExecutor):
         payload: dict[str, Any],
         calls: ToolCalls,
         meter: BudgetMeter,
+        resume: dict[str, Any] | None = None,
     ) -> Outcome:
+        """``resume``: the operation's progress notes, when it comes back after a crash."""
         await updater.start_work()
 
         async def progress(text: str) -> None:
             await updater.update_status(
                 TaskState.TASK_STATE_WORKING, message=updater.new_agent_message([new_text_part(text)])
             )
+
+        async def save(notes: dict[str, Any]) -> None:
+            # The caller keeps them with the operation, and sends them back if it sends it again.
+            saved = updater.new_agent_message(
+                [new_data_part({"progress": "saved"})], {PROGRESS_METADATA_KEY: notes}
+            )
+            await updater.update_status(TaskState.TASK_STATE_WORKING, message=saved)
+
+        channel = _Channel(progress, save, resume)
 
         async def heartbeat() -> None:
             # An empty status update now and then: the caller's activity lease stays alive while
@@ -565,8 +587,8 @@ class SkillExecutor(AgentExecutor):
         )
         try:
             if op_id is not None:
-                return await self._run_once(skill, claims, op_id, payload, progress, calls, meter)
-            ctx = self._context(skill, claims, calls, progress, None, payload, meter)
+                return await self._run_once(skill, claims, op_id, payload, channel, calls, meter)
+            ctx = self._context(skill, claims, calls, channel, None, payload, meter)
             return await _run_stoppable(skill, ctx, payload, calls, brain=self._brain)
         finally:
             if beating is not None:
@@ -578,7 +600,7 @@ class SkillExecutor(AgentExecutor):
         claims: Claims,
         op_id: str,
         payload: dict[str, Any],
-        progress: Callable[[str], Awaitable[None]],
+        channel: _Channel,
         calls: ToolCalls,
         meter: BudgetMeter,
     ) -> Outcome:
@@ -613,7 +635,7 @@ class SkillExecutor(AgentExecutor):
         key = (claims.tenant, op_id)
         self._by_operation[key] = calls
         try:
-            context = self._context(skill, claims, calls, progress, op_id, payload, meter)
+            context = self._context(skill, claims, calls, channel, op_id, payload, meter)
             return await _run_stoppable(skill, context, payload, calls, record, self._brain)
         finally:
             del self._by_operation[key]
@@ -623,7 +645,7 @@ class SkillExecutor(AgentExecutor):
         skill: Skill,
         claims: Claims,
         calls: ToolCalls,
-        progress: Callable[[str], Awaitable[None]],
+        channel: _Channel,
         op_id: str | None,
         payload: dict[str, Any],
         meter: BudgetMeter,
@@ -633,10 +655,12 @@ class SkillExecutor(AgentExecutor):
         return SkillContext(
             claims,
             self._tools.for_skill(calls, claims, meter),
-            progress,
+            channel.progress,
             op_id,
             budget=meter,
             answer=answer if isinstance(answer, dict) else ({"text": answer} if answer is not None else None),
+            resume=channel.resume,
+            save_progress=channel.save,
         )
 
     async def cancel_operation(self, tenant: str, op_id: str) -> Entry:
@@ -676,6 +700,16 @@ class SkillExecutor(AgentExecutor):
         if context.current_task is not None:
             updater = TaskUpdater(event_queue, context.current_task.id, context.current_task.context_id)
             await updater.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class _Channel:
+    """What a running skill tells its caller as it goes: progress text, and its progress notes
+    (``save``); and the notes it was sent back (``resume``)."""
+
+    progress: Callable[[str], Awaitable[None]]
+    save: Callable[[dict[str, Any]], Awaitable[None]]
+    resume: dict[str, Any] | None
 
 
 @dataclass(eq=False, slots=True)
@@ -817,8 +851,6 @@ def _refused(op_id: str) -> dict[str, Any]:
 Outcome = tuple[JournalStatus, dict[str, Any] | None, dict[str, Any] | None]
 # Outcomes the journal answers a repeat with, as they are.
 _ENDED = (JournalStatus.SUCCEEDED, JournalStatus.FAILED, JournalStatus.UNCERTAIN, JournalStatus.CANCELED)
-
-
 
 
 def _metadata(message: Message | None, key: str) -> Any:

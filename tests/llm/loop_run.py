@@ -42,10 +42,17 @@ class Run:
     progress: list[str] = field(default_factory=list)
     loop: LoopPolicy = field(default_factory=LoopPolicy)
     meter: BudgetMeter | None = None
+    context_tokens: int = 32_000  # the model's window, as the loop is told it
+    resume: dict[str, Any] | None = None  # progress notes the task comes back with
+    saved: list[dict[str, Any]] = field(default_factory=list)  # the notes the loop saved, in order
 
     @property
     def lookup(self) -> str:
         return function_name(self.plane.server_id, "lookup_invoice")
+
+    @property
+    def pay(self) -> str:
+        return function_name(self.plane.server_id, "pay_invoice")
 
     @property
     def void(self) -> str:
@@ -59,8 +66,15 @@ class Run:
             self.progress.append(text)
 
         tools = self.plane.toolbox.for_skill(ToolCalls(), None, meter)
-        ctx = SkillContext(claims, tools, report, "op-1", budget=meter)
-        loop = AgentLoop(ChatModel(self.model.base_url, "scripted-1", "", self.http), max_turns=max_turns)
+
+        async def save(notes: dict[str, Any]) -> None:
+            self.saved.append(notes)
+
+        ctx = SkillContext(
+            claims, tools, report, "op-1", budget=meter, resume=self.resume, save_progress=save
+        )
+        model = ChatModel(self.model.base_url, "scripted-1", "", self.http)
+        loop = AgentLoop(model, max_turns=max_turns, context_tokens=self.context_tokens)
         return await loop.run(SKILL, ctx, payload)
 
 

@@ -130,7 +130,8 @@ async def test_a_model_that_floods_tokens_is_stopped_by_the_money_its_tokens_cos
         for n in range(5)
     ]
     async with scripted_model(*flood) as model:
-        run = Run(plane, model, http, TaskBudget(max_llm_tokens=None, max_cost_usd=5.0), loop=priced)
+        budget = TaskBudget(max_llm_tokens=None, max_cost_usd=5.0)
+        run = Run(plane, model, http, budget, loop=priced, context_tokens=10_000_000)
         with pytest.raises(SkillError) as caught:
             await run({})
     assert (caught.value.code, caught.value.details["reason"]) == (ErrorCode.BUDGET_EXHAUSTED, "cost")

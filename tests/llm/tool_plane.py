@@ -34,7 +34,7 @@ from fleet.issuer_certs import certify_issuer_key
 from fleet.keys import SigningKey
 from fleet.service import Readiness
 from fleet.settings import DEFAULT_ISSUER, ServiceSettings
-from mcp_servers._base import MCP_PATH, READ_ONLY, build_app, declared_tools, fleet_mcp_server
+from mcp_servers._base import KEYED_WRITE, MCP_PATH, READ_ONLY, build_app, declared_tools, fleet_mcp_server
 from registry import RegistryClient
 from registry.server import build_app as registry_app
 from specialists.kit import Toolbox, mcp_http_client
@@ -50,12 +50,13 @@ API_KEY = "sk-live-0123456789abcdefghijklmnop"
 @dataclass
 class ToolPlane:
     """The running tool plane: the MCP server's id, the specialist's registry client and toolbox,
-    and each tool call the server served (tool name, arguments)."""
+    each tool call the server served (tool name, arguments), and the invoices paid by key."""
 
     server_id: str
     registry: RegistryClient
     toolbox: Toolbox
     served: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    paid: dict[str, str] = field(default_factory=dict)  # invoice paid, by idempotency key
 
 
 class _Started:
@@ -137,6 +138,14 @@ def _invoice_server(
             "note": f"portal login: password={PASSWORD}",
             "api_key": API_KEY,
         }
+
+    @mcp.tool(annotations=KEYED_WRITE)
+    async def pay_invoice(number: str, idempotency_key: str) -> dict[str, Any]:
+        """Pays an invoice, once per idempotency key."""
+        first = idempotency_key not in plane.paid
+        plane.paid.setdefault(idempotency_key, number)
+        plane.served.append(("pay_invoice", {"number": number, "idempotency_key": idempotency_key}))
+        return {"number": number, "paid": True, "replayed": not first}
 
     @mcp.tool()
     async def void_invoice(number: str) -> dict[str, Any]:

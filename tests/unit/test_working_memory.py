@@ -7,7 +7,7 @@ from typing import Annotated, Any, TypedDict
 
 from langgraph.graph import END, START, StateGraph
 
-from memory.working import prune, working_memory
+from fleet.working_memory import prune, working_memory
 
 
 def test_only_the_current_turn_is_kept_with_the_system_prompt() -> None:

@@ -1,4 +1,4 @@
-"""Working memory: a run's message channel, kept to the current turn and to a size bound.
+"""Working memory: an agent loop's message channel, kept to the current turn and to a size bound.
 
 :func:`working_memory` makes a LangGraph reducer for a channel of chat messages (dicts with ``role``
 and ``content``, the OpenAI shape)::
