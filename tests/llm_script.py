@@ -27,7 +27,7 @@ STOP_TIMEOUT_S = 10.0
 class Reply:
     """One scripted answer: a completion with ``content`` and ``tool_calls`` (``(name, arguments)``
     pairs; arguments that are a string are sent as they are, e.g. broken JSON), or, with ``body``,
-    that body as it is with ``status``. ``hold``: answer only once it is set."""
+    that body as it is with ``status``. ``hold`` (or ``block``): answer only once it is set."""
 
     content: str | None = None
     tool_calls: tuple[tuple[str, Any], ...] = ()
@@ -36,6 +36,7 @@ class Reply:
     body: Any = None
     hold: asyncio.Event | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    block: threading.Event | None = None  # like ``hold``, set from any thread (a model in a thread)
 
     def completion(self, number: int) -> Any:
         if self.body is not None:
@@ -108,6 +109,8 @@ class ScriptedModel:
             reply = self.replies.pop(0)
             if reply.hold is not None:
                 await reply.hold.wait()
+            if reply.block is not None:
+                await asyncio.to_thread(reply.block.wait)
             return JSONResponse(
                 reply.completion(len(self.requests)), status_code=reply.status, headers=dict(reply.headers)
             )
@@ -162,6 +165,12 @@ def scripted_model_thread(*replies: Reply) -> Iterator[ScriptedModel]:
     try:
         yield served[0]
     finally:
+        for reply in replies:  # a blocked answer must not keep the server from stopping
+            if reply.block is not None:
+                reply.block.set()
+        for reply in served[0].replies if served else []:
+            if reply.block is not None:
+                reply.block.set()
         loop.call_soon_threadsafe(stopping.set)
         thread.join(STOP_TIMEOUT_S)
         loop.close()

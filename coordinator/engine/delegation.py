@@ -75,6 +75,7 @@ from fleet.operation_ext import (
     LOOP_METADATA_KEY,
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
+    PROGRESS_METADATA_KEY,
     USAGE_METADATA_KEY,
     cancel_url,
     skill_traits,
@@ -105,6 +106,7 @@ ASKING_STATES = {
 Progress = Callable[[str], Awaitable[None]]
 Activity = Callable[[], None]
 Usage = Callable[[dict[str, Any]], None]  # what a task says it spent, as it ends
+Notes = Callable[[dict[str, Any]], Awaitable[None]]  # a task's progress notes, as it saves them
 GrantLookup = Callable[[str], Awaitable[str | None]]  # a run's grant, by run id
 GRANTS_CACHED = 4096
 # States a stream may end in only because it was cut short: the agent may still be at it.
@@ -275,6 +277,8 @@ class Delegator:
         step: str = "",
         limits: TaskLimits | None = None,
         usage: Usage | None = None,
+        notes: Notes | None = None,
+        resume: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Run ``skill`` on ``agent``; return its result data or raise a step failure.
 
@@ -286,7 +290,9 @@ class Delegator:
         failed are step failures. ``activity`` is called on every event the agent sends (its
         heartbeats included). The call carries the authority of ``run_id``'s caller, if it has one
         (see the module's doc). ``limits``: the task's budget and loop policy, sent to a fleet
-        agent (an outside agent is told none of it); ``usage`` hears what the task says it spent."""
+        agent (an outside agent is told none of it); ``usage`` hears what the task says it spent;
+        ``notes`` hears the progress notes its agent loop saves, and ``resume`` sends back the notes it
+        saved before (an operation sent again to the agent that wrote them)."""
         sent = await self._egress(agent, skill, payload, tenant, progress) if agent.external else payload
         message = Message(
             role=Role.ROLE_USER,
@@ -297,6 +303,8 @@ class Delegator:
             message.metadata.update({OPERATION_METADATA_KEY: operation_id})
         if limits is not None and not agent.external:
             message.metadata.update({BUDGET_METADATA_KEY: limits.budget, LOOP_METADATA_KEY: limits.loop})
+        if resume is not None and not agent.external:
+            message.metadata.update({PROGRESS_METADATA_KEY: resume})
         span = telemetry.invoke_agent_span(
             agent.id,
             kind=SpanKind.CLIENT,
@@ -308,7 +316,8 @@ class Delegator:
             step=step,
         )
         with span:
-            return await self._send(agent, skill, message, tenant, progress, activity, run_id, usage)
+            said = _Said(usage, notes if not agent.external else None)
+            return await self._send(agent, skill, message, tenant, progress, activity, run_id, said)
 
     async def _send(
         self,
@@ -319,7 +328,7 @@ class Delegator:
         progress: Progress,
         activity: Activity | None,
         run_id: str,
-        usage: Usage | None = None,
+        said: _Said | None = None,
     ) -> dict[str, Any]:
         client = self._client(agent)
         try:
@@ -330,7 +339,7 @@ class Delegator:
                 context = ClientCallContext(service_parameters=dict(headers))
                 stream = client.send_message(SendMessageRequest(message=message), context=context)
                 try:
-                    result = await _collect(stream, agent.id, progress, activity or _idle, usage)
+                    result = await _collect(stream, agent.id, progress, activity or _idle, said or _Said())
                     check_answer(agent, skill, result)
                     return await self._answer(agent, skill, tenant, result) if agent.external else result
                 except A2AClientError as exc:
@@ -689,7 +698,7 @@ def _card(agent: AgentRecord) -> AgentCard:
 
 
 async def _collect(
-    stream: Any, agent_id: str, progress: Progress, activity: Activity, usage: Usage | None = None
+    stream: Any, agent_id: str, progress: Progress, activity: Activity, said: _Said
 ) -> dict[str, Any]:
     result: dict[str, Any] = {}
     state = TaskState.TASK_STATE_UNSPECIFIED
@@ -703,7 +712,7 @@ async def _collect(
             state = event.task.status.state
         elif kind == "status_update":
             state = event.status_update.status.state
-            _said_usage(event.status_update.status.message, usage)
+            await said.heard(event.status_update.status.message)
             parts = event.status_update.status.message.parts
             text = " ".join(get_text_parts(parts))
             asked = get_data_parts(parts)
@@ -720,7 +729,7 @@ async def _collect(
                 if state == TaskState.TASK_STATE_WORKING:
                     await progress(f"{agent_id}: {text}")
         elif kind == "artifact_update":
-            _said_usage(event.artifact_update.artifact, usage)
+            await said.heard(event.artifact_update.artifact)
             for data in get_data_parts(event.artifact_update.artifact.parts):
                 if isinstance(data, dict):
                     result.update(data)
@@ -730,15 +739,29 @@ async def _collect(
 MAX_USAGE_CHARS = 4096  # what an agent's usage report may hold
 
 
-def _said_usage(carrier: Any, usage: Usage | None) -> None:
-    """Pass on what an agent said a task spent (``fleet.usage`` in a message's or an artifact's
-    metadata), if it said it as an object of bounded size. It is the agent's word: the run counts
-    it against its budget, and a hostile agent can understate it (see docs/budgets.md)."""
-    if usage is None or not carrier.HasField("metadata") or USAGE_METADATA_KEY not in carrier.metadata.fields:
-        return
-    said = MessageToDict(carrier.metadata).get(USAGE_METADATA_KEY)
-    if isinstance(said, dict) and len(json.dumps(said, default=str)) <= MAX_USAGE_CHARS:
-        usage(said)
+@dataclass(frozen=True, slots=True)
+class _Said:
+    """Who hears what an agent says of a task besides its result: what it spent (``usage``) and
+    its progress notes (``notes``)."""
+
+    usage: Usage | None = None
+    notes: Notes | None = None
+
+    async def heard(self, carrier: Any) -> None:
+        """Pass on what a message's or an artifact's metadata says: ``fleet.usage`` if it is an
+        object of bounded size (the agent's word: the run counts it against its budget, and a
+        hostile agent can understate it), ``fleet.progress`` if it is an object."""
+        if not carrier.HasField("metadata"):
+            return
+        fields = carrier.metadata.fields
+        if self.usage is not None and USAGE_METADATA_KEY in fields:
+            spent = MessageToDict(carrier.metadata).get(USAGE_METADATA_KEY)
+            if isinstance(spent, dict) and len(json.dumps(spent, default=str)) <= MAX_USAGE_CHARS:
+                self.usage(spent)
+        if self.notes is not None and PROGRESS_METADATA_KEY in fields:
+            notes = MessageToDict(carrier.metadata).get(PROGRESS_METADATA_KEY)
+            if isinstance(notes, dict):
+                await self.notes(notes)
 
 
 @dataclass(frozen=True, slots=True)

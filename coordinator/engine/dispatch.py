@@ -157,6 +157,7 @@ class StepDispatcher:
         self._limits = limits
         # What the agent said the operation spent (fleet.usage), once it said, as it said it.
         self.usage: dict[str, Any] | None = None
+        self._resend = False  # whether the operation is being sent again (after a crash, or moved)
         self._redispatches = 0
         self._tried: set[str] = set()  # agents this operation went to, in this attempt
         self._known: Operation | None = None
@@ -316,6 +317,17 @@ class StepDispatcher:
         def spent(said: dict[str, Any]) -> None:
             self.usage = said
 
+        async def noted(notes: dict[str, Any]) -> None:
+            if not await self._ledger.record_progress(self._lease.run_id, op.op_id, agent.id, notes):
+                log.warning(
+                    "operation %s: progress notes from %s not kept (not pending there, or too large)",
+                    op.op_id,
+                    agent.id,
+                )
+
+        # Sent again to the agent that wrote notes for it: they go back, and its loop goes on from them.
+        resume = await self._ledger.progress_for(op.op_id, agent.id) if self._resend else None
+
         call = asyncio.ensure_future(
             self._delegator.call(
                 agent,
@@ -329,6 +341,8 @@ class StepDispatcher:
                 step=self._step_id,
                 limits=self._limits(agent) if self._limits is not None else None,
                 usage=spent,
+                notes=noted,
+                resume=resume,
             )
         )
         renewals = 0
@@ -416,6 +430,7 @@ class StepDispatcher:
         log.warning("operation %s moves from %s to %s: %s", op.op_id, agent.id, other.id, why)
         await self._ledger.reroute(self._lease, self._actor, op.op_id, other.id, why[:300])
         self._agent = other
+        self._resend = True
         await self._progress(f"{agent.id} failed ({why[:200]}): step {self._step_id} goes to {other.id}")
         return await self._dispatch(op, other)
 
@@ -476,6 +491,7 @@ class StepDispatcher:
                     if self._redispatches > MAX_REDISPATCHES:
                         await self._needs_human(op, f"sent {MAX_REDISPATCHES} times without an answer")
                     await self._ledger.retry(self._lease, self._actor, op.op_id)
+                    self._resend = True
                     return await self._dispatch(op, agent)
                 case _:
                     said = status.get("error")

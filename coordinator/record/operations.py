@@ -17,6 +17,7 @@ operation becomes ``needs_human`` and the run waits for a person.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.operation_ext import args_hash
 from fleet.vocabulary import EventType
 
+MAX_PROGRESS_BYTES = 80 * 1024  # an agent's progress notes of one operation (they hold 64 KiB)
 _NAMESPACE = uuid.UUID("0b5c7a52-4d8e-4c8e-9a55-3f1f6f0e2a10")
 
 
@@ -65,6 +67,10 @@ CREATE TABLE IF NOT EXISTS fleet_runs.operations (
 CREATE INDEX IF NOT EXISTS operations_by_run ON fleet_runs.operations (run_id, created_at);
 -- What the agent said the operation spent (tool calls, LLM tokens in and out, models), if it said.
 ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS usage jsonb;
+-- The progress notes of the agent loop running it, and the agent that wrote them (sent back to that
+-- agent only, if the operation is sent again).
+ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS progress jsonb;
+ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS progress_by text;
 """
 
 _COLUMNS = (
@@ -318,6 +324,32 @@ class Ledger:
             if await self.get(op_id) is None:
                 raise FleetError(ErrorCode.NOT_FOUND, f"no operation {op_id} in run {lease.run_id}")
             raise StaleLease(lease.run_id)
+
+    async def record_progress(self, run_id: str, op_id: str, agent: str, notes: dict[str, Any]) -> bool:
+        """Keep the progress notes ``agent`` sent for a pending operation it was sent; False (and
+        nothing kept) if the operation is not pending at that agent any more, or the notes are over
+        :data:`MAX_PROGRESS_BYTES`. Not fenced by the lease: the notes are the agent's, about its own
+        work on this operation, and whoever sends the operation again reads the latest."""
+        body = Jsonb(notes)
+        if len(json.dumps(notes, default=str)) > MAX_PROGRESS_BYTES:
+            return False
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "UPDATE fleet_runs.operations SET progress = %s, progress_by = %s"
+                " WHERE op_id = %s AND run_id = %s AND status = 'pending' AND target = %s",
+                (body, agent, op_id, run_id, agent),
+            )
+            return bool(cursor.rowcount == 1)
+
+    async def progress_for(self, op_id: str, agent: str) -> dict[str, Any] | None:
+        """The progress notes of ``op_id`` if ``agent`` wrote them (another agent's are not its)."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT progress FROM fleet_runs.operations WHERE op_id = %s AND progress_by = %s",
+                (op_id, agent),
+            )
+            row = await cursor.fetchone()
+        return row[0] if row is not None and isinstance(row[0], dict) else None
 
     async def retry(self, lease: Lease, actor: str, op_id: str) -> None:
         """Send a pending operation again (after its target said it never received it)."""
