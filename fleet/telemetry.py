@@ -323,6 +323,75 @@ WORK_QUEUE_LAG = Histogram(
 )
 
 
+# What the fleet's agents said their tasks spent (fleet.usage), counted by the worker that recorded
+# each operation's outcome, priced by policy: ``agent`` is the registered id of the agent the
+# operation went to (the registry bounds them), never a caller's word.
+AGENT_TOKENS = Counter(
+    "fleet_agent_llm_tokens",
+    "LLM tokens the tasks of an agent used, as the agent reported them: in (prompt) and out (completion).",
+    ["agent", "direction"],
+)
+AGENT_COST = Counter(
+    "fleet_agent_llm_cost_usd",
+    "What an agent's tasks' tokens cost, priced by policy (config.models).",
+    ["agent"],
+)
+AGENT_LLM_SECONDS = Histogram(
+    "fleet_agent_llm_request_duration_seconds",
+    "How long each completion of an agent's tasks took, as the agent measured it.",
+    ["agent"],
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120),
+)
+AGENT_TOOL_CALLS = Counter("fleet_agent_tool_calls", "Tool calls an agent's tasks made.", ["agent"])
+AGENT_SLOW_TOOL_CALLS = Counter(
+    "fleet_agent_slow_tool_calls", "Tool calls of an agent's tasks that took longer than 30 s.", ["agent"]
+)
+AGENT_RATE_LIMITED = Counter(
+    "fleet_agent_llm_rate_limited", "Answers of 429 the models of an agent's tasks gave.", ["agent"]
+)
+AGENT_LOOP_STOPS = Counter(
+    "fleet_agent_loop_stops",
+    "Agent loops stopped at a limit, by agent and reason (specialists.loop_guard's, rate_limited, other).",
+    ["agent", "reason"],
+)
+AGENT_COMPACTIONS = Counter("fleet_agent_loop_compactions", "Agent loop contexts compacted.", ["agent"])
+STOP_REASONS = frozenset(
+    {
+        "repeated_call",
+        "repeated_output",
+        "calls_per_turn",
+        "max_turns",
+        "tool_calls",
+        "tokens",
+        "cost",
+        "context_limit",
+        "rate_limited",
+    }
+)
+
+
+def record_agent_usage(agent: str, spent: Mapping[str, Any]) -> None:
+    """Count what one operation of ``agent`` spent (``spent``: as :func:`coordinator.engine.spending.priced` reads it)."""
+    AGENT_TOKENS.labels(agent, "in").inc(_amount(spent.get("tokens_in")))
+    AGENT_TOKENS.labels(agent, "out").inc(_amount(spent.get("tokens_out")))
+    AGENT_COST.labels(agent).inc(_amount(spent.get("cost_usd")))
+    AGENT_TOOL_CALLS.labels(agent).inc(_amount(spent.get("tool_calls")))
+    AGENT_SLOW_TOOL_CALLS.labels(agent).inc(_amount(spent.get("slow_tool_calls")))
+    AGENT_RATE_LIMITED.labels(agent).inc(_amount(spent.get("rate_limited")))
+    AGENT_COMPACTIONS.labels(agent).inc(_amount(spent.get("compactions")))
+    for seconds in spent.get("llm_seconds") or []:
+        AGENT_LLM_SECONDS.labels(agent).observe(_amount(seconds))
+    stopped = spent.get("stopped")
+    if isinstance(stopped, str) and stopped:
+        AGENT_LOOP_STOPS.labels(agent, stopped if stopped in STOP_REASONS else "other").inc()
+
+
+def _amount(value: Any) -> float:
+    return (
+        float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else 0.0
+    )
+
+
 def record_queue_lag(submitted_at: float | None, now: float) -> None:
     """Observe one start of a run queued at ``submitted_at`` (epoch seconds; None: not known)."""
     if submitted_at is not None:
@@ -402,13 +471,16 @@ METRICS_MAX_PENDING = 8  # snapshots waiting for a broker that is away; older on
 _BOOT = time.time()  # a counter whose process restarted starts again from 0: the reader sees boot change
 
 
-def _histogram(metric: Histogram) -> dict[str, Any] | None:
-    """``metric``'s cumulative bucket counts and sum, summed over its labels (None if nothing was
-    observed): ``{"le": [...], "counts": [...], "sum": s}``, ``+Inf`` last."""
+def _histogram(metric: Histogram, where: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """``metric``'s cumulative bucket counts and sum, summed over its labels (those of the samples
+    whose labels include ``where``; None if nothing was observed): ``{"le": [...], "counts":
+    [...], "sum": s}``, ``+Inf`` last."""
     counts: dict[str, float] = {}
     total = 0.0
     for family in metric.collect():
         for sample in family.samples:
+            if where and any(sample.labels.get(k) != v for k, v in where.items()):
+                continue
             if sample.name.endswith("_bucket"):
                 le = sample.labels["le"]
                 counts[le] = counts.get(le, 0.0) + sample.value
@@ -448,8 +520,40 @@ def snapshot() -> dict[str, Any]:
             n for outcome, n in _by_label(TOOL_CALL_SECONDS, "outcome").items() if outcome != "ok"
         ),
         "policy": _by_label(POLICY_DECISIONS, "result"),
+        "agents": _agents(),
     }
     return {k: v for k, v in taken.items() if v}
+
+
+def _agents() -> dict[str, dict[str, Any]]:
+    """Per agent, what its tasks spent (counters) and how long its completions took (a histogram)."""
+    agents: dict[str, dict[str, Any]] = {}
+    for family in AGENT_TOKENS.collect():
+        for sample in family.samples:
+            if sample.name == "fleet_agent_llm_tokens_total":
+                agents.setdefault(sample.labels["agent"], {})[f"tokens_{sample.labels['direction']}"] = (
+                    sample.value
+                )
+    columns: tuple[tuple[str, Counter], ...] = (
+        ("cost_usd", AGENT_COST),
+        ("tool_calls", AGENT_TOOL_CALLS),
+        ("slow_tool_calls", AGENT_SLOW_TOOL_CALLS),
+        ("rate_limited", AGENT_RATE_LIMITED),
+        ("compactions", AGENT_COMPACTIONS),
+    )
+    for column, metric in columns:
+        for agent, value in _by_label(metric, "agent").items():
+            agents.setdefault(agent, {})[column] = value
+    for family in AGENT_LOOP_STOPS.collect():
+        for sample in family.samples:
+            if sample.name == "fleet_agent_loop_stops_total":
+                stops = agents.setdefault(sample.labels["agent"], {}).setdefault("stops", {})
+                stops[sample.labels["reason"]] = sample.value
+    for agent, row in agents.items():
+        latency = _histogram(AGENT_LLM_SECONDS, {"agent": agent})
+        if latency is not None:
+            row["llm_latency"] = latency
+    return agents
 
 
 @contextlib.asynccontextmanager

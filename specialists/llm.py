@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,6 +339,7 @@ class _Task:
         while True:
             left = meter.tokens_left()
             bound = left if left is not None and left < COMPLETION_BOUND else None
+            started = time.monotonic()
             try:
                 reply = await self._model.complete(
                     messages, specs or None, run_id=self.ctx.run_id, max_tokens=bound
@@ -350,6 +352,7 @@ class _Task:
                 meter.llm_retries += 1
                 await asyncio.sleep(wait_s)
                 continue
+            meter.timed_completion(time.monotonic() - started)
             meter.spend_completion(reply.model, reply.prompt_tokens, reply.completion_tokens, reply.usage)
             self.last_prompt = reply.prompt_tokens
             self.bounded = bound is not None

@@ -183,6 +183,10 @@ def _price(value: Any) -> Price | None:
     return Price(float(parts[0]), float(parts[1]))  # type: ignore[arg-type]
 
 
+MAX_TIMED = 200  # completions of one task whose latency is reported
+SLOW_TOOL_CALL_S = 30.0  # a tool call longer than this is slow (counted per agent)
+
+
 class BudgetMeter:
     """One task's spending against its :class:`TaskBudget`; raises ``budget_exhausted`` before the
     spend that would pass a cap (the tool call is then not made). ``loop``: what the caller's policy
@@ -207,6 +211,17 @@ class BudgetMeter:
         self.compactions = 0  # times the loop's context was compacted
         self.resumed = False  # whether the loop went on from progress notes (after a crash)
         self.from_notes = 0  # calls answered from the notes instead of made again
+        self.llm_seconds: list[float] = []  # how long each completion took (the first MAX_TIMED)
+        self.slow_tool_calls = 0  # tool calls that took longer than SLOW_TOOL_CALL_S
+
+    def timed_completion(self, seconds: float) -> None:
+        """Note how long a completion took (the first :data:`MAX_TIMED` of the task)."""
+        if len(self.llm_seconds) < MAX_TIMED:
+            self.llm_seconds.append(max(0.0, seconds))
+
+    def timed_tool_call(self, seconds: float) -> None:
+        """Note how long a tool call took (one over :data:`SLOW_TOOL_CALL_S` is counted)."""
+        self.slow_tool_calls += seconds > SLOW_TOOL_CALL_S
 
     def spend_tool_call(self, what: str) -> None:
         """Count one tool call (``what``); raises ``budget_exhausted`` instead if the cap is spent."""
@@ -275,7 +290,10 @@ class BudgetMeter:
                 llm_calls=self.llm_calls,
                 cost_usd=round(self.cost_usd, 6),
                 models=sorted(self.models),
+                llm_seconds=[round(s, 3) for s in self.llm_seconds],
             )
+        if self.slow_tool_calls:
+            spent["slow_tool_calls"] = self.slow_tool_calls
         if self.rate_limited or self.llm_retries:
             spent.update(rate_limited=self.rate_limited, llm_retries=self.llm_retries)
         if self.stopped:

@@ -29,6 +29,7 @@ from typing import Any
 
 from langgraph.config import get_stream_writer
 
+from coordinator.engine import spending
 from coordinator.engine.delegation import (
     CallInterrupted,
     Delegator,
@@ -38,6 +39,7 @@ from coordinator.engine.delegation import (
 )
 from coordinator.record.operations import Event, Ledger, Operation, OperationConflict, OpStatus
 from coordinator.record.runs import Lease, PostgresRunStore
+from fleet import telemetry
 from fleet.crashpoints import crash_point
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import MAX_WAIT_S, args_hash
@@ -135,12 +137,14 @@ class StepDispatcher:
         completes: Callable[[dict[str, Any]], bool] | None = None,
         named: str | None = None,
         limits: Callable[[AgentRecord], TaskLimits] | None = None,
+        models: Mapping[str, Any] | None = None,
     ) -> None:
         """``announce``: log the step's ``step.started`` (with where it went) and ``step.completed``
         (a plain step; a batch's calls are announced by the batch). ``completes``: whether a result
         completes the step (one that asks a person first does not: no ``step.completed`` yet).
         ``named``: the agent the plan names for the step (see :meth:`Delegator.assign`).
-        ``limits``: what a task sent to an agent may spend, and what its loop does at a limit."""
+        ``limits``: what a task sent to an agent may spend, and what its loop does at a limit;
+        ``models``: the prices what it spent is counted at (``fleet_agent_*`` metrics)."""
         self._delegator = delegator
         self._ledger = scope.ledger
         self._lease = scope.lease
@@ -155,6 +159,7 @@ class StepDispatcher:
         self._completes = completes
         self._named_agent = named
         self._limits = limits
+        self._models = models or {}
         # What the agent said the operation spent (fleet.usage), once it said, as it said it.
         self.usage: dict[str, Any] | None = None
         self._resend = False  # whether the operation is being sent again (after a crash, or moved)
@@ -520,6 +525,8 @@ class StepDispatcher:
             usage=usage,
             after=after or [],
         )
+        if usage is not None:  # counted once: the outcome is recorded once (the write is fenced)
+            telemetry.record_agent_usage(op.target, spending.priced(usage, self._models))
 
     async def _needs_human(self, op: Operation, why: str) -> None:
         error = FleetError(ErrorCode.OUTCOME_UNKNOWN, why).to_dict()

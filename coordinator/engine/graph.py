@@ -786,6 +786,7 @@ class _Nodes:
             completes=_completes,
             named=step.get("agent"),
             limits=limits,
+            models=(spend or {}).get("models"),
         )
         calls = [dispatcher]
         try:
@@ -816,6 +817,7 @@ class _Nodes:
                     completes=_completes,
                     named=step.get("agent"),
                     limits=limits,
+                    models=(spend or {}).get("models"),
                 )
                 calls.append(dispatcher)
                 result = await _run_or_wait(dispatcher, step["id"], asked)

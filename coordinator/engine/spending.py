@@ -35,7 +35,8 @@ LOOP_CAPS = (
     "max_cost_usd",
 )
 LOOP_POLICY = ("on_stuck", "on_spent", "rate_limit_retries", "rate_limit_max_wait_s")
-COUNTED = ("llm_calls", "rate_limited", "llm_retries", "tool_calls")
+COUNTED = ("llm_calls", "rate_limited", "llm_retries", "tool_calls", "slow_tool_calls")
+MAX_TIMED = 200  # completion latencies one task may report
 
 
 def _number(value: Any) -> float:
@@ -71,6 +72,12 @@ def priced(said: Mapping[str, Any], models: Mapping[str, Any]) -> dict[str, Any]
     }
     for key in COUNTED:
         spent[key] = int(_number(said.get(key)))
+    timed = said.get("llm_seconds")
+    if isinstance(timed, list):
+        spent["llm_seconds"] = [_number(t) for t in timed[:MAX_TIMED]]
+    if isinstance(said.get("resumed"), bool):
+        spent["resumed"] = said["resumed"]
+        spent["compactions"] = int(_number(said.get("compactions")))
     if isinstance(said.get("stopped"), str):
         spent["stopped"] = said["stopped"][:40]
         spent["summarized"] = said.get("summarized") is True

@@ -1,7 +1,8 @@
 """The console's charts over time, from the metrics every fleet process publishes on
 ``fleet.metrics.<process>`` (see :func:`fleet.telemetry.publishing_metrics`): runs by state, the work
 queue (depth, and the lag from a run's submission to a worker starting it), tool call latency and
-errors, and policy decisions.
+errors, policy decisions, and per agent what its tasks spent on models (tokens in and out, dollars,
+slow tool calls, loop stops by reason, completion latency).
 
 A snapshot holds what its process counted since it started. :class:`MetricsHistory` keeps the
 snapshots of the stream's last hours in memory, reading only what arrived since its last read;
@@ -129,6 +130,7 @@ def series(
     gauge_at: list[float] = [-math.inf] * buckets
     lag = _Histograms(buckets)
     tools = _Histograms(buckets)
+    agents = _Agents(buckets)
     errors = [0.0] * buckets
     policy: dict[str, list[float]] = {}
     sources: dict[str, list[Mapping[str, Any]]] = {}
@@ -154,6 +156,7 @@ def series(
             lag.add(i, base.get("queue_lag"), sample.get("queue_lag"))
             tools.add(i, base.get("tool_calls"), sample.get("tool_calls"))
             errors[i] += _increase(base.get("tool_errors"), sample.get("tool_errors"))
+            agents.add(i, _mapping(base.get("agents")), _mapping(sample.get("agents")))
             before, after = _mapping(base.get("policy")), _mapping(sample.get("policy"))
             for result, count in after.items():
                 row = policy.setdefault(str(result), [0.0] * buckets)
@@ -173,6 +176,7 @@ def series(
         "queue": {"pending": pending, **lag.summary("started")},
         "tools": {**tools.summary("calls"), "errors": errors},
         "policy": policy,
+        "agents": agents.summary(),
     }
 
 
@@ -221,6 +225,65 @@ def _hold(
         pending[i] = pending[i - 1]
         for row in runs.values():
             row[i] = row[i - 1]
+
+
+AGENT_COUNTERS = (
+    "tokens_in",
+    "tokens_out",
+    "cost_usd",
+    "tool_calls",
+    "slow_tool_calls",
+    "rate_limited",
+    "compactions",
+)
+
+
+class _Agents:
+    """Per agent and interval, the increase of what its tasks spent (tokens in and out, dollars,
+    tool calls, slow ones, 429s, compactions, loop stops by reason) and its completions' latency,
+    summed over the processes that counted it; and each one's total over the window."""
+
+    def __init__(self, buckets: int) -> None:
+        self._buckets = buckets
+        self.rows: dict[str, dict[str, list[float]]] = {}
+        self.stops: dict[str, dict[str, list[float]]] = {}
+        self.latency: dict[str, _Histograms] = {}
+
+    def add(self, i: int, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+        for agent, now in after.items():
+            if not isinstance(now, Mapping):
+                continue
+            was = _mapping(before.get(agent))
+            row = self.rows.setdefault(str(agent), {k: [0.0] * self._buckets for k in AGENT_COUNTERS})
+            for key in AGENT_COUNTERS:
+                row[key][i] += _increase(was.get(key), now.get(key))
+            stops = self.stops.setdefault(str(agent), {})
+            old = _mapping(was.get("stops"))
+            for reason, count in _mapping(now.get("stops")).items():
+                stops.setdefault(str(reason), [0.0] * self._buckets)[i] += _increase(old.get(reason), count)
+            self.latency.setdefault(str(agent), _Histograms(self._buckets)).add(
+                i, was.get("llm_latency"), now.get("llm_latency")
+            )
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for agent in sorted(self.rows):
+            row: dict[str, Any] = dict(self.rows[agent])
+            row["stops"] = self.stops.get(agent, {})
+            row["llm_latency"] = self.latency[agent].summary("calls")
+            total: dict[str, Any] = {key: round(sum(values), 6) for key, values in self.rows[agent].items()}
+            total["stops"] = {reason: sum(v) for reason, v in row["stops"].items()}
+            cumulative: dict[str, float] = {}
+            for interval in self.latency[agent].counts:
+                for le, n in interval.items():
+                    cumulative[le] = cumulative.get(le, 0.0) + n
+            calls = cumulative.get("+Inf", 0.0)
+            total["llm_calls"] = calls
+            for q in QUANTILES:
+                total[f"llm_p{round(q * 100)}_s"] = quantile(q, cumulative) if calls > 0 else None
+            row["total"] = total
+            out[agent] = row
+        return out
 
 
 class _Histograms:

@@ -286,6 +286,7 @@ class Toolbox:
         if self._calls is not None:
             self._calls.start()
         answered = False
+        started = time.monotonic()
         reset = _current_grant.set(grant)
         span = telemetry.execute_tool_span(
             tool, kind=SpanKind.CLIENT, server=server_id, run_id=self._run_id(), tenant=tenant
@@ -299,6 +300,8 @@ class Toolbox:
             _current_grant.reset(reset)
             if self._calls is not None:
                 self._calls.end(answered=answered)
+            if self._meter is not None:
+                self._meter.timed_tool_call(time.monotonic() - started)
         error = error_of(result)
         if error is not None:
             raise SkillError(

@@ -6,14 +6,27 @@ priced by policy; a fan-out is sent only as far as the run's token budget covers
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.testing.e2e import Stack, all_events, clean_env, send, start_stack, stop_stack, user_message
+from fleetctl.testing.e2e import (
+    FAST_METRICS,
+    Stack,
+    all_events,
+    clean_env,
+    fleet,
+    send,
+    start_stack,
+    stop_stack,
+    user_message,
+)
 from policy import DEFAULT_BUNDLE_DIR
 from specialists.llm import SUMMARIZE
 from tests.e2e.run_helpers import operations
@@ -61,6 +74,7 @@ def fleet_and_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
             FLEET_LLM_MODEL=MODEL,
             FLEET_LLM_API_KEY="sk-test",
             FLEET_POLICY_DIR=str(bundle),
+            **FAST_METRICS,
         )
         stack = start_stack(tmp_path_factory.mktemp("stack"), env)
         try:
@@ -180,3 +194,95 @@ async def test_a_fan_out_is_sent_only_as_far_as_the_runs_token_budget_covers_it(
     assert len(model.requests) == 3
     caps = sorted(r.get("max_tokens", 0) for r in model.requests)
     assert caps[0] == 50  # the third was sent with what was left (250 - 200), and asked to keep to it
+
+
+AGENT = "researcher"
+
+
+async def _agent_metrics(stack: Stack) -> dict[str, float]:
+    """The fleet_agent_* samples of the researcher, summed over the workers that count them."""
+    totals: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=10) as http:
+        for name, url in stack.endpoints["services"].items():
+            if not name.startswith("worker-"):
+                continue
+            text = (await http.get(url + "/metrics")).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name.startswith("fleet_agent_") and sample.labels.get("agent") == AGENT:
+                        key = sample.name + "".join(
+                            f"|{v}" for k, v in sorted(sample.labels.items()) if k != "agent"
+                        )
+                        totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+async def _console_agents(http: httpx.AsyncClient, stack: Stack) -> dict[str, Any]:
+    found = (await http.get(f"{stack.endpoints['console']}/api/metrics", params={"window": "15m"})).json()
+    total: dict[str, Any] = found["agents"].get(AGENT, {}).get("total", {})
+    return total
+
+
+async def _console(stack: Stack) -> httpx.AsyncClient:
+    result = await asyncio.to_thread(
+        fleet, "console", "--data-dir", stack.data_dir, "--tenant", "acme", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    token = json.loads(result.stdout)["sign_in"].split("#token=", 1)[1]
+    http = httpx.AsyncClient(timeout=30)
+    signed = await http.post(
+        f"{stack.endpoints['console']}/session",
+        headers={"authorization": f"Bearer {token}", "x-fleet-console": "1"},
+    )
+    assert signed.status_code == 200, signed.text
+    return http
+
+
+async def test_the_metrics_and_the_console_move_by_exactly_what_the_scripted_models_did(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    console = await _console(stack)
+    try:
+        before, shown_before = await _agent_metrics(stack), await _console_agents(console, stack)
+        # Three completions of 40, 60 and 100 tokens (half in, half out): 100 in, 100 out, two tool
+        # calls; at $30 and $150 a million, $0.018. Then a loop stopped for repeating a call.
+        model.replies[:] = [_recall(usage=40), _recall(limit=2, usage=60), say(json.dumps(ANSWER), usage=100)]
+        metered, _, _ = await _run(
+            stack, "acme", {"steps": [{"id": "ask", "skill": "recall", "input": RECALL}]}
+        )
+        assert metered.state_name == "TASK_STATE_COMPLETED", metered.final_text
+        model.replies[:] = [_recall(), _recall()]
+        stopped, _, _ = await _run(
+            stack, "stops", {"steps": [{"id": "ask", "skill": "recall", "input": RECALL}]}
+        )
+        assert stopped.state_name == "TASK_STATE_FAILED"
+        after = await _agent_metrics(stack)
+
+        def moved(key: str) -> float:
+            return round(after.get(key, 0.0) - before.get(key, 0.0), 6)
+
+        assert moved("fleet_agent_llm_tokens_total|in") == 100 + 10  # the stopped loop's two turns: 5 + 5 in
+        assert moved("fleet_agent_llm_tokens_total|out") == 100 + 10
+        assert moved("fleet_agent_llm_cost_usd_total") == pytest.approx(0.018 + 10 * 30e-6 + 10 * 150e-6)
+        assert moved("fleet_agent_tool_calls_total") == 2 + 1
+        assert moved("fleet_agent_llm_request_duration_seconds_count") == 3 + 2
+        assert moved("fleet_agent_loop_stops_total|repeated_call") == 1
+        assert moved("fleet_agent_slow_tool_calls_total") == 0
+        # The console's table of this window shows the same, once the workers' snapshots are in.
+        async with asyncio.timeout(60):
+            while True:
+                shown = await _console_agents(console, stack)
+                if shown.get("tokens_in", 0) - shown_before.get("tokens_in", 0) >= 110:
+                    break
+                await asyncio.sleep(0.5)
+        assert shown["tokens_in"] - shown_before.get("tokens_in", 0) == 110
+        assert shown["tokens_out"] - shown_before.get("tokens_out", 0) == 110
+        assert shown["cost_usd"] - shown_before.get("cost_usd", 0) == pytest.approx(0.0198)
+        assert (
+            shown["stops"].get("repeated_call", 0) - shown_before.get("stops", {}).get("repeated_call", 0)
+            == 1
+        )
+        assert shown["llm_calls"] - shown_before.get("llm_calls", 0) == 5
+    finally:
+        await console.aclose()

@@ -619,6 +619,45 @@ function chart(testid, title, times, rows, { unit = "" } = {}) {
     el("div", { class: "legend" }, legend));
 }
 
+// What each agent's tasks spent on models over the window: a chart of tokens per interval, and a
+// table of the totals (tokens in and out, dollars priced by policy, completion latency, slow tool
+// calls, loop stops by reason).
+const AGENT_PALETTE = ["#2e5bff", "#b54708", "#067647", "#7a271a", "#6941c6", "#0e7090", "#c11574", "#667085"];
+
+function agentTokens(m) {
+  const rows = Object.entries(m.agents || {}).map(([name, a], i) => {
+    COLORS[name] = COLORS[name] || AGENT_PALETTE[i % AGENT_PALETTE.length];
+    return { name, values: a.tokens_in.map((v, k) => v + a.tokens_out[k]), bars: true, total: true };
+  });
+  return chart("chart-agent-tokens", "LLM tokens by agent (in and out)", m.times, rows);
+}
+
+function agentUsage(m) {
+  const agents = Object.entries(m.agents || {});
+  const old = document.querySelector("[data-testid=agent-usage]");
+  if (old) old.remove();
+  if (!agents.length) return el("p", { class: "empty", "data-testid": "agent-usage" }, "No agent used a model in this window.");
+  const head = ["Agent", "Tokens in", "Tokens out", "Cost", "Completions", "p50", "p95", "Tool calls > 30 s", "Loop stops"];
+  return el("section", { "data-testid": "agent-usage" },
+    el("h3", {}, "Agents and models, this window"),
+    el("table", {},
+      el("thead", {}, el("tr", {}, head.map((h) => el("th", {}, h)))),
+      el("tbody", {}, agents.map(([name, a]) => {
+        const t = a.total;
+        const stops = Object.entries(t.stops || {}).filter(([, n]) => n > 0).map(([reason, n]) => `${reason} ${n}`).join(", ") || "none";
+        return el("tr", { "data-agent": name },
+          el("td", {}, name),
+          el("td", { "data-col": "tokens_in" }, String(t.tokens_in)),
+          el("td", { "data-col": "tokens_out" }, String(t.tokens_out)),
+          el("td", { "data-col": "cost_usd", "data-value": String(t.cost_usd) }, `$${t.cost_usd.toFixed(4)}`),
+          el("td", { "data-col": "llm_calls" }, String(t.llm_calls)),
+          el("td", {}, amount(t.llm_p50_s, "s")),
+          el("td", {}, amount(t.llm_p95_s, "s")),
+          el("td", { "data-col": "slow_tool_calls" }, String(t.slow_tool_calls)),
+          el("td", { "data-col": "stops" }, stops));
+      }))));
+}
+
 async function showActivity(view, windowName) {
   const chosen = CHART_WINDOWS.includes(windowName) ? windowName : "1h";
   const picker = el("p", { class: "windows" }, "Window: ", CHART_WINDOWS.map((name) => el("a", {
@@ -650,7 +689,9 @@ async function showActivity(view, windowName) {
           { name: "errors", values: m.tools.errors, bars: true, total: true },
         ]),
         chart("chart-policy", "Policy decisions refused", m.times, policy.filter((r) => r.bars)),
+        agentTokens(m),
       );
+      board.after(agentUsage(m));
       note.textContent = `${m.sources.length} processes reported; one interval is ${amount(m.step_s, "s")}. Legends: the latest value (runs, latency, waiting) or the window's total (started, calls, refusals).`;
       banner("");
     } catch (error) {
