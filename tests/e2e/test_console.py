@@ -10,70 +10,30 @@ approval by a person who signed in without the right to approve.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, expect
 
-from fleetctl.testing.e2e import TWO_STEPS, Stack, fleet, send, user_message
+from fleetctl.testing.browser import launched, sign_in_link, signed_in
+from fleetctl.testing.e2e import TWO_STEPS, Stack, send, user_message
 from fleetctl.testing.mcp import call, error_in
 from tests.e2e.a2a_helpers import fresh_tenant
 from tests.e2e.run_helpers import paused_at_gate, run_when
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM_FLAGS = [
-    "--no-sandbox",  # the tests may run as root
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    # No calls home: the machines these tests run on have no internet, and refused connections
-    # only slow Chromium down.
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SEEN_WITHIN_MS = 60_000
-
-
-def chromium() -> str:
-    found = os.environ.get("FLEET_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    assert found, "the console tests need Chromium: Debian's chromium package (scripts/dev test installs it)"
-    return found
 
 
 @pytest.fixture
 async def browser() -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        launched = await playwright.chromium.launch(executable_path=chromium(), args=CHROMIUM_FLAGS)
-        try:
-            yield launched
-        finally:
-            await launched.close()
-
-
-def sign_in_link(stack: Stack, tenant: str) -> str:
-    result = fleet("console", "--data-dir", stack.data_dir, "--tenant", tenant, "--json", timeout=60)
-    assert result.returncode == 0, result.stderr
-    answer: dict[str, Any] = json.loads(result.stdout)
-    assert answer["console"] == stack.endpoints["console"]
-    link: str = answer["sign_in"]
-    return link
-
-
-async def signed_in(stack: Stack, browser: Browser, tenant: str, *, height: int = 900) -> Page:
-    """A page of the console, signed in as the operator of ``tenant`` with the link it printed."""
-    page = await browser.new_page(viewport={"width": 1400, "height": height})
-    await page.goto(await asyncio.to_thread(sign_in_link, stack, tenant))
-    await page.wait_for_url(f"{stack.endpoints['console']}/")
-    return page
+    async with launched() as running:
+        yield running
 
 
 def screenshots_dir(tmp_path: Path) -> Path:

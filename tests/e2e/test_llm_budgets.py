@@ -14,8 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
+from playwright.async_api import expect
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetctl.testing.browser import launched, signed_in
 from fleetctl.testing.e2e import (
     FAST_METRICS,
     Stack,
@@ -286,3 +288,32 @@ async def test_the_metrics_and_the_console_move_by_exactly_what_the_scripted_mod
         assert shown["llm_calls"] - shown_before.get("llm_calls", 0) == 5
     finally:
         await console.aclose()
+
+
+async def test_the_console_shows_tokens_and_cost_per_agent(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.replies[:] = [_recall(usage=400), say(json.dumps(ANSWER), usage=600)]
+    done, _, _ = await _run(stack, "acme", {"steps": [{"id": "ask", "skill": "recall", "input": RECALL}]})
+    assert done.state_name == "TASK_STATE_COMPLETED", done.final_text
+    async with launched() as browser:
+        page = await signed_in(stack, browser, "acme", height=1400)
+        await page.goto(f"{stack.endpoints['console']}/#/activity/15m")
+        row = page.locator(f'[data-testid="agent-usage"] tr[data-agent="{AGENT}"]')
+        await expect(row).to_be_visible(timeout=60_000)
+        # At least this test's 500 tokens each way, at $30 and $150 a million: $0.09 (other tests of
+        # the module may have spent more in the window).
+        await page.wait_for_function(
+            """(agent) => {
+                const cell = document.querySelector(`[data-agent="${agent}"] [data-col="tokens_in"]`);
+                return cell !== null && Number(cell.textContent) >= 500;
+            }""",
+            arg=AGENT,
+            timeout=60_000,
+        )
+        cost = float(await row.locator('[data-col="cost_usd"]').get_attribute("data-value") or 0)
+        assert cost >= 0.09
+        await expect(
+            page.locator('[data-testid="chart-agent-tokens"] [data-series="researcher"]')
+        ).to_be_visible()

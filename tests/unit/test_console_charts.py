@@ -106,3 +106,40 @@ def test_only_the_offered_windows_are_read() -> None:
     with pytest.raises(FleetError) as refused:
         window_of("10y")
     assert refused.value.code == "invalid_request"
+
+
+def agent_snapshot(
+    source: str, when: float, tokens_in: float, cost: float, stops: float, latency: list[float]
+) -> dict[str, Any]:
+    return {
+        "source": source,
+        "boot": 0.0,
+        "at": when,
+        "agents": {
+            "researcher": {
+                "tokens_in": tokens_in,
+                "tokens_out": tokens_in / 2,
+                "cost_usd": cost,
+                "stops": {"repeated_call": stops},
+                "llm_latency": {"le": LE, "counts": latency, "sum": 0.0},
+            }
+        },
+    }
+
+
+def test_what_an_agent_spent_is_charted_per_interval_and_totalled_over_the_window_across_workers() -> None:
+    samples = [
+        agent_snapshot("worker-1", at(0), 100, 0.01, 0, [0, 1, 1, 1]),
+        agent_snapshot("worker-1", at(2), 400, 0.04, 1, [0, 3, 4, 4]),
+        agent_snapshot("worker-2", at(1), 0, 0.0, 0, [0, 0, 0, 0]),
+        agent_snapshot("worker-2", at(2), 50, 0.005, 0, [0, 0, 1, 1]),
+    ]
+    charts = series(samples, NOW, WINDOW, buckets=10)
+    researcher = charts["agents"]["researcher"]
+    assert researcher["tokens_in"][2] == 300 + 50 and sum(researcher["tokens_in"]) == 350
+    assert researcher["stops"]["repeated_call"][2] == 1
+    total = researcher["total"]
+    assert (total["tokens_in"], total["tokens_out"], total["cost_usd"]) == (350, 175, pytest.approx(0.035))
+    assert total["stops"] == {"repeated_call": 1} and total["llm_calls"] == 4
+    # Of the 4 completions in the window, 2 under 100 ms and 2 between 0.1 and 1 s.
+    assert total["llm_p50_s"] == pytest.approx(0.1) and 0.1 < total["llm_p95_s"] <= 1.0
