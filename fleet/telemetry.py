@@ -169,6 +169,9 @@ def _fleet_attributes(
 ) -> dict[str, str]:
     found = {"fleet.run_id": run_id, "fleet.operation_id": operation_id or "", "fleet.tenant": tenant}
     found["fleet.step"] = step
+    # OpenTelemetry's GenAI conversation: a run is one, across its steps, agents, models and tools
+    # (and across a task handed from one process to another).
+    found["gen_ai.conversation.id"] = run_id
     return {k: v for k, v in found.items() if v}
 
 

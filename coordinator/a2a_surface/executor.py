@@ -272,7 +272,7 @@ class CoordinatorExecutor(AgentExecutor):
             raise a2a_error(exc, InternalError) from exc
         except FleetError as exc:
             raise a2a_error(exc, InvalidParamsError) from exc
-        span.set_attribute("fleet.run_id", task.id)
+        span.set_attributes({"fleet.run_id": task.id, "gen_ai.conversation.id": task.id})
         await event_queue.enqueue_event(task)
         fold = TaskFold(initial_task(task.id, task.context_id, context.message))
         async for update in follow(fold, self._runs, self._tasks, claims.tenant, self._streams.notifier):

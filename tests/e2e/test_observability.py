@@ -97,6 +97,8 @@ async def test_one_trace_spans_the_coordinator_the_worker_the_specialist_and_the
     # One trace, from the coordinator's A2A front door down to the tool.
     hops = (front, delegated, handled, called, served)
     assert {s.trace_id for s in hops} == {front.trace_id}
+    # Every hop is of one GenAI conversation: the run.
+    assert {s.attributes.get("gen_ai.conversation.id") for s in hops} == {run_id}
     assert not front.parent_span_id  # the caller sent no traceparent: the trace starts here
     assert front.attributes["gen_ai.operation.name"] == "invoke_agent"
     assert front.attributes["fleet.tenant"] == "acme"

@@ -99,9 +99,12 @@ def test_with_an_endpoint_spans_reach_the_collector_with_ids_and_no_error_text()
         "fleet.run_id": "r1",
         "fleet.tenant": "acme",
         "fleet.step": "q",
+        "gen_ai.conversation.id": "r1",
     }
     assert tool.attributes["error.type"] == "ValueError"
     assert spans["chat tiny-1"].attributes["fleet.run_id"] == "r1"
+    assert spans["chat tiny-1"].attributes["gen_ai.conversation.id"] == "r1"
+    assert tool.attributes["gen_ai.conversation.id"] == "r1"
     assert spans["chat tiny-1"].parent_span_id == agent.span_id
     assert "hunter2" not in repr(tool.attributes)
 
