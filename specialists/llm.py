@@ -241,6 +241,10 @@ class _Task:
                         Stop("context_limit", "the model's answer was cut at its token limit")
                     )
                 continue
+            keys = [call_key(call.name, call.arguments) for call in reply.tool_calls]
+            if all(self.guard.calls[key] > 0 for key in keys):  # a turn spent on repeating itself
+                tokens = reply.usage or reply.prompt_tokens + reply.completion_tokens
+                self.meter.repeated_turn(tokens, [call.name for call in reply.tool_calls])
             stop = self.guard.after_reply(reply) or _spent(self.meter)  # its calls are then not made
             if stop is not None:
                 return await self.at_limit(stop)

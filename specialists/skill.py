@@ -184,6 +184,7 @@ def _price(value: Any) -> Price | None:
 
 
 MAX_TIMED = 200  # completions of one task whose latency is reported
+MAX_REPEATED = 20  # functions whose repeats one task reports
 SLOW_TOOL_CALL_S = 30.0  # a tool call longer than this is slow (counted per agent)
 
 
@@ -213,6 +214,8 @@ class BudgetMeter:
         self.from_notes = 0  # calls answered from the notes instead of made again
         self.llm_seconds: list[float] = []  # how long each completion took (the first MAX_TIMED)
         self.slow_tool_calls = 0  # tool calls that took longer than SLOW_TOOL_CALL_S
+        self.tokens_on_repeats = 0  # tokens of turns that asked only for calls made before
+        self.repeated: dict[str, int] = {}  # those calls, by function (at most MAX_REPEATED)
 
     def timed_completion(self, seconds: float) -> None:
         """Note how long a completion took (the first :data:`MAX_TIMED` of the task)."""
@@ -222,6 +225,13 @@ class BudgetMeter:
     def timed_tool_call(self, seconds: float) -> None:
         """Note how long a tool call took (one over :data:`SLOW_TOOL_CALL_S` is counted)."""
         self.slow_tool_calls += seconds > SLOW_TOOL_CALL_S
+
+    def repeated_turn(self, tokens: int, functions: Sequence[str]) -> None:
+        """Note a turn that asked only for calls already made: its tokens went to repeating them."""
+        self.tokens_on_repeats += max(0, tokens)
+        for name in functions:
+            if name in self.repeated or len(self.repeated) < MAX_REPEATED:
+                self.repeated[name] = self.repeated.get(name, 0) + 1
 
     def spend_tool_call(self, what: str) -> None:
         """Count one tool call (``what``); raises ``budget_exhausted`` instead if the cap is spent."""
@@ -294,6 +304,8 @@ class BudgetMeter:
             )
         if self.slow_tool_calls:
             spent["slow_tool_calls"] = self.slow_tool_calls
+        if self.repeated:
+            spent["repeats"] = {"tokens": self.tokens_on_repeats, "calls": dict(self.repeated)}
         if self.rate_limited or self.llm_retries:
             spent.update(rate_limited=self.rate_limited, llm_retries=self.llm_retries)
         if self.stopped:

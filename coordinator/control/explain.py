@@ -3,7 +3,8 @@ its event log, its operations ledger and the policy in force, without re-running
 
 It names the end state and reason, the failed step (its skill, the agent it went to, the agent's
 version as registered now, the reroutes), the error code and message, any policy refusal, the last
-events before the end, every operation with its outcome, and what to do next. Everything in it comes
+events before the end, every operation with its outcome, where the model tokens went (by step, and
+the share spent repeating calls already made), and what to do next. Everything in it comes
 from what is already recorded (the log is redacted when written) and the whole text is redacted
 once more, so no secret reaches the bundle through it.
 """
@@ -225,6 +226,60 @@ def _operations(operations: list[dict[str, Any]]) -> list[str]:
     return [*lines, "", "The full ledger is in `operations.jsonl`.", ""]
 
 
+def _number(value: Any) -> float:
+    return (
+        float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else 0.0
+    )
+
+
+def _tokens(operations: list[dict[str, Any]]) -> list[str]:
+    """Where the run's model tokens went, as its agents reported them: by step, and the share spent
+    on turns that only repeated calls already made (the calls named)."""
+    used = [
+        op
+        for op in operations
+        if isinstance(op.get("usage"), dict) and _number(op["usage"].get("llm_tokens"))
+    ]
+    if not used:
+        return []
+    total = sum(_number(op["usage"]["llm_tokens"]) for op in used)
+    lines = [
+        "## Tokens",
+        "",
+        "| step | agent | tokens in | tokens out | completions | cost (agent's) | loop stopped |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    repeats: dict[str, float] = {}
+    on_repeats = 0.0
+    for op in sorted(used, key=lambda o: -_number(o["usage"]["llm_tokens"])):
+        usage = op["usage"]
+        stopped = usage.get("stopped") or ""
+        if stopped and usage.get("summarized"):
+            stopped += " (summarized)"
+        lines.append(
+            f"| {_cell(op['step_id'])} | {_cell(op['target'])} | {int(_number(usage.get('tokens_in')))} |"
+            f" {int(_number(usage.get('tokens_out')))} | {int(_number(usage.get('llm_calls')))} |"
+            f" ${_number(usage.get('cost_usd')):.4f} | {_cell(stopped)} |"
+        )
+        said = usage.get("repeats")
+        said = said if isinstance(said, dict) else {}
+        on_repeats += _number(said.get("tokens"))
+        calls = said.get("calls")
+        for name, times in (calls if isinstance(calls, dict) else {}).items():
+            repeats[str(name)] = repeats.get(str(name), 0.0) + _number(times)
+    lines += ["", f"{int(total)} tokens in all."]
+    if on_repeats:
+        share = round(100 * min(on_repeats, total) / total)
+        named = ", ".join(
+            f"`{name}` x{int(n)}" for name, n in sorted(repeats.items(), key=lambda kv: -kv[1])[:5]
+        )
+        lines.append(
+            f"{share}% of the tokens ({int(on_repeats)} of {int(total)}) went to repeating"
+            f" {len(repeats)} call(s) already made: {named}."
+        )
+    return [*lines, ""]
+
+
 def _next(run: Run, failed: FailedStep | None) -> list[str]:
     # The innermost code with advice: a tool's refusal says more than the agent's failure around it.
     codes = [*(cause_chain(failed) if failed is not None else []), run.reason or ""]
@@ -251,6 +306,7 @@ def explain(
         *_policy(policy_revision, refusals(events, operations)),
         *_last_events(events),
         *_operations(operations),
+        *_tokens(operations),
         *_next(run, failed),
     ]
     text, _ = redact("\n".join(lines))

@@ -71,6 +71,8 @@ async def test_a_stuck_loop_summarizes_when_policy_says_so_and_the_summary_is_th
     assert sum(m["role"] == "tool" for m in summary["messages"]) == 2
     assert run.meter is not None
     assert run.meter.to_dict()["stopped"] == "repeated_call" and run.meter.summarized
+    # Two turns (10 tokens each) asked only for a call already made: what EXPLAIN.md attributes.
+    assert run.meter.to_dict()["repeats"] == {"tokens": 20, "calls": {run.lookup: 2}}
     assert len(plane.served) == 2
 
 

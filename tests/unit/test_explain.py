@@ -95,3 +95,38 @@ def test_a_code_in_a_message_is_text_not_a_cause() -> None:
     )
     assert "- cause, outermost first: `specialist_failed`\n" in text
     assert "No policy or scope refusal is recorded for this run." in text
+
+
+def _op(step: str, target: str, usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "op_id": f"op-{step}",
+        "step_id": step,
+        "target": target,
+        "status": "succeeded",
+        "attempts": 1,
+        "usage": usage,
+    }
+
+
+def test_the_tokens_are_attributed_by_step_and_the_share_spent_repeating_calls_is_named() -> None:
+    operations = [
+        _op("a", "researcher", {"llm_tokens": 7_100, "tokens_in": 6_000, "tokens_out": 1_100, "llm_calls": 9,
+                                "cost_usd": 0.0421, "stopped": "repeated_call", "summarized": True,
+                                "repeats": {"tokens": 7_100, "calls": {"mcp-sql__query": 4, "mcp-memory__recall": 2}}}),
+        _op("b", "writer", {"llm_tokens": 2_900, "tokens_in": 2_000, "tokens_out": 900, "llm_calls": 2}),
+        _op("c", "sql-analyst", {"tool_calls": 1, "llm_tokens": 0}),  # a step without a model
+    ]  # fmt: skip
+    text = explain(run(RunState.COMPLETED, None), [], operations, "rev", {})
+    tokens = text.split("## Tokens", 1)[1].split("## What to do next")[0]
+    rows = [line for line in tokens.splitlines() if line.startswith("| ") and not line.startswith("| step")]
+    assert [r.split("|")[1].strip() for r in rows] == ["a", "b"]  # the dearest first; c used no model
+    assert "| 6000 | 1100 | 9 | $0.0421 | repeated_call (summarized) |" in rows[0]
+    assert "10000 tokens in all." in tokens
+    assert "71% of the tokens (7100 of 10000) went to repeating 2 call(s) already made:" in tokens
+    assert "`mcp-sql__query` x4, `mcp-memory__recall` x2" in tokens
+
+
+def test_a_run_that_used_no_model_has_no_tokens_section() -> None:
+    assert "## Tokens" not in explain(
+        run(RunState.COMPLETED, None), [], [_op("c", "x", {"tool_calls": 1})], "r", {}
+    )
