@@ -42,6 +42,8 @@ USAGE_METADATA_KEY = "fleet.usage"
 # An agent loop's progress notes (specialists.progress): sent by the agent as the task goes, kept by
 # the caller with the operation, and sent back with the operation if it is sent again.
 PROGRESS_METADATA_KEY = "fleet.progress"
+# The last request a failed task's agent loop sent its model (redacted), for the run's debug bundle.
+LAST_REQUEST_METADATA_KEY = "fleet.last_request"
 OPERATIONS_PATH = "/v1/operations"
 MAX_WAIT_S = 30.0
 

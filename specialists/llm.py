@@ -343,6 +343,7 @@ class _Task:
         while True:
             left = meter.tokens_left()
             bound = left if left is not None and left < COMPLETION_BOUND else None
+            meter.last_request = as_sent(messages, specs)
             started = time.monotonic()
             try:
                 reply = await self._model.complete(
@@ -381,6 +382,22 @@ class _Task:
             meter.summarized = True
             return _result_of(reply)
         raise SkillError(stop.code, stop.why, details={"reason": stop.reason, "spent": meter.to_dict()})
+
+
+MAX_REQUEST_CHARS = 32_000  # of a last request, as a failed task's debug bundle keeps it
+
+
+def as_sent(messages: list[dict[str, Any]], specs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A request to the model as the debug bundle keeps it: the messages (redacted once more; the
+    oldest cut first past :data:`MAX_REQUEST_CHARS`) and the names of the tools offered."""
+    shown = [dict(m) for m in redact(messages)[0]]
+    room = MAX_REQUEST_CHARS
+    for message in reversed(shown):
+        content = str(message.get("content") or "")
+        if len(content) > room:
+            message["content"] = content[: max(room, 0)] + " [cut]"
+        room -= len(content)
+    return {"messages": shown, "tools": [spec["function"]["name"] for spec in specs or []]}
 
 
 def _retry_wait(exc: FleetError, retries: int, meter: BudgetMeter) -> float:

@@ -215,6 +215,9 @@ class BudgetMeter:
         self.llm_seconds: list[float] = []  # how long each completion took (the first MAX_TIMED)
         self.slow_tool_calls = 0  # tool calls that took longer than SLOW_TOOL_CALL_S
         self.tokens_on_repeats = 0  # tokens of turns that asked only for calls made before
+        # The last request the agent loop sent its model (redacted, bounded), kept for a failed
+        # task's debug bundle.
+        self.last_request: dict[str, Any] | None = None
         self.repeated: dict[str, int] = {}  # those calls, by function (at most MAX_REPEATED)
 
     def timed_completion(self, seconds: float) -> None:

@@ -3,8 +3,10 @@
 Files: ``EXPLAIN.md`` (the summary a person reads first, see :mod:`coordinator.control.explain`),
 ``events.jsonl`` (the event log), ``operations.jsonl`` (the operations ledger), ``checkpoints.jsonl``
 and ``last_state.json`` (graph state, redacted), ``tool_calls.csv`` (one row per delegated step),
-``agents.json`` (the registry's records now of the agents the run used) and ``env.txt`` (versions and
-the policy revision)."""
+``agents.json`` (the registry's records now of the agents the run used), ``trace.json`` (the run as
+a trace: its steps, operations and waits as spans, with the trace id of the request that made it),
+``model_requests.jsonl`` (the last request the agent loop of each failed step sent its model, as
+sent, redacted) and ``env.txt`` (versions and the policy revision)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from coordinator.control.explain import codes_of, explain
 from coordinator.record.operations import Ledger
 from coordinator.record.runs import PostgresRunStore, Run, RunEvent
+from coordinator.record.work import TRACE_KEY
 from fleet.redact import redact
 from fleet.vocabulary import EventType
 
@@ -101,6 +104,84 @@ def tool_calls(run: Run, events: list[RunEvent]) -> str:
     return out.getvalue()
 
 
+# The run's trace, rebuilt from what the run recorded: one span per interval the log opens and
+# closes. (The spans the processes sent to a collector, if one is configured, share its trace id.)
+_OPENS: dict[str, tuple[str, str]] = {
+    EventType.STEP_STARTED: ("step", "step"),
+    EventType.OPERATION_INTENT: ("operation", "op_id"),
+    EventType.RUN_WAITING: ("wait", ""),
+}
+_CLOSES: dict[str, tuple[str, str]] = {
+    EventType.STEP_COMPLETED: ("step", "step"),
+    EventType.STEP_FAILED: ("step", "step"),
+    EventType.OPERATION_SUCCEEDED: ("operation", "op_id"),
+    EventType.OPERATION_FAILED: ("operation", "op_id"),
+    EventType.OPERATION_NEEDS_HUMAN: ("operation", "op_id"),
+    EventType.RUN_RESUMED: ("wait", ""),
+}
+
+
+def trace(run: Run, events: list[RunEvent], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run as a trace: the run's span, and within it a span per step, per operation (with the
+    agent it went to and what its task said it spent) and per wait, each from the event that opened
+    it to the one that closed it (open: no end); with the W3C trace id of the request that created
+    the run, if it carried one, and the GenAI conversation id (the run's)."""
+    usage = {op["op_id"]: op.get("usage") for op in operations}
+    targets = {op["op_id"]: op.get("target") for op in operations}
+    parent = run.request.get(TRACE_KEY)
+    traceparent = str(parent.get("traceparent", "")) if isinstance(parent, dict) else ""
+    trace_id = traceparent.split("-")[1] if traceparent.count("-") == 3 else ""
+    spans: list[dict[str, Any]] = []
+    open_: dict[tuple[str, str], dict[str, Any]] = {}
+    for event in events:
+        for table, closing in ((_OPENS, False), (_CLOSES, True)):
+            if event.type not in table:
+                continue
+            kind, key = table[event.type]
+            name = str(event.payload.get(key, "")) if key else "wait"
+            if not closing:
+                span: dict[str, Any] = {
+                    "name": f"{kind} {name}",
+                    "start": event.ts.isoformat(),
+                    "end": None,
+                    "attributes": {},
+                }
+                if kind == "operation":
+                    span["attributes"] = {
+                        "fleet.operation_id": name,
+                        "fleet.step": event.payload.get("step"),
+                        "gen_ai.agent.id": targets.get(name),
+                        "fleet.usage": usage.get(name),
+                    }
+                elif kind == "step":
+                    span["attributes"] = {
+                        "fleet.skill": event.payload.get("skill"),
+                        "gen_ai.agent.id": event.payload.get("agent"),
+                    }
+                spans.append(span)
+                open_[(kind, name)] = span
+            elif (kind, name) in open_:
+                span = open_.pop((kind, name))
+                span["end"] = event.ts.isoformat()
+                span["status"] = (
+                    "error" if event.type in (EventType.STEP_FAILED, EventType.OPERATION_FAILED) else "ok"
+                )
+    root = {
+        "name": f"run {run.run_id}",
+        "start": run.created_at.isoformat(),
+        "end": run.updated_at.isoformat()
+        if run.state.value in ("completed", "failed", "canceled", "rejected")
+        else None,
+        "attributes": {
+            "fleet.run_id": run.run_id,
+            "gen_ai.conversation.id": run.run_id,
+            "fleet.tenant": run.tenant,
+        },
+        "status": run.state.value,
+    }
+    return {"trace_id": trace_id, "conversation_id": run.run_id, "spans": [root, *spans]}
+
+
 def environment(policy_revision: str) -> str:
     lines = [f"python {platform.python_version()}", f"platform {platform.platform()}"]
     for name in PACKAGES:
@@ -140,6 +221,7 @@ async def bundle(
     events = await all_events(store, run)
     found = await checkpoints(saver, run.run_id)
     operations = [op.to_json() for op in await ledger.for_run(run.run_id)]
+    requests = await ledger.last_requests(run.run_id)
     used = used_agents(events, agents)
     return {
         "EXPLAIN.md": explain(run, events, operations, policy_revision, {k: v for k, v in used.items() if v}),
@@ -149,5 +231,7 @@ async def bundle(
         "checkpoints.jsonl": "".join(json.dumps(c) + "\n" for c in found),
         "last_state.json": json.dumps(found[0]["values"] if found else {}, indent=2) + "\n",
         "tool_calls.csv": tool_calls(run, events),
+        "trace.json": json.dumps(redact(trace(run, events, operations))[0], indent=2, default=str) + "\n",
+        "model_requests.jsonl": "".join(json.dumps(redact(r)[0]) + "\n" for r in requests),
         "env.txt": environment(policy_revision),
     }

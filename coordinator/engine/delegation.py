@@ -72,6 +72,7 @@ from fleet.approvals import ApprovalBinding, ApprovalRequest
 from fleet.errors import DependencyUnavailable, ErrorCode, FleetError
 from fleet.operation_ext import (
     BUDGET_METADATA_KEY,
+    LAST_REQUEST_METADATA_KEY,
     LOOP_METADATA_KEY,
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
@@ -279,6 +280,7 @@ class Delegator:
         usage: Usage | None = None,
         notes: Notes | None = None,
         resume: dict[str, Any] | None = None,
+        last_request: Notes | None = None,
     ) -> dict[str, Any]:
         """Run ``skill`` on ``agent``; return its result data or raise a step failure.
 
@@ -316,7 +318,7 @@ class Delegator:
             step=step,
         )
         with span:
-            said = _Said(usage, notes if not agent.external else None)
+            said = _Said(usage, notes, last_request) if not agent.external else _Said(usage)
             return await self._send(agent, skill, message, tenant, progress, activity, run_id, said)
 
     async def _send(
@@ -746,6 +748,7 @@ class _Said:
 
     usage: Usage | None = None
     notes: Notes | None = None
+    last_request: Notes | None = None
 
     async def heard(self, carrier: Any) -> None:
         """Pass on what a message's or an artifact's metadata says: ``fleet.usage`` if it is an
@@ -762,6 +765,10 @@ class _Said:
             notes = MessageToDict(carrier.metadata).get(PROGRESS_METADATA_KEY)
             if isinstance(notes, dict):
                 await self.notes(notes)
+        if self.last_request is not None and LAST_REQUEST_METADATA_KEY in fields:
+            request = MessageToDict(carrier.metadata).get(LAST_REQUEST_METADATA_KEY)
+            if isinstance(request, dict):
+                await self.last_request(request)
 
 
 @dataclass(frozen=True, slots=True)

@@ -330,6 +330,9 @@ class StepDispatcher:
                     agent.id,
                 )
 
+        async def failed_with(request: dict[str, Any]) -> None:
+            await self._ledger.record_last_request(self._lease.run_id, op.op_id, agent.id, request)
+
         # Sent again to the agent that wrote notes for it: they go back, and its loop goes on from them.
         resume = await self._ledger.progress_for(op.op_id, agent.id) if self._resend else None
 
@@ -348,6 +351,7 @@ class StepDispatcher:
                 usage=spent,
                 notes=noted,
                 resume=resume,
+                last_request=failed_with,
             )
         )
         renewals = 0

@@ -71,6 +71,9 @@ ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS usage jsonb;
 -- agent only, if the operation is sent again).
 ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS progress jsonb;
 ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS progress_by text;
+-- The last request the agent loop of a failed operation sent its model (redacted, as the agent sent
+-- it): the debug bundle's model_requests.jsonl.
+ALTER TABLE fleet_runs.operations ADD COLUMN IF NOT EXISTS last_request jsonb;
 """
 
 _COLUMNS = (
@@ -340,6 +343,28 @@ class Ledger:
                 (body, agent, op_id, run_id, agent),
             )
             return bool(cursor.rowcount == 1)
+
+    async def record_last_request(self, run_id: str, op_id: str, agent: str, request: dict[str, Any]) -> None:
+        """Keep the last model request of ``agent``'s failed loop on ``op_id`` (at most
+        :data:`MAX_PROGRESS_BYTES`, else not kept), for the run's debug bundle."""
+        if len(json.dumps(request, default=str)) > MAX_PROGRESS_BYTES:
+            return
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                "UPDATE fleet_runs.operations SET last_request = %s WHERE op_id = %s AND run_id = %s AND target = %s",
+                (Jsonb(request), op_id, run_id, agent),
+            )
+
+    async def last_requests(self, run_id: str) -> list[dict[str, Any]]:
+        """The kept last model requests of the run's operations: ``{op_id, step_id, target, request}``."""
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(
+                "SELECT op_id, step_id, target, last_request FROM fleet_runs.operations"
+                " WHERE run_id = %s AND last_request IS NOT NULL ORDER BY created_at, op_id",
+                (run_id,),
+            )
+            rows = await cursor.fetchall()
+        return [{"op_id": r[0], "step_id": r[1], "target": r[2], "request": r[3]} for r in rows]
 
     async def progress_for(self, op_id: str, agent: str) -> dict[str, Any] | None:
         """The progress notes of ``op_id`` if ``agent`` wrote them (another agent's are not its)."""

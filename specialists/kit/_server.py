@@ -47,6 +47,7 @@ from fleet.errors import ErrorCode, FleetError
 from fleet.mcp_errors import error_of
 from fleet.operation_ext import (
     BUDGET_METADATA_KEY,
+    LAST_REQUEST_METADATA_KEY,
     LOOP_METADATA_KEY,
     MAX_WAIT_S,
     OPERATION_METADATA_KEY,
@@ -541,7 +542,9 @@ class SkillExecutor(AgentExecutor):
                 meter,
                 resume if isinstance(resume, dict) else None,
             )
-            await _publish(updater, skill.id, outcome, meter.to_dict() if meter.ran else None)
+            await _publish(
+                updater, skill.id, outcome, meter.to_dict() if meter.ran else None, meter.last_request
+            )
             running.published = True
         finally:
             if self._by_task.get(task.id) is running:
@@ -818,12 +821,19 @@ def _outcome_of(skill_task: asyncio.Task[Outcome], skill: Skill, calls: ToolCall
 
 
 async def _publish(
-    updater: TaskUpdater, skill_id: str, outcome: Outcome, usage: dict[str, Any] | None = None
+    updater: TaskUpdater,
+    skill_id: str,
+    outcome: Outcome,
+    usage: dict[str, Any] | None = None,
+    last_request: dict[str, Any] | None = None,
 ) -> None:
     """End the task as the skill's outcome says, with what it spent (``usage``, if it ran here) in
-    the metadata of its last message or artifact (``fleet.usage``)."""
+    the metadata of its last message or artifact (``fleet.usage``), and, if it failed, the last
+    request its agent loop sent the model (``fleet.last_request``, redacted)."""
     status, result, error = outcome
-    metadata = {USAGE_METADATA_KEY: usage} if usage is not None else None
+    metadata: dict[str, Any] | None = {USAGE_METADATA_KEY: usage} if usage is not None else None
+    if last_request is not None and status != JournalStatus.SUCCEEDED:
+        metadata = {**(metadata or {}), LAST_REQUEST_METADATA_KEY: last_request}
     if status == JournalStatus.SUCCEEDED and (result or {}).get("status") == ASKING:
         assert result is not None
         details = [new_data_part(d) for d in result.get("details", []) if isinstance(d, dict)]

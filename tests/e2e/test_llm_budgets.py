@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -100,7 +101,7 @@ def _recall(limit: int = 3, usage: int = 10) -> Any:
 
 
 async def test_a_repeated_call_is_stopped_by_the_tenants_policy_and_the_step_before_keeps_its_result(
-    fleet_and_model: tuple[Stack, ScriptedModel],
+    fleet_and_model: tuple[Stack, ScriptedModel], tmp_path: Path
 ) -> None:
     stack, model = fleet_and_model
     model.requests.clear()
@@ -117,6 +118,33 @@ async def test_a_repeated_call_is_stopped_by_the_tenants_policy_and_the_step_bef
     usage = ops["ask"]["usage"]
     assert (usage["stopped"], usage["tool_calls"], usage["llm_calls"]) == ("repeated_call", 1, 2)
     assert usage["models"] == [MODEL]
+    # The debug bundle: the last request the failed loop sent, as sent (redacted), the tokens
+    # attributed in EXPLAIN.md, and the run as a trace with what the operation spent.
+    bundle = tmp_path / "bundle"
+    exported = await asyncio.to_thread(
+        fleet,
+        "runs",
+        "export",
+        outcome.task_id,
+        str(bundle),
+        "--tenant",
+        "stops",
+        "--data-dir",
+        stack.data_dir,
+    )
+    assert exported.returncode == 0, exported.stderr
+    (request,) = [json.loads(line) for line in (bundle / "model_requests.jsonl").read_text().splitlines()]
+    assert request["step_id"] == "ask" and request["target"] == AGENT
+    assert request["request"]["messages"] == model.requests[-1]["messages"]  # the one the model got
+    assert request["request"]["tools"] == [t["function"]["name"] for t in model.requests[-1]["tools"]]
+    explained = (bundle / "EXPLAIN.md").read_text()
+    assert "## Tokens" in explained and "repeated_call" in explained
+    assert "went to repeating 1 call(s) already made: `mcp-memory__recall` x1" in explained
+    spans = json.loads((bundle / "trace.json").read_text())["spans"]
+    (operation,) = [
+        s for s in spans if s["name"].startswith("operation") and s["attributes"]["fleet.step"] == "ask"
+    ]
+    assert operation["attributes"]["fleet.usage"]["llm_calls"] == 2 and operation["status"] == "error"
 
 
 async def test_another_tenant_has_the_stuck_loop_summarize_and_the_run_completes(

@@ -149,8 +149,10 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
         "env.txt",
         "events.jsonl",
         "last_state.json",
+        "model_requests.jsonl",
         "operations.jsonl",
         "tool_calls.csv",
+        "trace.json",
     ]
     events = [json.loads(line) for line in (bundle / "events.jsonl").read_text().splitlines()]
     assert events[-1]["type"] == "run.failed"
@@ -171,6 +173,19 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
     last_state = json.loads((bundle / "last_state.json").read_text())
     assert last_state["failure"]["step"] == "wipe"
     assert "policy bundle revision local-1+" in (bundle / "env.txt").read_text()
+    # The run as a trace: its span, then a span per step and operation, the failed ones marked.
+    traced = json.loads((bundle / "trace.json").read_text())
+    assert traced["conversation_id"] == outcome.task_id
+    root, *spans = traced["spans"]
+    assert root["name"] == f"run {outcome.task_id}" and root["status"] == "failed"
+    assert [(s["name"], s.get("status")) for s in spans if s["name"].startswith("step")] == [
+        ("step totals", "ok"),
+        ("step wipe", "error"),
+    ]
+    assert {s["attributes"]["gen_ai.agent.id"] for s in spans if s["name"].startswith("operation")} == {
+        "sql-analyst"
+    }
+    assert (bundle / "model_requests.jsonl").read_text() == ""  # no agent loop ran a model
 
 
 def test_exporting_a_run_of_another_tenant_finds_nothing(stack: Stack, tmp_path: Path) -> None:
