@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,10 @@ from prometheus_client import REGISTRY
 
 import fleet.telemetry  # noqa: F401  (registers the fleet's metrics)
 from deploy import dashboard
+from fleetctl.testing.node import installed, tool
 
 SCHEMA = "@grafana/schema@13.2.3"
 TYPESCRIPT = "typescript@5.6.3"
-TOOLS_DIR = Path(sys.prefix) / ".grafana-schema" / "13.2.3"
 TSC_ARGS = [
     "--noEmit",
     "--strict",
@@ -33,34 +31,10 @@ TSC_ARGS = [
 ]
 
 
-def _bin(name: str) -> str:
-    found = Path(sys.prefix) / "bin" / name
-    return str(found) if found.exists() else (shutil.which(name) or name)
-
-
 @pytest.fixture(scope="module")
 def checker() -> Path:
     """A folder with Grafana's schema and TypeScript's compiler, installed from the npm registry once."""
-    if not (TOOLS_DIR / "node_modules" / ".bin" / "tsc").exists():
-        TOOLS_DIR.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(
-            [
-                _bin("npm"),
-                "install",
-                "--prefix",
-                str(TOOLS_DIR),
-                "--no-audit",
-                "--no-fund",
-                "--loglevel=error",
-                SCHEMA,
-                TYPESCRIPT,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, f"npm could not install {SCHEMA}:\n{result.stderr[-2000:]}"
-    return TOOLS_DIR
+    return installed("grafana-schema/13.2.3", SCHEMA, TYPESCRIPT, marker=".bin/tsc")
 
 
 def typecheck(checker: Path, board: object, name: str) -> subprocess.CompletedProcess[str]:
@@ -71,7 +45,7 @@ def typecheck(checker: Path, board: object, name: str) -> subprocess.CompletedPr
     )
     tsc = checker / "node_modules" / ".bin" / "tsc"
     return subprocess.run(
-        [_bin("node"), str(tsc), *TSC_ARGS, str(source)],
+        [tool("node"), str(tsc), *TSC_ARGS, str(source)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,7 +8,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -17,48 +16,25 @@ import pytest
 
 from fleet.events import Event
 from fleetctl.testing.e2e import Stack, fleet
+from fleetctl.testing.node import installed, tool
 
 pytestmark = pytest.mark.e2e
 
 NATS_JS = "nats@2.29.3"
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "producer.mjs"
-TOOLS_DIR = Path(sys.prefix) / ".nats-js"
-
-
-def _bin(name: str) -> str:
-    found = Path(sys.prefix) / "bin" / name
-    return str(found) if found.exists() else (shutil.which(name) or name)
 
 
 @pytest.fixture(scope="module")
 def producer_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example beside a node_modules with nats.js, installed from the npm registry once."""
-    target = TOOLS_DIR / NATS_JS.rsplit("@", 1)[1]
-    if not (target / "node_modules" / "nats").exists():
-        target.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(
-            [
-                _bin("npm"),
-                "install",
-                "--prefix",
-                str(target),
-                "--no-audit",
-                "--no-fund",
-                "--loglevel=error",
-                NATS_JS,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, f"npm could not install {NATS_JS}:\n{result.stderr[-2000:]}"
+    target = installed(f"nats-js/{NATS_JS.rsplit('@', 1)[1]}", NATS_JS, marker="nats")
     script = target / "producer.mjs"  # beside its node_modules, so that `import "nats"` finds it
     shutil.copyfile(EXAMPLE, script)
     return script
 
 
 def run_node(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_bin("node"), str(script), *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([tool("node"), str(script), *args], capture_output=True, text=True, timeout=60)
 
 
 def issue(stack: Stack, tmp_path: Path, name: str) -> Path:
