@@ -282,17 +282,19 @@ class _Task:
         return spent
 
     async def one_call(self, call: ToolCall) -> str:
-        """One call's answer: from the notes if it was made before this context, else the tool's,
-        recorded in the notes (saved first when the call has an effect)."""
+        """One call's answer: a call with an effect made before this context is answered from the
+        notes (its effect is not made again); a read is made again (what it reads may have changed
+        meanwhile). A call made is recorded in the notes, saved first when it has an effect."""
         key = call_key(call.name, call.arguments)
-        if key in self.remembered:
+        offered = self.tools.get(call.name)
+        effect = offered is not None and not offered.read_only
+        if effect and key in self.remembered:
             known = self.notes.answer_of(key)
             if known is not None:
                 self.meter.from_notes += 1
                 return known
-        offered = self.tools.get(call.name)
         self.notes.pending(key, call.name, redact(call.arguments)[0])
-        if offered is not None and not offered.read_only:
+        if effect:
             await self.save()  # the call's intent outlives this process
         answer = await _call(self.tools, call, self.ctx, key)
         self.notes.done(key, answer)

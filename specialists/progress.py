@@ -12,7 +12,8 @@ points and after each compaction.
 A loop that resumes from notes (they come back with the operation when it is sent again):
 
 - starts its context from the summary and the calls' answers, not from the beginning;
-- answers a call it already made from the notes, without calling the tool again;
+- answers a call with an effect it already made from the notes, without calling the tool again (a
+  read is made again: what it reads may have changed);
 - makes a call that was ``pending`` (cut by the crash) again only if a repeat is safe: the tool is
   read-only or idempotent in the catalog, or it takes an ``idempotency_key`` (the loop sets that key
   itself, from the operation and the call, so the repeat carries the same key); else the task ends
@@ -160,7 +161,7 @@ class Notes:
                 "You are continuing this task; your earlier context is gone. Your progress notes so far:",
                 self.summary or "(no summary was written)",
                 "The tool calls made so far, latest first, with their answers (do not make them again: a"
-                " repeat is answered from these notes):",
+                " repeat of one with an effect is answered from these notes):",
             ]
         )
         shown: list[dict[str, Any]] = []

@@ -38,11 +38,13 @@ def _big(reply: Reply, prompt_tokens: int) -> Reply:
 async def test_a_context_past_three_quarters_of_the_window_is_compacted_and_the_task_finishes(
     plane: ToolPlane, http: httpx.AsyncClient
 ) -> None:
+    pay = function_name(plane.server_id, "pay_invoice")
     replies = [
         _big(lookup_of(plane, "INV-7"), 200),
-        _big(lookup_of(plane, "INV-8"), 800),  # 800 of a 1,000-token window: compact before the next
+        _big(call(pay, {"number": "INV-8", "idempotency_key": "a"}), 800),  # 800 of 1,000: compact next
         say(SUMMARY),  # the model's notes
-        lookup_of(plane, "INV-7"),  # made before the compaction: answered from the notes
+        call(pay, {"number": "INV-8", "idempotency_key": "b"}),  # an effect made before: from the notes
+        lookup_of(plane, "INV-7"),  # a read made before: made again (what it reads may have changed)
         say('{"over_limit": true}'),
     ]
     async with scripted_model(*replies) as model:
@@ -59,14 +61,18 @@ async def test_a_context_past_three_quarters_of_the_window_is_compacted_and_the_
     assert sum(len(m.get("content") or "") for m in [notes, *recent]) <= 1_000
     assert recent == compacting["messages"][len(compacting["messages"]) - 1 - len(recent) : -1]
     assert [m["role"] for m in recent][::2] == ["assistant"] * (len(recent) // 2)
-    # The repeated lookup was answered from the notes: the tool served two calls, not three.
-    assert [args["number"] for _, args in plane.served] == ["INV-7", "INV-8"]
+    # The repeated payment was answered from the notes; the repeated lookup was made again.
+    assert [name for name, _ in plane.served] == ["lookup_invoice", "pay_invoice", "lookup_invoice"]
     assert run.meter is not None
     spent = run.meter.to_dict()
     assert (spent["compactions"], spent["from_notes"]) == (1, 1)
     saved = Notes.of(run.saved[-1])
     assert saved is not None and saved.summary == SUMMARY and saved.compactions == 1
-    assert [c.arguments["number"] for c in saved.calls] == ["INV-7", "INV-8"]
+    assert [(c.function.rsplit("__", 1)[1], c.arguments["number"]) for c in saved.calls] == [
+        ("lookup_invoice", "INV-7"),
+        ("pay_invoice", "INV-8"),
+        ("lookup_invoice", "INV-7"),
+    ]
 
 
 async def test_an_answer_cut_at_the_limit_is_compacted_and_asked_again_not_taken_as_bad(
