@@ -38,7 +38,15 @@ from fleet.working_memory import prune
 from registry import McpServerRecord
 from specialists.loop_guard import LoopGuard, Stop
 from specialists.progress import IDEMPOTENCY_ARGUMENT, Notes, call_key, keyed
-from specialists.skill import MEMORY_SERVER, BudgetMeter, OutcomeUnknown, Skill, SkillContext, SkillError
+from specialists.skill import (
+    MEMORY_SERVER,
+    BudgetMeter,
+    InputRequired,
+    OutcomeUnknown,
+    Skill,
+    SkillContext,
+    SkillError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +191,7 @@ class _Task:
         self.compacted_at = len(self.messages)  # nothing before this can be compacted away
         self.last_prompt = 0  # the prompt tokens of the last completion (the context's size)
         self.bounded = False  # whether the last completion was held to the tokens the task had left
+        self.asked: dict[str, str] | None = None  # the limit a person was asked about, if the task is back
 
     def resume(self, notes: Notes | None) -> None:
         """Go on from ``notes`` (the task came back after a crash): the context starts from them,
@@ -210,9 +219,13 @@ class _Task:
         ]
         self.compacted_at = len(self.messages)
         self.meter.resumed = True
+        self.asked, notes.asked = notes.asked, None
 
     async def run(self) -> dict[str, Any]:
         """The loop (see :meth:`AgentLoop.run`)."""
+        result = await self.decided()
+        if result is not None:
+            return result
         while True:
             stop = self.guard.before_turn() or _spent(self.meter)
             if stop is not None:
@@ -379,11 +392,44 @@ class _Task:
             action,
         )
         if action == "summarize":
-            closing = SUMMARIZE.format(why=stop.why)
-            reply = await self.completion([*self.messages, {"role": "user", "content": closing}], None)
-            meter.summarized = True
-            return _result_of(reply)
+            return await self.summarize(stop)
+        if action == "ask":
+            # A person decides; the notes let the task go on from here when the answer comes.
+            self.notes.asked = {"reason": stop.reason, "why": stop.why}
+            await self.save()
+            raise InputRequired(ASK.format(why=stop.why), {"decision": " | ".join(DECISIONS)})
         raise SkillError(stop.code, stop.why, details={"reason": stop.reason, "spent": meter.to_dict()})
+
+    async def summarize(self, stop: Stop) -> dict[str, Any]:
+        """One last turn, without tools: the model answers from what it has, told why."""
+        closing = SUMMARIZE.format(why=stop.why)
+        reply = await self.completion([*self.messages, {"role": "user", "content": closing}], None)
+        self.meter.summarized = True
+        return _result_of(reply)
+
+    async def decided(self) -> dict[str, Any] | None:
+        """What a person decided about the limit the loop asked them about (the task is back with
+        their answer): summarize now (the result), stop (``non_converging`` or
+        ``budget_exhausted``, as the limit was), or continue with a new allowance (None: the loop
+        goes on). An answer that says none of these stops it."""
+        asked, self.asked = self.asked, None
+        if asked is None:
+            return None
+        stop = Stop(asked.get("reason", "max_turns"), asked.get("why", "a limit"))
+        decision = decision_of(self.ctx.answer)
+        log.info("agent loop of run %s: a person decided %s on %s", self.ctx.run_id, decision, stop.reason)
+        self.meter.stopped = stop.reason
+        if decision == "summarize":
+            return await self.summarize(stop)
+        if decision != "continue":
+            raise SkillError(
+                stop.code,
+                f"stopped, as a person decided: {stop.why}",
+                details={"reason": stop.reason, "spent": self.meter.to_dict()},
+            )
+        self.meter.stopped = ""
+        self.guard.reset()
+        return None
 
 
 MAX_REQUEST_CHARS = 32_000  # of a last request, as a failed task's debug bundle keeps it
@@ -427,6 +473,23 @@ def _gave_up(exc: FleetError, wait_s: float, meter: BudgetMeter) -> FleetError:
         retry_after_s=round(wait_s),
         details={"reason": "rate_limited"},
     )
+
+
+DECISIONS = ("continue", "summarize", "stop")
+ASK = (
+    "The agent loop stopped: {why}. Decide: continue (it goes on from its notes with a new"
+    " allowance), summarize (it answers now from what it has) or stop."
+)
+
+
+def decision_of(answer: dict[str, Any] | None) -> str:
+    """A person's decision on a stopped loop, from their answer (``{"decision": ...}`` or a text
+    that is one of :data:`DECISIONS`); "" if it is none."""
+    if not isinstance(answer, dict):
+        return ""
+    said = answer.get("decision", answer.get("text", ""))
+    word = str(said).strip().lower() if isinstance(said, str) else ""
+    return word if word in DECISIONS else ""
 
 
 COMPLETION_BOUND = 4096  # below this many tokens left, a completion is asked to stay within them

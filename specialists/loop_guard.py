@@ -67,6 +67,12 @@ class LoopGuard:
         self.turns = turns
         self.calls.update(calls)
 
+    def reset(self) -> None:
+        """A new allowance (a person let a stopped loop go on): turns and repeats count from zero."""
+        self.turns = 0
+        self.calls.clear()
+        self._outputs.clear()
+
     def before_turn(self) -> Stop | None:
         """A stop if the loop may not ask the model again."""
         if self.turns >= self.max_turns:

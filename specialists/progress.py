@@ -85,6 +85,7 @@ class Notes:
     calls: list[Call] = field(default_factory=list)
     turn: int = 0
     compactions: int = 0
+    asked: dict[str, str] | None = None  # the limit the loop asked a person about: reason, why
 
     def pending(self, key: str, function: str, arguments: dict[str, Any]) -> None:
         """Record that the call ``key`` is about to be made."""
@@ -117,6 +118,8 @@ class Notes:
             "compactions": self.compactions,
             "calls": [call.to_json() for call in self.calls],
         }
+        if self.asked is not None:
+            body["asked"] = self.asked
         calls = body["calls"]
         assert isinstance(calls, list)
         while len(json.dumps(body)) > MAX_NOTES_BYTES and calls:
@@ -144,11 +147,15 @@ class Notes:
                 Call(raw["key"], str(raw.get("function", "")), arguments, answer, raw.get("done") is True)
             )
         summary, turn, compactions = body.get("summary"), body.get("turn"), body.get("compactions")
+        asked = body.get("asked")
         return cls(
             summary[:MAX_SUMMARY_CHARS] if isinstance(summary, str) else "",
             calls,
             turn if isinstance(turn, int) else 0,
             compactions if isinstance(compactions, int) else 0,
+            {k: str(v)[:300] for k, v in asked.items() if k in ("reason", "why")}
+            if isinstance(asked, dict)
+            else None,
         )
 
     def for_model(self, max_chars: int = 8_000) -> str:

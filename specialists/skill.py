@@ -103,7 +103,7 @@ class TaskBudget:
         )
 
 
-STUCK_ACTIONS = ("stop", "summarize")
+STUCK_ACTIONS = ("stop", "summarize", "ask")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +123,10 @@ class LoopPolicy:
     """What the caller's policy says the agent loop does at a limit (message metadata
     ``fleet.loop``): ``on_stuck`` when it is not converging (the same call or output again, too
     many calls in a turn), ``on_spent`` when a budget is spent (turns, tool calls, tokens, money):
-    ``stop`` (the task fails with the reason) or ``summarize`` (one last turn without tools: the
-    model answers from what it has).
+    ``stop`` (the task fails with the reason), ``summarize`` (one last turn without tools: the
+    model answers from what it has) or ``ask`` (a person decides: the task asks, with its progress
+    notes saved, and goes on from them as the answer says: continue with a new allowance,
+    summarize, or stop).
     ``prices``: per model, what its tokens cost (a model not listed costs ``default_price``, if
     any). A model that answers 429 is waited out (its ``Retry-After``, at most
     ``rate_limit_max_wait_s``) at most ``rate_limit_retries`` times, then the task stops

@@ -138,13 +138,16 @@ class StepDispatcher:
         named: str | None = None,
         limits: Callable[[AgentRecord], TaskLimits] | None = None,
         models: Mapping[str, Any] | None = None,
+        resume_from: str = "",
     ) -> None:
         """``announce``: log the step's ``step.started`` (with where it went) and ``step.completed``
         (a plain step; a batch's calls are announced by the batch). ``completes``: whether a result
         completes the step (one that asks a person first does not: no ``step.completed`` yet).
         ``named``: the agent the plan names for the step (see :meth:`Delegator.assign`).
         ``limits``: what a task sent to an agent may spend, and what its loop does at a limit;
-        ``models``: the prices what it spent is counted at (``fleet_agent_*`` metrics)."""
+        ``models``: the prices what it spent is counted at (``fleet_agent_*`` metrics);
+        ``resume_from``: the operation of the step's call that asked a person (a gate), whose
+        progress notes this call goes on from, when its agent wrote them."""
         self._delegator = delegator
         self._ledger = scope.ledger
         self._lease = scope.lease
@@ -160,6 +163,7 @@ class StepDispatcher:
         self._named_agent = named
         self._limits = limits
         self._models = models or {}
+        self._resume_from = resume_from
         # What the agent said the operation spent (fleet.usage), once it said, as it said it.
         self.usage: dict[str, Any] | None = None
         self._resend = False  # whether the operation is being sent again (after a crash, or moved)
@@ -334,7 +338,9 @@ class StepDispatcher:
             await self._ledger.record_last_request(self._lease.run_id, op.op_id, agent.id, request)
 
         # Sent again to the agent that wrote notes for it: they go back, and its loop goes on from them.
-        resume = await self._ledger.progress_for(op.op_id, agent.id) if self._resend else None
+        # After a gate, the call that asked left its notes: the answer goes on from them.
+        earlier = op.op_id if self._resend else self._resume_from
+        resume = await self._ledger.progress_for(earlier, agent.id) if earlier else None
 
         call = asyncio.ensure_future(
             self._delegator.call(

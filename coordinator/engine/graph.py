@@ -818,6 +818,7 @@ class _Nodes:
                     named=step.get("agent"),
                     limits=limits,
                     models=(spend or {}).get("models"),
+                    resume_from=dispatcher.op_id,  # the call that asked: its loop's notes go on
                 )
                 calls.append(dispatcher)
                 result = await _run_or_wait(dispatcher, step["id"], asked)

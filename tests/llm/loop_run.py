@@ -44,6 +44,7 @@ class Run:
     meter: BudgetMeter | None = None
     context_tokens: int = 32_000  # the model's window, as the loop is told it
     resume: dict[str, Any] | None = None  # progress notes the task comes back with
+    answer: dict[str, Any] | None = None  # a person's answer it comes back with
     saved: list[dict[str, Any]] = field(default_factory=list)  # the notes the loop saved, in order
 
     @property
@@ -71,7 +72,14 @@ class Run:
             self.saved.append(notes)
 
         ctx = SkillContext(
-            claims, tools, report, "op-1", budget=meter, resume=self.resume, save_progress=save
+            claims,
+            tools,
+            report,
+            "op-1",
+            budget=meter,
+            answer=self.answer,
+            resume=self.resume,
+            save_progress=save,
         )
         model = ChatModel(self.model.base_url, "scripted-1", "", self.http)
         loop = AgentLoop(model, max_turns=max_turns, context_tokens=self.context_tokens)

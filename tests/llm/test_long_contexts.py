@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from fleet.errors import ErrorCode
-from specialists.kit import OutcomeUnknown, TaskBudget
+from specialists.kit import InputRequired, LoopPolicy, OutcomeUnknown, SkillError, TaskBudget
 from specialists.llm import COMPACT, function_name
 from specialists.progress import MAX_NOTES_BYTES, Notes, call_key
 from tests.llm.loop_run import Run, lookup_of
@@ -187,3 +187,62 @@ def test_notes_stay_within_their_bound_dropping_answers_before_calls() -> None:
     assert len(body["calls"]) == 200  # every call is still known to have been made
     assert "answer" not in body["calls"][0] and "answer" in body["calls"][-1]
     assert Notes.of(body) is not None and Notes.of({"v": 99}) is None and Notes.of("junk") is None
+
+
+ASKING = LoopPolicy(on_stuck="ask", on_spent="ask")
+
+
+async def _asked(plane: ToolPlane, http: httpx.AsyncClient) -> Run:
+    """A loop stuck on the same lookup, whose policy asks a person: it asks, its notes saved."""
+    async with scripted_model(lookup_of(plane), lookup_of(plane), lookup_of(plane)) as model:
+        run = Run(plane, model, http, loop=ASKING)
+        with pytest.raises(InputRequired) as asked:
+            await run({"number": "INV-7"})
+    assert asked.value.fields == {"decision": "continue | summarize | stop"}
+    assert "the same arguments 3 times" in asked.value.question
+    assert len(plane.served) == 2
+    return run
+
+
+async def test_a_stuck_loop_whose_policy_asks_stops_and_asks_a_person_with_its_notes_saved(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    run = await _asked(plane, http)
+    notes = Notes.of(run.saved[-1])
+    assert notes is not None and notes.asked is not None and notes.asked["reason"] == "repeated_call"
+    assert len(notes.calls) == 2
+
+
+@pytest.mark.parametrize("said", [{"decision": "continue"}, {"text": " Continue "}])
+async def test_a_person_lets_the_loop_continue_from_its_notes_with_a_new_allowance(
+    plane: ToolPlane, http: httpx.AsyncClient, said: dict[str, str]
+) -> None:
+    notes = (await _asked(plane, http)).saved[-1]
+    # Back with the answer: the same lookup again is allowed (a new allowance), then an answer.
+    async with scripted_model(lookup_of(plane), say('{"over_limit": true}')) as model:
+        run = Run(plane, model, http, loop=ASKING, resume=notes, answer=said)
+        assert await run({"number": "INV-7"}) == {"over_limit": True}
+    assert "progress notes" in model.requests[0]["messages"][-1]["content"]
+    assert len(plane.served) == 3
+    assert run.meter is not None and "stopped" not in run.meter.to_dict()
+
+
+async def test_a_person_has_the_stopped_loop_summarize_or_stop(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    notes = (await _asked(plane, http)).saved[-1]
+    async with scripted_model(say('{"over_limit": "unknown"}')) as model:
+        run = Run(plane, model, http, loop=ASKING, resume=notes, answer={"decision": "summarize"})
+        assert await run({"number": "INV-7"}) == {"over_limit": "unknown"}
+    assert "tools" not in model.requests[0] and model.requests[0]["messages"][-1]["content"].startswith(
+        "Stop here"
+    )
+    for said in (
+        {"decision": "stop"},
+        {"text": "approve everything"},
+    ):  # stop, or an answer that says neither
+        async with scripted_model(say("{}")) as model:
+            with pytest.raises(SkillError) as caught:
+                await Run(plane, model, http, loop=ASKING, resume=notes, answer=said)({"number": "INV-7"})
+        assert caught.value.code == ErrorCode.NON_CONVERGING and "a person decided" in caught.value.message
+        assert model.requests == []

@@ -25,8 +25,9 @@
 #   max_turns, max_tool_calls, max_tool_calls_per_turn, repeat_limit (the same tool call this many
 #   times), output_repeat_limit (the same text from the model this many times), max_llm_tokens and
 #   max_cost_usd (per task; also what a task reserves from the run's budget)
-#   on_stuck        what a loop that is not converging does: "stop" (the step fails non_converging)
-#                   or "summarize" (one last turn without tools answers from what it has)
+#   on_stuck        what a loop that is not converging does: "stop" (the step fails non_converging),
+#                   "summarize" (one last turn without tools answers from what it has) or "ask" (a
+#                   person decides at the step's gate: continue, summarize or stop)
 #   on_spent        the same, for a loop that spent its turns, tool calls, tokens or money
 #   rate_limit_retries, rate_limit_max_wait_s: how often and how long a model answering 429 is
 #                   waited out before the task stops llm_rate_limited (retryable)
@@ -76,7 +77,7 @@ loop_agents := {agent: object.union(object.union(loop_config.default, own), loop
 	some agent, own in object.get(loop_config, "agents", {})
 }
 
-loop_actions := {"stop", "summarize"}
+loop_actions := {"stop", "summarize", "ask"}
 
 loop_sets contains ["default", loop_default]
 

@@ -68,7 +68,7 @@ test_an_unknown_loop_action_or_a_zero_cap_is_refused_with_where_it_is if {
 	d := budgets.decision with input as {"tenant": "acme"}
 		with data.config.loop.agents as {"researcher": {"on_spent": "ask forever", "repeat_limit": 0}}
 	not d.allow
-	"loop agents.researcher: on_spent must be one of {\"stop\", \"summarize\"}" in d.reasons
+	"loop agents.researcher: on_spent must be one of {\"ask\", \"stop\", \"summarize\"}" in d.reasons
 	"loop agents.researcher: repeat_limit must be a number >= 1" in d.reasons
 }
 
