@@ -32,7 +32,7 @@ from fleetctl.testing.e2e import (
 )
 from policy import DEFAULT_BUNDLE_DIR
 from specialists.llm import SUMMARIZE
-from tests.e2e.run_helpers import operations
+from tests.e2e.run_helpers import operations, run_when
 from tests.llm_script import ScriptedModel, call, rate_limited, say, scripted_model_thread
 
 pytestmark = pytest.mark.e2e
@@ -46,6 +46,7 @@ LOOP_TENANTS = {
     "pays": {"max_cost_usd": 1.0, "on_spent": "stop"},
     "throttled": {"rate_limit_retries": 1, "rate_limit_max_wait_s": 5, "on_spent": "stop"},
     "tight": {"max_llm_tokens": 100},
+    "asks": {"on_stuck": "ask"},
 }
 # The researcher's own loop: the same call twice is already not converging (tenants above win).
 LOOP_AGENTS = {"researcher": {"repeat_limit": 2}}
@@ -345,3 +346,36 @@ async def test_the_console_shows_tokens_and_cost_per_agent(
         await expect(
             page.locator('[data-testid="chart-agent-tokens"] [data-series="researcher"]')
         ).to_be_visible()
+
+
+async def test_a_stuck_loop_asks_a_person_who_lets_it_continue_from_its_notes(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    # Stuck on the same recall: the tenant's policy asks a person. Allowed to go on, the loop gets
+    # its notes back and a new allowance: the same recall once more, then its answer.
+    model.replies[:] = [_recall(), _recall(), _recall(), say(json.dumps(ANSWER))]
+    token = stack.token("coordinator", tenant="asks", scopes=("agent:invoke", "runs:approve"))
+    asked = await send(stack, user_message(data=FIRST_THEN_RECALL), token=token)
+    assert asked.state_name == "TASK_STATE_INPUT_REQUIRED", asked.final_text
+    waiting = await run_when(stack, asked.task_id, token, "waiting")
+    assert (
+        waiting["wait"]["type"] == "input"
+        and "the same arguments 2 times" in waiting["wait"]["detail"]["why"]
+    )
+    answer = {"action": "input", "input": {"decision": "continue"}, "awaited": waiting["wait"]["awaited"]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        signaled = await http.post(
+            f"{stack.endpoints['coordinator']}/v1/runs/{asked.task_id}/signals",
+            json=answer,
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    assert signaled.status_code == 200 and signaled.json()["applied"], signaled.text
+    done = await run_when(stack, asked.task_id, token, "completed", "failed")
+    assert done["state"] == "completed", done
+    resumed = model.requests[2]["messages"]
+    assert any(m["role"] == "user" and "progress notes" in m["content"] for m in resumed)
+    ops = await operations(stack, asked.task_id, token)
+    answered = [op for op in ops if op["step_id"].startswith("ask~")]
+    assert len(answered) == 1 and answered[0]["usage"]["resumed"] is True
