@@ -19,10 +19,10 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Page, expect
 
-from fleetctl.testing.browser import launched, sign_in_link, signed_in
 from fleetctl.testing.e2e import TWO_STEPS, Stack, send, user_message
 from fleetctl.testing.mcp import call, error_in
 from tests.e2e.a2a_helpers import fresh_tenant
+from tests.e2e.browser import launched, sign_in_link, signed_in
 from tests.e2e.run_helpers import paused_at_gate, run_when
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,6 @@ import pytest
 from playwright.async_api import expect
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.testing.browser import launched, signed_in
 from fleetctl.testing.e2e import (
     FAST_METRICS,
     Stack,
@@ -32,6 +31,7 @@ from fleetctl.testing.e2e import (
 )
 from policy import DEFAULT_BUNDLE_DIR
 from specialists.llm import SUMMARIZE
+from tests.e2e.browser import launched, signed_in
 from tests.e2e.run_helpers import operations, run_when
 from tests.llm_script import ScriptedModel, call, rate_limited, say, scripted_model_thread
 
