@@ -196,3 +196,46 @@ async def test_a_wait_record_naming_another_runs_operation_reads_nothing_of_it(
     await store.transition(lease, RunState.WAITING, "w1", {}, wait=wait)
     read = (await store.get_run("r1", "acme")).wait
     assert read is not None and read["detail"]["asked"] == {}
+
+
+async def test_progress_notes_are_kept_only_from_the_agent_an_operation_went_to_while_it_is_pending(
+    stores: tuple[PostgresRunStore, Ledger],
+) -> None:
+    store, ledger = stores
+    lease = await leased_run(store)
+    op, _ = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
+    notes = {"v": 1, "summary": "halfway", "calls": []}
+    assert await ledger.record_progress("r1", op.op_id, "agent", notes)
+    # Another agent cannot write the operation's notes, nor read them back as its own.
+    assert not await ledger.record_progress("r1", op.op_id, "intruder", {"v": 1, "summary": "forged"})
+    assert not await ledger.record_progress("r2", op.op_id, "agent", {"v": 1, "summary": "another run"})
+    assert await ledger.progress_for(op.op_id, "agent") == notes
+    assert await ledger.progress_for(op.op_id, "intruder") is None
+    # Notes past the bound are not kept; the last ones stand.
+    assert not await ledger.record_progress("r1", op.op_id, "agent", {"v": 1, "summary": "x" * 90_000})
+    assert await ledger.progress_for(op.op_id, "agent") == notes
+    # Once the operation has an outcome, its agent writes no more notes (the kept ones stay readable).
+    await ledger.record_outcome(
+        lease, "w1", op.op_id, OpStatus.SUCCEEDED, result={"ok": 1}, usage={"llm_tokens": 5}
+    )
+    assert not await ledger.record_progress("r1", op.op_id, "agent", {"v": 1, "summary": "late"})
+    assert await ledger.progress_for(op.op_id, "agent") == notes
+    recorded = await ledger.get(op.op_id)
+    assert recorded is not None and recorded.usage == {"llm_tokens": 5}
+    assert recorded.to_json()["usage"] == {"llm_tokens": 5}
+
+
+async def test_a_failed_loops_last_request_is_kept_from_its_agent_only(
+    stores: tuple[PostgresRunStore, Ledger],
+) -> None:
+    store, ledger = stores
+    lease = await leased_run(store)
+    op, _ = await ledger.record_intent(lease, "w1", step_id="s1", kind="delegate", target="agent", args=ARGS)
+    request = {"messages": [{"role": "user", "content": "hello"}], "tools": ["a__b"]}
+    await ledger.record_last_request("r1", op.op_id, "intruder", {"messages": [], "tools": ["forged"]})
+    assert await ledger.last_requests("r1") == []
+    await ledger.record_last_request("r1", op.op_id, "agent", request)
+    await ledger.record_last_request("r1", op.op_id, "agent", {"messages": [{"content": "x" * 90_000}]})
+    assert await ledger.last_requests("r1") == [
+        {"op_id": op.op_id, "step_id": "s1", "target": "agent", "request": request}
+    ]
