@@ -47,6 +47,7 @@ LOOP_TENANTS = {
     "throttled": {"rate_limit_retries": 1, "rate_limit_max_wait_s": 5, "on_spent": "stop"},
     "tight": {"max_llm_tokens": 100},
     "asks": {"on_stuck": "ask"},
+    "endless": {"max_turns": 3, "on_spent": "stop"},
 }
 # The researcher's own loop: the same call twice is already not converging (tenants above win).
 LOOP_AGENTS = {"researcher": {"repeat_limit": 2}}
@@ -182,6 +183,21 @@ async def test_a_model_that_floods_tokens_is_stopped_by_what_they_cost(
     assert usage["cost_usd"] == pytest.approx(1.8) and usage["tool_calls"] == 0
     assert (usage["tokens_in"], usage["tokens_out"]) == (10_000, 10_000)
     assert ops["first"]["status"] == "succeeded"
+
+
+async def test_a_model_that_never_stops_is_stopped_at_its_tenants_turns_and_the_step_before_is_kept(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    # A new recall every turn, never an answer: three turns, then the tenant's policy stops it.
+    model.replies[:] = [_recall(limit=n) for n in range(1, 7)]
+    outcome, events, ops = await _run(stack, "endless", FIRST_THEN_RECALL)
+    assert outcome.state_name == "TASK_STATE_FAILED", outcome.final_text
+    cause = next(e for e in events if e["type"] == "step.failed")["payload"]["cause"]
+    assert (cause["code"], cause["details"]["reason"]) == ("budget_exhausted", "max_turns")
+    assert len(model.requests) == 3
+    assert ops["first"]["status"] == "succeeded" and ops["ask"]["usage"]["tool_calls"] == 3
 
 
 async def test_a_model_that_keeps_answering_429_throttles_the_task_with_the_reason(
