@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 from dataclasses import dataclass
@@ -84,6 +85,12 @@ class SigningKey:
 
     def public_jwk(self) -> dict[str, Any]:
         return public_jwk_of(self.private_key.public_key())
+
+    def derived_secret(self, purpose: str) -> bytes:
+        """A 32-byte secret for ``purpose`` that only the holder of this key can make (HMAC-SHA256
+        keyed by the private scalar): e.g. to seal what an identity hands out and takes back."""
+        scalar = self.private_key.private_numbers().private_value.to_bytes(32, "big")
+        return hmac.new(scalar, f"agent-fleet/{purpose}".encode(), hashlib.sha256).digest()
 
     def sign(self, claims: dict[str, Any], *, typ: str = "JWT") -> str:
         """A compact JWS over ``claims`` with this key's ``kid``."""

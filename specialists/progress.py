@@ -19,6 +19,10 @@ A loop that resumes from notes (they come back with the operation when it is sen
   itself, from the operation and the call, so the repeat carries the same key); else the task ends
   ``outcome_unknown`` and a person reconciles it.
 
+The notes leave the agent sealed (:func:`sealed`: a MAC with a key derived from the agent's own
+signing key, bound to the tenant, run and skill), and come back only if they open: a caller cannot
+hand an agent notes it did not write (claiming effects it never made, or words it never said).
+
 Notes are bounded (:data:`MAX_NOTES_BYTES`): the oldest answers are dropped first, then the oldest
 calls (a dropped call is no longer known to have been made, so a keyed tool's key is what keeps its
 effect from repeating).
@@ -27,6 +31,7 @@ effect from repeating).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +44,40 @@ MAX_ANSWER_CHARS = 2_000  # of one call's answer, as the notes keep it
 MAX_SUMMARY_CHARS = 8_000
 SHOWN_ANSWER_CHARS = 500  # of one call's answer, as a fresh context is shown it
 IDEMPOTENCY_ARGUMENT = "idempotency_key"
+
+
+def sealed(body: dict[str, Any], key: bytes, binding: str) -> dict[str, Any]:
+    """``body`` (notes as saved) with a MAC that only this agent can make (``key``), bound to
+    ``binding`` (the tenant, run and skill they are for): notes a caller forged, or took from
+    another task, do not open."""
+    return {**body, "mac": _mac(body, key, binding)}
+
+
+def opened(body: Any, key: bytes, binding: str) -> dict[str, Any] | None:
+    """``body`` without its MAC if this agent sealed it for ``binding``; else None."""
+    if not isinstance(body, dict) or not isinstance(body.get("mac"), str):
+        return None
+    bare = {k: v for k, v in body.items() if k != "mac"}
+    return bare if hmac.compare_digest(body["mac"], _mac(bare, key, binding)) else None
+
+
+def _mac(body: dict[str, Any], key: bytes, binding: str) -> str:
+    canonical = json.dumps(
+        [binding, _plain(body)], sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+    )
+    return hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every whole float as an int: the notes cross A2A metadata (a protobuf Struct,
+    where every number is a double) on their way out and back, and must seal the same."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def call_key(function: str, arguments: dict[str, Any]) -> str:
@@ -135,6 +174,7 @@ class Notes:
         """Notes as they came back with the operation; None if they are not notes this version reads."""
         if not isinstance(body, dict) or body.get("v") != NOTES_VERSION:
             return None
+        body = _plain(body)
         calls = []
         for raw in body.get("calls") or []:
             if not isinstance(raw, dict) or not isinstance(raw.get("key"), str):

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from registry import McpServerRecord, RegistryClient
 from specialists.cancellation import ToolCalls
 from specialists.journal import Entry, Journal, JournalStatus
 from specialists.llm import llm_brain
+from specialists.progress import opened, sealed
 from specialists.skill import (
     Brain,
     BudgetMeter,
@@ -467,9 +469,13 @@ class SkillExecutor(AgentExecutor):
         heartbeat_s: float = 20.0,
         brain: Brain | None = None,
         agent_id: str = "specialist",
+        notes_key: bytes | None = None,
     ) -> None:
-        """``agent_id``: the name this agent's spans carry (its service id)."""
+        """``agent_id``: the name this agent's spans carry (its service id); ``notes_key``: what
+        its agent loops' progress notes are sealed with (derived from its signing key; random if
+        not given, so that no notes are taken back from an earlier process)."""
         self._agent_id = agent_id
+        self._notes_key = notes_key or secrets.token_bytes(32)
         self._skills = {skill.id: skill for skill in skills}
         self._tools = tools
         self._journal = journal
@@ -531,16 +537,15 @@ class SkillExecutor(AgentExecutor):
             updater = TaskUpdater(event_queue, task.id, task.context_id)
             budget = skill.budget.lowered(_metadata(context.message, BUDGET_METADATA_KEY))
             meter = BudgetMeter(budget, LoopPolicy.of(_metadata(context.message, LOOP_METADATA_KEY)))
-            resume = _metadata(context.message, PROGRESS_METADATA_KEY)
+            binding = _notes_binding(claims, skill)
+            said = _metadata(context.message, PROGRESS_METADATA_KEY)
+            resume = opened(said, self._notes_key, binding) if said is not None else None
+            if said is not None and resume is None:
+                log.warning(
+                    "progress notes this agent did not seal for the task were ignored (run %s)", claims.run_id
+                )
             outcome = await self._execute(
-                updater,
-                skill,
-                claims,
-                op_id,
-                payload,
-                running.calls,
-                meter,
-                resume if isinstance(resume, dict) else None,
+                updater, skill, claims, op_id, payload, running.calls, meter, resume
             )
             await _publish(
                 updater, skill.id, outcome, meter.to_dict() if meter.ran else None, meter.last_request
@@ -571,9 +576,11 @@ class SkillExecutor(AgentExecutor):
             )
 
         async def save(notes: dict[str, Any]) -> None:
-            # The caller keeps them with the operation, and sends them back if it sends it again.
+            # The caller keeps them with the operation, and sends them back if it sends it again:
+            # sealed, so that only notes this agent wrote for this task are taken back.
+            mine = sealed(notes, self._notes_key, _notes_binding(claims, skill))
             saved = updater.new_agent_message(
-                [new_data_part({"progress": "saved"})], {PROGRESS_METADATA_KEY: notes}
+                [new_data_part({"progress": "saved"})], {PROGRESS_METADATA_KEY: mine}
             )
             await updater.update_status(TaskState.TASK_STATE_WORKING, message=saved)
 
@@ -856,6 +863,11 @@ async def _publish(
         await updater.failed(message)
 
 
+def _notes_binding(claims: Claims, skill: Skill) -> str:
+    """What a task's progress notes are sealed for: its tenant, run and skill."""
+    return f"{claims.tenant}\n{claims.run_id}\n{skill.id}"
+
+
 def _refused(op_id: str) -> dict[str, Any]:
     message = f"operation {op_id} was canceled before it arrived; it will not run"
     return {**FleetError(ErrorCode.CANCELED, message).to_dict(), "tool_calls": 0}
@@ -976,7 +988,13 @@ def build_specialist_app(
     # With an LLM configured, skills that have instructions run as an agent loop over the tools.
     brain = llm_brain(settings, http)
     executor = SkillExecutor(
-        skills, tools, journal, heartbeat_s=settings.heartbeat_s, brain=brain, agent_id=settings.service_id
+        skills,
+        tools,
+        journal,
+        heartbeat_s=settings.heartbeat_s,
+        brain=brain,
+        agent_id=settings.service_id,
+        notes_key=registry.key.derived_secret("progress-notes"),
     )
     handler = DefaultRequestHandler(
         agent_executor=executor,
