@@ -50,6 +50,28 @@ from typing import IO, Any
 
 PREFIX = "fl"  # every namespace this module makes starts with it (and sweep() removes only those)
 NETNS_ETC = Path("/etc/netns")
+NETNS_RUN = Path("/run/netns")  # ip netns add bind-mounts each namespace here
+ENTER_WAIT_S = 5.0
+
+
+def _wait_entered(process: subprocess.Popen[bytes], namespace: str) -> None:
+    """Return once ``process`` is in ``namespace`` (``ip netns exec`` moves it there just after it
+    starts), so that what comes next (killing the host's processes, say) finds it there; a process
+    that ends first is left to its caller."""
+    try:
+        wanted = (NETNS_RUN / namespace).stat().st_ino
+    except OSError:
+        return
+    deadline = time.monotonic() + ENTER_WAIT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if Path(f"/proc/{process.pid}/ns/net").stat().st_ino == wanted:
+                return
+        except OSError:
+            return
+        time.sleep(0.005)
+
+
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
@@ -296,6 +318,7 @@ class NetLab:
                 start_new_session=True,
             )
         self._spawned.append(process)
+        _wait_entered(process, self.hosts[host].namespace)
         return process
 
     def run(
