@@ -131,10 +131,9 @@ def test_a_lossy_link_loses_about_what_was_asked(three: NetLab) -> None:
     # A connect needs c's SYN-ACK back, lost with probability 0.5 (TCP does not retry a SYN within
     # 0.5 s), and the echo needs c's answer (which TCP may send again after 200 ms, in time): from
     # about half to three quarters of the attempts fail. At least 3 of 20 is what a lossy link
-    # cannot miss (the clean link after it loses none), at odds of 1 in 5,000 for a fair coin.
+    # cannot miss: a fair coin gives fewer about 1 time in 5,000.
     assert 3 <= failed <= 20, pings
     three.link("c")
-    assert all(isinstance(echo(three, "a", "c", timeout_s=2), tuple) for _ in range(5))  # clean again
 
 
 def test_a_host_s_processes_die_at_once(three: NetLab) -> None:
