@@ -753,22 +753,29 @@ class _Said:
     async def heard(self, carrier: Any) -> None:
         """Pass on what a message's or an artifact's metadata says: ``fleet.usage`` if it is an
         object of bounded size (the agent's word: the run counts it against its budget, and a
-        hostile agent can understate it), ``fleet.progress`` if it is an object."""
+        hostile agent can understate it), ``fleet.progress`` and ``fleet.last_request`` if they are
+        objects."""
         if not carrier.HasField("metadata"):
             return
         fields = carrier.metadata.fields
-        if self.usage is not None and USAGE_METADATA_KEY in fields:
-            spent = MessageToDict(carrier.metadata).get(USAGE_METADATA_KEY)
-            if isinstance(spent, dict) and len(json.dumps(spent, default=str)) <= MAX_USAGE_CHARS:
-                self.usage(spent)
-        if self.notes is not None and PROGRESS_METADATA_KEY in fields:
-            notes = MessageToDict(carrier.metadata).get(PROGRESS_METADATA_KEY)
-            if isinstance(notes, dict):
-                await self.notes(notes)
-        if self.last_request is not None and LAST_REQUEST_METADATA_KEY in fields:
-            request = MessageToDict(carrier.metadata).get(LAST_REQUEST_METADATA_KEY)
-            if isinstance(request, dict):
-                await self.last_request(request)
+        if not any(
+            k in fields for k in (USAGE_METADATA_KEY, PROGRESS_METADATA_KEY, LAST_REQUEST_METADATA_KEY)
+        ):
+            return  # a heartbeat, a progress text
+        said = MessageToDict(carrier.metadata)
+        spent, notes, request = (
+            said.get(k) for k in (USAGE_METADATA_KEY, PROGRESS_METADATA_KEY, LAST_REQUEST_METADATA_KEY)
+        )
+        if (
+            self.usage is not None
+            and isinstance(spent, dict)
+            and len(json.dumps(spent, default=str)) <= MAX_USAGE_CHARS
+        ):
+            self.usage(spent)
+        if self.notes is not None and isinstance(notes, dict):
+            await self.notes(notes)
+        if self.last_request is not None and isinstance(request, dict):
+            await self.last_request(request)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fleetctl.testing.e2e import Stack
+from fleetctl.testing.node import installed, tool
 
 pytestmark = pytest.mark.e2e
 
@@ -41,38 +40,14 @@ SERVERS = {
     "mcp-memory": "memory:read",
 }
 PRELOAD = Path(__file__).with_name("mcp_conformance_auth.mjs")
-TOOLS_DIR = Path(sys.prefix) / ".mcp-conformance"
-
-
-def _bin(name: str) -> str:
-    found = Path(sys.prefix) / "bin" / name
-    return str(found) if found.exists() else (shutil.which(name) or name)
 
 
 @pytest.fixture(scope="session")
 def checker() -> Path:
     """The checker, installed from the npm registry once per environment."""
-    target = TOOLS_DIR / CHECKER.rsplit("@", 1)[1]
-    entry = target / "node_modules" / "@modelcontextprotocol" / "conformance" / "dist" / "index.js"
-    if not entry.exists():
-        target.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(
-            [
-                _bin("npm"),
-                "install",
-                "--prefix",
-                str(target),
-                "--no-audit",
-                "--no-fund",
-                "--loglevel=error",
-                CHECKER,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, f"npm could not install {CHECKER}:\n{result.stderr[-2000:]}"
-    return entry
+    version = CHECKER.rsplit("@", 1)[1]
+    entry = Path("@modelcontextprotocol") / "conformance" / "dist" / "index.js"
+    return installed(f"mcp-conformance/{version}", CHECKER, marker=str(entry)) / "node_modules" / entry
 
 
 def run_checker(checker: Path, url: str, token: str | None, out: Path) -> dict[str, list[dict[str, Any]]]:
@@ -81,7 +56,7 @@ def run_checker(checker: Path, url: str, token: str | None, out: Path) -> dict[s
     if token is not None:
         env["MCP_BEARER_TOKEN"] = token
     result = subprocess.run(
-        [_bin("node"), "--import", str(PRELOAD), str(checker), "server", "--url", url, "-o", str(out)],
+        [tool("node"), "--import", str(PRELOAD), str(checker), "server", "--url", url, "-o", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
