@@ -68,9 +68,12 @@ def plan(subject: str) -> dict[str, Any]:
     }
 
 
-async def drive(data_dir: Path, tenant: str, runs: int, interval_s: float, deadline_s: float) -> list[Asked]:
+async def drive(
+    data_dir: Path, tenant: str, runs: int, interval_s: float, deadline_s: float, progress: Path | None = None
+) -> list[Asked]:
     """Ask for ``runs`` runs, one each ``interval_s``, then follow each to its end (within
-    ``deadline_s`` of the start)."""
+    ``deadline_s`` of the start); each run seen ended adds a line to ``progress``, if given (so that
+    whoever makes a fault can wait for the workload to be under way)."""
     from fleetctl.cli_common import operator_token_client
     from fleetctl.layout import StackLayout
 
@@ -109,6 +112,9 @@ async def drive(data_dir: Path, tenant: str, runs: int, interval_s: float, deadl
                     state = answer.json().get("state") if answer.status_code == 200 else None
                     if state in ENDED:
                         asked.state, asked.ended_at = state, time.time()
+                        if progress is not None:
+                            with progress.open("a") as out:
+                                out.write(f"{asked.n} {state}\n")
                         return
                 except Exception:
                     pass
@@ -214,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     driving.add_argument("--interval", type=float, default=0.5)
     driving.add_argument("--deadline", type=float, default=600.0)
     driving.add_argument("--out", type=Path, required=True)
+    driving.add_argument("--progress", type=Path, help="a line here per run seen ended")
     checking = commands.add_parser("check")
     checking.add_argument("--dsn", required=True, help="libpq keywords without dbname")
     checking.add_argument("--tenant", required=True)
@@ -221,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     checking.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "drive":
-        history = asyncio.run(drive(args.data_dir, args.tenant, args.runs, args.interval, args.deadline))
+        history = asyncio.run(
+            drive(args.data_dir, args.tenant, args.runs, args.interval, args.deadline, args.progress)
+        )
         args.out.write_text(json.dumps([asdict(h) for h in history], indent=1))
         return 0
     report = asyncio.run(check(args.dsn, args.tenant, json.loads(args.history.read_text())))
