@@ -24,6 +24,7 @@ from bench import (
     netfaults,
     pauses,
     policy_plane,
+    review,
     scaling,
     telemetry,
     throughput,
@@ -82,6 +83,7 @@ BENCHMARKS = {
     "cost": cost.main,
     "footprint": footprint.main,
     "netfaults": netfaults.main,
+    "review": review.main,
 }
 
 
@@ -278,6 +280,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (cost.summary_row(results["cost"]) + "\n" if "cost" in results else "")
         + (footprint.summary_row(results["footprint"]) + "\n" if "footprint" in results else "")
         + (netfaults.summary_row(results["netfaults"]) + "\n" if "netfaults" in results else "")
+        + (review.summary_row(results["review"]) + "\n" if "review" in results else "")
         + "\n"
         "## Checkpoint overhead per step\n\n"
         f"A run of {checkpoint['steps_per_run']} steps, one after another, {checkpoint['rounds']} rounds. "
@@ -470,6 +473,7 @@ def write_doc(results: dict[str, Any]) -> None:
         + (cost.section(results["cost"]) if "cost" in results else "")
         + (footprint.section(results["footprint"]) if "footprint" in results else "")
         + (netfaults.section(results["netfaults"]) if "netfaults" in results else "")
+        + (review.section(results["review"]) if "review" in results else "")
     )
 
 

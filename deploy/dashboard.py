@@ -97,7 +97,12 @@ def panels() -> list[dict[str, Any]]:
                 f"sum by (agent) (increase(fleet_agent_loop_compactions_total{agent}[1h]))",
                 "{{agent}} compacted",
             ),
-            description="A loop stops at a limit of its policy (config.loop): it then stops or summarizes.",
+            (
+                f"sum by (agent, verdict) (increase(fleet_agent_loop_reviews_total{agent}[1h]))",
+                "{{agent}} reviewed: {{verdict}}",
+            ),
+            description="A loop stops at a limit of its policy (config.loop): it then stops, summarizes, asks "
+            "a person, or (stuck) goes to the reviewer, whose verdicts are counted.",
         ),
         _panel(
             6,

@@ -358,6 +358,12 @@ AGENT_LOOP_STOPS = Counter(
     ["agent", "reason"],
 )
 AGENT_COMPACTIONS = Counter("fleet_agent_loop_compactions", "Agent loop contexts compacted.", ["agent"])
+AGENT_REVIEWS = Counter(
+    "fleet_agent_loop_reviews",
+    "The reviewer's verdicts on stuck agent loops, by agent and verdict (continue, stop, person).",
+    ["agent", "verdict"],
+)
+REVIEW_VERDICTS = frozenset({"continue", "stop", "person"})
 STOP_REASONS = frozenset(
     {
         "repeated_call",
@@ -384,6 +390,10 @@ def record_agent_usage(agent: str, spent: Mapping[str, Any]) -> None:
     AGENT_COMPACTIONS.labels(agent).inc(_amount(spent.get("compactions")))
     for seconds in spent.get("llm_seconds") or []:
         AGENT_LLM_SECONDS.labels(agent).observe(_amount(seconds))
+    reviews = spent.get("reviews")
+    for verdict, times in reviews.items() if isinstance(reviews, Mapping) else []:
+        if verdict in REVIEW_VERDICTS:
+            AGENT_REVIEWS.labels(agent, verdict).inc(_amount(times))
     stopped = spent.get("stopped")
     if isinstance(stopped, str) and stopped:
         AGENT_LOOP_STOPS.labels(agent, stopped if stopped in STOP_REASONS else "other").inc()
@@ -552,6 +562,11 @@ def _agents() -> dict[str, dict[str, Any]]:
             if sample.name == "fleet_agent_loop_stops_total":
                 stops = agents.setdefault(sample.labels["agent"], {}).setdefault("stops", {})
                 stops[sample.labels["reason"]] = sample.value
+    for family in AGENT_REVIEWS.collect():
+        for sample in family.samples:
+            if sample.name == "fleet_agent_loop_reviews_total":
+                reviews = agents.setdefault(sample.labels["agent"], {}).setdefault("reviews", {})
+                reviews[sample.labels["verdict"]] = sample.value
     for agent, row in agents.items():
         latency = _histogram(AGENT_LLM_SECONDS, {"agent": agent})
         if latency is not None:

@@ -38,6 +38,7 @@ from fleet.working_memory import prune
 from registry import McpServerRecord
 from specialists.loop_guard import LoopGuard, Stop
 from specialists.progress import IDEMPOTENCY_ARGUMENT, Notes, call_key, keyed
+from specialists.review import Seen, Trace, review
 from specialists.skill import (
     MEMORY_SERVER,
     BudgetMeter,
@@ -254,16 +255,26 @@ class _Task:
                         Stop("context_limit", "the model's answer was cut at its token limit")
                     )
                 continue
-            keys = [call_key(call.name, call.arguments) for call in reply.tool_calls]
-            if all(self.guard.calls[key] > 0 for key in keys):  # a turn spent on repeating itself
-                tokens = reply.usage or reply.prompt_tokens + reply.completion_tokens
-                self.meter.repeated_turn(tokens, [call.name for call in reply.tool_calls])
-            stop = self.guard.after_reply(reply) or _spent(self.meter)  # its calls are then not made
-            if stop is not None:
-                return await self.at_limit(stop)
-            spent = await self.make_calls(reply)
-            if spent is not None:
-                return await self.at_limit(spent)
+            halted = await self.act(reply)
+            if halted is not None:
+                return await self.at_limit(*halted)
+
+    async def act(self, reply: ChatReply) -> tuple[Stop, str | None] | None:
+        """Make the calls ``reply`` asks for, unless a limit stops them: then the stop, and the
+        reviewer's verdict if it was asked."""
+        keys = [call_key(call.name, call.arguments) for call in reply.tool_calls]
+        if all(self.guard.calls[key] > 0 for key in keys):  # a turn spent on repeating itself
+            tokens = reply.usage or reply.prompt_tokens + reply.completion_tokens
+            self.meter.repeated_turn(tokens, [call.name for call in reply.tool_calls])
+        stop = self.guard.after_reply(reply) or _spent(self.meter)  # its calls are then not made
+        verdict = self.reviewed(stop) if stop is not None and stop.stuck else None
+        if verdict == "continue":  # the reviewer found the repeats were progress: they are made
+            self.guard.forgive(reply)
+            stop = _spent(self.meter)
+        if stop is not None:
+            return stop, verdict
+        spent = await self.make_calls(reply)
+        return (spent, None) if spent is not None else None
 
     def context_size(self) -> int:
         """The context's size in tokens: as the model counted the last prompt, else about a
@@ -378,12 +389,43 @@ class _Task:
             self.bounded = bound is not None
             return reply
 
-    async def at_limit(self, stop: Stop) -> dict[str, Any]:
+    def reviewed(self, stop: Stop) -> str | None:
+        """The reviewer's verdict on a stuck loop, if the caller's policy sends it there (None if
+        not): continue, stop, or person (also when the task has had its ``max_reviews``)."""
+        meter = self.meter
+        if meter.loop.on_stuck != "review":
+            return None
+        if sum(meter.reviews.values()) >= meter.loop.max_reviews:
+            log.info(
+                "run %s: the loop had its %d reviews; a person decides",
+                self.ctx.run_id,
+                meter.loop.max_reviews,
+            )
+            return "person"
+        verdict = review(self.trace())
+        meter.reviews[verdict] = meter.reviews.get(verdict, 0) + 1
+        log.info("run %s: the reviewer's verdict on %s: %s", self.ctx.run_id, stop.reason, verdict)
+        return verdict
+
+    def trace(self) -> Trace:
+        """What the loop did, as the reviewer reads it: the calls made and their answers (from the
+        notes, which outlive a compaction), what the model said, the turns taken."""
+        calls = tuple(
+            Seen(call.key, call.answer or "", not getattr(self.tools.get(call.function), "read_only", True))
+            for call in self.notes.calls
+            if call.done
+        )
+        return Trace(calls, tuple(self.guard.said), self.guard.turns, self.guard.max_turns)
+
+    async def at_limit(self, stop: Stop, verdict: str | None = None) -> dict[str, Any]:
         """What the loop does at a limit, as the caller's policy says: stop (the task fails with the
-        reason) or summarize (one last turn, without tools, answered from what the model has)."""
+        reason), summarize (one last turn, without tools, answered from what the model has), ask a
+        person, or, for a stuck loop, what the reviewer's ``verdict`` said (stop, or a person)."""
         meter = self.meter
         meter.stopped = stop.reason
         action = meter.loop.on_stuck if stop.stuck else meter.loop.on_spent
+        if action == "review":
+            action = "stop" if verdict == "stop" else "ask"
         log.info(
             "agent loop of run %s stopped: %s (%s); policy: %s",
             self.ctx.run_id,
@@ -398,7 +440,11 @@ class _Task:
             self.notes.asked = {"reason": stop.reason, "why": stop.why}
             await self.save()
             raise InputRequired(ASK.format(why=stop.why), {"decision": " | ".join(DECISIONS)})
-        raise SkillError(stop.code, stop.why, details={"reason": stop.reason, "spent": meter.to_dict()})
+        details: dict[str, Any] = {"reason": stop.reason, "spent": meter.to_dict()}
+        if verdict is not None:
+            details["verdict"] = verdict
+        why = f"the reviewer found it stuck: {stop.why}" if verdict == "stop" else stop.why
+        raise SkillError(stop.code, why, details=details)
 
     async def summarize(self, stop: Stop) -> dict[str, Any]:
         """One last turn, without tools: the model answers from what it has, told why."""

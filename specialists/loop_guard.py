@@ -13,7 +13,7 @@ says :class:`Stop` when the loop must not go on as it is:
   at its token limit).
 
 What happens then is the caller's policy's (:class:`~specialists.skill.LoopPolicy`): the agent loop
-stops, summarizes, or asks a person. The calls of the reply that tripped a limit are never made.
+stops, summarizes, asks a person, or (when it is stuck) asks the reviewer (:mod:`specialists.review`). The calls of the reply that tripped a limit are never made.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class LoopGuard:
         self.turns = 0
         self.calls: Counter[str] = Counter()  # each call made, by call_key
         self._outputs: Counter[str] = Counter()
+        self.said: list[str] = []  # a digest of each text the model said, in order (for the reviewer)
 
     def resume(self, turns: int, calls: Iterable[str]) -> None:
         """Go on counting from where a task's notes left it: ``turns`` taken, ``calls`` made (keys)."""
@@ -72,6 +73,14 @@ class LoopGuard:
         self.turns = 0
         self.calls.clear()
         self._outputs.clear()
+
+    def forgive(self, reply: ChatReply) -> None:
+        """The reviewer found the loop's repeats were progress: repeats count from zero, with the
+        calls of ``reply`` (the one that tripped the limit, now made) as the first; the turns taken
+        still count."""
+        self.calls.clear()
+        self._outputs.clear()
+        self.calls.update(call_key(call.name, call.arguments) for call in reply.tool_calls)
 
     def before_turn(self) -> Stop | None:
         """A stop if the loop may not ask the model again."""
@@ -87,6 +96,7 @@ class LoopGuard:
         if text:
             digest = hashlib.sha256(text.encode()).hexdigest()
             self._outputs[digest] += 1
+            self.said.append(digest)
             limit = budget.output_repeat_limit
             if limit is not None and self._outputs[digest] >= limit:
                 return Stop("repeated_output", f"the model said the same thing {limit} times")

@@ -103,7 +103,8 @@ class TaskBudget:
         )
 
 
-STUCK_ACTIONS = ("stop", "summarize", "ask")
+SPENT_ACTIONS = ("stop", "summarize", "ask")
+STUCK_ACTIONS = (*SPENT_ACTIONS, "review")  # a stuck loop may go to the reviewer (specialists.review)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,9 @@ class LoopPolicy:
     ``stop`` (the task fails with the reason), ``summarize`` (one last turn without tools: the
     model answers from what it has) or ``ask`` (a person decides: the task asks, with its progress
     notes saved, and goes on from them as the answer says: continue with a new allowance,
-    summarize, or stop).
+    summarize, or stop); a stuck loop may also go to the reviewer (``review``:
+    :mod:`specialists.review` decides continue, stop or a person), at most ``max_reviews`` times a
+    task, then a person decides.
     ``prices``: per model, what its tokens cost (a model not listed costs ``default_price``, if
     any). A model that answers 429 is waited out (its ``Retry-After``, at most
     ``rate_limit_max_wait_s``) at most ``rate_limit_retries`` times, then the task stops
@@ -138,6 +141,7 @@ class LoopPolicy:
     default_price: Price | None = None
     rate_limit_retries: int = 3
     rate_limit_max_wait_s: float = 30.0
+    max_reviews: int = 2
 
     def price_of(self, model: str) -> Price | None:
         """What ``model``'s tokens cost, if the policy says."""
@@ -151,9 +155,9 @@ class LoopPolicy:
             return cls()
         default = cls()
 
-        def action(key: str) -> str:
+        def action(key: str, actions: tuple[str, ...]) -> str:
             value = asked.get(key)
-            return value if value in STUCK_ACTIONS else str(getattr(default, key))
+            return value if value in actions else str(getattr(default, key))
 
         def number(key: str, most: float) -> float:
             value = asked.get(key)
@@ -163,8 +167,8 @@ class LoopPolicy:
 
         prices = asked.get("prices")
         return cls(
-            on_stuck=action("on_stuck"),
-            on_spent=action("on_spent"),
+            on_stuck=action("on_stuck", STUCK_ACTIONS),
+            on_spent=action("on_spent", SPENT_ACTIONS),
             prices={
                 str(model): found
                 for model, price in (prices.items() if isinstance(prices, dict) else [])
@@ -173,6 +177,7 @@ class LoopPolicy:
             default_price=_price(asked.get("default_price")),
             rate_limit_retries=int(number("rate_limit_retries", 20)),
             rate_limit_max_wait_s=number("rate_limit_max_wait_s", 600),
+            max_reviews=int(number("max_reviews", 20)),
         )
 
 
@@ -221,6 +226,7 @@ class BudgetMeter:
         # task's debug bundle.
         self.last_request: dict[str, Any] | None = None
         self.repeated: dict[str, int] = {}  # those calls, by function (at most MAX_REPEATED)
+        self.reviews: dict[str, int] = {}  # the reviewer's verdicts on the loop, by verdict
 
     def timed_completion(self, seconds: float) -> None:
         """Note how long a completion took (the first :data:`MAX_TIMED` of the task)."""
@@ -317,6 +323,8 @@ class BudgetMeter:
             spent.update(stopped=self.stopped, summarized=self.summarized)
         if self.compactions or self.resumed:
             spent.update(compactions=self.compactions, resumed=self.resumed, from_notes=self.from_notes)
+        if self.reviews:
+            spent["reviews"] = dict(self.reviews)
         return spent
 
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.engine.delegation import TaskLimits
+from fleet.telemetry import REVIEW_VERDICTS
 
 # The numeric limits of an agent loop (TaskBudget's keys), and what it does at one (LoopPolicy's).
 LOOP_CAPS = (
@@ -34,7 +35,7 @@ LOOP_CAPS = (
     "max_llm_tokens",
     "max_cost_usd",
 )
-LOOP_POLICY = ("on_stuck", "on_spent", "rate_limit_retries", "rate_limit_max_wait_s")
+LOOP_POLICY = ("on_stuck", "on_spent", "rate_limit_retries", "rate_limit_max_wait_s", "max_reviews")
 COUNTED = ("llm_calls", "rate_limited", "llm_retries", "tool_calls", "slow_tool_calls")
 MAX_TIMED = 200  # completion latencies one task may report
 
@@ -78,6 +79,11 @@ def priced(said: Mapping[str, Any], models: Mapping[str, Any]) -> dict[str, Any]
     if isinstance(said.get("resumed"), bool):
         spent["resumed"] = said["resumed"]
         spent["compactions"] = int(_number(said.get("compactions")))
+    reviews = said.get("reviews")
+    if isinstance(reviews, Mapping):
+        spent["reviews"] = {
+            v: int(_number(reviews.get(v))) for v in REVIEW_VERDICTS if _number(reviews.get(v))
+        }
     if isinstance(said.get("stopped"), str):
         spent["stopped"] = said["stopped"][:40]
         spent["summarized"] = said.get("summarized") is True

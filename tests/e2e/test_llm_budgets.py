@@ -47,6 +47,7 @@ LOOP_TENANTS = {
     "throttled": {"rate_limit_retries": 1, "rate_limit_max_wait_s": 5, "on_spent": "stop"},
     "tight": {"max_llm_tokens": 100},
     "asks": {"on_stuck": "ask"},
+    "reviewed": {"on_stuck": "review"},
     "endless": {"max_turns": 3, "on_spent": "stop"},
 }
 # The researcher's own loop: the same call twice is already not converging (tenants above win).
@@ -331,6 +332,24 @@ async def test_the_metrics_and_the_console_move_by_exactly_what_the_scripted_mod
             == 1
         )
         assert shown["llm_calls"] - shown_before.get("llm_calls", 0) == 5
+
+        # Under a review policy the same stuck loop goes to the reviewer, which finds it stuck (the
+        # same answer again): its verdict is counted, and the step fails with it.
+        model.replies[:] = [_recall(), _recall()]
+        reviewed, _, _ = await _run(
+            stack, "reviewed", {"steps": [{"id": "ask", "skill": "recall", "input": RECALL}]}
+        )
+        assert reviewed.state_name == "TASK_STATE_FAILED"
+        assert "the reviewer found it stuck" in reviewed.final_text
+        again = await _agent_metrics(stack)
+        assert (
+            again.get("fleet_agent_loop_reviews_total|stop", 0)
+            - after.get("fleet_agent_loop_reviews_total|stop", 0)
+            == 1
+        )
+        assert again.get("fleet_agent_loop_reviews_total|continue", 0) == after.get(
+            "fleet_agent_loop_reviews_total|continue", 0
+        )
     finally:
         await console.aclose()
 

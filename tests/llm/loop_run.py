@@ -56,6 +56,10 @@ class Run:
         return function_name(self.plane.server_id, "pay_invoice")
 
     @property
+    def status(self) -> str:
+        return function_name(self.plane.server_id, "job_status")
+
+    @property
     def void(self) -> str:
         return function_name(self.plane.server_id, "void_invoice")
 

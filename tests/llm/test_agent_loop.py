@@ -46,7 +46,7 @@ async def test_a_tool_call_then_a_final_json_answer_is_the_skills_result(
         "description": "Looks an invoice up by its number.",
         "parameters": {"type": "object", "additionalProperties": True},
     }
-    assert set(offered) == {run.lookup, run.pay, run.void}
+    assert set(offered) == {run.lookup, run.pay, run.void, run.status}
     assistant, answer = second["messages"][2:]
     assert assistant["tool_calls"][0]["function"]["name"] == run.lookup
     assert answer["role"] == "tool" and answer["tool_call_id"] == assistant["tool_calls"][0]["id"]

@@ -50,13 +50,17 @@ API_KEY = "sk-live-0123456789abcdefghijklmnop"
 @dataclass
 class ToolPlane:
     """The running tool plane: the MCP server's id, the specialist's registry client and toolbox,
-    each tool call the server served (tool name, arguments), and the invoices paid by key."""
+    each tool call the server served (tool name, arguments), the invoices paid by key, and the
+    batch jobs polled."""
 
     server_id: str
     registry: RegistryClient
     toolbox: Toolbox
     served: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     paid: dict[str, str] = field(default_factory=dict)  # invoice paid, by idempotency key
+    jobs: dict[str, int] = field(default_factory=dict)  # a job's percent done, moved by each status read
+    job_step: int = 20  # how far a job moves at each status read (0: it never moves)
+    job_note: str = ""  # what every status answer says besides (an injection, in the review tests)
 
 
 class _Started:
@@ -147,6 +151,19 @@ def _invoice_server(
         plane.served.append(("pay_invoice", {"number": number, "idempotency_key": idempotency_key}))
         return {"number": number, "paid": True, "replayed": not first}
 
+    @mcp.tool(annotations=READ_ONLY)
+    async def job_status(job: str) -> dict[str, Any]:
+        """A batch job's state: it moves on each time it is asked (by the plane's step)."""
+        before = plane.jobs.get(job, 0)
+        done = plane.jobs[job] = min(100, before + plane.job_step)
+        plane.served.append(("job_status", {"job": job}))
+        # What the job did since it was last asked: a line per batch of 50 invoices.
+        log = [
+            f"batch {n}: invoices {n * 50} to {n * 50 + 49} checked" for n in range(before // 10, done // 10)
+        ]
+        answer: dict[str, Any] = {"job": job, "state": "done" if done == 100 else "running", "log": log}
+        return {**answer, "done_percent": done, **({"note": plane.job_note} if plane.job_note else {})}
+
     @mcp.tool()
     async def void_invoice(number: str) -> dict[str, Any]:
         """Voids an unpaid invoice."""
@@ -235,7 +252,9 @@ async def tool_plane(
         plane = ToolPlane(server_id, agent_registry, toolbox)
         app, mcp = _invoice_server(server_settings, server_registry, plane)
         await stack.enter_async_context(serving(app, mcp_sock))
-        tools = await declared_tools(mcp, {"lookup_invoice": [SCOPE], "void_invoice": [SCOPE]})
+        tools = await declared_tools(
+            mcp, {"lookup_invoice": [SCOPE], "void_invoice": [SCOPE], "job_status": [SCOPE]}
+        )
         await server_registry.join_as_mcp_server(mcp_url + MCP_PATH, tools)
         await agent_registry.enroll()
         if skills:

@@ -46,6 +46,9 @@ def test_a_task_is_priced_by_the_policys_table_not_by_what_the_agent_says_it_cos
     # Two models: the dearer one prices the lot; a model nobody priced costs nothing known.
     assert spending.priced({**said, "models": ["small", "big"]}, MODELS)["cost_usd"] == pytest.approx(1.3)
     assert spending.priced({**said, "models": ["unknown"]}, MODELS)["cost_usd"] == 0
+    # The reviewer's verdicts are kept as counts of the known verdicts only.
+    reviewed = spending.priced({**said, "reviews": {"continue": 2, "stop": -1, "approve": 9}}, MODELS)
+    assert reviewed["reviews"] == {"continue": 2}
     # Nonsense reads as nothing spent, never as a negative.
     assert (
         spending.priced({"tokens_in": -5, "llm_tokens": "lots", "models": "big"}, MODELS)["llm_tokens"] == 0

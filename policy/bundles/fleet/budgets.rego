@@ -27,8 +27,10 @@
 #   max_cost_usd (per task; also what a task reserves from the run's budget)
 #   on_stuck        what a loop that is not converging does: "stop" (the step fails non_converging),
 #                   "summarize" (one last turn without tools answers from what it has) or "ask" (a
-#                   person decides at the step's gate: continue, summarize or stop)
-#   on_spent        the same, for a loop that spent its turns, tool calls, tokens or money
+#                   person decides at the step's gate: continue, summarize or stop) or "review"
+#                   (the reviewer, specialists/review.py, decides: continue, stop, or a person)
+#   max_reviews     the reviewer's verdicts a task may have; past them a person decides
+#   on_spent        stop, summarize or ask, for a loop that spent its turns, tool calls, tokens or money
 #   rate_limit_retries, rate_limit_max_wait_s: how often and how long a model answering 429 is
 #                   waited out before the task stops llm_rate_limited (retryable)
 # data.config.models: prices (per model: input_per_mtok and output_per_mtok, US dollars per million
@@ -79,15 +81,23 @@ loop_agents := {agent: object.union(object.union(loop_config.default, own), loop
 
 loop_actions := {"stop", "summarize", "ask"}
 
+# A stuck loop may also go to the reviewer (a spent budget is not a thing to review).
+stuck_actions := loop_actions | {"review"}
+
 loop_sets contains ["default", loop_default]
 
 loop_sets contains [sprintf("agents.%s", [agent]), set] if some agent, set in loop_agents
 
 deny contains msg if {
 	some [name, set] in loop_sets
-	some key in ["on_stuck", "on_spent"]
-	not set[key] in loop_actions
-	msg := sprintf("loop %s: %s must be one of %v", [name, key, loop_actions])
+	not set.on_stuck in stuck_actions
+	msg := sprintf("loop %s: on_stuck must be one of %v", [name, stuck_actions])
+}
+
+deny contains msg if {
+	some [name, set] in loop_sets
+	not set.on_spent in loop_actions
+	msg := sprintf("loop %s: on_spent must be one of %v", [name, loop_actions])
 }
 
 deny contains msg if {
@@ -99,7 +109,7 @@ deny contains msg if {
 
 deny contains msg if {
 	some [name, set] in loop_sets
-	some key in ["max_cost_usd", "rate_limit_retries", "rate_limit_max_wait_s"]
+	some key in ["max_cost_usd", "rate_limit_retries", "rate_limit_max_wait_s", "max_reviews"]
 	not set[key] >= 0
 	msg := sprintf("loop %s: %s must be a number >= 0", [name, key])
 }

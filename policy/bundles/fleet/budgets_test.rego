@@ -72,6 +72,19 @@ test_an_unknown_loop_action_or_a_zero_cap_is_refused_with_where_it_is if {
 	"loop agents.researcher: repeat_limit must be a number >= 1" in d.reasons
 }
 
+test_a_stuck_loop_may_go_to_the_reviewer_and_a_spent_one_may_not if {
+	ok := budgets.decision with input as {"tenant": "acme"}
+		with data.config.loop.tenants as {"acme": {"on_stuck": "review", "max_reviews": 1}}
+	ok.allow
+	ok.loop.default.on_stuck == "review"
+	ok.loop.default.max_reviews == 1
+	refused := budgets.decision with input as {"tenant": "acme"}
+		with data.config.loop.tenants as {"acme": {"on_spent": "review", "max_reviews": -1}}
+	not refused.allow
+	"loop default: on_spent must be one of {\"ask\", \"stop\", \"summarize\"}" in refused.reasons
+	"loop default: max_reviews must be a number >= 0" in refused.reasons
+}
+
 test_a_negative_price_is_refused if {
 	d := budgets.decision with input as {"tenant": "acme"}
 		with data.config.models.prices as {"m": {"input_per_mtok": -1, "output_per_mtok": 1}}
