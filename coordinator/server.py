@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
@@ -40,7 +41,7 @@ from coordinator.record.checkpoints import CompactCheckpointer
 from coordinator.record.notifier import RunNotifier
 from coordinator.record.operations import Ledger
 from coordinator.record.runs import PostgresRunStore
-from fleet import pgpool, telemetry, transport
+from fleet import mcp_client, pgpool, telemetry, transport
 from fleet.a2a_grpc import GrpcBinding
 from fleet.a2a_support import (
     A2A_PATHS,
@@ -50,6 +51,7 @@ from fleet.a2a_support import (
     sign_card,
 )
 from fleet.approvals import ApprovalBinding
+from fleet.errors import ErrorCode, FleetError
 from fleet.keys import SigningKey
 from fleet.natsconn import service_credentials
 from fleet.outbound import guarded_client
@@ -135,6 +137,36 @@ def agent_records(registry: RegistryClient) -> Callable[[], Awaitable[list[dict[
         return [a.model_dump(mode="json") for a in await registry.agents()]
 
     return records
+
+
+log = logging.getLogger(__name__)
+
+SANDBOX_SERVER, SANDBOX_READ = "mcp-sandbox", "sandbox:read"
+WORKSPACE_TIMEOUT_S = 10.0
+
+
+def workspace_listing(registry: RegistryClient) -> Callable[[str, str], Awaitable[dict[str, Any]]]:
+    """A run's workspace as the sandbox lists it, asked when a debug bundle is made: with a token
+    for that tenant and that run only, and the one scope that reads (the coordinator runs no code).
+    Anything that keeps it from being listed is the listing's ``error``, never the bundle's."""
+
+    async def listing(tenant: str, run_id: str) -> dict[str, Any]:
+        try:
+            server = await registry.mcp_server(SANDBOX_SERVER)
+            token = await registry.tokens.token(SANDBOX_SERVER, tenant, [SANDBOX_READ], run_id=run_id)
+            async with asyncio.timeout(WORKSPACE_TIMEOUT_S):
+                result = await mcp_client.call_tool(
+                    server.url, "workspace_files", {}, token=token, http_timeout=WORKSPACE_TIMEOUT_S
+                )
+            return {"files": mcp_client.structured(result)}
+        except FleetError as exc:
+            return {"error": exc.to_dict()}
+        except Exception as exc:  # the sandbox away or slow: the bundle says so and goes on
+            log.warning("run %s: its workspace could not be listed (%s: %s)", run_id, type(exc).__name__, exc)
+            why = f"the sandbox could not be asked: {type(exc).__name__}"
+            return {"error": FleetError(ErrorCode.DEPENDENCY_UNAVAILABLE, why, retryable=True).to_dict()}
+
+    return listing
 
 
 def build_app(settings: CoordinatorSettings) -> Starlette:
@@ -281,6 +313,7 @@ def build_app(settings: CoordinatorSettings) -> Starlette:
                 desk,
                 agent_records(registry),
                 start=executor.start_from_api,
+                workspace_of=workspace_listing(registry),
             ),
         ],
         protected_prefixes=(*A2A_PATHS, RUNS_PREFIX),

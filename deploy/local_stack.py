@@ -186,7 +186,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             replica,
             "specialist",
             "specialists.code_runner.agent:main",
-            scopes=("registry:read", "registry:write", "sandbox:run", *MEMORY),
+            scopes=("registry:read", "registry:write", "sandbox:run", "sandbox:read", *MEMORY),
             skills=("score-anomalies", "run-python"),
             calls=("mcp-sandbox",),
             internet=True,
@@ -215,7 +215,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "coordinator",
         "coordinator",
         "coordinator.server:main",
-        scopes=("registry:read", "registry:write", "agent:invoke"),
+        # sandbox:read: a run's workspace listing, for its debug bundle (a token bound to that run)
+        scopes=("registry:read", "registry:write", "agent:invoke", "sandbox:read"),
         skills=("orchestrate",),
         database="fleet",
         internet=True,  # push webhooks, outside agents' cards

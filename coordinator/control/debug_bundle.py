@@ -6,7 +6,9 @@ and ``last_state.json`` (graph state, redacted), ``tool_calls.csv`` (one row per
 ``agents.json`` (the registry's records now of the agents the run used), ``trace.json`` (the run as
 a trace: its steps, operations and waits as spans, with the trace id of the request that made it),
 ``model_requests.jsonl`` (the last request the agent loop of each failed step sent its model, as
-sent, redacted) and ``env.txt`` (versions and the policy revision)."""
+sent, redacted), ``workspace.json`` (the files of the run's sandbox workspace, as the sandbox lists
+them to a token bound to the run: path, size, digest; or why it could not be listed) and
+``env.txt`` (versions and the policy revision)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ PACKAGES = (
     "nats-py",
     "psycopg",
 )
+NOT_LISTED = {"error": {"code": "dependency_unavailable", "message": "no sandbox to ask", "retryable": False}}
 TOOL_CALL_COLUMNS = ("ts", "tool", "input_hash", "latency_ms", "status", "error_code", "causes", "error")
 
 
@@ -215,9 +218,11 @@ async def bundle(
     run: Run,
     policy_revision: str,
     agents: Mapping[str, Mapping[str, Any]],
+    workspace: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The files of the bundle, by name (JSON-ready); ``agents``: the registry's agent records now,
-    by id (empty when the registry cannot be asked)."""
+    by id (empty when the registry cannot be asked); ``workspace``: the run's workspace listing
+    (``files``, or the ``error`` that kept it from being listed)."""
     events = await all_events(store, run)
     found = await checkpoints(saver, run.run_id)
     operations = [op.to_json() for op in await ledger.for_run(run.run_id)]
@@ -233,5 +238,6 @@ async def bundle(
         "tool_calls.csv": tool_calls(run, events),
         "trace.json": json.dumps(redact(trace(run, events, operations))[0], indent=2, default=str) + "\n",
         "model_requests.jsonl": "".join(json.dumps(redact(r)[0]) + "\n" for r in requests),
+        "workspace.json": json.dumps(redact(dict(workspace or NOT_LISTED))[0], indent=2) + "\n",
         "env.txt": environment(policy_revision),
     }

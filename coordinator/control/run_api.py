@@ -99,8 +99,9 @@ class RunApi:
         desk: SignalDesk,
         agent_records: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
         start: StartRun | None = None,
+        workspace_of: Callable[[str, str], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
-        self.start = start
+        self.start, self.workspace_of = start, workspace_of
         self.store, self.ledger, self.submit, self.streams = store, ledger, submit, streams
         self.saver, self.policy, self.desk, self.agent_records = saver, policy, desk, agent_records
         self.access = RunAccess(policy)
@@ -235,8 +236,9 @@ class RunApi:
             run = await self.reached_run(request)
         except FleetError as exc:
             return _error(exc)
+        workspace = await self.workspace_of(run.tenant, run.run_id) if self.workspace_of is not None else None
         files = await bundle(
-            self.store, self.ledger, self.saver, run, self.policy.revision, await self.agents_now()
+            self.store, self.ledger, self.saver, run, self.policy.revision, await self.agents_now(), workspace
         )
         return JSONResponse({"run": _run_json(run), "files": files})
 
@@ -325,10 +327,11 @@ def run_routes(
     desk: SignalDesk,
     agent_records: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
     start: StartRun | None = None,
+    workspace_of: Callable[[str, str], Awaitable[dict[str, Any]]] | None = None,
 ) -> list[Route]:
     """The run API's routes; ``agent_records`` lists the registry's agents (for the debug bundle:
-    the versions of the agents a run used)."""
-    api = RunApi(store, ledger, submit, streams, saver, policy, desk, agent_records, start)
+    the versions of the agents a run used), ``workspace_of`` a run's workspace (tenant, run id)."""
+    api = RunApi(store, ledger, submit, streams, saver, policy, desk, agent_records, start, workspace_of)
     return [
         Route("/v1/runs", api.start_run, methods=["POST"]),
         Route("/v1/runs", api.list_runs, methods=["GET"]),

@@ -71,7 +71,13 @@ from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
-TOOLS = {"run_python": ["sandbox:run"], "read_artifact": ["sandbox:run"], "workspace_files": ["sandbox:run"]}
+# Reading a run's workspace or an artifact is its own scope: the coordinator lists a run's workspace
+# for its debug bundle, and may not run code.
+TOOLS = {
+    "run_python": ["sandbox:run"],
+    "read_artifact": ["sandbox:read"],
+    "workspace_files": ["sandbox:read"],
+}
 WORKSPACES_BUCKET = "fleet_sandbox_workspaces"
 HEAD_PURPOSE = "workspace-head"
 MAX_CODE_CHARS = 100_000

@@ -153,7 +153,10 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
         "operations.jsonl",
         "tool_calls.csv",
         "trace.json",
+        "workspace.json",
     ]
+    # The run never ran code: the sandbox lists its workspace empty.
+    assert json.loads((bundle / "workspace.json").read_text()) == {"files": []}
     events = [json.loads(line) for line in (bundle / "events.jsonl").read_text().splitlines()]
     assert events[-1]["type"] == "run.failed"
     calls = list(csv.DictReader((bundle / "tool_calls.csv").read_text().splitlines()))
@@ -186,6 +189,34 @@ async def test_debug_bundle_of_a_failed_run_explains_the_failure(stack: Stack, t
         "sql-analyst"
     }
     assert (bundle / "model_requests.jsonl").read_text() == ""  # no agent loop ran a model
+
+
+async def test_a_runs_debug_bundle_lists_its_sandbox_workspace_and_no_other_runs(
+    stack: Stack, tmp_path: Path
+) -> None:
+    code = "import os\nos.makedirs('out', exist_ok=True)\nopen('out/model.txt', 'w').write('v1')\nprint('ok')"
+
+    async def run_code(tenant: str) -> str:
+        steps = {"steps": [{"id": "code", "skill": "run-python", "input": {"code": code}}]}
+        outcome = await send(stack, user_message(data=steps), token=stack.token("coordinator", tenant=tenant))
+        assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+        return str(outcome.task_id)
+
+    ran = await run_code("acme")
+    other = await send(stack, user_message(data=TWO_STEPS), token=stack.token("coordinator", tenant="acme"))
+
+    def exported(run_id: str, tenant: str = "acme") -> dict[str, Any]:
+        out = tmp_path / run_id
+        done = fleet("runs", "export", run_id, str(out), "--tenant", tenant, "--data-dir", stack.data_dir)
+        assert done.returncode == 0, done.stderr
+        listed: dict[str, Any] = json.loads((out / "workspace.json").read_text())
+        return listed
+
+    files = exported(ran)["files"]
+    assert [f["path"] for f in files] == ["out/model.txt"]
+    assert files[0]["size"] == 2 and len(files[0]["sha256"]) == 64
+    # Another run of the same tenant has a workspace of its own (empty): the listing is the run's.
+    assert exported(str(other.task_id))["files"] == []
 
 
 def test_exporting_a_run_of_another_tenant_finds_nothing(stack: Stack, tmp_path: Path) -> None:
