@@ -126,6 +126,21 @@ def _call_hash(step: PlanStep, results: dict[str, Any], offset: int) -> str:
     return args_hash({"skill": step["skill"], "input": payload, "offset": offset})
 
 
+def _round_calls(state: GraphState, step: PlanStep) -> int:
+    """The calls a batch step's next round makes: one per ``call_size`` of the items left, up to
+    ``checkpoint_every`` items (1 if its items cannot be read yet: the round will fail on them)."""
+    batch = {**((state.get("limits") or {}).get("batch") or DEFAULT_BATCH), **(step.get("batch") or {})}
+    try:
+        items = resolve_input(step["for_each"], state.get("results", {}))
+    except FleetError:
+        return 1
+    if not isinstance(items, list):
+        return 1
+    size = max(1, int(batch["call_size"]))
+    left = min(len(items) - state.get("batches", {}).get(step["id"], 0), int(batch["checkpoint_every"]))
+    return max(1, -(-left // size))
+
+
 def _operations(state: GraphState) -> int:
     """Operations sent so far (a batch round reports how many calls it made)."""
     return sum(int(o.get("calls", 1)) for o in state.get("outcomes", []))
@@ -174,13 +189,20 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         else None,
         "cost_usd": budget["max_cost_usd"] - used["max_cost_usd"] if "max_cost_usd" in budget else None,
     }
-    plain = [step for step in ready if step.get("wait") is None and step.get("for_each") is None]
-    admitted = spending.admit(plain, limits, left)
-    calls = [  # a timer calls nobody; a plain step that waits for its turn calls nobody yet
-        step
+    # A batch step's round makes a call per call_size items, up to checkpoint_every: each reserves.
+    sent = [
+        {**step, "_calls": _round_calls(state, step)}
+        if step.get("for_each") is not None
+        else {**step, "_whole": True}
+        if workflow_name(step["skill"]) is not None
+        else step
         for step in ready
-        if step.get("wait") is None and (step.get("for_each") is not None or step["id"] in admitted)
+        if step.get("wait") is None
     ]
+    admitted = spending.admit(sent, limits, left)
+    calls = [
+        step for step in ready if step["id"] in admitted
+    ]  # a timer calls nobody; nor a step that waits its turn
     new = [_call_hash(step, results, batches.get(step["id"], 0)) for step in calls]
     counts = Counter([*state.get("calls", []), *new])
     repeated = [digest for digest, n in counts.items() if n >= convergence["repeat_limit"]]
@@ -313,11 +335,17 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
         _emit(EventType.STEP_FAILED, _failure(step, exc))
         return {"failure": _failure(step, exc)}
     offset, total = task["offset"], len(items)
-    stop_at = min(total, offset + every)
+    spend = task.get("spend")
+    reserved = (spend or {}).get("reserved") or {}
+    # The round's calls as the tranche admitted them (each with its reservation as its cap).
+    most = int(reserved.get("calls") or 0) * call_size or every
+    stop_at = min(total, offset + every, offset + most)
+    limits = (lambda agent: spending.task_limits(spend, agent.id, reserved)) if spend is not None else None
     if offset == 0:
         _emit(EventType.STEP_STARTED, StepStarted(step=step["id"], skill=step["skill"], items=total))
     agent: AgentRecord | None = None  # every call of the batch goes to the agent of its first
     calls = 0
+    dispatchers: list[StepDispatcher] = []
     try:
         while offset < stop_at:
             chunk = items[offset : min(offset + call_size, stop_at)]
@@ -334,7 +362,10 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
                 tenant=task["tenant"],
                 progress=progress,
                 named=step.get("agent"),
+                limits=limits,
+                models=(spend or {}).get("models"),
             )
+            dispatchers.append(dispatcher)
             if agent is None:
                 agent = await delegator.assign(step["skill"], tenant=task["tenant"], named=step.get("agent"))
             await _run_or_wait(dispatcher, step["id"], agent)
@@ -351,7 +382,7 @@ async def run_batch(delegator: Delegator, task: StepTask, scope: RunScope) -> di
     except FleetError as exc:
         _emit(EventType.STEP_FAILED, StepFailed(**_failure(step, exc), done=offset))
         return {"failure": {**_failure(step, exc), "done": offset}}
-    outcome = {"step": step["id"], "agent": agent.id if agent else "", "status": "completed", "calls": calls}
+    outcome = {**_outcome(step, agent.id if agent else "", "completed", dispatchers, spend), "calls": calls}
     if offset < total:
         return {"batches": {step["id"]: offset}, "outcomes": [outcome]}
     prefix = f"{step['id']}@"
@@ -676,7 +707,8 @@ def step_task(state: GraphState, step: PlanStep) -> StepTask:
         task["approvals"] = limits.get("approvals") or {}
         if limits.get("limits"):
             task["budget"] = {"max_operations": limits["limits"].get("max_operations")}
-    elif "loop" in limits:
+    if "loop" in limits:
+        # What the step's task may spend: a workflow's calls share its reservation between them.
         reserved = (state.get("admitted") or {}).get(step["id"])
         task["spend"] = {"loop": limits["loop"], "models": limits.get("models") or {}, "reserved": reserved}
     return task
@@ -702,7 +734,9 @@ def fan_out(state: GraphState) -> list[Send | str] | str:
         if step.get("for_each") is None
         and (admitted is None or step.get("wait") is not None or step["id"] in admitted)
     ]
-    if any(step.get("for_each") is not None for step in ready):
+    if any(
+        step.get("for_each") is not None and (admitted is None or step["id"] in admitted) for step in ready
+    ):
         targets.append("batch")
     return targets
 
@@ -721,9 +755,10 @@ class _Nodes:
 
     async def batch(self, state: GraphState, runtime: Runtime[RunScope]) -> dict[str, Any]:
         update: dict[str, Any] = {"batches": {}, "results": {}, "outcomes": []}
+        admitted = state.get("admitted")
         for step in ready_steps(state):
-            if step.get("for_each") is None:
-                continue
+            if step.get("for_each") is None or (admitted is not None and step["id"] not in admitted):
+                continue  # a batch step whose round the tranche does not cover waits for the next turn
             advanced = await run_batch(self.delegator, step_task(state, step), runtime.context)
             update["batches"].update(advanced.get("batches", {}))
             update["results"].update(advanced.get("results", {}))

@@ -139,27 +139,46 @@ def _reservation(limits: Mapping[str, Any], agent: str | None) -> tuple[float, f
 def admit(
     steps: Sequence[Mapping[str, Any]], limits: Mapping[str, Any], left: Mapping[str, float | None]
 ) -> dict[str, dict[str, float]]:
-    """The steps of a fan-out that may be sent now, each with what it reserves (``max_llm_tokens``,
-    ``max_cost_usd``; 0: no cap), in plan order, while the tranche's ``left`` (``operations``,
-    ``llm_tokens``, ``cost_usd``; None: no budget) covers them. A task whose loop has no cap of its
-    own reserves all that is left. The first step is always sent, with at most what is left (the
-    caller has checked that something is); the rest wait for the next turn."""
+    """The steps of a fan-out that may be sent now, each with what each of its calls reserves
+    (``max_llm_tokens``, ``max_cost_usd``; 0: no cap) and how many calls it may make (``calls``: a
+    batch step's round makes ``calls`` of its own, ``_calls`` on the step; any other, one; a
+    workflow's calls, ``_whole`` on the step, share one reservation of all that is left), in plan
+    order, while the tranche's ``left`` (``operations``, ``llm_tokens``, ``cost_usd``; None: no
+    budget) covers them. A task whose loop has no cap of its own reserves all that is left. A batch
+    round is cut to the calls that fit. The first step is always sent, one call at least, with at
+    most what is left (the caller has checked that something is); the rest wait for the next turn."""
     admitted: dict[str, dict[str, float]] = {}
     room = dict(left)
     for step in steps:
-        tokens, cost = _reservation(limits, step.get("agent"))
+        # A workflow (``_whole``) is a run within the run: its calls share all that is left.
+        tokens, cost = (0.0, 0.0) if step.get("_whole") else _reservation(limits, step.get("agent"))
         need = {"operations": 1.0, "llm_tokens": tokens, "cost_usd": cost}
+        wanted = max(1, int(step.get("_calls", 1)))
         for key in ("llm_tokens", "cost_usd"):
             have = room[key]
-            if have is not None and (need[key] <= 0 or (not admitted and need[key] > have)):
-                need[key] = have  # no cap of its own, or the first step: what is left
-        short = any(have is not None and (have <= 0 or need[key] > have) for key, have in room.items())
-        if admitted and short:
-            break
-        admitted[step["id"]] = {"max_llm_tokens": need["llm_tokens"], "max_cost_usd": need["cost_usd"]}
+            if have is not None and need[key] <= 0:
+                need[key] = max(have, 0.0) / wanted  # no cap of its own: an even share of what is left
+        fits = [
+            0 if have <= 0 else int(have // need[key]) if need[key] > 0 else wanted
+            for key, have in room.items()
+            if have is not None
+        ]
+        calls = min([wanted, *fits])
+        if calls < 1:
+            if admitted:
+                break
+            calls = 1  # the first step goes, held to what is left
+            for key in ("llm_tokens", "cost_usd"):
+                if room[key] is not None:
+                    need[key] = min(need[key], max(room[key] or 0.0, 0.0))
+        admitted[step["id"]] = {
+            "max_llm_tokens": need["llm_tokens"],
+            "max_cost_usd": need["cost_usd"],
+            "calls": float(calls),
+        }
         for key, have in room.items():
             if have is not None:
-                room[key] = have - need[key]
+                room[key] = have - need[key] * calls
     return admitted
 
 
@@ -169,7 +188,7 @@ def task_limits(limits: Mapping[str, Any], agent: str, reserved: Mapping[str, fl
     loop = loop_of(limits, agent)
     budget = {key: loop[key] for key in LOOP_CAPS if _number(loop.get(key))}
     for key, value in (reserved or {}).items():
-        if value > 0:
+        if key in LOOP_CAPS and value > 0:
             budget[key] = min(budget.get(key, value), value)
     if "max_llm_tokens" in budget:
         budget["max_llm_tokens"] = int(budget["max_llm_tokens"])

@@ -47,13 +47,14 @@ import importlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from langgraph.config import get_config, get_stream_writer
 from langgraph.errors import GraphBubbleUp
 from langgraph.graph import StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
+from coordinator.engine import spending
 from coordinator.engine.dispatch import RunScope
 from coordinator.planning.plan import RESERVED_INPUT, WORKFLOW_SKILL_PREFIX
 from coordinator.record.runs import CancelRequested, PlanStep, StaleLease
@@ -85,6 +86,7 @@ class _Task(TypedDict):
     batch: dict[str, int]
     approval: dict[str, Any]
     facts: dict[str, Any]
+    spend: NotRequired[dict[str, Any]]  # what its calls may spend together (the step's reservation)
 
 
 @dataclass
@@ -126,6 +128,9 @@ async def delegate(
         step["agent"] = agent
     await _within_budget(running, step["id"])
     task = {**running.task, "step": step, "results": {}}
+    spend = running.task.get("spend")
+    if spend is not None and spend.get("reserved"):
+        task["spend"] = {**spend, "reserved": await _reserved_left(running, spend, step["id"])}
     update = await running.caller.call_step(task, payload, running.scope)
     failure = update.get("failure")
     if failure:
@@ -165,6 +170,37 @@ async def _within_budget(running: _Running, step_id: str) -> None:
             ErrorCode.BUDGET_EXHAUSTED,
             f"the workflow made the {running.max_operations} calls its run's budget allows",
         )
+
+
+async def _spent(running: _Running, models: Mapping[str, Any], besides: str = "") -> dict[str, Any] | None:
+    """What the workflow step's calls said they spent, priced (``besides``: a call left out)."""
+    prefix = running.task["step"]["id"] + "."
+    said = [
+        op.usage
+        for op in await running.scope.ledger.for_run(running.scope.lease.run_id)
+        if op.step_id.startswith(prefix) and op.step_id.split("~", 1)[0] != besides
+    ]
+    return spending.of_calls(said, models)
+
+
+async def _reserved_left(running: _Running, spend: Mapping[str, Any], step_id: str) -> dict[str, float]:
+    """What a call of the workflow may spend: what the step reserved (tokens, dollars) less what its
+    other calls spent; ``budget_exhausted`` when nothing is left (a workflow's calls together spend no
+    more than one step's reservation, as a fan-out's tasks do)."""
+    reserved = dict(spend["reserved"])
+    spent = await _spent(running, spend.get("models") or {}, besides=step_id) or {}
+    for key, used in (("max_llm_tokens", "llm_tokens"), ("max_cost_usd", "cost_usd")):
+        cap = float(reserved.get(key) or 0)
+        if cap > 0:
+            left = cap - float(spent.get(used) or 0)
+            if left <= 0:
+                raise FleetError(
+                    ErrorCode.BUDGET_EXHAUSTED,
+                    f"the workflow's calls spent the {cap:g} {used.replace('_', ' ')} the run reserved for it",
+                    details={"reason": "tokens" if used == "llm_tokens" else "cost"},
+                )
+            reserved[key] = left
+    return reserved
 
 
 async def _calls_sent(running: _Running) -> set[str]:
@@ -207,10 +243,11 @@ async def run_workflow(
         _RUNNING.reset(reset)
     sent = len(await _calls_sent(running))
     _emit(EventType.STEP_COMPLETED, StepCompleted(step=step["id"], agent=step["skill"], calls=sent))
-    return {
-        "results": {step["id"]: dict(final)},
-        "outcomes": [{"step": step["id"], "agent": step["skill"], "status": "completed"}],
-    }
+    outcome: dict[str, Any] = {"step": step["id"], "agent": step["skill"], "status": "completed"}
+    usage = await _spent(running, (task.get("spend") or {}).get("models") or {})
+    if usage is not None:
+        outcome["usage"] = usage  # the run's: its budget counts what the workflow's calls spent
+    return {"results": {step["id"]: dict(final)}, "outcomes": [outcome]}
 
 
 def _emit(event: EventType, payload: Mapping[str, Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,33 @@ FIRST_THEN_RECALL = {
 }
 
 
+RECALL_FLOW = """
+from typing import Any, TypedDict
+
+from langgraph.graph import END, START, StateGraph
+
+from coordinator.engine.workflows import delegate
+
+
+class Found(TypedDict, total=False):
+    query: str
+    found: list[Any]
+
+
+async def recall_three(state: Found) -> Found:
+    found = [await delegate("recall", {"query": state["query"], "limit": n}) for n in (1, 2, 3)]
+    return {"found": found}
+
+
+def build() -> StateGraph:
+    graph = StateGraph(Found)
+    graph.add_node("recall_three", recall_three)
+    graph.add_edge(START, "recall_three")
+    graph.add_edge("recall_three", END)
+    return graph
+"""
+
+
 @pytest.fixture(scope="module")
 def fleet_and_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, ScriptedModel]]:
     bundle = tmp_path_factory.mktemp("policy") / "fleet"
@@ -73,9 +101,15 @@ def fleet_and_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     data["config"]["loop"]["agents"] = LOOP_AGENTS
     data["config"]["models"]["prices"] = PRICES
     data["config"]["budgets"]["tenants"] = BUDGETS
+    data["config"]["registry"]["skills"]["identities"]["coordinator"] = ["workflow:recalls"]
     (bundle / "data.json").write_text(json.dumps(data))
+    # A workflow of three recalls, one after another (importable by the workers: on their path).
+    flows = tmp_path_factory.mktemp("flows")
+    (flows / "recall_flow.py").write_text(RECALL_FLOW)
     with scripted_model_thread() as model:
         env = clean_env(
+            PYTHONPATH=os.pathsep.join(p for p in (str(flows), os.environ.get("PYTHONPATH", "")) if p),
+            FLEET_WORKFLOWS=json.dumps({"recalls": "recall_flow:build"}),
             FLEET_LLM_BASE_URL=model.base_url,
             FLEET_LLM_MODEL=MODEL,
             FLEET_LLM_API_KEY="sk-test",
@@ -244,6 +278,61 @@ async def test_a_fan_out_is_sent_only_as_far_as_the_runs_token_budget_covers_it(
     assert caps[0] == 50  # the third was sent with what was left (250 - 200), and asked to keep to it
 
 
+async def test_a_batch_round_is_sent_only_as_far_as_the_runs_token_budget_covers_it(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    # One batch step over six items, a call each: its round would make six calls at once. Each call
+    # reserves its loop's 100 tokens against the run's 250: two go, then one with what is left.
+    model.replies[:] = [say(json.dumps(ANSWER), usage=100) for _ in range(6)]
+    batch = {
+        "steps": [
+            {
+                "id": "each",
+                "skill": "recall",
+                "input": RECALL,
+                "for_each": list(range(6)),
+                "batch": {"call_size": 1, "checkpoint_every": 6},
+            }
+        ]
+    }
+    outcome, events, ops = await _run(stack, "tight", batch)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert sorted(ops) == ["each@0", "each@1", "each@2"]
+    exhausted = next(e for e in events if e["type"] == "budget.exhausted")
+    assert exhausted["payload"]["spent"] == ["max_llm_tokens 250 reached"]
+    assert len(model.requests) == 3
+    caps = sorted(r.get("max_tokens", 0) for r in model.requests)
+    assert caps[0] == 50  # the third call was sent with what was left, and asked to keep to it
+    # What the calls spent is the run's: each operation says it, and the budget counted it.
+    assert all(ops[op]["usage"]["llm_tokens"] == 100 for op in ops), ops
+
+
+async def test_a_workflows_calls_share_one_reservation_and_the_run_counts_what_they_spent(
+    fleet_and_model: tuple[Stack, ScriptedModel],
+) -> None:
+    stack, model = fleet_and_model
+    model.requests.clear()
+    # The workflow's three calls share what is left of the run's 250 tokens (each call also held
+    # to its loop's 100): 100, 100, then 50 left. What they spent is the run's, so the step after
+    # the workflow finds the budget spent and is never sent.
+    model.replies[:] = [say(json.dumps(ANSWER), usage=100) for _ in range(4)]
+    flow = {
+        "steps": [
+            {"id": "wf", "skill": "workflow:recalls", "input": {"query": "Fabrikam"}},
+            {"id": "after", "skill": "recall", "input": RECALL, "after": ["wf"]},
+        ]
+    }
+    outcome, events, ops = await _run(stack, "tight", flow)
+    assert outcome.state_name == "TASK_STATE_COMPLETED", outcome.final_text
+    assert len(model.requests) == 3 and all(op.startswith("wf.") for op in ops), sorted(ops)
+    caps = [r.get("max_tokens", 0) for r in model.requests]
+    assert caps[2] == 50, caps  # the third call was sent with what the first two left
+    exhausted = next(e for e in events if e["type"] == "budget.exhausted")
+    assert exhausted["payload"]["spent"] == ["max_llm_tokens 250 reached"]
+
+
 AGENT = "researcher"
 
 
@@ -292,7 +381,15 @@ async def test_the_metrics_and_the_console_move_by_exactly_what_the_scripted_mod
     stack, model = fleet_and_model
     console = await _console(stack)
     try:
-        before, shown_before = await _agent_metrics(stack), await _console_agents(console, stack)
+        before = await _agent_metrics(stack)
+        # The console's window holds what the workers' snapshots brought in: wait until it holds
+        # what the tests before this one spent (a snapshot still on its way would count below).
+        async with asyncio.timeout(60):
+            while True:
+                shown_before = await _console_agents(console, stack)
+                if shown_before.get("tokens_in", 0) >= before.get("fleet_agent_llm_tokens_total|in", 0):
+                    break
+                await asyncio.sleep(0.5)
         # Three completions of 40, 60 and 100 tokens (half in, half out): 100 in, 100 out, two tool
         # calls; at $30 and $150 a million, $0.018. Then a loop stopped for repeating a call.
         model.replies[:] = [_recall(usage=40), _recall(limit=2, usage=60), say(json.dumps(ANSWER), usage=100)]

@@ -79,8 +79,8 @@ def test_a_fan_out_is_admitted_while_the_budget_covers_what_each_task_reserves()
     assert spending.admit(_steps("a"), LIMITS, left)["a"]["max_llm_tokens"] == 250  # alone: what is left
     named = spending.admit(_steps("a", "b", "c", agent="other"), LIMITS, left)
     assert named == {
-        "a": {"max_llm_tokens": 100, "max_cost_usd": 0.5},
-        "b": {"max_llm_tokens": 100, "max_cost_usd": 0.5},
+        "a": {"max_llm_tokens": 100, "max_cost_usd": 0.5, "calls": 1},
+        "b": {"max_llm_tokens": 100, "max_cost_usd": 0.5, "calls": 1},
     }
     # The operations budget holds the fan-out too (it could pass it by the fan-out's width).
     assert list(
@@ -96,11 +96,30 @@ def test_a_task_whose_loop_has_no_cap_of_its_own_reserves_all_that_is_left() -> 
     admitted = spending.admit(
         _steps("a", "b"), uncapped, {"operations": 5.0, "llm_tokens": 1000.0, "cost_usd": None}
     )
-    assert admitted == {"a": {"max_llm_tokens": 1000.0, "max_cost_usd": 0.0}}
+    assert admitted == {"a": {"max_llm_tokens": 1000.0, "max_cost_usd": 0.0, "calls": 1}}
     free = spending.admit(
         _steps("a", "b"), uncapped, {"operations": 5.0, "llm_tokens": None, "cost_usd": None}
     )
     assert list(free) == ["a", "b"]
+
+
+def test_a_batch_round_reserves_for_each_of_its_calls_and_is_cut_to_the_calls_that_fit() -> None:
+    batch = {**_steps("b", agent="other")[0], "_calls": 5}  # 100 tokens and $0.5 each
+    left = {"operations": 10.0, "llm_tokens": 250.0, "cost_usd": None}
+    assert spending.admit([batch], LIMITS, left) == {
+        "b": {"max_llm_tokens": 100, "max_cost_usd": 0.5, "calls": 2}
+    }
+    # The operations budget cuts it too; a plain step after it waits for what the round left.
+    cut = spending.admit([batch, *_steps("c", agent="other")], LIMITS, {**left, "operations": 3.0})
+    assert cut == {"b": {"max_llm_tokens": 100, "max_cost_usd": 0.5, "calls": 2}}
+    # After a plain step took its share, a round that fits no call waits for the next turn.
+    assert list(
+        spending.admit([*_steps("a", agent="other"), batch], LIMITS, {**left, "llm_tokens": 150.0})
+    ) == ["a"]
+    # Without caps of its own, a round shares what is left evenly among its calls.
+    uncapped: dict[str, Any] = {"loop": {"default": {"max_turns": 5}, "agents": {}}, "models": {}}
+    shared = spending.admit([batch], uncapped, {"operations": 10.0, "llm_tokens": 1000.0, "cost_usd": None})
+    assert shared == {"b": {"max_llm_tokens": 200.0, "max_cost_usd": 0.0, "calls": 5}}
 
 
 def test_a_task_is_sent_its_agents_loop_lowered_to_what_it_reserved_and_the_prices() -> None:
