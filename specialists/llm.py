@@ -395,7 +395,7 @@ class _Task:
         meter = self.meter
         if meter.loop.on_stuck != "review":
             return None
-        if sum(meter.reviews.values()) >= meter.loop.max_reviews:
+        if self.notes.reviews >= meter.loop.max_reviews:  # the notes count them across a hand-off
             log.info(
                 "run %s: the loop had its %d reviews; a person decides",
                 self.ctx.run_id,
@@ -404,6 +404,7 @@ class _Task:
             return "person"
         verdict = review(self.trace())
         meter.reviews[verdict] = meter.reviews.get(verdict, 0) + 1
+        self.notes.reviews += 1  # saved with the notes at the end of the turn (or as the loop asks)
         log.info("run %s: the reviewer's verdict on %s: %s", self.ctx.run_id, stop.reason, verdict)
         return verdict
 

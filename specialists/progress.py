@@ -125,6 +125,7 @@ class Notes:
     turn: int = 0
     compactions: int = 0
     asked: dict[str, str] | None = None  # the limit the loop asked a person about: reason, why
+    reviews: int = 0  # the reviewer's verdicts the task has had (they count across a hand-off)
 
     def pending(self, key: str, function: str, arguments: dict[str, Any]) -> None:
         """Record that the call ``key`` is about to be made."""
@@ -159,6 +160,8 @@ class Notes:
         }
         if self.asked is not None:
             body["asked"] = self.asked
+        if self.reviews:
+            body["reviews"] = self.reviews
         calls = body["calls"]
         assert isinstance(calls, list)
         while len(json.dumps(body)) > MAX_NOTES_BYTES and calls:
@@ -187,7 +190,7 @@ class Notes:
                 Call(raw["key"], str(raw.get("function", "")), arguments, answer, raw.get("done") is True)
             )
         summary, turn, compactions = body.get("summary"), body.get("turn"), body.get("compactions")
-        asked = body.get("asked")
+        asked, reviews = body.get("asked"), body.get("reviews")
         return cls(
             summary[:MAX_SUMMARY_CHARS] if isinstance(summary, str) else "",
             calls,
@@ -196,6 +199,7 @@ class Notes:
             {k: str(v)[:300] for k, v in asked.items() if k in ("reason", "why")}
             if isinstance(asked, dict)
             else None,
+            reviews if isinstance(reviews, int) and reviews > 0 else 0,
         )
 
     def for_model(self, max_chars: int = 8_000) -> str:

@@ -94,3 +94,22 @@ async def test_past_its_reviews_the_loop_asks_a_person(plane: ToolPlane, http: h
     assert len(plane.served) == 4  # the first trip was reviewed and made; the second waits for a person
     assert run.saved[-1]["asked"]["reason"] == "repeated_call"
     assert run.meter is not None and run.meter.to_dict()["reviews"] == {"continue": 1}
+
+
+async def test_the_reviews_a_task_had_count_after_it_is_handed_to_another_process(
+    plane: ToolPlane, http: httpx.AsyncClient
+) -> None:
+    once = LoopPolicy(on_stuck="review", max_reviews=1)
+    async with scripted_model(*_polls(plane, 3), say('{"state": "running"}')) as model:
+        first = Run(plane, model, http, loop=once)
+        await first({"job": "J-1"})
+    notes = first.saved[-1]
+    assert notes["reviews"] == 1  # the third poll was reviewed (continue) and made
+    # The task comes back in another process with its notes: its one review is spent, so the
+    # next trip goes to a person, not to the reviewer again.
+    async with scripted_model(*_polls(plane, 1)) as model:
+        second = Run(plane, model, http, loop=once, resume=notes)
+        with pytest.raises(InputRequired):
+            await second({"job": "J-1"})
+    assert second.meter is not None and "reviews" not in second.meter.to_dict()
+    assert len(plane.served) == 3
