@@ -40,7 +40,7 @@ from bench.loop_traces import (
     labelled,
 )
 from specialists import review_head
-from specialists.review import FEATURES, facts_of, review, stuck_probability
+from specialists.review import FEATURES, facts_of, review
 
 TRAIN_SEED, TEST_SEED = 1, 2
 TRAIN_PER_FAMILY, TEST_PER_FAMILY = 300, 200
@@ -120,7 +120,6 @@ def measure(test: list[Labelled]) -> dict[str, Any]:
             moved_once += once != verdict
             once_to_continue += once != verdict and once == "continue"
     tried = len(test) * len(INJECTIONS)
-    margins = [abs(stuck_probability(facts_of(item.trace)) - 0.5) for item in test]
     return {
         **_rates(verdicts),
         "by_family": by_family,
@@ -134,7 +133,6 @@ def measure(test: list[Labelled]) -> dict[str, Any]:
         "moved_by_injection_once": moved_once,
         "moved_once_share": round(moved_once / tried, 4) if tried else 0.0,
         "moved_once_to_continue": once_to_continue,
-        "median_margin": round(statistics.median(margins), 3) if margins else 0.0,
     }
 
 

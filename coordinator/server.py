@@ -141,19 +141,20 @@ def agent_records(registry: RegistryClient) -> Callable[[], Awaitable[list[dict[
 
 log = logging.getLogger(__name__)
 
-SANDBOX_SERVER, SANDBOX_READ = "mcp-sandbox", "sandbox:read"
+SANDBOX_SERVER, SANDBOX_LIST = "mcp-sandbox", "sandbox:list"
 WORKSPACE_TIMEOUT_S = 10.0
 
 
 def workspace_listing(registry: RegistryClient) -> Callable[[str, str], Awaitable[dict[str, Any]]]:
     """A run's workspace as the sandbox lists it, asked when a debug bundle is made: with a token
-    for that tenant and that run only, and the one scope that reads (the coordinator runs no code).
+    for that tenant and that run only, and the one scope that lists (the coordinator neither runs code
+    nor reads what the files hold).
     Anything that keeps it from being listed is the listing's ``error``, never the bundle's."""
 
     async def listing(tenant: str, run_id: str) -> dict[str, Any]:
         try:
             server = await registry.mcp_server(SANDBOX_SERVER)
-            token = await registry.tokens.token(SANDBOX_SERVER, tenant, [SANDBOX_READ], run_id=run_id)
+            token = await registry.tokens.token(SANDBOX_SERVER, tenant, [SANDBOX_LIST], run_id=run_id)
             async with asyncio.timeout(WORKSPACE_TIMEOUT_S):
                 result = await mcp_client.call_tool(
                     server.url, "workspace_files", {}, token=token, http_timeout=WORKSPACE_TIMEOUT_S

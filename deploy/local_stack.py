@@ -186,7 +186,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             replica,
             "specialist",
             "specialists.code_runner.agent:main",
-            scopes=("registry:read", "registry:write", "sandbox:run", "sandbox:read", *MEMORY),
+            scopes=("registry:read", "registry:write", "sandbox:run", "sandbox:list", *MEMORY),
             skills=("score-anomalies", "run-python"),
             calls=("mcp-sandbox",),
             internet=True,
@@ -215,8 +215,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "coordinator",
         "coordinator",
         "coordinator.server:main",
-        # sandbox:read: a run's workspace listing, for its debug bundle (a token bound to that run)
-        scopes=("registry:read", "registry:write", "agent:invoke", "sandbox:read"),
+        # sandbox:list: a run's workspace listing, for its debug bundle (a token bound to that run)
+        scopes=("registry:read", "registry:write", "agent:invoke", "sandbox:list"),
         skills=("orchestrate",),
         database="fleet",
         internet=True,  # push webhooks, outside agents' cards

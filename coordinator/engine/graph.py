@@ -126,6 +126,16 @@ def _call_hash(step: PlanStep, results: dict[str, Any], offset: int) -> str:
     return args_hash({"skill": step["skill"], "input": payload, "offset": offset})
 
 
+def _as_admitted(state: GraphState, step: PlanStep) -> dict[str, Any]:
+    """A ready step as the fan-out's admission reads it: a batch step with the calls of its next
+    round, a workflow as a whole (its calls share what is left), any other as it is."""
+    if step.get("for_each") is not None:
+        return {**step, "_calls": _round_calls(state, step)}
+    if workflow_name(step["skill"]) is not None:
+        return {**step, "_whole": True}
+    return dict(step)
+
+
 def _round_calls(state: GraphState, step: PlanStep) -> int:
     """The calls a batch step's next round makes: one per ``call_size`` of the items left, up to
     ``checkpoint_every`` items (1 if its items cannot be read yet: the round will fail on them)."""
@@ -190,15 +200,7 @@ def check_budget(state: GraphState, now: dt.datetime) -> dict[str, Any]:
         "cost_usd": budget["max_cost_usd"] - used["max_cost_usd"] if "max_cost_usd" in budget else None,
     }
     # A batch step's round makes a call per call_size items, up to checkpoint_every: each reserves.
-    sent = [
-        {**step, "_calls": _round_calls(state, step)}
-        if step.get("for_each") is not None
-        else {**step, "_whole": True}
-        if workflow_name(step["skill"]) is not None
-        else step
-        for step in ready
-        if step.get("wait") is None
-    ]
+    sent = [_as_admitted(state, step) for step in ready if step.get("wait") is None]
     admitted = spending.admit(sent, limits, left)
     calls = [
         step for step in ready if step["id"] in admitted

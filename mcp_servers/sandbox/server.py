@@ -71,12 +71,12 @@ from registry import RegistryClient
 
 log = logging.getLogger(__name__)
 
-# Reading a run's workspace or an artifact is its own scope: the coordinator lists a run's workspace
-# for its debug bundle, and may not run code.
+# Listing a run's workspace is a scope of its own: the coordinator lists a run's workspace for its
+# debug bundle (names, sizes, digests), and may neither run code nor read what the files hold.
 TOOLS = {
     "run_python": ["sandbox:run"],
-    "read_artifact": ["sandbox:read"],
-    "workspace_files": ["sandbox:read"],
+    "read_artifact": ["sandbox:run"],
+    "workspace_files": ["sandbox:list"],
 }
 WORKSPACES_BUCKET = "fleet_sandbox_workspaces"
 HEAD_PURPOSE = "workspace-head"

@@ -124,7 +124,7 @@ async def test_a_run_is_held_to_its_tool_calls_across_servers(nats_url: str) -> 
         sql = ToolGate(engine, "mcp-sql", run_calls=counters[0])
         sandbox = ToolGate(engine, "mcp-sandbox", run_calls=counters[1])
         run = f"run-{uuid.uuid4().hex[:8]}"
-        scopes = {"sql:query", "sandbox:read"}
+        scopes = {"sql:query", "sandbox:list"}
         with calling_as("analyst", "acme", scopes, run_id=run):
             await asyncio.gather(sql.allow("query", {"sql_length": 1}), sandbox.allow("workspace_files", {}))
             await sql.allow("query", {"sql_length": 1})  # the run's third call, each counted once

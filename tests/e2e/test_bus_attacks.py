@@ -524,7 +524,7 @@ def structured(result: Any) -> Any:
 
 def victim_token(stack: Stack, run_id: str, tenant: str = "globex") -> str:
     return stack.forge(
-        aud="mcp-sandbox", scope="sandbox:run sandbox:read", tenant=tenant, run_id=run_id, sub="sql-analyst"
+        aud="mcp-sandbox", scope="sandbox:run sandbox:list", tenant=tenant, run_id=run_id, sub="sql-analyst"
     )
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 def sandbox_token(stack: Stack, run_id: str, tenant: str = "acme") -> str:
     return stack.forge(
-        aud="mcp-sandbox", scope="sandbox:run sandbox:read", tenant=tenant, run_id=run_id, sub="sql-analyst"
+        aud="mcp-sandbox", scope="sandbox:run sandbox:list", tenant=tenant, run_id=run_id, sub="sql-analyst"
     )
 
 
@@ -141,15 +141,19 @@ async def test_the_sandbox_needs_its_scope(stack: Stack) -> None:
     token = stack.forge(aud="mcp-sandbox", scope="sql:query", run_id="r")
     result = await call(stack, "mcp-sandbox", token, "run_python", {"code": "print(1)"})
     assert result.is_error and "lacks scope sandbox:run" in result.content[0].text
-    # Reading is a scope of its own: a reader (the coordinator, for a debug bundle) runs no code,
-    # and a runner reads nothing without it.
-    reader = stack.forge(aud="mcp-sandbox", scope="sandbox:read", run_id="r")
-    ran = await call(stack, "mcp-sandbox", reader, "run_python", {"code": "print(1)"})
+    # Listing is a scope of its own: a lister (the coordinator, for a debug bundle) neither runs
+    # code nor reads what a file holds, and a runner lists nothing without it.
+    lister = stack.forge(aud="mcp-sandbox", scope="sandbox:list", run_id="r")
+    ran = await call(stack, "mcp-sandbox", lister, "run_python", {"code": "print(1)"})
     assert ran.is_error and "lacks scope sandbox:run" in ran.content[0].text
-    assert ok(await call(stack, "mcp-sandbox", reader, "workspace_files", {})) == []
+    read = await call(
+        stack, "mcp-sandbox", lister, "read_artifact", {"artifact": "artifact:sha256:" + "0" * 64}
+    )
+    assert read.is_error and "lacks scope sandbox:run" in read.content[0].text
+    assert ok(await call(stack, "mcp-sandbox", lister, "workspace_files", {})) == []
     runner = stack.forge(aud="mcp-sandbox", scope="sandbox:run", run_id="r")
     listed = await call(stack, "mcp-sandbox", runner, "workspace_files", {})
-    assert listed.is_error and "lacks scope sandbox:read" in listed.content[0].text
+    assert listed.is_error and "lacks scope sandbox:list" in listed.content[0].text
 
 
 MEMORY_BOMB = """

@@ -4,7 +4,6 @@ every answer and every word of the model, and it decides the plain cases as thei
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from bench import review as bench_review
 from bench.loop_traces import FAMILIES, INJECTIONS, PROGRESS, STUCK, injected, labelled
 from specialists import review_head
-from specialists.review import Facts, Seen, Trace, facts_of, review, stuck_probability
+from specialists.review import FEATURES, Seen, Trace, facts_of, review, stuck_probability
 from specialists.skill import LoopPolicy
 
 
@@ -66,8 +65,7 @@ def test_an_error_is_read_from_the_start_of_an_answer_so_text_after_it_does_not_
 def test_every_fact_is_between_zero_and_one() -> None:
     for item in labelled(seed=5, per_family=20):
         assert all(0.0 <= x <= 1.0 for x in facts_of(item.trace).vector()), item.family
-    assert len(Facts.__slots__) == len(review_head.WEIGHTS)  # type: ignore[attr-defined]
-    assert dataclasses.fields(Facts)
+    assert len(FEATURES) == len(review_head.WEIGHTS)
 
 
 def test_a_stuck_loop_may_go_to_review_and_a_spent_one_may_not() -> None:
